@@ -1,0 +1,300 @@
+"""Types shared by the engine, the CLI and the TUI. Pure Python: no MLX, no Textual.
+
+The engine runs every MLX operation on its own thread and talks to the rest of the program
+only through these types: a :class:`GenerateRequest` goes in, events come out through a
+callback and a :class:`RequestHandle`, and :class:`CacheStats` snapshots are read at will.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Literal, Protocol, Union
+
+Role = Literal["system", "user", "assistant"]
+CacheTier = Literal["hot", "ssd", "tails", "all"]
+CACHE_TIERS: tuple[str, ...] = ("hot", "ssd", "tails", "all")
+CACHE_SOURCES: tuple[str, ...] = ("hot", "ssd", "tail", "checkpoint")
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation: a full prompt as token ids, decoded greedily unless temperature > 0.
+
+    ``boundaries`` holds ``(end_offset, role)`` for each message of the prompt: the token
+    offset just after the message's last token and the message's role. The cache tags
+    blocks with the role they end in and takes checkpoints at system/user ends.
+    """
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    boundaries: tuple[tuple[int, str], ...] = ()
+    use_cache: bool = True
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    """Prompt processing progress: ``done`` of ``total`` tokens prefilled, at ``tps`` tok/s."""
+
+    done: int
+    total: int
+    tps: float = 0.0
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """Newly decoded tokens and the text they add (a delta, may be empty mid-codepoint)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class TurnMetrics:
+    """What one generation cost. Invariant: ``cached_tokens + prefill_tokens == prompt_tokens``."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    cached_by: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CACHE_SOURCES, 0))
+    prefill_tokens: int = 0
+    ttft_s: float = 0.0
+    prefill_tps: float = 0.0
+    generation_tokens: int = 0
+    generation_tps: float = 0.0
+    peak_memory_bytes: int = 0
+    finish_reason: str = "stop"  # "stop" | "length" | "cancelled"
+
+    @property
+    def cache_source(self) -> str:
+        """The tier that gave the most tokens, or "cold"."""
+        if not self.cached_tokens:
+            return "cold"
+        return max(self.cached_by, key=lambda k: self.cached_by[k])
+
+
+@dataclass(frozen=True)
+class Finished:
+    token_ids: tuple[int, ...]
+    text: str
+    metrics: TurnMetrics
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A request that did not complete. ``kind`` is "error", "refused" or "unsupported"."""
+
+    message: str
+    kind: str = "error"
+
+
+@dataclass(frozen=True)
+class ModelLoading:
+    """Model load progress from the engine thread: ``done`` of ``total`` steps."""
+
+    model: str
+    done: int
+    total: int
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class ModelLoaded:
+    model: str
+    warning: str | None = None
+
+
+Event = Union[PrefillProgress, TokenBatch, Finished, Failed, ModelLoading, ModelLoaded]
+EventCallback = Callable[[Event], None]
+
+
+class RequestHandle:
+    """The caller's side of one submitted request.
+
+    Events arrive from the engine thread; ``events()`` iterates them until a terminal one
+    (:class:`Finished` or :class:`Failed`), ``wait()`` returns only the terminal event, and
+    ``cancel()`` asks the engine to stop (decode stops within one token).
+    """
+
+    def __init__(self, on_event: EventCallback | None = None) -> None:
+        self._queue: queue.Queue[Event] = queue.Queue()
+        self._on_event = on_event
+        self._cancel = threading.Event()
+        self._done = threading.Event()
+        self.result: Finished | Failed | None = None
+
+    # engine side
+    def emit(self, event: Event) -> None:
+        if isinstance(event, (Finished, Failed)):
+            self.result = event
+        if self._on_event is not None:
+            self._on_event(event)
+        self._queue.put(event)
+        if isinstance(event, (Finished, Failed)):
+            self._done.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    # caller side
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def events(self) -> Iterator[Event]:
+        while True:
+            event = self._queue.get()
+            yield event
+            if isinstance(event, (Finished, Failed)):
+                return
+
+    def wait(self, timeout: float | None = None) -> Finished | Failed:
+        if not self._done.wait(timeout):
+            raise TimeoutError("request did not finish in time")
+        assert self.result is not None
+        return self.result
+
+
+# ---------------------------------------------------------------- stats snapshot
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """One tier's counters. Bytes in ``nbytes``/``max_bytes``; counters are totals since start."""
+
+    entries: int = 0
+    nbytes: int = 0
+    max_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    saves_queued: int = 0
+    saves_persisted: int = 0
+    write_drops: int = 0
+    inline_writes: int = 0
+    errors: int = 0
+    corrupt: int = 0
+    queue_depth: int = 0
+    enabled: bool = True
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class TailStats:
+    """MRU partial tails and checkpoints. ``supported`` is None before a model is known."""
+
+    entries: int = 0
+    max_entries: int = 0
+    nbytes: int = 0
+    stashes: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    tokens_saved: int = 0
+    checkpoints: int = 0
+    checkpoint_hits: int = 0
+    supported: bool | None = None
+    reason: str = ""
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+@dataclass(frozen=True)
+class SnapshotStats:
+    """Boundary snapshots of window/state layers stored with blocks."""
+
+    count: int = 0
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """Memory readings in bytes; ``level`` is "ok", "soft" or "hard"."""
+
+    active: int = 0
+    peak: int = 0
+    cache: int = 0
+    limit: int = 0
+    device_total: int = 0
+    system_total: int = 0
+    system_available: int = 0
+    level: str = "ok"
+
+
+@dataclass(frozen=True)
+class LastTurn:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    cached_by: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CACHE_SOURCES, 0))
+    prefill_tokens: int = 0
+    ttft_s: float = 0.0
+    prefill_tps: float = 0.0
+    generation_tps: float = 0.0
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """One immutable snapshot of the whole cache, taken by ``Engine.stats()``.
+
+    ``supported``: None (no model yet), True (every layer kind is known), False (caching
+    is off for this model; ``reason`` says why). ``events`` are the most recent cache
+    events (hits, evictions, clears, errors) as ``(seq, text)``, oldest first.
+    """
+
+    model: str = ""
+    block_size: int = 256
+    enabled: bool = True
+    supported: bool | None = None
+    reason: str = ""
+    layer_kinds: tuple[str, ...] = ()
+    hot: TierStats = TierStats()
+    ssd: TierStats = TierStats()
+    tails: TailStats = TailStats()
+    snapshots: SnapshotStats = SnapshotStats()
+    memory: MemoryStats = MemoryStats()
+    last_turn: LastTurn = LastTurn()
+    events: tuple[tuple[int, str], ...] = ()
+
+
+class Tokenizer(Protocol):
+    """What the prompt builder needs from a tokenizer (a HF ``PreTrainedTokenizerFast`` fits)."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict], **kwargs) -> str | list[int]: ...
+
+
+class EngineLike(Protocol):
+    """The engine interface the CLI and TUI program against (a fake implements it in tests)."""
+
+    model_name: str
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def eos_token_ids(self) -> set[int]: ...
+
+    def submit(
+        self, request: GenerateRequest, on_event: EventCallback | None = None
+    ) -> RequestHandle: ...
+
+    def load_model(self, model: str, on_event: EventCallback | None = None) -> RequestHandle: ...
+
+    def stats(self) -> CacheStats: ...
+
+    def clear(self, tier: str) -> None: ...
+
+    def close(self) -> None: ...
