@@ -1,0 +1,305 @@
+"""Seeded random-weight tiny models for tests and cache benchmarks.
+
+Each arch is a small mlx-lm ``ModelArgs`` config (hidden 64, 2-4 layers) chosen so that the
+model's ``make_cache()`` exercises one family of mlx-lm cache classes:
+
+==================  ==========================================================
+``llama``           KVCache
+``qwen2``           KVCache
+``gemma3``          RotatingKVCache (window 32) + KVCache (gemma3_text)
+``llama_sliding``   RotatingKVCache (window 32) + KVCache (llama ``layer_types``)
+``qwen3_next``      ArraysCache (gated delta net) + KVCache
+``qwen3_5``         ArraysCache (gated delta net) + KVCache (``text_config`` nested)
+``mamba2``          ArraysCache only
+``falcon_h1``       CacheList(ArraysCache, KVCache)
+``baichuan_m1``     CacheList(ArraysCache, RotatingKVCache (window 48) / KVCache)
+==================  ==========================================================
+
+A tiny model is materialised once as an ordinary MLX model directory
+(``config.json``, ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``) under
+``models_dir/tiny-<arch>-<seed>/`` and then loaded like any other model directory, so
+fingerprints and the tokenizer wrapper are uniform with the real models.
+
+The tokenizer is byte-level (ids 0-255 are the bytes, GPT-2 byte-to-unicode alphabet, no
+merges) plus the specials in :data:`SPECIAL_TOKENS`; ``<|end|>`` is the EOS token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+TINY_ARCHS: tuple[str, ...] = (
+    "llama",
+    "qwen2",
+    "gemma3",
+    "llama_sliding",
+    "qwen3_next",
+    "qwen3_5",
+    "mamba2",
+    "falcon_h1",
+    "baichuan_m1",
+)
+
+SPECIAL_TOKENS: tuple[str, ...] = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|pad|>")
+EOS_TOKEN = "<|end|>"
+EOS_TOKEN_ID = 256 + SPECIAL_TOKENS.index(EOS_TOKEN)
+VOCAB_SIZE = 272  # 256 bytes + 5 specials, rounded up to a multiple of 16
+SLIDING_WINDOW = 32  # tokens; small so that test prompts overflow it
+DEFAULT_SEED = 0
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+_DIMS: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": VOCAB_SIZE,
+    "max_position_embeddings": 4096,
+}
+
+_LINEAR_ATTN = {  # qwen3_next / qwen3_5 gated delta net
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 2,
+    "head_dim": 16,
+}
+
+
+def tiny_config(arch: str) -> dict[str, Any]:
+    """The ``config.json`` dict of ``tiny:<arch>``.
+
+    Raises:
+        KeyError: ``arch`` is not in :data:`TINY_ARCHS`.
+    """
+    if arch not in TINY_ARCHS:
+        raise KeyError(arch)
+    base = {**_DIMS, "eos_token_id": EOS_TOKEN_ID, "tie_word_embeddings": False}
+    if arch == "llama":
+        cfg = {**base, "model_type": "llama", "num_hidden_layers": 2}
+    elif arch == "qwen2":
+        cfg = {**base, "model_type": "qwen2", "num_hidden_layers": 2}
+    elif arch == "llama_sliding":
+        layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
+        cfg = {
+            **base,
+            "model_type": "llama",
+            "num_hidden_layers": 3,
+            "layer_types": layer_types,
+            "sliding_window": SLIDING_WINDOW,
+        }
+    elif arch == "gemma3":
+        cfg = {
+            **base,
+            "model_type": "gemma3_text",
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": SLIDING_WINDOW,
+            "sliding_window_pattern": 2,  # layers 1 and 3 global, 0 and 2 sliding
+        }
+    elif arch == "qwen3_next":
+        cfg = {
+            **base,
+            **_LINEAR_ATTN,
+            "model_type": "qwen3_next",
+            "num_hidden_layers": 4,
+            "num_experts": 0,
+            "num_experts_per_tok": 0,
+            "decoder_sparse_step": 1,
+            "shared_expert_intermediate_size": 0,
+            "mlp_only_layers": [],
+            "moe_intermediate_size": 0,
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+        }
+    elif arch == "qwen3_5":
+        text = {
+            **base,
+            **_LINEAR_ATTN,
+            "model_type": "qwen3_5_text",
+            "num_hidden_layers": 4,
+            "rope_parameters": {
+                "type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
+        }
+        cfg = {"model_type": "qwen3_5", "eos_token_id": EOS_TOKEN_ID, "text_config": text}
+    elif arch == "mamba2":
+        cfg = {
+            "model_type": "mamba2",
+            "eos_token_id": EOS_TOKEN_ID,
+            "vocab_size": VOCAB_SIZE,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_heads": 8,
+            "head_dim": 16,
+            "state_size": 16,
+            "num_hidden_layers": 2,
+            "layer_norm_epsilon": 1e-5,
+            "conv_kernel": 4,
+            "n_groups": 1,
+            "use_bias": False,
+            "use_conv_bias": True,
+            "tie_word_embeddings": False,
+            "time_step_limit": [0.0, 1000.0],
+            "time_step_rank": "auto",
+        }
+    elif arch == "falcon_h1":
+        cfg = {
+            **base,
+            "model_type": "falcon_h1",
+            "num_hidden_layers": 2,
+            "head_dim": 16,
+            "mamba_d_ssm": 64,
+            "mamba_n_heads": 4,
+            "mamba_d_head": 16,
+            "mamba_d_state": 16,
+            "mamba_d_conv": 4,
+            "mamba_n_groups": 1,
+            "mamba_chunk_size": 32,
+            "rope_theta": 10000.0,
+        }
+    else:  # baichuan_m1
+        cfg = {
+            **base,
+            "model_type": "baichuan_m1",
+            "num_hidden_layers": 3,
+            "rope_theta": 10000.0,
+            "sliding_window": 48,
+            "sliding_window_layers": [0, 2],
+            "conv_window": 2,
+            "num_swa_attention_heads": 4,
+            "num_swa_key_value_heads": 2,
+        }
+    return cfg
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the ByteLevel alphabet)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    keep += range(ord("®"), ord("ÿ") + 1)
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def byte_tokenizer_json() -> str:
+    """``tokenizer.json`` text of the tiny byte-level tokenizer (261 tokens)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIAL_TOKENS])
+    return tok.to_str()
+
+
+def _tokenizer_config() -> dict[str, Any]:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": CHAT_TEMPLATE,
+        "eos_token": EOS_TOKEN,
+        "pad_token": "<|pad|>",
+        "bos_token": None,
+        "add_bos_token": False,
+        "model_max_length": 1 << 20,
+    }
+
+
+def _init_weights(model, seed: int) -> dict[str, mx.array]:
+    """Deterministic float32 weights: matrices ~ N(0, 1/fan_in), embeddings ~ N(0, 1).
+
+    Vectors (norms, biases, SSM ``A_log``/``D``/``dt_bias``) keep the model's own init
+    except biases, which become small noise so they matter. The numpy generator walks the
+    parameters in sorted name order, so a seed always gives the same weights.
+    """
+    rng = np.random.default_rng(seed)
+    params = dict(tree_flatten(model.parameters()))
+    out = {}
+    for name in sorted(params):
+        p = params[name]
+        shape = tuple(p.shape)
+        if name.endswith(("embed_tokens.weight", "embeddings.weight")):
+            w = rng.standard_normal(shape)
+        elif p.ndim >= 2:
+            fan_in = int(np.prod(shape[1:]))
+            w = rng.standard_normal(shape) / np.sqrt(fan_in)
+        elif name.endswith(".bias"):
+            w = 0.02 * rng.standard_normal(shape)
+        else:
+            w = np.array(p.astype(mx.float32))
+        out[name] = mx.array(w.astype(np.float32))
+    return out
+
+
+def build_tiny_weights(arch: str, seed: int = DEFAULT_SEED) -> tuple[dict, dict[str, mx.array]]:
+    """Build ``tiny:<arch>`` in memory: ``(config, weights)``, weights float32 by name.
+
+    Raises:
+        KeyError: unknown ``arch``.
+    """
+    from mlx_lm.utils import _get_classes
+
+    config = tiny_config(arch)
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(config))
+    weights = _init_weights(model, seed)
+    return config, weights
+
+
+def materialize_tiny(arch: str, models_dir: Path, seed: int = DEFAULT_SEED) -> Path:
+    """Write ``tiny:<arch>`` as an MLX model dir ``models_dir/tiny-<arch>-<seed>/``; return it.
+
+    An existing directory is reused. Written to a temp dir and renamed, so a killed run
+    never leaves a half directory.
+
+    Raises:
+        KeyError: unknown ``arch``.
+    """
+    models_dir = Path(models_dir)
+    target = models_dir / f"tiny-{arch}-{seed}"
+    if (target / "model.safetensors").exists():
+        return target
+    config, weights = build_tiny_weights(arch, seed)
+    models_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tiny-{arch}-", dir=models_dir))
+    try:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        (tmp / "tokenizer.json").write_text(byte_tokenizer_json())
+        (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(), indent=2))
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process won the race
+            if not (target / "model.safetensors").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
