@@ -1,0 +1,500 @@
+"""Pure-Python stand-ins for the tokenizer and the engine (no MLX), for unit and Pilot tests.
+
+``FakeTokenizer`` is byte-level-ish: every character is one id, except a few common
+character pairs that ``encode`` merges into one id. ``FakeEngine`` "generates" one id per
+character, so re-tokenizing a reply gives different ids than were generated -- the same
+trap a real BPE tokenizer sets, which the splicing in ``core/prompts.py`` must handle.
+
+``FakeEngine`` implements ``EngineLike`` (core/api.py): one worker thread serves requests in
+order, like the real engine's MLX thread. Replies are deterministic ("Reply N to: <last
+user text>", N counts submits from 1), timings are modelled from token counts unless a
+clock is given, and a small prefix-cache model makes the stats move like the real one.
+
+Import from tests as ``from fakes import FakeEngine`` (pytest puts ``tests/`` on sys.path)
+or ``from tests.fakes import FakeEngine`` (from the repository root).
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+import threading
+from collections.abc import Callable
+
+from tierchat.core.api import (
+    CACHE_SOURCES,
+    CACHE_TIERS,
+    CacheStats,
+    EventCallback,
+    Failed,
+    Finished,
+    GenerateRequest,
+    LastTurn,
+    MemoryStats,
+    ModelLoaded,
+    ModelLoading,
+    PrefillProgress,
+    RequestHandle,
+    TailStats,
+    TierStats,
+    TokenBatch,
+    TurnMetrics,
+)
+
+SPECIAL_TOKENS: tuple[str, ...] = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+PAD_ID = 0
+SYSTEM_ID, USER_ID, ASSISTANT_ID, END_ID = 1, 2, 3, 4
+# Pairs that encode() merges into one id; generation never produces them.
+MERGES: tuple[str, ...] = ("th", "he", "in", "er", "an", "Re", "ly", "to", "o:", "ou", "ll")
+_MERGE_BASE = 8
+_CHAR_BASE = 256
+_SPECIAL_RE = re.compile("(" + "|".join(re.escape(s) for s in SPECIAL_TOKENS) + ")")
+
+
+class FakeTokenizer:
+    """Characters <-> ids with a few merged pairs and four special tokens.
+
+    Ids: 0 pad, 1-4 the specials ``<|system|>``, ``<|user|>``, ``<|assistant|>``,
+    ``<|end|>`` (EOS), 8.. the merged pairs, 256 + ord(c) for any other character.
+    Chat template: ``<|role|>content<|end|>\\n`` per message, ``<|assistant|>`` as the
+    generation prompt.
+    """
+
+    eos_token_id = END_ID
+    pad_token_id = PAD_ID
+
+    def __init__(self) -> None:
+        self.eos_token_ids: set[int] = {END_ID}
+        self._special_to_id = {s: i + 1 for i, s in enumerate(SPECIAL_TOKENS)}
+        self._merge_to_id = {m: _MERGE_BASE + i for i, m in enumerate(MERGES)}
+        self._id_to_piece = {i: s for s, i in self._special_to_id.items()}
+        self._id_to_piece.update({i: m for m, i in self._merge_to_id.items()})
+
+    @property
+    def vocab_size(self) -> int:
+        return _CHAR_BASE + 0x110000
+
+    def char_ids(self, text: str) -> list[int]:
+        """One id per character, no merges, no specials: what the fake engine generates."""
+        return [_CHAR_BASE + ord(c) for c in text]
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Special-token strings become their ids; other text merges pairs left to right."""
+        ids: list[int] = []
+        for part in _SPECIAL_RE.split(text):
+            if not part:
+                continue
+            if part in self._special_to_id:
+                ids.append(self._special_to_id[part])
+                continue
+            i = 0
+            while i < len(part):
+                pair = part[i : i + 2]
+                if len(pair) == 2 and pair in self._merge_to_id:
+                    ids.append(self._merge_to_id[pair])
+                    i += 2
+                else:
+                    ids.append(_CHAR_BASE + ord(part[i]))
+                    i += 1
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        """Ids back to text; specials are kept unless ``skip_special_tokens``. Raises
+        ``ValueError`` for an id outside the vocabulary."""
+        out = []
+        for i in ids:
+            i = int(i)
+            if i >= _CHAR_BASE:
+                out.append(chr(i - _CHAR_BASE))
+            elif i in self._id_to_piece:
+                piece = self._id_to_piece[i]
+                if skip_special_tokens and piece in self._special_to_id:
+                    continue
+                out.append(piece)
+            elif i == PAD_ID:
+                continue
+            else:
+                raise ValueError(f"unknown token id {i}")
+        return "".join(out)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = False,
+        tokenize: bool = True,
+        **kwargs,
+    ) -> str | list[int]:
+        """Render ``messages`` ({"role", "content"}); ids when ``tokenize`` (HF's default)."""
+        text = "".join(f"<|{m['role']}|>{m['content']}<|end|>\n" for m in messages)
+        if add_generation_prompt:
+            text += "<|assistant|>"
+        return self.encode(text) if tokenize else text
+
+
+def common_prefix_len(a, b) -> int:
+    """Length of the longest common prefix of two sequences."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+_LAST_USER_RE = re.compile(r"<\|user\|>(.*?)<\|end\|>", re.DOTALL)
+
+
+class FakeEngine:
+    """An ``EngineLike`` without MLX. Thread-safe; one worker thread serves requests in order.
+
+    Options:
+        model_name: the name reported in stats and ``ModelLoaded``.
+        supported: False models an unsupported model: generation works, caching is off and
+            ``stats().supported`` is False with a reason.
+        block_size: tokens per cache block (small by default so short test chats hit).
+        clock: None (default) models timings from token counts, so metrics are
+            deterministic (``prefill_tps``, ``generation_tps`` below). Given a clock, TTFT
+            and rates are measured with it; a fixed clock gives 0.0 everywhere.
+        token_delay_s: sleep between token batches (for watching a stream in the TUI).
+        batch_size: tokens per ``TokenBatch``.
+
+    Test switches: ``fail_next`` (a message: the next submit or load emits ``Failed``),
+    ``gate`` (a ``threading.Event``; clear it to hold decode after the first batch),
+    ``requests`` (every ``GenerateRequest`` submitted, in order).
+    """
+
+    def __init__(
+        self,
+        model_name: str = "fake",
+        *,
+        supported: bool = True,
+        block_size: int = 16,
+        hot_max_bytes: int = 64 << 20,
+        ssd_max_bytes: int = 1 << 30,
+        tail_entries: int = 8,
+        clock: Callable[[], float] | None = None,
+        prefill_tps: float = 400.0,
+        generation_tps: float = 40.0,
+        token_delay_s: float = 0.0,
+        batch_size: int = 4,
+    ) -> None:
+        self.model_name = model_name
+        self.supported = supported
+        self.block_size = block_size
+        self.hot_max_bytes = hot_max_bytes
+        self.ssd_max_bytes = ssd_max_bytes
+        self.tail_entries = tail_entries
+        self.clock = clock
+        self.prefill_tps = prefill_tps
+        self.generation_tps = generation_tps
+        self.token_delay_s = token_delay_s
+        self.batch_size = batch_size
+        self.block_nbytes = block_size * 4096  # modelled KV bytes per block
+        self.fail_next: str | None = None
+        self.gate = threading.Event()
+        self.gate.set()
+        self.requests: list[GenerateRequest] = []
+        self.closed = False
+
+        self._tokenizer = FakeTokenizer()
+        self._lock = threading.Lock()
+        self._submits = 0
+        self._hot: dict[tuple[int, ...], None] = {}  # block prefixes, LRU order
+        self._ssd: set[tuple[int, ...]] = set()
+        self._tails: list[tuple[int, ...]] = []  # whole sequences, MRU last
+        self._checkpoints: dict[tuple[int, ...], None] = {}  # prompts, LRU order
+        self._hot_counts = {"hits": 0, "misses": 0, "evictions": 0, "saves_queued": 0}
+        self._ssd_counts = {"hits": 0, "misses": 0, "evictions": 0, "saves_persisted": 0}
+        self._tail_counts = {
+            "stashes": 0,
+            "hits": 0,
+            "misses": 0,
+            "evictions": 0,
+            "tokens_saved": 0,
+            "checkpoint_hits": 0,
+        }
+        self._last_turn = LastTurn()
+        self._events: list[tuple[int, str]] = []
+        self._seq = 0
+        self._queue: queue.Queue = queue.Queue()
+        self._worker = threading.Thread(target=self._run, name="fake-engine", daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------------ EngineLike
+
+    @property
+    def tokenizer(self) -> FakeTokenizer:
+        return self._tokenizer
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return set(self._tokenizer.eos_token_ids)
+
+    def submit(self, request: GenerateRequest, on_event: EventCallback | None = None):
+        """Queue one generation; events arrive on the worker thread. Raises ``RuntimeError``
+        after ``close()``."""
+        if self.closed:
+            raise RuntimeError("engine is closed")
+        handle = RequestHandle(on_event)
+        with self._lock:
+            self.requests.append(request)
+            fail, self.fail_next = self.fail_next, None
+        self._queue.put(("generate", request, handle, fail))
+        return handle
+
+    def load_model(self, model: str, on_event: EventCallback | None = None) -> RequestHandle:
+        """Emit three ``ModelLoading`` steps, ``ModelLoaded``, then a terminal empty
+        ``Finished`` (so ``wait()`` returns); ``Failed`` instead when ``fail_next`` is set."""
+        if self.closed:
+            raise RuntimeError("engine is closed")
+        handle = RequestHandle(on_event)
+        with self._lock:
+            fail, self.fail_next = self.fail_next, None
+        self._queue.put(("load", model, handle, fail))
+        return handle
+
+    def stats(self) -> CacheStats:
+        """One immutable snapshot of the modelled cache."""
+        with self._lock:
+            reason = "" if self.supported else "fake: unsupported layer kind FakeCache"
+            hot = TierStats(
+                entries=len(self._hot),
+                nbytes=len(self._hot) * self.block_nbytes,
+                max_bytes=self.hot_max_bytes,
+                enabled=self.supported,
+                reason=reason,
+                **self._hot_counts,
+            )
+            ssd = TierStats(
+                entries=len(self._ssd),
+                nbytes=len(self._ssd) * self.block_nbytes,
+                max_bytes=self.ssd_max_bytes,
+                saves_queued=self._hot_counts["saves_queued"],
+                enabled=self.supported,
+                reason=reason,
+                **self._ssd_counts,
+            )
+            tails = TailStats(
+                entries=len(self._tails),
+                max_entries=self.tail_entries,
+                nbytes=sum(len(t) % self.block_size for t in self._tails) * 4096,
+                checkpoints=len(self._checkpoints),
+                supported=self.supported,
+                reason=reason,
+                **self._tail_counts,
+            )
+            return CacheStats(
+                model=self.model_name,
+                block_size=self.block_size,
+                enabled=self.supported,
+                supported=self.supported,
+                reason=reason,
+                layer_kinds=("sliceable",) if self.supported else ("unknown",),
+                hot=hot,
+                ssd=ssd,
+                tails=tails,
+                memory=MemoryStats(
+                    active=200 << 20,
+                    peak=300 << 20,
+                    cache=len(self._hot) * self.block_nbytes,
+                    limit=8 << 30,
+                    device_total=16 << 30,
+                    system_total=16 << 30,
+                    system_available=8 << 30,
+                ),
+                last_turn=self._last_turn,
+                events=tuple(self._events[-50:]),
+            )
+
+    def clear(self, tier: str) -> None:
+        """Empty ``tier`` ("hot", "ssd", "tails" or "all") and log an event. Raises
+        ``ValueError`` for another name."""
+        if tier not in CACHE_TIERS:
+            raise ValueError(f"unknown cache tier {tier!r}; expected one of {CACHE_TIERS}")
+        with self._lock:
+            if tier in ("hot", "all"):
+                self._log(f"cleared hot tier ({len(self._hot)} blocks)")
+                self._hot.clear()
+            if tier in ("ssd", "all"):
+                self._log(f"cleared ssd tier ({len(self._ssd)} blocks)")
+                self._ssd.clear()
+            if tier in ("tails", "all"):
+                self._log(f"cleared tails ({len(self._tails) + len(self._checkpoints)} entries)")
+                self._tails.clear()
+                self._checkpoints.clear()
+
+    def close(self) -> None:
+        """Stop the worker after the requests already queued."""
+        if not self.closed:
+            self.closed = True
+            self.gate.set()
+            self._queue.put(None)
+            self._worker.join(timeout=5)
+
+    # ------------------------------------------------------------------ worker
+
+    def _log(self, text: str) -> None:
+        self._seq += 1
+        self._events.append((self._seq, text))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            kind, arg, handle, fail = item
+            try:
+                if fail is not None:
+                    handle.emit(Failed(fail, "error"))
+                elif kind == "load":
+                    self._load(arg, handle)
+                else:
+                    self._generate(arg, handle)
+            except Exception as e:  # noqa: BLE001 -- a bug in a callback must not kill the worker
+                if not handle.done:
+                    handle.emit(Failed(f"{type(e).__name__}: {e}", "error"))
+
+    def _load(self, model: str, handle: RequestHandle) -> None:
+        for i in range(3):
+            handle.emit(ModelLoading(model, i + 1, 3, f"step {i + 1} of 3"))
+        self.model_name = model
+        warning = None if self.supported else "caching is off: unsupported layer kind"
+        handle.emit(ModelLoaded(model, warning))
+        handle.emit(Finished((), "", TurnMetrics()))
+
+    def _lookup(self, prompt: tuple[int, ...]) -> dict[str, int]:
+        """Cached tokens by source for ``prompt``; never the whole prompt (one token is fed)."""
+        cached_by = dict.fromkeys(CACHE_SOURCES, 0)
+        limit = len(prompt) - 1
+        bs = self.block_size
+        n_blocks = 0
+        while (n_blocks + 1) * bs <= limit:
+            key = prompt[: (n_blocks + 1) * bs]
+            if key in self._hot:
+                self._hot[key] = self._hot.pop(key)  # LRU touch
+                cached_by["hot"] += bs
+                self._hot_counts["hits"] += 1
+            elif key in self._ssd:
+                cached_by["ssd"] += bs
+                self._ssd_counts["hits"] += 1
+                self._hot[key] = None  # promoted
+            else:
+                break
+            n_blocks += 1
+        done = n_blocks * bs
+        if done < limit and prompt in self._checkpoints:
+            cached_by["checkpoint"] = limit - done  # regenerate: exact state at N-1
+            self._tail_counts["checkpoint_hits"] += 1
+        elif done < limit:
+            self._hot_counts["misses"] += 1
+            best = max((common_prefix_len(t, prompt) for t in self._tails), default=0)
+            best = min(best, limit)
+            if best > done and best - done < bs:
+                cached_by["tail"] = best - done
+                self._tail_counts["hits"] += 1
+                self._tail_counts["tokens_saved"] += best - done
+            else:
+                self._tail_counts["misses"] += 1
+        return cached_by
+
+    def _store(self, prompt: tuple[int, ...], seq: tuple[int, ...]) -> None:
+        bs = self.block_size
+        self._checkpoints.pop(prompt, None)
+        self._checkpoints[prompt] = None
+        if len(self._checkpoints) > 32:
+            self._checkpoints.pop(next(iter(self._checkpoints)))
+        for end in range(bs, len(seq) + 1, bs):
+            key = seq[:end]
+            if key not in self._hot:
+                self._hot[key] = None
+                self._hot_counts["saves_queued"] += 1
+            if key not in self._ssd:
+                self._ssd.add(key)
+                self._ssd_counts["saves_persisted"] += 1
+        while len(self._hot) * self.block_nbytes > self.hot_max_bytes:
+            self._hot.pop(next(iter(self._hot)))
+            self._hot_counts["evictions"] += 1
+            self._log("hot eviction (1 block)")
+        if len(seq) % bs:
+            self._tails.append(seq)
+            self._tail_counts["stashes"] += 1
+            if len(self._tails) > self.tail_entries:
+                self._tails.pop(0)
+                self._tail_counts["evictions"] += 1
+
+    def _reply_text(self, prompt: tuple[int, ...]) -> str:
+        text = self._tokenizer.decode(prompt)
+        users = _LAST_USER_RE.findall(text)
+        return f"Reply {self._submits} to: {users[-1] if users else ''}"
+
+    def _generate(self, request: GenerateRequest, handle: RequestHandle) -> None:
+        prompt = tuple(request.prompt_ids)
+        t0 = self.clock() if self.clock else 0.0
+        with self._lock:
+            self._submits += 1
+            caching = self.supported and request.use_cache
+            cached_by = self._lookup(prompt) if caching else dict.fromkeys(CACHE_SOURCES, 0)
+            if caching and sum(cached_by.values()):
+                self._log(f"hit {sum(cached_by.values())}/{len(prompt)} tokens")
+        cached = sum(cached_by.values())
+        prefill = len(prompt) - cached
+        handle.emit(PrefillProgress(0, prefill, 0.0))
+        handle.emit(PrefillProgress(prefill, prefill, self.prefill_tps))
+        t1 = self.clock() if self.clock else 0.0
+
+        text = self._reply_text(prompt)
+        planned = self._tokenizer.char_ids(text) + [END_ID]
+        budget = max(0, request.max_tokens)
+        finish = "stop" if len(planned) <= budget else "length"
+        planned = planned[:budget]
+        out: list[int] = []
+        first = True
+        while len(out) < len(planned):
+            if handle.cancelled:
+                finish = "cancelled"
+                break
+            batch = planned[len(out) : len(out) + self.batch_size]
+            out.extend(batch)
+            shown = [i for i in batch if i != END_ID]
+            handle.emit(TokenBatch(tuple(batch), self._tokenizer.decode(shown)))
+            if first:
+                first = False
+                while not self.gate.wait(0.01) and not handle.cancelled:
+                    pass
+            if self.token_delay_s:
+                handle._cancel.wait(self.token_delay_s)
+        t2 = self.clock() if self.clock else 0.0
+
+        if self.clock is None:
+            ttft = prefill / self.prefill_tps
+            prefill_tps = self.prefill_tps
+            gen_tps = self.generation_tps if out else 0.0
+        else:
+            ttft = t1 - t0
+            prefill_tps = prefill / ttft if ttft > 0 else 0.0
+            gen_tps = len(out) / (t2 - t1) if t2 > t1 else 0.0
+        metrics = TurnMetrics(
+            prompt_tokens=len(prompt),
+            cached_tokens=cached,
+            cached_by=cached_by,
+            prefill_tokens=prefill,
+            ttft_s=ttft,
+            prefill_tps=prefill_tps,
+            generation_tokens=len(out),
+            generation_tps=gen_tps,
+            peak_memory_bytes=(300 << 20) + 4096 * (len(prompt) + len(out)),
+            finish_reason=finish,
+        )
+        with self._lock:
+            if caching:
+                self._store(prompt, prompt + tuple(out))
+            self._last_turn = LastTurn(
+                prompt_tokens=len(prompt),
+                cached_tokens=cached,
+                cached_by=dict(cached_by),
+                prefill_tokens=prefill,
+                ttft_s=ttft,
+                prefill_tps=prefill_tps,
+                generation_tps=gen_tps,
+            )
+        shown = [i for i in out if i != END_ID]
+        handle.emit(Finished(tuple(out), self._tokenizer.decode(shown), metrics))
