@@ -1,0 +1,12 @@
+"""tierchat.config: settings dataclasses, defaults, TOML/env/CLI loading. No MLX, no Textual."""
+
+from tierchat.config.settings import (
+    Settings,
+    SettingsError,
+    explain,
+    format_size,
+    load_settings,
+    parse_size,
+)
+
+__all__ = ["Settings", "SettingsError", "explain", "format_size", "load_settings", "parse_size"]

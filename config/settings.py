@@ -1,0 +1,417 @@
+"""Settings: typed defaults < TOML config file < ``TIERCHAT_*`` env vars < CLI flags.
+
+The config file is ``config.toml`` in the platformdirs user config dir, or the file named by
+env ``TIERCHAT_CONFIG`` or the ``config_path`` argument. It holds the keys of
+:class:`Settings` at top level (``block_size = 512``, ``hot_bytes = "6GB"``) and a
+``[keymap]`` table (binding id -> key). Env vars are ``TIERCHAT_<KEY>`` in upper case
+(``TIERCHAT_HOT_BYTES=6GB``; ``TIERCHAT_KEYMAP="quit=ctrl+q,regenerate=r"``). Every value
+is validated; a bad one raises :class:`SettingsError` naming the key and where it came from.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+
+APP_NAME = "tierchat"
+ENV_PREFIX = "TIERCHAT_"
+CONFIG_ENV = "TIERCHAT_CONFIG"
+DB_FILENAME = "conversations.sqlite"
+GiB = 1 << 30
+
+
+class SettingsError(ValueError):
+    """An invalid setting; the message names the key, the value and its source."""
+
+
+def physical_ram_bytes() -> int:
+    """Physical RAM in bytes (sysconf); 8 GiB when the platform does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 8 * GiB
+
+
+def default_hot_bytes() -> int:
+    """25% of physical RAM, in bytes."""
+    return physical_ram_bytes() // 4
+
+
+def user_cache_dir() -> Path:
+    return Path(platformdirs.user_cache_dir(APP_NAME))
+
+
+def user_data_dir() -> Path:
+    return Path(platformdirs.user_data_dir(APP_NAME))
+
+
+def default_config_path() -> Path:
+    return Path(platformdirs.user_config_dir(APP_NAME)) / "config.toml"
+
+
+@dataclass
+class Settings:
+    """Every setting with its default. Sizes are bytes; ``block_size`` is tokens."""
+
+    model: str = "demo"
+    cache_dir: Path = field(default_factory=lambda: user_cache_dir() / "kv")
+    models_dir: Path = field(default_factory=lambda: user_cache_dir() / "models")
+    data_dir: Path = field(default_factory=user_data_dir)
+    block_size: int = 256
+    hot_bytes: int = field(default_factory=default_hot_bytes)
+    ssd_bytes: int = 16 * GiB
+    tail_entries: int = 8
+    checkpoint_entries: int = 32
+    pin_system: bool = True
+    writer_queue: int = 64
+    no_cache: bool = False
+    max_tokens: int = 512
+    seed: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    memory_limit: int | None = None
+    memory_soft_fraction: float = 0.80
+    memory_hard_fraction: float = 0.92
+    keymap: dict[str, str] = field(default_factory=dict)
+    # where each value came from: key (or "keymap.<id>") -> "default", "file PATH", ...
+    sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def db_path(self) -> Path:
+        """The SQLite conversation store: ``data_dir / "conversations.sqlite"``."""
+        return self.data_dir / DB_FILENAME
+
+
+# ---------------------------------------------------------------- value parsing
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "k": 1 << 10,
+    "m": 1 << 20,
+    "g": 1 << 30,
+    "t": 1 << 40,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+
+
+def parse_size(text: str | int) -> int:
+    """A size in bytes from ``text``: a plain number of bytes or a number with a unit.
+
+    Units (case-insensitive): B; KB, MB, GB, TB (powers of 1000); KiB, MiB, GiB, TiB and the
+    bare K, M, G, T (powers of 1024). Fractions are allowed and rounded down
+    (``"1.5GiB"``). Raises ``ValueError`` for anything else or a negative value,
+    ``TypeError`` for a bool.
+    """
+    if isinstance(text, bool):
+        raise TypeError(f"not a size: {text!r}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"negative size: {text}")
+        return text
+    if isinstance(text, float):
+        if not text >= 0:  # negative or NaN
+            raise ValueError(f"not a size: {text}")
+        return int(text)
+    m = _SIZE_RE.match(str(text))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {text!r} (use bytes or a unit: 512MB, 6GB, 16GiB)")
+    number, unit = m.groups()
+    mult = _SIZE_UNITS[unit.lower()]
+    if "." in number:
+        return int(float(number) * mult)
+    return int(number) * mult
+
+
+def format_size(nbytes: int) -> str:
+    """``nbytes`` in the largest binary unit that keeps it >= 1 (``"16.0 GiB"``)."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+_NONE = {"", "none", "null", "off"}
+
+
+def _to_bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.strip().lower() in _TRUE | _FALSE:
+        return v.strip().lower() in _TRUE
+    raise ValueError("must be a boolean (true/false, 1/0, yes/no, on/off)")
+
+
+def _to_int(v: Any) -> int:
+    if isinstance(v, bool):
+        raise TypeError("must be an integer")
+    if isinstance(v, int):
+        return v
+    if isinstance(v, str):
+        try:
+            return int(v.strip())
+        except ValueError:
+            pass
+    raise ValueError("must be an integer")
+
+
+def _to_float(v: Any) -> float:
+    if isinstance(v, bool):
+        raise TypeError("must be a number")
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, str):
+        try:
+            return float(v.strip())
+        except ValueError:
+            pass
+    raise ValueError("must be a number")
+
+
+def _positive_int(v: Any) -> int:
+    try:
+        n = _to_int(v)
+    except (ValueError, TypeError):
+        n = 0
+    if n <= 0:
+        raise ValueError("must be a positive integer")
+    return n
+
+
+def _nonneg_int(v: Any) -> int:
+    try:
+        n = _to_int(v)
+    except (ValueError, TypeError):
+        n = -1
+    if n < 0:
+        raise ValueError("must be a non-negative integer")
+    return n
+
+
+def _size(v: Any) -> int:
+    try:
+        return parse_size(v)
+    except (ValueError, TypeError):
+        raise ValueError("must be a size in bytes or with a unit (512MB, 6GB, 16GiB)") from None
+
+
+def _optional(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def parse_optional(v: Any) -> Any:
+        if v is None or (isinstance(v, str) and v.strip().lower() in _NONE):
+            return None
+        return parse(v)
+
+    return parse_optional
+
+
+def _memory_limit(v: Any) -> int:
+    n = _size(v)
+    if n <= 0:
+        raise ValueError("must be a positive size (or none)")
+    return n
+
+
+def _kv_bits(v: Any) -> int:
+    n = _to_int(v) if not isinstance(v, bool) else 0
+    if n not in (2, 3, 4, 5, 6, 8):
+        raise ValueError("must be one of 2, 3, 4, 5, 6, 8 (or none)")
+    return n
+
+
+def _group_size(v: Any) -> int:
+    n = _to_int(v) if not isinstance(v, bool) else 0
+    if n not in (32, 64, 128):
+        raise ValueError("must be one of 32, 64, 128")
+    return n
+
+
+def _model(v: Any) -> str:
+    if not isinstance(v, str) or not v.strip():
+        raise ValueError("must be a non-empty string")
+    return v.strip()
+
+
+def _path(v: Any) -> Path:
+    if isinstance(v, Path):
+        return v.expanduser()
+    if not isinstance(v, str) or not v.strip():
+        raise ValueError("must be a non-empty path")
+    return Path(v.strip()).expanduser()
+
+
+def _temperature(v: Any) -> float:
+    x = _to_float(v)
+    if not 0.0 <= x <= 100.0:
+        raise ValueError("must be a number >= 0")
+    return x
+
+
+def _fraction(v: Any) -> float:
+    x = _to_float(v)
+    if not 0.0 < x <= 1.0:
+        raise ValueError("must be a number in (0, 1]")
+    return x
+
+
+def _keymap(v: Any) -> dict[str, str]:
+    if isinstance(v, str):  # env form: "id=key,id=key"
+        out = {}
+        for item in filter(None, (s.strip() for s in v.split(","))):
+            bid, sep, key = item.partition("=")
+            if not sep:
+                raise ValueError("must be a list of id=key pairs separated by commas")
+            out[bid.strip()] = key.strip()
+        v = out
+    if not isinstance(v, Mapping):
+        raise TypeError("must be a table of binding id = key")
+    for bid, key in v.items():
+        if not isinstance(bid, str) or not bid or not isinstance(key, str) or not key.strip():
+            raise ValueError(f"entry {bid!r} = {key!r}: binding id and key must be strings")
+    return {bid: key.strip() for bid, key in v.items()}
+
+
+PARSERS: dict[str, Callable[[Any], Any]] = {
+    "model": _model,
+    "cache_dir": _path,
+    "models_dir": _path,
+    "data_dir": _path,
+    "block_size": _positive_int,
+    "hot_bytes": _size,
+    "ssd_bytes": _size,
+    "tail_entries": _nonneg_int,
+    "checkpoint_entries": _nonneg_int,
+    "pin_system": _to_bool,
+    "writer_queue": _positive_int,
+    "no_cache": _to_bool,
+    "max_tokens": _positive_int,
+    "seed": _nonneg_int,
+    "temperature": _temperature,
+    "top_p": _fraction,
+    "kv_bits": _optional(_kv_bits),
+    "kv_group_size": _group_size,
+    "memory_limit": _optional(_memory_limit),
+    "memory_soft_fraction": _fraction,
+    "memory_hard_fraction": _fraction,
+    "keymap": _keymap,
+}
+KEYS: tuple[str, ...] = tuple(f.name for f in fields(Settings) if f.name != "sources")
+assert set(KEYS) == set(PARSERS)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _apply(settings: Settings, key: str, raw: Any, source: str) -> None:
+    try:
+        value = PARSERS[key](raw)
+    except (ValueError, TypeError) as e:
+        shown = raw if isinstance(raw, str) and source.startswith("env") else repr(raw)
+        raise SettingsError(f"{key} = {shown} (from {source}): {e}") from None
+    if key == "keymap":
+        settings.keymap.update(value)
+        for bid in value:
+            settings.sources[f"keymap.{bid}"] = source
+    else:
+        setattr(settings, key, value)
+        settings.sources[key] = source
+
+
+def _read_toml(path: Path, explicit: bool) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        if explicit:
+            raise SettingsError(f"config file {path} does not exist") from None
+        return {}
+    except tomllib.TOMLDecodeError as e:
+        raise SettingsError(f"config file {path} is not valid TOML: {e}") from None
+    except OSError as e:
+        raise SettingsError(f"config file {path} cannot be read: {e.strerror}") from None
+
+
+def load_settings(
+    cli_overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] = os.environ,
+    config_path: str | os.PathLike | None = None,
+) -> Settings:
+    """Effective settings: defaults < config file < env ``TIERCHAT_<KEY>`` < ``cli_overrides``.
+
+    ``cli_overrides`` maps keys (``block_size`` or ``block-size``) to values; None values
+    are skipped (argparse's "not given"). The config file is ``config_path``, else env
+    ``TIERCHAT_CONFIG``, else ``config.toml`` in the user config dir (may be absent).
+
+    Raises :class:`SettingsError` for an unknown key in the file or CLI, an invalid value,
+    a missing explicitly named config file, malformed TOML, or
+    ``memory_soft_fraction >= memory_hard_fraction``.
+    """
+    settings = Settings()
+    settings.sources = dict.fromkeys(KEYS, "default")
+    del settings.sources["keymap"]
+
+    explicit = config_path is not None or bool(env.get(CONFIG_ENV))
+    path = Path(config_path or env.get(CONFIG_ENV) or default_config_path()).expanduser()
+    data = _read_toml(path, explicit)
+    for key, raw in data.items():
+        if key not in PARSERS:
+            raise SettingsError(f"{key} (from file {path}): unknown setting")
+        _apply(settings, key, raw, f"file {path}")
+
+    for key in KEYS:
+        name = ENV_PREFIX + key.upper()
+        if name in env:
+            _apply(settings, key, env[name], f"env {name}")
+
+    for flag, raw in (cli_overrides or {}).items():
+        key = flag.lstrip("-").replace("-", "_")
+        if raw is None:
+            continue
+        if key not in PARSERS:
+            raise SettingsError(f"{key} (from cli --{key.replace('_', '-')}): unknown setting")
+        _apply(settings, key, raw, f"cli --{key.replace('_', '-')}")
+
+    if settings.memory_soft_fraction >= settings.memory_hard_fraction:
+        soft, hard = settings.memory_soft_fraction, settings.memory_hard_fraction
+        raise SettingsError(
+            f"memory_soft_fraction = {soft} (from {settings.sources['memory_soft_fraction']}) "
+            f"must be below memory_hard_fraction = {hard} "
+            f"(from {settings.sources['memory_hard_fraction']})"
+        )
+    return settings
+
+
+def explain(settings: Settings) -> list[tuple[str, Any, str]]:
+    """``(key, value, source)`` for every setting, keymap entries as ``keymap.<id>``.
+
+    Source is "default", "file PATH", "env NAME" or "cli --flag"; settings built directly
+    (not by :func:`load_settings`) report "default" for values with no recorded source.
+    """
+    rows: list[tuple[str, Any, str]] = []
+    for key in KEYS:
+        if key == "keymap":
+            for bid, k in sorted(settings.keymap.items()):
+                rows.append((f"keymap.{bid}", k, settings.sources.get(f"keymap.{bid}", "default")))
+        else:
+            rows.append((key, getattr(settings, key), settings.sources.get(key, "default")))
+    return rows
