@@ -1,0 +1,426 @@
+"""Conversation trees in SQLite (DESIGN.md §7). Pure Python: stdlib ``sqlite3`` only.
+
+A conversation is a tree of nodes (system / user / assistant messages). Every parent
+remembers one selected child, and the conversation remembers its selected root, so the
+**active path** -- what the model sees -- is the walk from the selected root through
+selected children. Regenerate adds an assistant sibling, edit adds a user sibling, swipe
+changes a selection; nothing is ever overwritten.
+
+The file uses WAL and carries its schema version in ``PRAGMA user_version``; opening it
+applies the missing steps of :data:`MIGRATIONS`. One connection is shared by every thread
+that uses the store, serialized by a lock.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Self
+
+ROLES = ("system", "user", "assistant")
+
+# Each entry brings the schema from version i to i + 1; never edit a released entry.
+MIGRATIONS: tuple[str, ...] = (
+    """
+    CREATE TABLE conversations (
+        id INTEGER PRIMARY KEY,
+        title TEXT,
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL,
+        selected_root INTEGER
+    );
+    CREATE TABLE nodes (
+        id INTEGER PRIMARY KEY,
+        conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        parent_id INTEGER REFERENCES nodes(id) ON DELETE CASCADE,
+        role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
+        content TEXT NOT NULL,
+        token_ids TEXT,
+        created_at REAL NOT NULL,
+        meta TEXT NOT NULL DEFAULT '{}',
+        selected_child INTEGER
+    );
+    CREATE INDEX nodes_by_parent ON nodes(parent_id);
+    CREATE INDEX nodes_by_conversation ON nodes(conversation_id);
+    """,
+)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+class StoreError(Exception):
+    """A problem with the store file itself (wrong schema version, not a database)."""
+
+
+class ConversationError(StoreError, KeyError):
+    """An unknown conversation or node id, or an operation the tree does not allow."""
+
+    def __str__(self) -> str:  # KeyError would repr-quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclass(frozen=True)
+class Node:
+    """One message. ``token_ids`` are the ids an assistant reply was generated as (with
+    its EOS when one was generated), None when not known. ``created_at`` is epoch seconds."""
+
+    id: int
+    conversation_id: int
+    parent_id: int | None
+    role: str
+    content: str
+    token_ids: tuple[int, ...] | None
+    created_at: float
+    meta: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+
+@dataclass(frozen=True)
+class ConversationInfo:
+    id: int
+    title: str | None
+    created_at: float
+    updated_at: float
+
+
+_NODE_COLUMNS = "id, conversation_id, parent_id, role, content, token_ids, created_at, meta"
+
+
+def _node(row: tuple) -> Node:
+    nid, cid, parent, role, content, token_ids, created_at, meta = row
+    ids = tuple(json.loads(token_ids)) if token_ids is not None else None
+    return Node(nid, cid, parent, role, content, ids, created_at, json.loads(meta))
+
+
+class ConversationStore:
+    """Conversation trees in one SQLite file (``":memory:"`` for a throwaway store).
+
+    Raises :class:`StoreError` when the file is not a SQLite database or was written by a
+    newer tierchat (a schema version above :data:`SCHEMA_VERSION`).
+    """
+
+    def __init__(self, path: str | Path, clock: Callable[[], float] = time.time) -> None:
+        self.path = str(path)
+        self.clock = clock
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        self._conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        try:
+            self._migrate()
+        except sqlite3.DatabaseError as e:
+            self._conn.close()
+            raise StoreError(f"{self.path}: not a tierchat conversation store ({e})") from None
+        except StoreError:
+            self._conn.close()
+            raise
+
+    def _migrate(self) -> None:
+        conn = self._conn
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                f"{self.path}: conversation store schema version {version} is newer than this "
+                f"tierchat supports ({SCHEMA_VERSION}); upgrade tierchat or use another data dir"
+            )
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA foreign_keys=ON")
+        for i in range(version, SCHEMA_VERSION):
+            conn.executescript(f"BEGIN; {MIGRATIONS[i]}; PRAGMA user_version = {i + 1}; COMMIT;")
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def schema_version(self) -> int:
+        with self._lock:
+            return self._conn.execute("PRAGMA user_version").fetchone()[0]
+
+    # ------------------------------------------------------------------ helpers
+
+    def _tx(self) -> _Transaction:
+        return _Transaction(self._conn, self._lock)
+
+    def _one(self, sql: str, args: Iterable = ()) -> tuple | None:
+        return self._conn.execute(sql, tuple(args)).fetchone()
+
+    def _check_conversation(self, conversation_id: int) -> None:
+        if self._one("SELECT 1 FROM conversations WHERE id = ?", (conversation_id,)) is None:
+            raise ConversationError(f"no conversation with id {conversation_id}")
+
+    def _touch(self, conversation_id: int) -> None:
+        self._conn.execute(
+            "UPDATE conversations SET updated_at = ? WHERE id = ?", (self.clock(), conversation_id)
+        )
+
+    # ------------------------------------------------------------------ conversations
+
+    def create_conversation(self, title: str | None = None, system: str | None = None) -> int:
+        """A new conversation; ``system`` (when given) becomes its root node. Returns its id."""
+        now = self.clock()
+        with self._tx():
+            cur = self._conn.execute(
+                "INSERT INTO conversations (title, created_at, updated_at) VALUES (?, ?, ?)",
+                (title, now, now),
+            )
+            cid = cur.lastrowid
+            if system is not None:
+                self.add_node(cid, None, "system", system)
+        return cid
+
+    def get_conversation(self, conversation_id: int) -> ConversationInfo:
+        """Raises :class:`ConversationError` for an unknown id."""
+        with self._lock:
+            row = self._one(
+                "SELECT id, title, created_at, updated_at FROM conversations WHERE id = ?",
+                (conversation_id,),
+            )
+        if row is None:
+            raise ConversationError(f"no conversation with id {conversation_id}")
+        return ConversationInfo(*row)
+
+    def list_conversations(self) -> list[ConversationInfo]:
+        """Every conversation, most recently updated first."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT id, title, created_at, updated_at FROM conversations "
+                "ORDER BY updated_at DESC, id DESC"
+            ).fetchall()
+        return [ConversationInfo(*r) for r in rows]
+
+    def rename(self, conversation_id: int, title: str | None) -> None:
+        """Set the title. Raises :class:`ConversationError` for an unknown id."""
+        with self._tx():
+            self._check_conversation(conversation_id)
+            self._conn.execute(
+                "UPDATE conversations SET title = ? WHERE id = ?", (title, conversation_id)
+            )
+            self._touch(conversation_id)
+
+    def delete_conversation(self, conversation_id: int) -> None:
+        """Delete a conversation and all its nodes. Raises :class:`ConversationError`."""
+        with self._tx():
+            self._check_conversation(conversation_id)
+            self._conn.execute("DELETE FROM nodes WHERE conversation_id = ?", (conversation_id,))
+            self._conn.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+
+    # ------------------------------------------------------------------ nodes
+
+    def add_node(
+        self,
+        conversation_id: int,
+        parent_id: int | None,
+        role: str,
+        content: str,
+        *,
+        token_ids: Iterable[int] | None = None,
+        meta: dict[str, Any] | None = None,
+        select: bool = True,
+    ) -> Node:
+        """Append a node under ``parent_id`` (None: a new root) and, when ``select``, make it
+        the parent's selected child (or the selected root).
+
+        Raises :class:`ConversationError` for an unknown conversation or parent, a parent of
+        another conversation, and ``ValueError`` for a role outside ``ROLES``.
+        """
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, not {role!r}")
+        ids = _ids(token_ids)
+        ids_json = json.dumps(list(ids)) if ids is not None else None
+        meta_json = json.dumps(meta or {})
+        now = self.clock()
+        with self._tx():
+            self._check_conversation(conversation_id)
+            if parent_id is not None:
+                parent = self.get_node(parent_id)
+                if parent.conversation_id != conversation_id:
+                    raise ConversationError(
+                        f"node {parent_id} belongs to conversation {parent.conversation_id}, "
+                        f"not {conversation_id}"
+                    )
+            cur = self._conn.execute(
+                "INSERT INTO nodes (conversation_id, parent_id, role, content, token_ids, "
+                "created_at, meta) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (conversation_id, parent_id, role, content, ids_json, now, meta_json),
+            )
+            nid = cur.lastrowid
+            if select:
+                self._set_selected(conversation_id, parent_id, nid)
+            self._touch(conversation_id)
+        return Node(nid, conversation_id, parent_id, role, content, ids, now, dict(meta or {}))
+
+    def get_node(self, node_id: int) -> Node:
+        """Raises :class:`ConversationError` for an unknown id."""
+        with self._lock:
+            row = self._one(f"SELECT {_NODE_COLUMNS} FROM nodes WHERE id = ?", (node_id,))
+        if row is None:
+            raise ConversationError(f"no node with id {node_id}")
+        return _node(row)
+
+    def children(self, node_id: int) -> list[Node]:
+        """Children of ``node_id`` in creation order. Raises :class:`ConversationError`."""
+        with self._lock:
+            self.get_node(node_id)
+            rows = self._conn.execute(
+                f"SELECT {_NODE_COLUMNS} FROM nodes WHERE parent_id = ? ORDER BY id", (node_id,)
+            ).fetchall()
+        return [_node(r) for r in rows]
+
+    def roots(self, conversation_id: int) -> list[Node]:
+        """Root nodes of a conversation in creation order (siblings of the first message)."""
+        with self._lock:
+            self._check_conversation(conversation_id)
+            rows = self._conn.execute(
+                f"SELECT {_NODE_COLUMNS} FROM nodes WHERE conversation_id = ? "
+                "AND parent_id IS NULL ORDER BY id",
+                (conversation_id,),
+            ).fetchall()
+        return [_node(r) for r in rows]
+
+    def siblings(self, node_id: int) -> list[Node]:
+        """The node and its siblings in creation order."""
+        with self._lock:
+            node = self.get_node(node_id)
+            if node.parent_id is None:
+                return self.roots(node.conversation_id)
+            return self.children(node.parent_id)
+
+    def _set_selected(self, conversation_id: int, parent_id: int | None, child_id: int | None):
+        if parent_id is None:
+            self._conn.execute(
+                "UPDATE conversations SET selected_root = ? WHERE id = ?",
+                (child_id, conversation_id),
+            )
+        else:
+            self._conn.execute(
+                "UPDATE nodes SET selected_child = ? WHERE id = ?", (child_id, parent_id)
+            )
+
+    def select_child(self, parent_id: int | None, child_id: int) -> None:
+        """Make ``child_id`` the selected child of ``parent_id`` (None: the selected root of
+        the child's conversation). Raises :class:`ConversationError` for unknown ids or when
+        ``child_id`` is not a child of ``parent_id``."""
+        with self._tx():
+            child = self.get_node(child_id)
+            if child.parent_id != parent_id:
+                what = "a root" if parent_id is None else f"a child of node {parent_id}"
+                raise ConversationError(f"node {child_id} is not {what}")
+            self._set_selected(child.conversation_id, parent_id, child_id)
+            self._touch(child.conversation_id)
+
+    def selected_child(
+        self, node_id: int | None, conversation_id: int | None = None
+    ) -> Node | None:
+        """The selected child of ``node_id`` (or the selected root of ``conversation_id`` when
+        ``node_id`` is None); the newest child when none is recorded; None for a leaf."""
+        with self._lock:
+            if node_id is None:
+                if conversation_id is None:
+                    raise ValueError("selected_child(None) needs a conversation_id")
+                self._check_conversation(conversation_id)
+                row = self._one(
+                    "SELECT selected_root FROM conversations WHERE id = ?", (conversation_id,)
+                )
+                options = self.roots(conversation_id)
+            else:
+                row = self._one("SELECT selected_child FROM nodes WHERE id = ?", (node_id,))
+                options = self.children(node_id)
+        chosen = row[0] if row else None
+        for node in options:
+            if node.id == chosen:
+                return node
+        return options[-1] if options else None
+
+    def active_path(self, conversation_id: int) -> list[Node]:
+        """Nodes from the selected root through selected children. Raises
+        :class:`ConversationError` for an unknown conversation."""
+        with self._lock:
+            path: list[Node] = []
+            node = self.selected_child(None, conversation_id)
+            while node is not None:
+                path.append(node)
+                node = self.selected_child(node.id)
+        return path
+
+    def path_to(self, node_id: int) -> list[Node]:
+        """Nodes from the root down to ``node_id`` (inclusive)."""
+        with self._lock:
+            path = [self.get_node(node_id)]
+            while path[-1].parent_id is not None:
+                path.append(self.get_node(path[-1].parent_id))
+        return path[::-1]
+
+    def user_turns(self, conversation_id: int) -> list[Node]:
+        """The user nodes on the active path, in order (turn 0 first)."""
+        return [n for n in self.active_path(conversation_id) if n.role == "user"]
+
+    def replies(self, user_node_id: int) -> list[Node]:
+        """Assistant children of a user node in creation order (the swipe order)."""
+        return [n for n in self.children(user_node_id) if n.role == "assistant"]
+
+    def delete_subtree(self, node_id: int) -> None:
+        """Delete a node and all its descendants. Where it was the selected child (or root),
+        the newest remaining sibling becomes selected. Raises :class:`ConversationError`."""
+        with self._tx():
+            node = self.get_node(node_id)
+            # ON DELETE CASCADE on parent_id removes the descendants
+            self._conn.execute("DELETE FROM nodes WHERE id = ?", (node_id,))
+            if node.parent_id is None:
+                left = self.roots(node.conversation_id)
+            else:
+                left = self.children(node.parent_id)
+            self._set_selected(node.conversation_id, node.parent_id, left[-1].id if left else None)
+            self._touch(node.conversation_id)
+
+    def fork(self, node_id: int, title: str | None = None) -> int:
+        """A new conversation holding a copy of the path root..``node_id`` (contents, token
+        ids, meta). Title defaults to "<old title> (fork)". Returns the new id."""
+        with self._tx():
+            path = self.path_to(node_id)
+            old = self.get_conversation(path[0].conversation_id)
+            if title is None:
+                title = f"{old.title or f'conversation {old.id}'} (fork)"
+            cid = self.create_conversation(title)
+            parent = None
+            for n in path:
+                copy = self.add_node(
+                    cid, parent, n.role, n.content, token_ids=n.token_ids, meta=n.meta
+                )
+                parent = copy.id
+        return cid
+
+
+def _ids(token_ids: Iterable[int] | None) -> tuple[int, ...] | None:
+    return tuple(int(i) for i in token_ids) if token_ids is not None else None
+
+
+class _Transaction:
+    """Hold the store lock and one SQLite transaction; nested use joins the outer one."""
+
+    def __init__(self, conn: sqlite3.Connection, lock: threading.RLock) -> None:
+        self.conn = conn
+        self.lock = lock
+        self.outer = False
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+        self.outer = not self.conn.in_transaction
+        if self.outer:
+            self.conn.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type, *exc: object) -> None:
+        try:
+            if self.outer:
+                self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
+        finally:
+            self.lock.release()
