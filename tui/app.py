@@ -1,0 +1,138 @@
+"""The Textual app: wiring of engine, store, session and settings; app-wide keys and help.
+
+``run_app`` is what the CLI calls; ``TierchatApp`` is the factory tests use with a fake
+engine. Nothing here imports MLX: the engine arrives as an ``EngineLike``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from textual.app import App
+from textual.binding import Binding, BindingType
+from textual.clock import Clock
+from textual.screen import Screen
+
+from tierchat.core.api import EngineLike
+from tierchat.tui.screens.chat import ChatScreen
+from tierchat.tui.screens.confirm import ConfirmScreen
+from tierchat.tui.screens.help import HelpScreen
+from tierchat.tui.screens.model_picker import ModelPickerScreen
+from tierchat.tui.screens.prompt import EditMessageScreen, PromptScreen
+from tierchat.tui.widgets.chat_input import ChatInput
+from tierchat.tui.widgets.conversation_list import ConversationList
+
+
+class TierchatApp(App[None]):
+    """Chat with a local model and watch its prefix KV cache.
+
+    Args:
+        engine: an ``EngineLike`` (``tierchat.core.engine.Engine``, or a fake in tests).
+        store: the ``ConversationStore`` the session reads and writes.
+        settings: ``tierchat.config.settings.Settings`` (model, sampling, keymap, ...).
+        clock: a ``textual.clock.Clock`` or a ``() -> seconds`` callable for the progress
+            bars; tests pass a fixed one so frames do not depend on wall time.
+        session: a ready ``ChatSession``; by default one is built from the settings.
+    """
+
+    CSS_PATH = "app.tcss"
+    TITLE = "tierchat"
+    BINDINGS: list[BindingType] = [
+        Binding("ctrl+q", "quit", "Quit", id="quit", priority=True),
+        Binding("f1", "help", "Help", id="help"),
+    ]
+
+    def __init__(
+        self,
+        engine: EngineLike,
+        store: Any,
+        settings: Any,
+        clock: Clock | Callable[[], float] | None = None,
+        *,
+        session: Any = None,
+    ) -> None:
+        super().__init__()
+        self.engine = engine
+        self.store = store
+        self.settings = settings
+        if clock is not None and not isinstance(clock, Clock):
+            clock = Clock(get_time=clock)
+        self.clock: Clock | None = clock
+        self.session = session if session is not None else self._make_session()
+        self.keymap: dict[str, str] = dict(getattr(settings, "keymap", {}) or {})
+        self.set_keymap(self.keymap)
+
+    def _make_session(self) -> Any:
+        from tierchat.core.session import ChatSession
+
+        s = self.settings
+        return ChatSession(
+            self.engine,
+            self.store,
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.seed,
+            use_cache=not s.no_cache,
+        )
+
+    def get_default_screen(self) -> Screen:
+        return ChatScreen(clock=self.clock)
+
+    def on_mount(self) -> None:
+        unknown = sorted(set(self.keymap) - set(binding_ids()))
+        if unknown:
+            self.notify(
+                f"Unknown binding id(s) in [keymap]: {', '.join(unknown)}. "
+                "F1 lists the ids.",
+                title="Keymap",
+                severity="warning",
+            )
+
+    def binding_rows(self) -> list[tuple[str, str, str, str]]:
+        """``(where, key, action, id)`` for every binding, with the keymap applied."""
+        rows = [("app", self.get_key_display(Binding("ctrl+p", "")), "Command palette", "")]
+        for where, owner in BINDING_OWNERS:
+            for binding in _bindings(owner):
+                keys = self.keymap.get(binding.id or "", binding.key)
+                shown = " / ".join(
+                    self.get_key_display(Binding(k.strip(), "")) for k in keys.split(",")
+                )
+                rows.append((where, shown, binding.description or binding.action, binding.id or ""))
+        return rows
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen(self.binding_rows()))
+
+
+BINDING_OWNERS: tuple[tuple[str, type], ...] = (
+    ("app", TierchatApp),
+    ("chat", ChatScreen),
+    ("input", ChatInput),
+    ("list", ConversationList),
+    ("confirm", ConfirmScreen),
+    ("rename", PromptScreen),
+    ("edit", EditMessageScreen),
+    ("models", ModelPickerScreen),
+    ("help", HelpScreen),
+)
+
+
+def _bindings(owner: type) -> list[Binding]:
+    return [b for b in owner.BINDINGS if isinstance(b, Binding)]
+
+
+def binding_ids() -> list[str]:
+    """Every binding id a ``[keymap]`` table may name."""
+    return [b.id for _, owner in BINDING_OWNERS for b in _bindings(owner) if b.id]
+
+
+def run_app(engine: EngineLike, store: Any, settings: Any) -> None:
+    """Run the TUI until the user quits. The caller owns (and closes) engine and store.
+
+    When ``engine.model_name`` is empty the app loads ``settings.model`` itself, showing
+    the engine's ``ModelLoading`` progress.
+    """
+    TierchatApp(engine, store, settings).run()

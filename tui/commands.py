@@ -1,0 +1,125 @@
+"""Command palette providers: every screen action, plus one command per conversation and
+per built-in model. A command runs the same action as its key binding, and is left out
+while ``check_action`` says the action cannot run now."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
+
+from textual.actions import parse
+from textual.command import DiscoveryHit, Hit, Hits, Provider
+
+if TYPE_CHECKING:
+    from tierchat.tui.app import TierchatApp
+
+
+@dataclass(frozen=True)
+class Command:
+    """``title`` as the palette shows it, the screen ``action`` it runs, and ``help``."""
+
+    title: str
+    action: str
+    help: str
+
+
+CACHE_COMMANDS: tuple[Command, ...] = (
+    Command("Cache: clear hot tier", "clear('hot')", "Drop every block held in RAM"),
+    Command("Cache: clear SSD tier", "clear('ssd')", "Delete every block file on disk"),
+    Command("Cache: clear tails", "clear('tails')", "Drop MRU tails and checkpoints"),
+    Command("Cache: clear all", "clear('all')", "Drop every tier: the next turn is cold"),
+    Command("Cache: toggle panels", "toggle_panels", "Show or hide the live cache panels"),
+)
+
+BRANCH_COMMANDS: tuple[Command, ...] = (
+    Command("Branch: regenerate reply", "regenerate", "A new sibling reply; old ones stay"),
+    Command("Branch: previous reply", "swipe(-1)", "Swipe to the previous sibling reply"),
+    Command("Branch: next reply", "swipe(1)", "Swipe to the next sibling reply"),
+    Command("Branch: edit message", "edit", "Edit the selected user message as a new branch"),
+    Command("Branch: fork conversation", "fork", "Copy the path up to here into a new chat"),
+    Command("Chat: copy message", "copy", "Copy the selected message to the clipboard"),
+    Command("Chat: stop generation", "stop", "Stop decoding now"),
+)
+
+CONVERSATION_COMMANDS: tuple[Command, ...] = (
+    Command("Conversation: new", "new_conversation", "Start an empty conversation"),
+    Command("Conversation: rename", "rename_conversation", "Rename the open conversation"),
+    Command("Conversation: delete", "delete_conversation", "Delete the open conversation"),
+    Command("Conversation: toggle list", "toggle_conversations", "Show or hide the list"),
+    Command("Help: keys", "app.help", "Every key binding and its id"),
+)
+
+
+class ActionProvider(Provider):
+    """Offers :attr:`COMMANDS`; runs each as an action on the screen the palette opened on."""
+
+    COMMANDS: tuple[Command, ...] = ()
+
+    def commands(self) -> Iterator[Command]:
+        yield from self.COMMANDS
+
+    def _available(self, command: Command) -> bool:
+        name, params = _split(command.action)
+        return self.screen.check_action(name, params) is True
+
+    async def _run(self, action: str) -> None:
+        await self.app.run_action(action, self.screen)
+
+    async def discover(self) -> Hits:
+        for command in self.commands():
+            if self._available(command):
+                yield DiscoveryHit(
+                    command.title, partial(self._run, command.action), help=command.help
+                )
+
+    async def search(self, query: str) -> Hits:
+        matcher = self.matcher(query)
+        for command in self.commands():
+            score = matcher.match(command.title)
+            if score > 0 and self._available(command):
+                yield Hit(
+                    score,
+                    matcher.highlight(command.title),
+                    partial(self._run, command.action),
+                    help=command.help,
+                )
+
+
+def _split(action: str) -> tuple[str, tuple[object, ...]]:
+    """``"clear('hot')"`` -> ``("clear", ("hot",))``."""
+    _namespace, name, params = parse(action)
+    return name, params
+
+
+class CacheCommands(ActionProvider):
+    COMMANDS = CACHE_COMMANDS
+
+
+class BranchCommands(ActionProvider):
+    COMMANDS = BRANCH_COMMANDS
+
+
+class ConversationCommands(ActionProvider):
+    """The conversation actions plus "Open: <title>" for every stored conversation."""
+
+    COMMANDS = CONVERSATION_COMMANDS
+
+    def commands(self) -> Iterator[Command]:
+        yield from self.COMMANDS
+        app: TierchatApp = self.app  # type: ignore[assignment]
+        for info in app.store.list_conversations():
+            title = info.title or f"conversation {info.id}"
+            yield Command(f"Open: {title}", f"open_conversation({info.id})", "Open this chat")
+
+
+class ModelCommands(ActionProvider):
+    """"Model: pick…" plus "Model: load <name>" for every built-in model."""
+
+    def commands(self) -> Iterator[Command]:
+        from tierchat.tui.models import BUILTIN_MODELS
+
+        yield Command("Model: pick…", "pick_model", "Choose a model to load on the engine")
+        for spec, note in BUILTIN_MODELS:
+            yield Command(f"Model: load {spec}", f"load_model({spec!r})", note)

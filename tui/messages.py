@@ -1,0 +1,120 @@
+"""Every Textual message of the app, each a small dataclass named for what happened.
+
+Engine events arrive on the engine's own thread; the callbacks in ``screens/chat.py`` turn
+them into these messages with ``post_message`` (thread-safe) and never touch a widget.
+High-rate ones (:class:`ReplyStreamed`, :class:`PrefillAdvanced`, :class:`ModelLoadAdvanced`)
+carry cumulative state and implement ``can_replace``, so a burst of them collapses into the
+newest one without losing text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.message import Message
+
+from textual.widget import Widget
+
+from tierchat.core.api import TurnMetrics
+
+
+@dataclass
+class PrefillAdvanced(Message):
+    """The prompt of generation ``turn_key`` is ``done`` of ``total`` tokens prefilled."""
+
+    turn_key: int
+    done: int
+    total: int
+    tps: float
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, PrefillAdvanced) and message.turn_key == self.turn_key
+
+
+@dataclass
+class ReplyStreamed(Message):
+    """Generation ``turn_key`` has produced ``text`` so far (cumulative, not a delta)."""
+
+    turn_key: int
+    text: str
+    tokens: int
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, ReplyStreamed) and message.turn_key == self.turn_key
+
+
+@dataclass
+class ReplyFinished(Message):
+    """Generation ``turn_key`` completed (or was stopped); the session has stored the reply."""
+
+    turn_key: int
+    text: str
+    metrics: TurnMetrics
+
+
+@dataclass
+class ReplyFailed(Message):
+    """Generation ``turn_key`` did not complete. ``kind``: "error", "refused", "unsupported"."""
+
+    turn_key: int
+    message: str
+    kind: str
+
+
+@dataclass
+class ModelLoadAdvanced(Message):
+    """Loading ``model`` is at step ``done`` of ``total``."""
+
+    model: str
+    done: int
+    total: int
+    note: str
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, ModelLoadAdvanced) and message.model == self.model
+
+
+@dataclass
+class ModelLoadFinished(Message):
+    """``model`` is loaded on the engine; ``warning`` is set when caching is off for it."""
+
+    model: str
+    warning: str | None
+
+
+@dataclass
+class ModelLoadFailed(Message):
+    """Loading ``model`` failed; the previous model (if any) stays."""
+
+    model: str
+    message: str
+
+
+@dataclass
+class ConversationChosen(Message):
+    """The user picked conversation ``conversation_id`` in the list."""
+
+    conversation_id: int
+
+
+@dataclass
+class MessageSubmitted(Message):
+    """The chat input was submitted with ``text`` (already stripped, never empty)."""
+
+    text: str
+
+
+@dataclass
+class BranchRequested(Message):
+    """A click on a message's branch bar: ``action`` is "prev", "next", "regenerate",
+    "edit", "fork" or "copy", for the message of node ``node_id``."""
+
+    node_id: int
+    action: str
+
+
+@dataclass
+class MessageClicked(Message):
+    """The user clicked the message widget ``view`` (to select it)."""
+
+    view: Widget

@@ -1,0 +1,50 @@
+"""A one-line progress strip above the input: prefill progress or model loading."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.clock import Clock
+from textual.containers import Horizontal
+from textual.widgets import ProgressBar, Static
+
+from tierchat.tui.format import fmt_count
+
+
+class ActivityBar(Horizontal):
+    """Hidden unless a long prefill or a model load is under way."""
+
+    DEFAULT_CSS = """
+    ActivityBar { height: 1; padding: 0 1; display: none; }
+    ActivityBar.-active { display: block; }
+    ActivityBar > #activity-label { width: auto; max-width: 60%; color: $text-muted; }
+    ActivityBar > ProgressBar { width: 1fr; padding-left: 1; }
+    ActivityBar > ProgressBar > Bar { width: 1fr; }
+    """
+
+    def __init__(self, *, clock: Clock | None = None, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self._clock = clock
+
+    def compose(self) -> ComposeResult:
+        yield Static("", id="activity-label", markup=False)
+        yield ProgressBar(total=1, show_eta=False, clock=self._clock, id="activity-bar")
+
+    @property
+    def label(self) -> str:
+        return str(self.query_one("#activity-label", Static).content)
+
+    def _show(self, label: str, done: int, total: int) -> None:
+        self.add_class("-active")
+        self.query_one("#activity-label", Static).update(label)
+        self.query_one(ProgressBar).update(total=max(total, 1), progress=min(done, max(total, 1)))
+
+    def show_prefill(self, done: int, total: int, tps: float) -> None:
+        rate = f" · {tps:.0f} tok/s" if tps else ""
+        self._show(f"prefill {fmt_count(done)}/{fmt_count(total)} tokens{rate}", done, total)
+
+    def show_loading(self, model: str, done: int, total: int, note: str) -> None:
+        extra = f" · {note}" if note else ""
+        self._show(f"loading {model}{extra}", done, total)
+
+    def hide(self) -> None:
+        self.remove_class("-active")

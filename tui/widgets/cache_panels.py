@@ -1,0 +1,303 @@
+"""The live cache console: memory, hot tier, SSD tier, MRU tails, snapshots, last turn and
+an event log, all fed from one :class:`~tierchat.core.api.CacheStats` snapshot.
+
+:class:`CachePanels` holds one reactive, ``stats``; its watcher fans the snapshot out to the
+panels (``ProgressBar.update``, ``Sparkline.data``, ``DataTable.update_cell``, ``Log``).
+Polling is the screen's job (one ``set_interval``, paused while the panels are hidden).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from textual.app import ComposeResult
+from textual.clock import Clock
+from textual.containers import Vertical, VerticalScroll
+from textual.reactive import reactive
+from textual.widgets import DataTable, Log, ProgressBar, Sparkline, Static
+
+from tierchat.core.api import CacheStats, MemoryStats, TailStats, TierStats
+from tierchat.tui.format import fmt_bytes, fmt_cached_by, fmt_count, fmt_seconds
+
+SPARK_POINTS = 40
+
+
+class Panel(Vertical):
+    """A bordered box with a title; subclasses implement :meth:`show`."""
+
+    DEFAULT_CSS = """
+    Panel {
+        height: auto;
+        border: round $primary 40%;
+        border-title-color: $text;
+        border-subtitle-color: $text-muted;
+        padding: 0 1;
+    }
+    Panel > .line { height: 1; width: 1fr; }
+    Panel > .na { color: $warning; width: 1fr; }
+    Panel ProgressBar { width: 1fr; height: 1; }
+    Panel ProgressBar > Bar { width: 1fr; }
+    Panel.-off > .when-on { display: none; }
+    Panel > .na { display: none; }
+    Panel.-off > .na { display: block; }
+    """
+
+    TITLE = ""
+
+    def __init__(self, *, clock: Clock | None = None, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self._clock = clock
+        self.border_title = self.TITLE
+
+    def gauge(self, id: str) -> ProgressBar:
+        bar = ProgressBar(
+            total=1, show_eta=False, show_percentage=True, clock=self._clock, id=id
+        )
+        bar.add_class("when-on")
+        return bar
+
+    @staticmethod
+    def set_gauge(bar: ProgressBar, value: int, total: int) -> None:
+        # total=0 would make ProgressBar indeterminate (animated); show an empty bar instead.
+        bar.update(total=max(total, 1), progress=min(value, max(total, 1)))
+
+    def set_off(self, reason: str | None) -> None:
+        """Show "N/A" with ``reason`` instead of the readings (None: readings)."""
+        self.set_class(reason is not None, "-off")
+        if reason is not None:
+            self.query_one(".na", Static).update(f"N/A — {reason}" if reason else "N/A")
+
+    def show(self, stats: CacheStats) -> None:
+        raise NotImplementedError
+
+
+class MemoryPanel(Panel):
+    TITLE = "Memory"
+    DEFAULT_CSS = """
+    MemoryPanel.-soft { border: round $warning; }
+    MemoryPanel.-hard { border: round $error; }
+    """
+
+    def compose(self) -> ComposeResult:
+        yield self.gauge("memory-gauge")
+        yield Static("", classes="line", id="memory-text", markup=False)
+        yield Static("", classes="line", id="memory-peak", markup=False)
+
+    def show(self, stats: CacheStats) -> None:
+        m: MemoryStats = stats.memory
+        self.set_gauge(self.query_one("#memory-gauge", ProgressBar), m.active, m.limit)
+        limit = fmt_bytes(m.limit) if m.limit else "no limit"
+        self.query_one("#memory-text", Static).update(f"active {fmt_bytes(m.active)} / {limit}")
+        self.query_one("#memory-peak", Static).update(
+            f"peak {fmt_bytes(m.peak)} · MLX cache {fmt_bytes(m.cache)}"
+        )
+        for level in ("ok", "soft", "hard"):
+            self.set_class(m.level == level, f"-{level}")
+        self.border_subtitle = f"pressure {m.level}"
+
+
+class TierPanel(Panel):
+    """Hot or SSD tier: bytes against the budget, entries and counters."""
+
+    def __init__(self, tier: str, title: str, *, clock: Clock | None = None) -> None:
+        self.tier = tier
+        self.TITLE = title
+        super().__init__(clock=clock, id=f"{tier}-panel")
+
+    def compose(self) -> ComposeResult:
+        yield Static("", classes="na", markup=False)
+        yield self.gauge(f"{self.tier}-gauge")
+        yield Static("", classes="line when-on", id=f"{self.tier}-size", markup=False)
+        yield Static("", classes="line when-on", id=f"{self.tier}-counters", markup=False)
+
+    def show(self, stats: CacheStats) -> None:
+        t: TierStats = getattr(stats, self.tier)
+        off = not (stats.enabled and t.enabled) or stats.supported is False
+        self.set_off((t.reason or stats.reason or "caching off") if off else None)
+        self.set_gauge(self.query_one(ProgressBar), t.nbytes, t.max_bytes)
+        noun = "blocks" if self.tier == "hot" else "files"
+        size = self.query_one(f"#{self.tier}-size", Static)
+        size.update(
+            f"{fmt_bytes(t.nbytes)} / {fmt_bytes(t.max_bytes)} · {fmt_count(t.entries)} {noun}"
+        )
+        if self.tier == "hot":
+            counters = f"hits {t.hits} · misses {t.misses} · evicted {t.evictions}"
+        else:
+            counters = (
+                f"hits {t.hits} · queue {t.queue_depth} · errors {t.errors}"
+                f" · drops {t.write_drops}"
+            )
+            if t.corrupt:
+                counters += f" · corrupt {t.corrupt}"
+        self.query_one(f"#{self.tier}-counters", Static).update(counters)
+
+
+class TailsPanel(Panel):
+    """MRU partial tails: entries, hit rate with a sparkline of it over lookups, tokens saved."""
+
+    TITLE = "MRU tails"
+    DEFAULT_CSS = """
+    TailsPanel Sparkline { height: 1; width: 1fr; margin: 0; }
+    """
+
+    def __init__(self, *, clock: Clock | None = None) -> None:
+        super().__init__(clock=clock, id="tails-panel")
+        self._rates: deque[float] = deque(maxlen=SPARK_POINTS)
+        self._lookups = 0
+
+    def compose(self) -> ComposeResult:
+        yield Static("", classes="na", markup=False)
+        yield Static("", classes="line when-on", id="tails-entries", markup=False)
+        spark = Sparkline([], summary_function=max, id="tails-spark")
+        spark.add_class("when-on")
+        yield spark
+        yield Static("", classes="line when-on", id="tails-saved", markup=False)
+
+    def show(self, stats: CacheStats) -> None:
+        t: TailStats = stats.tails
+        if t.supported is False or stats.supported is False:
+            self.set_off(t.reason or stats.reason or "this model cannot use tails")
+            return
+        self.set_off(None)
+        lookups = t.hits + t.misses
+        if lookups != self._lookups:
+            # One point per change in lookups: the line moves with traffic, not wall time.
+            self._lookups = lookups
+            self._rates.append(t.hit_rate * 100)
+            self.query_one(Sparkline).data = list(self._rates)
+        self.query_one("#tails-entries", Static).update(
+            f"{t.entries}/{t.max_entries} entries · hit rate {t.hit_rate:.0%}"
+            f" ({t.hits}/{lookups})"
+        )
+        self.query_one("#tails-saved", Static).update(
+            f"saved {fmt_count(t.tokens_saved)} tokens · {fmt_bytes(t.nbytes)}"
+        )
+
+
+class SnapshotsPanel(Panel):
+    TITLE = "Snapshots & checkpoints"
+
+    def compose(self) -> ComposeResult:
+        yield Static("", classes="line", id="snapshots-text", markup=False)
+        yield Static("", classes="line", id="checkpoints-text", markup=False)
+
+    def show(self, stats: CacheStats) -> None:
+        s = stats.snapshots
+        self.query_one("#snapshots-text", Static).update(
+            f"snapshots {fmt_count(s.count)} · {fmt_bytes(s.nbytes)}"
+        )
+        t = stats.tails
+        self.query_one("#checkpoints-text", Static).update(
+            f"checkpoints {t.checkpoints} · hits {t.checkpoint_hits}"
+        )
+
+
+LAST_TURN_ROWS = (
+    ("prompt", "prompt tokens"),
+    ("cached", "cached"),
+    ("by", "  by source"),
+    ("prefilled", "prefilled"),
+    ("ttft", "TTFT"),
+    ("prefill_tps", "prefill tok/s"),
+    ("decode_tps", "decode tok/s"),
+)
+
+
+class LastTurnPanel(Panel):
+    TITLE = "Last turn"
+    DEFAULT_CSS = """
+    LastTurnPanel DataTable { height: auto; background: transparent; }
+    """
+
+    def compose(self) -> ComposeResult:
+        table: DataTable = DataTable(
+            show_header=False, cursor_type="none", zebra_stripes=False, id="last-turn"
+        )
+        table.can_focus = False
+        yield table
+
+    def on_mount(self) -> None:
+        table = self.query_one(DataTable)
+        table.add_column("what", key="what")
+        table.add_column("value", key="value")
+        for key, label in LAST_TURN_ROWS:
+            table.add_row(label, "—", key=key)
+
+    def show(self, stats: CacheStats) -> None:
+        lt = stats.last_turn
+        values = {
+            "prompt": fmt_count(lt.prompt_tokens),
+            "cached": fmt_count(lt.cached_tokens),
+            "by": fmt_cached_by(lt.cached_by),
+            "prefilled": fmt_count(lt.prefill_tokens),
+            "ttft": fmt_seconds(lt.ttft_s),
+            "prefill_tps": f"{lt.prefill_tps:.1f}",
+            "decode_tps": f"{lt.generation_tps:.1f}",
+        }
+        if not lt.prompt_tokens:
+            values = dict.fromkeys(values, "—")
+        table = self.query_one(DataTable)
+        for key, value in values.items():
+            table.update_cell(key, "value", value, update_width=True)
+
+
+class EventsPanel(Panel):
+    """The engine's recent cache events (hits, evictions, clears, errors), newest last."""
+
+    TITLE = "Events"
+    DEFAULT_CSS = """
+    EventsPanel Log { height: 8; background: $background; scrollbar-size-vertical: 1; }
+    """
+
+    def __init__(self, *, clock: Clock | None = None) -> None:
+        super().__init__(clock=clock, id="events-panel")
+        self._last_seq = 0
+
+    def compose(self) -> ComposeResult:
+        log = Log(max_lines=500, id="events-log")
+        log.can_focus = False
+        yield log
+
+    def show(self, stats: CacheStats) -> None:
+        fresh = [(seq, text) for seq, text in stats.events if seq > self._last_seq]
+        if fresh:
+            self._last_seq = fresh[-1][0]
+            self.query_one(Log).write_lines(f"{seq:>4} {text}" for seq, text in fresh)
+
+
+class CachePanels(VerticalScroll):
+    """Every panel, fed by :attr:`stats`."""
+
+    DEFAULT_CSS = """
+    CachePanels { width: 46; padding: 0 1 0 0; scrollbar-size-vertical: 1; }
+    CachePanels > #cache-model { height: 1; color: $text-muted; padding: 0 1; }
+    """
+
+    stats: reactive[CacheStats | None] = reactive(None, init=False)
+    """The newest snapshot; ``None`` until the first poll."""
+
+    def __init__(self, *, clock: Clock | None = None, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self._clock = clock
+
+    def compose(self) -> ComposeResult:
+        yield Static("cache: waiting for the engine…", id="cache-model", markup=False)
+        yield MemoryPanel(clock=self._clock, id="memory-panel")
+        yield TierPanel("hot", "Hot tier (RAM)", clock=self._clock)
+        yield TierPanel("ssd", "SSD tier", clock=self._clock)
+        yield TailsPanel(clock=self._clock)
+        yield SnapshotsPanel(clock=self._clock, id="snapshots-panel")
+        yield LastTurnPanel(clock=self._clock, id="last-turn-panel")
+        yield EventsPanel(clock=self._clock)
+
+    def watch_stats(self, stats: CacheStats | None) -> None:
+        if stats is None:
+            return
+        state = {None: "model loading", True: "on", False: "off"}[stats.supported]
+        if not stats.enabled and stats.supported is not False:
+            state = "disabled"
+        self.query_one("#cache-model", Static).update(
+            f"{stats.model or 'no model'} · cache {state} · block {stats.block_size} tokens"
+        )
+        for panel in self.query(Panel):
+            panel.show(stats)

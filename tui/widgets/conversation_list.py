@@ -1,0 +1,84 @@
+"""The conversation list: every stored conversation, newest first; Enter opens one."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from textual.binding import Binding
+from textual.markup import escape
+from textual.widgets import OptionList
+from textual.widgets.option_list import Option
+
+from tierchat.tui.messages import ConversationChosen
+
+
+@dataclass(frozen=True)
+class ConversationRow:
+    """One line of the list: ``id``, ``title`` and a ``when`` epoch timestamp (seconds)."""
+
+    id: int
+    title: str
+    when: float
+
+    @classmethod
+    def from_store(cls, item: Any) -> ConversationRow:
+        """From whatever ``ConversationStore.list_conversations()`` yields (object or dict)."""
+
+        def get(name: str, default: Any = None) -> Any:
+            if isinstance(item, dict):
+                return item.get(name, default)
+            return getattr(item, name, default)
+
+        when = get("updated_at") or get("created_at") or 0.0
+        return cls(int(get("id")), str(get("title") or "untitled"), float(when))
+
+
+def fmt_when(epoch: float) -> str:
+    """A fixed-format UTC timestamp (no "5 min ago": snapshots must not depend on now)."""
+    return time.strftime("%Y-%m-%d %H:%M", time.gmtime(epoch)) if epoch else ""
+
+
+class ConversationList(OptionList):
+    """Option ids are conversation ids as strings; the open one is marked ``●``."""
+
+    DEFAULT_CSS = """
+    ConversationList { height: 1fr; border: round $primary 40%; background: transparent; }
+    ConversationList:focus { border: round $primary; }
+    """
+
+    BINDINGS = [
+        Binding("delete", "screen.delete_conversation", "Delete", id="delete_conversation"),
+    ]
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.border_title = "Conversations"
+        self.rows: list[ConversationRow] = []
+
+    def show(self, rows: Iterable[ConversationRow], active_id: int | None) -> None:
+        """Replace the options, keeping the highlight on ``active_id`` when it is listed."""
+        self.rows = list(rows)
+        self.clear_options()
+        for row in self.rows:
+            mark = "●" if row.id == active_id else " "
+            prompt = f"{mark} {escape(row.title)}\n  [dim]{fmt_when(row.when)}[/]"
+            self.add_option(Option(prompt, id=str(row.id)))
+        ids = [row.id for row in self.rows]
+        if active_id in ids:
+            self.highlighted = ids.index(active_id)
+        self.border_subtitle = f"{len(self.rows)}"
+
+    @property
+    def highlighted_id(self) -> int | None:
+        """The conversation under the highlight, if any."""
+        if self.highlighted is None or not self.rows:
+            return None
+        return self.rows[self.highlighted].id
+
+    def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
+        event.stop()
+        if event.option.id is not None:
+            self.post_message(ConversationChosen(int(event.option.id)))
