@@ -7,13 +7,12 @@ engine. Nothing here imports MLX: the engine arrives as an ``EngineLike``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from textual.app import App
 from textual.binding import Binding, BindingType
 from textual.clock import Clock
 from textual.screen import Screen
-
 from tierchat.core.api import EngineLike
 from tierchat.tui.screens.chat import ChatScreen
 from tierchat.tui.screens.confirm import ConfirmScreen
@@ -38,7 +37,7 @@ class TierchatApp(App[None]):
 
     CSS_PATH = "app.tcss"
     TITLE = "tierchat"
-    BINDINGS: list[BindingType] = [
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("ctrl+q", "quit", "Quit", id="quit", priority=True),
         Binding("f1", "help", "Help", id="help"),
     ]
@@ -84,8 +83,7 @@ class TierchatApp(App[None]):
         unknown = sorted(set(self.keymap) - set(binding_ids()))
         if unknown:
             self.notify(
-                f"Unknown binding id(s) in [keymap]: {', '.join(unknown)}. "
-                "F1 lists the ids.",
+                f"Unknown binding id(s) in [keymap]: {', '.join(unknown)}. F1 lists the ids.",
                 title="Keymap",
                 severity="warning",
             )

@@ -115,7 +115,7 @@ class ConversationCommands(ActionProvider):
 
 
 class ModelCommands(ActionProvider):
-    """"Model: pick…" plus "Model: load <name>" for every built-in model."""
+    """ "Model: pick…" plus "Model: load <name>" for every built-in model."""
 
     def commands(self) -> Iterator[Command]:
         from tierchat.tui.models import BUILTIN_MODELS

@@ -12,9 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from textual.message import Message
-
 from textual.widget import Widget
-
 from tierchat.core.api import TurnMetrics
 
 

@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from textual import on, work
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.clock import Clock
 from textual.containers import Horizontal, Vertical
 from textual.reactive import reactive
 from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Header
-
 from tierchat.core.api import (
     CacheStats,
     Event,
@@ -41,6 +40,7 @@ from tierchat.tui.format import fmt_bytes, metrics_from_meta
 from tierchat.tui.messages import (
     BranchRequested,
     ConversationChosen,
+    MessageClicked,
     MessageSubmitted,
     ModelLoadAdvanced,
     ModelLoadFailed,
@@ -49,7 +49,6 @@ from tierchat.tui.messages import (
     ReplyFailed,
     ReplyFinished,
     ReplyStreamed,
-    MessageClicked,
 )
 from tierchat.tui.models import model_choices
 from tierchat.tui.screens.confirm import ConfirmScreen
@@ -61,6 +60,8 @@ from tierchat.tui.widgets.chat_input import ChatInput
 from tierchat.tui.widgets.conversation_list import ConversationList, ConversationRow
 from tierchat.tui.widgets.transcript import MessageInfo, MessageView, Transcript
 
+T = TypeVar("T")
+
 if TYPE_CHECKING:
     from tierchat.tui.app import TierchatApp
 
@@ -70,8 +71,10 @@ STATS_POLL_S = 0.5
 CLEAR_TEXT = {
     "hot": (
         "Clear the hot tier?",
-        "Drops every block held in RAM. Blocks already on the SSD tier stay there, so the "
-        "next turn reloads them from disk.",
+        (
+            "Drops every block held in RAM. Blocks already on the SSD tier stay there, so the "
+            "next turn reloads them from disk."
+        ),
     ),
     "ssd": (
         "Clear the SSD tier?",
@@ -79,13 +82,17 @@ CLEAR_TEXT = {
     ),
     "tails": (
         "Clear MRU tails and checkpoints?",
-        "Drops the partial tails and prompt-end checkpoints; regenerate will prefill the "
-        "tail of the prompt again.",
+        (
+            "Drops the partial tails and prompt-end checkpoints; regenerate will prefill the "
+            "tail of the prompt again."
+        ),
     ),
     "all": (
         "Clear every cache tier?",
-        "Drops the hot tier, the SSD tier, tails and checkpoints. The next turn is a cold "
-        "prefill of the whole conversation.",
+        (
+            "Drops the hot tier, the SSD tier, tails and checkpoints. The next turn is a cold "
+            "prefill of the whole conversation."
+        ),
     ),
 }
 
@@ -114,7 +121,7 @@ class ChatScreen(Screen):
         ModelCommands,
     }
 
-    BINDINGS = [
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "stop", "Stop", id="stop"),
         Binding("ctrl+r", "regenerate", "Regenerate", id="regenerate"),
         Binding("alt+left", "swipe(-1)", "◀ Reply", id="swipe_prev"),
@@ -160,6 +167,17 @@ class ChatScreen(Screen):
     @property
     def tierchat(self) -> TierchatApp:
         return self.app  # type: ignore[return-value]
+
+    def attempt(self, title: str, call: Callable[[], T]) -> tuple[bool, T | None]:
+        """Run ``call``; any exception becomes an error notification titled ``title``.
+
+        Engine and store calls go through here: the app never crashes on their errors.
+        """
+        try:
+            return True, call()
+        except Exception as e:  # noqa: BLE001 - the UI boundary: report, never crash
+            self.notify(str(e) or type(e).__name__, title=title, severity="error", timeout=8)
+            return False, None
 
     # ------------------------------------------------------------------ layout
 
@@ -284,10 +302,10 @@ class ChatScreen(Screen):
         self.query_one(ConversationList).show(rows, self.conversation_id)
 
     def open_conversation(self, conversation_id: int) -> None:
-        try:
-            self.tierchat.session.open(conversation_id)
-        except Exception as e:  # a deleted or unreadable conversation
-            self.notify(str(e), title="Cannot open conversation", severity="error")
+        ok, _ = self.attempt(
+            "Cannot open conversation", lambda: self.tierchat.session.open(conversation_id)
+        )
+        if not ok:
             return
         self.conversation_id = conversation_id
         self.selected = None
@@ -325,10 +343,8 @@ class ChatScreen(Screen):
         def done(title: str | None) -> None:
             if title is None:
                 return
-            try:
-                self.tierchat.store.rename(cid, title)
-            except Exception as e:
-                self.notify(str(e), title="Rename failed", severity="error")
+            ok, _ = self.attempt("Rename failed", lambda: self.tierchat.store.rename(cid, title))
+            if not ok:
                 return
             self.refresh_conversations()
             self._update_titles()
@@ -347,10 +363,9 @@ class ChatScreen(Screen):
         def done(confirmed: bool | None) -> None:
             if not confirmed:
                 return
-            try:
-                self.tierchat.store.delete_conversation(cid)
-            except Exception as e:
-                self.notify(str(e), title="Delete failed", severity="error")
+            store = self.tierchat.store
+            ok, _ = self.attempt("Delete failed", lambda: store.delete_conversation(cid))
+            if not ok:
                 return
             if cid == self.conversation_id:
                 self.action_new_conversation()
@@ -358,7 +373,9 @@ class ChatScreen(Screen):
             self.notify(f"Deleted “{title}”")
 
         body = f"“{title}” and every branch in it will be deleted from the store."
-        self.app.push_screen(ConfirmScreen("Delete conversation?", body, confirm_label="Delete"), done)
+        self.app.push_screen(
+            ConfirmScreen("Delete conversation?", body, confirm_label="Delete"), done
+        )
 
     # ------------------------------------------------------------------ transcript
 
@@ -487,10 +504,9 @@ class ChatScreen(Screen):
             ready.set()
 
     async def _start_turn(self, start: Callable[[Callable[[Event], None]], Any]) -> bool:
-        try:
-            handle = start(self._callback(self._turn_key))
-        except Exception as e:
-            self.notify(str(e) or type(e).__name__, title="Cannot generate", severity="error")
+        on_event = self._callback(self._turn_key)
+        ok, handle = self.attempt("Cannot generate", lambda: start(on_event))
+        if not ok:
             return False
         self._handle = handle
         self.streaming = True
@@ -520,11 +536,13 @@ class ChatScreen(Screen):
             return
         session = self.tierchat.session
         if self.conversation_id is None:
-            try:
-                self.conversation_id = session.new_conversation(title=title_from(event.text))
-            except Exception as e:
-                self.notify(str(e), title="Cannot create conversation", severity="error")
+            title = title_from(event.text)
+            ok, cid = self.attempt(
+                "Cannot create conversation", lambda: session.new_conversation(title=title)
+            )
+            if not ok:
                 return
+            self.conversation_id = cid
             self.refresh_conversations()
             self._update_titles()
         if await self._start(lambda cb: session.send(event.text, on_event=cb)):
@@ -577,9 +595,9 @@ class ChatScreen(Screen):
         self.query_one(ActivityBar).hide()
         reply = getattr(handle, "reply_node", None)
         infos = self.path_infos()
-        if view is not None and infos and infos[-1].role == "assistant":
-            if reply is None or infos[-1].node_id == reply.id:
-                await view.finish(infos[-1])
+        stored = bool(infos) and infos[-1].role == "assistant"
+        if view is not None and stored and (reply is None or infos[-1].node_id == reply.id):
+            await view.finish(infos[-1])
         await self.query_one(Transcript).sync(infos)
         self.streaming = False
         self.refresh_conversations()
@@ -613,10 +631,9 @@ class ChatScreen(Screen):
         if not 0 <= index < reply.info.count:
             return
         selected = self.selected
-        try:
-            self.tierchat.session.swipe(reply.info.turn, index)
-        except Exception as e:
-            self.notify(str(e), title="Swipe failed", severity="error")
+        turn = reply.info.turn
+        ok, _ = self.attempt("Swipe failed", lambda: self.tierchat.session.swipe(turn, index))
+        if not ok:
             return
         await self.query_one(Transcript).sync(self.path_infos())
         self.selected = selected
@@ -627,10 +644,9 @@ class ChatScreen(Screen):
         target = self._target()
         if target is None or target.info.node_id is None:
             return
-        try:
-            new_id = self.tierchat.session.fork(target.info.node_id)
-        except Exception as e:
-            self.notify(str(e), title="Fork failed", severity="error")
+        node_id = target.info.node_id
+        ok, new_id = self.attempt("Fork failed", lambda: self.tierchat.session.fork(node_id))
+        if not ok or new_id is None:
             return
         self.open_conversation(new_id)
         self.notify(f"Forked into “{self.sub_title.split(' · ', 1)[-1]}”")
@@ -670,10 +686,13 @@ class ChatScreen(Screen):
         self.loading_model = spec
         self.query_one(ActivityBar).show_loading(spec, 0, 1, "")
         self._update_titles()
-        try:
-            self.tierchat.engine.load_model(spec, on_event=on_event)
-        except Exception as e:
-            self.post_message(ModelLoadFailed(spec, str(e) or type(e).__name__))
+        ok, _ = self.attempt(
+            f"Cannot load {spec}", lambda: self.tierchat.engine.load_model(spec, on_event=on_event)
+        )
+        if not ok:
+            self.loading_model = ""
+            self.query_one(ActivityBar).hide()
+            self._update_titles()
 
     def action_load_model(self, spec: str) -> None:
         self.load_model(spec)
@@ -719,10 +738,8 @@ class ChatScreen(Screen):
         """Clear ``tier`` on the engine now (no confirmation), report it, refresh the panels."""
         engine = self.tierchat.engine
         before = self._safe_stats()
-        try:
-            engine.clear(tier)
-        except Exception as e:
-            self.notify(str(e) or type(e).__name__, title=f"Clear {tier} failed", severity="error")
+        ok, _ = self.attempt(f"Clear {tier} failed", lambda: engine.clear(tier))
+        if not ok:
             return
         after = self.poll_stats()
         self.notify(_clear_report(tier, before, after), title="Cache cleared")
@@ -730,7 +747,7 @@ class ChatScreen(Screen):
     def _safe_stats(self) -> CacheStats | None:
         try:
             return self.tierchat.engine.stats()
-        except Exception:
+        except Exception:  # noqa: BLE001 - a failed poll shows stale panels, never a crash
             return None
 
     def poll_stats(self) -> CacheStats | None:
@@ -768,7 +785,7 @@ class ChatScreen(Screen):
 
 
 def _clear_report(tier: str, before: CacheStats | None, after: CacheStats | None) -> str:
-    """"hot tier: 12 blocks (48.0 KiB) dropped" style text for the clear notification."""
+    """ "hot tier: 12 blocks (48.0 KiB) dropped" style text for the clear notification."""
     if before is None or after is None:
         return f"Cleared {tier}."
     parts = []

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from textual import on
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Static
@@ -14,7 +16,7 @@ class ConfirmScreen(ModalScreen[bool]):
     """Dismisses with True on "y" / the confirm button, False on "n" / Esc / cancel."""
 
     CSS_PATH = "confirm.tcss"
-    BINDINGS = [
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("y", "confirm", "Yes", id="confirm_yes"),
         Binding("n,escape", "cancel", "No", id="confirm_no"),
     ]

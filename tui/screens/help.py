@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Static
@@ -13,7 +15,9 @@ class HelpScreen(ModalScreen[None]):
     """``rows`` are ``(where, key, description, binding id)``."""
 
     CSS_PATH = "help.tcss"
-    BINDINGS = [Binding("escape,f1,q", "close", "Close", id="help_close")]
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape,f1,q", "close", "Close", id="help_close")
+    ]
 
     def __init__(self, rows: list[tuple[str, str, str, str]]) -> None:
         super().__init__()

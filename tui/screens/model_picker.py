@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from textual import on
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Vertical
 from textual.markup import escape
 from textual.screen import ModalScreen
 from textual.widgets import Input, OptionList, Static
 from textual.widgets.option_list import Option
-
 from tierchat.tui.models import ModelChoice
 
 
@@ -18,7 +19,9 @@ class ModelPickerScreen(ModalScreen[str | None]):
     """Dismisses with the chosen model spec, or None on Esc."""
 
     CSS_PATH = "model_picker.tcss"
-    BINDINGS = [Binding("escape", "cancel", "Cancel", id="picker_cancel")]
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "cancel", "Cancel", id="picker_cancel")
+    ]
 
     def __init__(self, choices: list[ModelChoice], current: str) -> None:
         super().__init__()
@@ -34,7 +37,9 @@ class ModelPickerScreen(ModalScreen[str | None]):
                 prompt = f"{mark} [b]{escape(choice.spec)}[/b]  [dim]{escape(choice.note)}[/]"
                 options.append(Option(prompt, id=choice.spec))
             yield OptionList(*options, id="model-options")
-            yield Input(placeholder="or a local MLX directory / Hugging Face repo id", id="model-path")
+            yield Input(
+                placeholder="or a local MLX directory / Hugging Face repo id", id="model-path"
+            )
             yield Static("Enter loads on the engine thread · Esc cancels", classes="hint")
 
     def on_mount(self) -> None:

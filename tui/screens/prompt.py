@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from textual import on
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Input, Static, TextArea
@@ -14,7 +16,9 @@ class PromptScreen(ModalScreen[str | None]):
     """One ``Input``; Enter dismisses with the stripped text (None when empty), Esc with None."""
 
     CSS_PATH = "prompt.tcss"
-    BINDINGS = [Binding("escape", "cancel", "Cancel", id="prompt_cancel")]
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "cancel", "Cancel", id="prompt_cancel")
+    ]
 
     def __init__(self, title: str, value: str = "", *, hint: str = "Enter to save · Esc to cancel"):
         super().__init__()
@@ -44,7 +48,7 @@ class EditMessageScreen(ModalScreen[str | None]):
     """A ``TextArea`` holding a user message; Ctrl+S dismisses with the new text."""
 
     CSS_PATH = "prompt.tcss"
-    BINDINGS = [
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("ctrl+s", "save", "Send as new branch", id="edit_save", priority=True),
         Binding("escape", "cancel", "Cancel", id="edit_cancel"),
     ]

@@ -15,7 +15,6 @@ from textual.clock import Clock
 from textual.containers import Vertical, VerticalScroll
 from textual.reactive import reactive
 from textual.widgets import DataTable, Log, ProgressBar, Sparkline, Static
-
 from tierchat.core.api import CacheStats, MemoryStats, TailStats, TierStats
 from tierchat.tui.format import fmt_bytes, fmt_cached_by, fmt_count, fmt_seconds
 
@@ -50,9 +49,7 @@ class Panel(Vertical):
         self.border_title = self.TITLE
 
     def gauge(self, id: str) -> ProgressBar:
-        bar = ProgressBar(
-            total=1, show_eta=False, show_percentage=True, clock=self._clock, id=id
-        )
+        bar = ProgressBar(total=1, show_eta=False, show_percentage=True, clock=self._clock, id=id)
         bar.add_class("when-on")
         return bar
 
@@ -124,8 +121,7 @@ class TierPanel(Panel):
             counters = f"hits {t.hits} · misses {t.misses} · evicted {t.evictions}"
         else:
             counters = (
-                f"hits {t.hits} · queue {t.queue_depth} · errors {t.errors}"
-                f" · drops {t.write_drops}"
+                f"hits {t.hits} · queue {t.queue_depth} · errors {t.errors} · drops {t.write_drops}"
             )
             if t.corrupt:
                 counters += f" · corrupt {t.corrupt}"
@@ -166,8 +162,7 @@ class TailsPanel(Panel):
             self._rates.append(t.hit_rate * 100)
             self.query_one(Sparkline).data = list(self._rates)
         self.query_one("#tails-entries", Static).update(
-            f"{t.entries}/{t.max_entries} entries · hit rate {t.hit_rate:.0%}"
-            f" ({t.hits}/{lookups})"
+            f"{t.entries}/{t.max_entries} entries · hit rate {t.hit_rate:.0%} ({t.hits}/{lookups})"
         )
         self.query_one("#tails-saved", Static).update(
             f"saved {fmt_count(t.tokens_saved)} tokens · {fmt_bytes(t.nbytes)}"

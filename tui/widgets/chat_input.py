@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from textual.binding import Binding
-from textual.widgets import TextArea
+from typing import ClassVar
 
+from textual.binding import Binding, BindingType
+from textual.widgets import TextArea
 from tierchat.tui.messages import MessageSubmitted
 
 
@@ -28,7 +29,7 @@ class ChatInput(TextArea):
     }
     """
 
-    BINDINGS = [
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("enter", "send", "Send", id="send", priority=True),
         Binding(
             "shift+enter,ctrl+j", "newline", "Newline", id="newline", priority=True, show=False

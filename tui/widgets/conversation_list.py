@@ -5,13 +5,12 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.markup import escape
 from textual.widgets import OptionList
 from textual.widgets.option_list import Option
-
 from tierchat.tui.messages import ConversationChosen
 
 
@@ -49,7 +48,7 @@ class ConversationList(OptionList):
     ConversationList:focus { border: round $primary; }
     """
 
-    BINDINGS = [
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("delete", "screen.delete_conversation", "Delete", id="delete_conversation"),
     ]
 

@@ -15,7 +15,6 @@ from textual.containers import Vertical, VerticalScroll
 from textual.markup import escape
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
-
 from tierchat.core.api import TurnMetrics
 from tierchat.tui.format import fmt_metrics
 from tierchat.tui.messages import BranchRequested, MessageClicked
