@@ -1,0 +1,245 @@
+"""Prompt token ids for a conversation path: chat template, message boundaries, splicing.
+
+DESIGN.md §4. The cache key is the prompt's token-id sequence, so turn k+1's prompt must
+begin with exactly turn k's prompt + the ids the model generated. Re-tokenizing a reply's
+text often gives other ids than were generated (BPE prefers merges the sampler did not
+take), so the generated ids of each assistant message are spliced back in where the
+templated text matches them.
+
+How (works with any chat template that renders messages in order):
+
+1. Render the full prompt text ``T`` (with the generation prompt). For each message ``i``
+   render ``messages[:i+1]`` (``R_i``) and the same list with message ``i``'s content
+   replaced by a sentinel (``S_i = pre + SENTINEL + post``). When ``R_i`` is a prefix of
+   ``T`` and ``R_i == pre + X + post``, ``X`` is the message's rendered content, at
+   ``[len(pre), len(R_i) - len(post))``, and the message ends at ``len(R_i)`` (after its
+   closing tokens, e.g. ``<|im_end|>\\n``).
+2. Cut ``T`` at every content start/end and message end, and tokenize piece by piece with
+   ``add_special_tokens=False`` (the template text already holds BOS/special tokens).
+   Because the cuts of turn k are also cuts of turn k+1 and each piece is tokenized on its
+   own, turn k's ids are a prefix of turn k+1's.
+3. For an assistant message with ``token_ids``: when ``decode(ids)`` (EOS included) equals
+   the text at the content start, those ids replace the piece; else the longest prefix of
+   the ids whose decoding is a prefix of the content is spliced and the rest re-tokenized.
+
+Where this cannot hold (documented, fail closed -- the prompt is still correct, the cache
+just misses from that point):
+
+- Piece-by-piece tokenization equals whole-text tokenization when every cut falls on a
+  pre-tokenizer split. Cuts next to special tokens always do. Byte-level BPE (Qwen2,
+  Llama 3) can differ when a message's content *starts* with whitespace or a newline
+  after the header's newline (``"\\n" + "\\nHi"`` vs ``"\\n\\nHi"``); the pieces are then a
+  valid but non-canonical tokenization, consistent from turn to turn.
+  ``Prompt.canonical`` says whether the ids equal the whole-text tokenization.
+- If the pieces do not decode to the same text as the whole (a tokenizer that prepends a
+  space to every piece, SentencePiece ``add_dummy_prefix``), the whole text is tokenized
+  instead, nothing is spliced and ``Prompt.fallback`` says why.
+- Templates that render a message differently when it is not last (Qwen3 drops
+  ``<think>`` from earlier replies), trim content (Gemma ``| trim`` vs a reply ending in a
+  newline) or fold one message into another (Gemma folds the system prompt into the first
+  user turn): that message gets no span; its text is tokenized normally and, where its end
+  is not a prefix of the full render, it gets no boundary.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tierchat.core.api import Tokenizer
+
+SENTINEL = "TIERCHAT7SENTINEL3CONTENT"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Token ids of one prompt and where each message ends.
+
+    ``boundaries``: ``(end_offset, role)`` per message whose end is known, the token
+    offset just after the message (its closing tokens included), strictly increasing.
+    ``spliced``: assistant messages whose generated ids were spliced in (wholly or partly).
+    ``canonical``: tokenizing piece by piece gave the same ids as tokenizing ``text`` whole
+    (before splicing; spliced reply ids are generated ids, not a tokenization).
+    ``fallback``: why splicing was abandoned for this prompt ("" when it was not).
+    """
+
+    token_ids: tuple[int, ...]
+    boundaries: tuple[tuple[int, str], ...]
+    text: str = ""
+    spliced: int = 0
+    canonical: bool = True
+    fallback: str = ""
+
+
+@dataclass(frozen=True)
+class _Msg:
+    role: str
+    content: str
+    token_ids: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class _Span:
+    content_start: int
+    content_end: int | None  # None: no content span known (boundary only)
+    end: int
+
+
+def _as_msg(m: Any) -> _Msg:
+    if isinstance(m, Mapping):
+        ids = m.get("token_ids")
+        return _Msg(m["role"], m["content"], tuple(ids) if ids is not None else None)
+    ids = getattr(m, "token_ids", None)
+    return _Msg(m.role, m.content, tuple(ids) if ids is not None else None)
+
+
+def _render(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
+    if not isinstance(text, str):
+        raise TypeError("apply_chat_template(tokenize=False) must return a str")
+    return text
+
+
+def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+
+def _decode(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
+    try:
+        return tokenizer.decode(list(ids), clean_up_tokenization_spaces=False)
+    except TypeError:  # tokenizers without that option (the test fake)
+        return tokenizer.decode(list(ids))
+
+
+def common_prefix_len(a: Sequence, b: Sequence) -> int:
+    """Length of the longest common prefix of two sequences."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _spans(tokenizer: Tokenizer, msgs: list[_Msg], full: str) -> list[_Span | None]:
+    plain = [{"role": m.role, "content": m.content} for m in msgs]
+    spans: list[_Span | None] = []
+    prev_end = 0
+    for i, m in enumerate(msgs):
+        try:
+            rendered = _render(tokenizer, plain[: i + 1], False)
+            probe = _render(tokenizer, [*plain[:i], {"role": m.role, "content": SENTINEL}], False)
+        except Exception:  # noqa: BLE001 -- a template may refuse a partial conversation
+            spans.append(None)
+            continue
+        if not full.startswith(rendered) or len(rendered) <= prev_end:
+            spans.append(None)
+            continue
+        prev_end = len(rendered)
+        span = _Span(len(rendered), None, len(rendered))
+        if probe.count(SENTINEL) == 1:
+            pre, post = probe.split(SENTINEL)
+            fits = len(pre) + len(post) <= len(rendered)
+            if fits and rendered.startswith(pre) and rendered.endswith(post):
+                span = _Span(len(pre), len(rendered) - len(post), len(rendered))
+        spans.append(span)
+    return spans
+
+
+def _splice_len(tokenizer: Tokenizer, ids: tuple[int, ...], full: str, span: _Span) -> int:
+    """How many of ``ids`` to splice at ``span.content_start`` (0: none)."""
+    start, end = span.content_start, span.end
+    # whole reply, or without a trailing EOS/extra special the template does not show
+    for j in range(len(ids), max(len(ids) - 3, 0), -1):
+        text = _decode(tokenizer, ids[:j])
+        if start + len(text) <= end and full.startswith(text, start):
+            if start + len(text) >= span.content_end:
+                return j
+            break
+    # partial: the longest prefix whose text is a prefix of the content
+    content = full[start : span.content_end]
+    lo, hi = 0, len(ids)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if content.startswith(_decode(tokenizer, ids[:mid])):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def build_prompt(
+    tokenizer: Tokenizer, messages: Iterable[Any], *, add_generation_prompt: bool = True
+) -> Prompt:
+    """The prompt for ``messages`` (the active path: ``Node`` objects or mappings with
+    ``role``, ``content`` and optional ``token_ids``), with generated ids spliced in.
+
+    Raises ``TypeError`` if the tokenizer's template does not render to text, and whatever
+    the template raises for the full conversation (e.g. roles it does not allow).
+    """
+    msgs = [_as_msg(m) for m in messages]
+    plain = [{"role": m.role, "content": m.content} for m in msgs]
+    full = _render(tokenizer, plain, add_generation_prompt)
+    spans = _spans(tokenizer, msgs, full)
+
+    cuts = {0, len(full)}
+    splices: dict[int, tuple[int, ...]] = {}  # char start -> ids covering [start, stop)
+    stops: dict[int, int] = {}
+    for m, span in zip(msgs, spans, strict=True):
+        if span is None:
+            continue
+        cuts.add(span.end)
+        if span.content_end is None:
+            continue
+        cuts.update((span.content_start, span.content_end))
+        if m.role == "assistant" and m.token_ids:
+            j = _splice_len(tokenizer, m.token_ids, full, span)
+            if j:
+                stop = span.content_start + len(_decode(tokenizer, m.token_ids[:j]))
+                splices[span.content_start] = m.token_ids[:j]
+                stops[span.content_start] = stop
+                cuts.add(stop)
+    for start, stop in stops.items():  # no cut inside a spliced range
+        cuts = {c for c in cuts if not start < c < stop}
+
+    ordered = sorted(cuts)
+    ids: list[int] = []
+    plain_ids: list[int] = []
+    offset_of: dict[int, int] = {0: 0}
+    for a, b in itertools.pairwise(ordered):
+        piece = _encode(tokenizer, full[a:b])
+        plain_ids.extend(piece)
+        ids.extend(splices.get(a, piece))
+        offset_of[b] = len(ids)
+
+    whole = _encode(tokenizer, full)
+    fallback = ""
+    if plain_ids != whole and _decode(tokenizer, plain_ids) != _decode(tokenizer, whole):
+        fallback = "tokenizing the prompt piece by piece changes its text"
+    elif splices and _decode(tokenizer, ids) != _decode(tokenizer, whole):
+        fallback = "spliced reply ids do not decode to the prompt text"
+    if fallback:
+        boundaries = _fallback_boundaries(tokenizer, msgs, spans, full, whole)
+        return Prompt(tuple(whole), boundaries, full, 0, True, fallback)
+
+    boundaries: list[tuple[int, str]] = []
+    for m, span in zip(msgs, spans, strict=True):
+        if span is not None and span.end in offset_of:
+            end = offset_of[span.end]
+            if not boundaries or end > boundaries[-1][0]:
+                boundaries.append((end, m.role))
+    return Prompt(tuple(ids), tuple(boundaries), full, len(splices), plain_ids == whole, "")
+
+
+def _fallback_boundaries(tokenizer, msgs, spans, full, whole) -> tuple[tuple[int, str], ...]:
+    out: list[tuple[int, str]] = []
+    for m, span in zip(msgs, spans, strict=True):
+        if span is None:
+            continue
+        head = _encode(tokenizer, full[: span.end])
+        if whole[: len(head)] == head and (not out or len(head) > out[-1][0]):
+            out.append((len(head), m.role))
+    return tuple(out)

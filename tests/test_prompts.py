@@ -1,0 +1,246 @@
+"""Prompt building: template text, boundaries, and splicing generated ids over 4 turns."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+from fakes import END_ID, FakeTokenizer
+from tierchat.core.prompts import Prompt, build_prompt, common_prefix_len
+
+USERS = ["hello there", "tell me more about the weather", "and then?", "thanks, that is all"]
+
+
+def reply_ids(tok: FakeTokenizer, text: str, eos: bool = True) -> list[int]:
+    """Ids as the fake engine generates them: one per character (never merged) + EOS."""
+    return tok.char_ids(text) + ([END_ID] if eos else [])
+
+
+def run_turns(tok, system="Be brief.", splice=True, replies=None):
+    """Four turns; returns [(prompt, reply_ids)] per turn."""
+    msgs = [{"role": "system", "content": system}] if system is not None else []
+    out = []
+    for k, user in enumerate(USERS):
+        msgs.append({"role": "user", "content": user})
+        prompt = build_prompt(tok, msgs)
+        text = replies[k] if replies else f"Reply {k} to: {user}"
+        ids = reply_ids(tok, text)
+        out.append((prompt, ids))
+        msgs.append({"role": "assistant", "content": text, "token_ids": ids if splice else None})
+    return out
+
+
+def test_prompt_is_the_template():
+    tok = FakeTokenizer()
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi there"}]
+    p = build_prompt(tok, msgs)
+    assert isinstance(p, Prompt)
+    assert p.text == "<|system|>S<|end|>\n<|user|>hi there<|end|>\n<|assistant|>"
+    assert list(p.token_ids) == tok.apply_chat_template(msgs, add_generation_prompt=True)
+    assert p.canonical and p.spliced == 0 and p.fallback == ""
+    no_gen = build_prompt(tok, msgs, add_generation_prompt=False)
+    assert tok.decode(no_gen.token_ids) == p.text.removesuffix("<|assistant|>")
+
+
+def test_boundaries_end_after_each_message():
+    tok = FakeTokenizer()
+    turns = run_turns(tok)
+    prompt = turns[-1][0]
+    roles = [role for _, role in prompt.boundaries]
+    assert roles == ["system"] + ["user", "assistant"] * 3 + ["user"]
+    offsets = [end for end, _ in prompt.boundaries]
+    assert offsets == sorted(set(offsets))
+    for end, _ in prompt.boundaries:
+        assert tok.decode(prompt.token_ids[:end]).endswith("<|end|>\n")
+    assert tok.decode(prompt.token_ids[offsets[-1] :]) == "<|assistant|>"
+
+
+def test_four_turns_extend_the_previous_prompt_exactly():
+    tok = FakeTokenizer()
+    turns = run_turns(tok)
+    for (prev, ids), (nxt, _) in itertools.pairwise(turns):
+        seq = prev.token_ids + tuple(ids)
+        assert nxt.token_ids[: len(seq)] == seq
+        assert tok.decode(nxt.token_ids) == nxt.text  # still the template's text
+    assert [p.spliced for p, _ in turns] == [0, 1, 2, 3]
+
+
+def test_without_splicing_the_prefix_diverges_inside_the_reply():
+    """The reason splicing exists: re-tokenized replies differ from the generated ids."""
+    tok = FakeTokenizer()
+    text = "Reply 0 to: hello there"
+    assert tok.encode(text) != reply_ids(tok, text, eos=False)
+    turns = run_turns(tok, splice=False)
+    prev, ids = turns[0]
+    nxt = turns[1][0]
+    common = common_prefix_len(nxt.token_ids, prev.token_ids + tuple(ids))
+    assert len(prev.token_ids) <= common < len(prev.token_ids) + len(ids)
+
+
+def test_reply_cut_by_length_without_eos():
+    tok = FakeTokenizer()
+    msgs = [{"role": "user", "content": "hi"}]
+    p0 = build_prompt(tok, msgs)
+    ids = reply_ids(tok, "partial rep", eos=False)
+    msgs.append({"role": "assistant", "content": "partial rep", "token_ids": ids})
+    msgs.append({"role": "user", "content": "go on"})
+    p1 = build_prompt(tok, msgs)
+    seq = p0.token_ids + tuple(ids)
+    assert p1.token_ids[: len(seq)] == seq
+    assert p1.token_ids[len(seq)] == END_ID  # the template closes the message
+
+
+def test_ids_that_do_not_match_the_text_are_not_spliced():
+    tok = FakeTokenizer()
+    msgs = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "edited reply", "token_ids": reply_ids(tok, "xyz")},
+        {"role": "user", "content": "ok"},
+    ]
+    p = build_prompt(tok, msgs)
+    assert p.spliced == 0
+    assert list(p.token_ids) == tok.apply_chat_template(msgs, add_generation_prompt=True)
+
+
+class TrimmingTokenizer(FakeTokenizer):
+    """A template that strips message content (as Gemma's ``| trim`` does)."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True, **kw):
+        stripped = [{**m, "content": m["content"].strip()} for m in messages]
+        return super().apply_chat_template(stripped, add_generation_prompt, tokenize, **kw)
+
+
+def test_trimmed_reply_is_spliced_as_far_as_it_matches():
+    tok = TrimmingTokenizer()
+    text = "the answer  \n"
+    ids = reply_ids(tok, text)
+    msgs = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": text, "token_ids": ids},
+        {"role": "user", "content": "and?"},
+    ]
+    p = build_prompt(tok, msgs)
+    assert p.spliced == 1
+    assert tok.decode(p.token_ids) == p.text  # the prompt is still the template's text
+    head = build_prompt(tok, msgs[:1]).token_ids
+    n = len("the answer")
+    assert p.token_ids[: len(head) + n] == head + tuple(ids[:n])
+
+
+class FoldingTokenizer(FakeTokenizer):
+    """A template that folds the system prompt into the first user message (Gemma-like)."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True, **kw):
+        msgs = list(messages)
+        if msgs and msgs[0]["role"] == "system":
+            sys_text, msgs = msgs[0]["content"], msgs[1:]
+            if msgs:
+                msgs[0] = {**msgs[0], "content": sys_text + "\n\n" + msgs[0]["content"]}
+        return super().apply_chat_template(msgs, add_generation_prompt, tokenize, **kw)
+
+
+def test_folded_system_prompt_has_no_boundary_but_turns_still_extend():
+    tok = FoldingTokenizer()
+    turns = run_turns(tok)
+    assert turns[0][0].boundaries[0][1] == "user"
+    for (prev, ids), (nxt, _) in itertools.pairwise(turns):
+        seq = prev.token_ids + tuple(ids)
+        assert nxt.token_ids[: len(seq)] == seq
+
+
+class PrefixSpaceTokenizer(FakeTokenizer):
+    """Prepends a space to every encode() call (SentencePiece add_dummy_prefix)."""
+
+    def encode(self, text, add_special_tokens=False):
+        return super().encode(" " + text, add_special_tokens)
+
+
+def test_piecewise_tokenization_that_changes_text_falls_back():
+    tok = PrefixSpaceTokenizer()
+    msgs = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo", "token_ids": reply_ids(tok, "yo")},
+        {"role": "user", "content": "ok"},
+    ]
+    p = build_prompt(tok, msgs)
+    assert p.fallback and p.spliced == 0
+    assert list(p.token_ids) == tok.encode(p.text)
+
+
+def test_nodes_are_accepted(tmp_path):
+    from tierchat.core.conversation import ConversationStore
+
+    tok = FakeTokenizer()
+    with ConversationStore(tmp_path / "c.sqlite") as store:
+        cid = store.create_conversation(system="S")
+        u = store.add_node(cid, store.active_path(cid)[0].id, "user", "hi")
+        store.add_node(cid, u.id, "assistant", "yo", token_ids=reply_ids(tok, "yo"))
+        p = build_prompt(tok, store.active_path(cid))
+    assert p.spliced == 1
+
+
+# ---------------------------------------------------------------- the real demo tokenizer
+
+
+def _demo_tokenizer():
+    """The demo model's tokenizer when its MLX model directory is already present."""
+    models = pytest.importorskip("tierchat.core.models")
+    from tierchat.config import load_settings
+
+    models_dir = load_settings(env=os.environ).models_dir
+    try:
+        loaded = models.load_model("demo", models_dir=models_dir, convert=False)
+    except TypeError:
+        pytest.skip("core.models.load_model has no convert=False to avoid a conversion")
+    except Exception as e:  # noqa: BLE001 -- absent or not converted yet
+        pytest.skip(f"demo model not available: {e}")
+    tok = getattr(loaded, "tokenizer", None) or loaded[1]
+    return getattr(tok, "_tokenizer", tok)  # mlx-lm TokenizerWrapper -> HF tokenizer
+
+
+@pytest.mark.slow
+def test_demo_tokenizer_four_turns():
+    """Each prompt begins with the previous prompt + reply ids, except trailing ids the
+    template does not show (an EOS other than the template's closing token)."""
+    tok = _demo_tokenizer()
+    eos = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+    replies = [
+        "Sure! Here's a function:\n\n```python\ndef add(a, b):\n    return a + b\n```",
+        "The answer is 42.",
+        "Unicode: héllo wörld 你好 🙂",
+        "Bye.",
+    ]
+    msgs = [{"role": "system", "content": "You are a helpful assistant."}]
+    prev = None
+    for k, user in enumerate(USERS):
+        msgs.append({"role": "user", "content": user})
+        p = build_prompt(tok, msgs)
+        assert not p.fallback
+        if k < 2:
+            assert p.canonical  # piecewise == whole-text tokenization for plain contents
+        assert list(p.token_ids) == _canonical_prefix_check(tok, p)
+        if prev is not None:
+            prev_prompt, ids = prev
+            closing = len(ids) - len(_strip_trailing(ids, eos))
+            need = len(prev_prompt) + len(ids) - closing
+            assert common_prefix_len(p.token_ids, prev_prompt + tuple(ids)) >= need
+            assert p.token_ids[: len(prev_prompt) + len(ids)] == prev_prompt + tuple(ids)
+        # generated ids: one encode per character, so they differ from a re-tokenization
+        ids = [i for ch in replies[k] for i in tok.encode(ch, add_special_tokens=False)]
+        assert ids != tok.encode(replies[k], add_special_tokens=False)
+        ids.append(tok.convert_tokens_to_ids("<|im_end|>"))
+        msgs.append({"role": "assistant", "content": replies[k], "token_ids": ids})
+        prev = (p.token_ids, ids)
+
+
+def _strip_trailing(ids, eos):
+    ids = list(ids)
+    while ids and ids[-1] in eos:
+        ids.pop()
+    return ids
+
+
+def _canonical_prefix_check(tok, p):
+    assert tok.decode(list(p.token_ids)) == tok.decode(tok.encode(p.text, add_special_tokens=False))
+    return list(p.token_ids)
