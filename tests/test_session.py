@@ -1,0 +1,299 @@
+"""ChatSession end to end over FakeEngine and a real ConversationStore; FakeEngine itself."""
+
+from __future__ import annotations
+
+import pytest
+from fakes import FakeEngine
+from tierchat.core.api import (
+    Failed,
+    Finished,
+    GenerateRequest,
+    ModelLoaded,
+    ModelLoading,
+    PrefillProgress,
+    TokenBatch,
+)
+from tierchat.core.conversation import ConversationStore
+from tierchat.core.session import ChatSession, SessionError
+
+TIMEOUT = 5
+
+
+@pytest.fixture
+def engine():
+    e = FakeEngine()
+    yield e
+    e.close()
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = ConversationStore(tmp_path / "c.sqlite")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def session(engine, store):
+    s = ChatSession(engine, store, max_tokens=64)
+    s.new_conversation(system="Be brief.", title="t")
+    return s
+
+
+def roles(session):
+    return [n.role for n in session.active_path()]
+
+
+def test_send_stores_and_selects_the_reply_before_forwarding(session, engine):
+    seen = []
+
+    def on_event(event):
+        if isinstance(event, Finished):
+            seen.append(session.active_path()[-1].content)
+
+    turn = session.send("hello", on_event=on_event)
+    result = turn.wait(TIMEOUT)
+    assert isinstance(result, Finished)
+    assert result.text == "Reply 1 to: hello"
+    assert seen == [result.text]  # stored and selected before the caller heard of it
+    path = session.active_path()
+    assert roles(session) == ["system", "user", "assistant"]
+    assert path[1] == turn.user_node and path[2] == turn.reply_node
+    assert path[2].token_ids == result.token_ids
+    assert path[2].meta["prompt_tokens"] == result.metrics.prompt_tokens
+    assert path[2].meta["finish_reason"] == "stop"
+    assert path[2].meta["model"] == "fake"
+    request = engine.requests[-1]
+    assert request.prompt_ids == turn.prompt.token_ids
+    assert request.boundaries == turn.prompt.boundaries
+    assert [r for _, r in request.boundaries] == ["system", "user"]
+
+
+def test_events_stream_then_finish(session):
+    turn = session.send("hi")
+    events = list(turn.events())
+    assert isinstance(events[0], PrefillProgress)
+    assert isinstance(events[-1], Finished)
+    text = "".join(e.text for e in events if isinstance(e, TokenBatch))
+    assert text == events[-1].text
+    assert turn.done and turn.result is events[-1]
+
+
+def test_generation_parameters(engine, store):
+    s = ChatSession(
+        engine, store, max_tokens=7, temperature=0.5, top_p=0.9, seed=3, use_cache=False
+    )
+    s.send("a").wait(TIMEOUT)
+    r = engine.requests[-1]
+    assert (r.max_tokens, r.temperature, r.top_p, r.seed, r.use_cache) == (7, 0.5, 0.9, 3, False)
+    assert s.active_path()[-1].meta["finish_reason"] == "length"
+    s.send("b", max_tokens=100).wait(TIMEOUT)
+    assert engine.requests[-1].max_tokens == 100
+    assert s.conversation_id is not None  # send opened a conversation
+
+
+def test_turns_extend_the_previous_prompt_and_hit_the_cache(session, engine):
+    prev = None
+    cached = []
+    for text in ["first question here", "second one", "third", "fourth"]:
+        turn = session.send(text)
+        result = turn.wait(TIMEOUT)
+        if prev is not None:
+            assert turn.prompt.token_ids[: len(prev)] == prev
+        prev = turn.prompt.token_ids + result.token_ids
+        cached.append(result.metrics.cached_tokens)
+    assert cached[0] == 0 and all(c > 0 for c in cached[1:])
+    stats = engine.stats()
+    assert stats.hot.entries > 0 and stats.hot.hits > 0
+    assert stats.last_turn.cached_tokens == cached[-1]
+
+
+def test_regenerate_and_swipe(session, engine):
+    first = session.send("hello").wait(TIMEOUT)
+    turn = session.regenerate()
+    second = turn.wait(TIMEOUT)
+    assert turn.kind == "regenerate"
+    assert engine.requests[-1].prompt_ids == engine.requests[-2].prompt_ids
+    assert second.metrics.cached_by["checkpoint"] > 0
+    assert [r.content for r in session.replies(0)] == [first.text, second.text]
+    assert session.active_path()[-1].content == second.text
+    assert session.selected_reply(0) == (1, 2)
+    assert session.swipe(0, 0).content == first.text
+    assert session.active_path()[-1].content == first.text
+    assert session.selected_reply(0) == (0, 2)
+    session.swipe(0, -1)
+    assert session.active_path()[-1].content == second.text
+    with pytest.raises(SessionError):
+        session.swipe(0, 2)
+    with pytest.raises(SessionError):
+        session.swipe(1, 0)
+
+
+def test_edit_makes_a_branch(session, store):
+    session.send("q1").wait(TIMEOUT)
+    session.send("q2").wait(TIMEOUT)
+    old_path = session.active_path()
+    turn = session.edit(0, "q1 edited")
+    result = turn.wait(TIMEOUT)
+    assert result.text == "Reply 3 to: q1 edited"
+    assert [n.content for n in session.active_path()][1:] == ["q1 edited", result.text]
+    siblings = store.siblings(turn.user_node.id)
+    assert [n.content for n in siblings] == ["q1", "q1 edited"]
+    store.select_child(old_path[0].id, old_path[1].id)  # the old branch is intact
+    assert session.active_path() == old_path
+    with pytest.raises(SessionError):
+        session.edit(5, "x")
+
+
+def test_failure_stores_nothing(session, engine):
+    session.send("q1").wait(TIMEOUT)
+    before = session.active_path()
+    events = []
+    engine.fail_next = "boom"
+    turn = session.send("q2", on_event=events.append)
+    result = turn.wait(TIMEOUT)
+    assert isinstance(result, Failed) and result.message == "boom"
+    assert events == [result]
+    assert turn.reply_node is None
+    assert session.active_path() == before
+    # a failed edit restores the selection of the edited turn
+    engine.fail_next = "boom"
+    session.edit(0, "other").wait(TIMEOUT)
+    assert session.active_path() == before
+    assert len(session.store.siblings(before[1].id)) == 1
+    # a failed regenerate keeps the shown reply
+    engine.fail_next = "boom"
+    session.regenerate().wait(TIMEOUT)
+    assert session.active_path() == before and len(session.replies(0)) == 1
+
+
+def test_cancel_mid_reply_keeps_the_partial_reply(session, engine):
+    engine.gate.clear()  # hold decode after the first batch
+    turn = session.send("tell me")
+    first = next(turn.events())
+    assert isinstance(first, PrefillProgress)
+    assert session.busy
+    with pytest.raises(SessionError, match="still being generated"):
+        session.send("again")
+    turn.cancel()
+    engine.gate.set()
+    result = turn.wait(TIMEOUT)
+    assert result.metrics.finish_reason == "cancelled"
+    assert 0 < len(result.token_ids) < len("Reply 1 to: tell me")
+    reply = session.active_path()[-1]
+    assert reply == turn.reply_node
+    assert reply.meta["finish_reason"] == "cancelled"
+    assert not session.busy
+
+
+def test_cancel_before_any_token_stores_nothing(session, engine):
+    before = session.active_path()
+    engine.gate.clear()
+    blocker = engine.submit(GenerateRequest((2, 300, 4, 3)))  # holds the worker
+    turn = session.send("never answered")
+    turn.cancel()
+    engine.gate.set()
+    blocker.wait(TIMEOUT)
+    result = turn.wait(TIMEOUT)
+    assert result.metrics.finish_reason == "cancelled" and result.token_ids == ()
+    assert turn.reply_node is None
+    assert session.active_path() == before
+
+
+def test_store_error_is_recorded_and_the_event_still_forwarded(session, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk gone")
+
+    monkeypatch.setattr(session.store, "add_node", broken)
+    with pytest.raises(RuntimeError):
+        session.send("x")  # the user node cannot be stored: nothing is submitted
+    monkeypatch.undo()
+    session.send("q").wait(TIMEOUT)
+    monkeypatch.setattr(session.store, "add_node", broken)
+    events = []
+    turn = session.regenerate(on_event=events.append)
+    assert isinstance(turn.wait(TIMEOUT), Finished)
+    assert isinstance(events[-1], Finished)
+    assert isinstance(turn.error, RuntimeError) and turn.reply_node is None
+
+
+def test_regenerate_needs_a_user_message(session):
+    with pytest.raises(SessionError, match="nothing to regenerate"):
+        session.regenerate()
+
+
+def test_no_conversation(engine, store):
+    s = ChatSession(engine, store)
+    assert s.active_path() == []
+    with pytest.raises(SessionError, match="no conversation"):
+        s.user_turns()
+    with pytest.raises(KeyError):
+        s.open(12345)
+
+
+def test_open_fork_delete_rename(session, store):
+    session.send("q1").wait(TIMEOUT)
+    session.send("q2").wait(TIMEOUT)
+    cid = session.conversation_id
+    path = session.active_path()
+    fork = session.fork(path[2].id)
+    assert session.conversation_id == cid
+    session.open(fork)
+    assert [n.content for n in session.active_path()] == [n.content for n in path[:3]]
+    turn = session.send("q2 in the fork")
+    turn.wait(TIMEOUT)
+    assert len(session.user_turns()) == 2
+    session.open(cid)
+    session.delete(path[3].id)
+    assert session.active_path() == path[:3]
+    session.rename("renamed")
+    assert store.get_conversation(cid).title == "renamed"
+
+
+# ---------------------------------------------------------------- FakeEngine itself
+
+
+def test_fake_engine_stats_and_clear(engine):
+    tok = engine.tokenizer
+    prompt = tuple(tok.apply_chat_template([{"role": "user", "content": "x" * 40}], True))
+    engine.submit(GenerateRequest(prompt)).wait(TIMEOUT)
+    s = engine.stats()
+    assert s.hot.entries > 0 and s.hot.nbytes > 0 and s.ssd.saves_persisted > 0
+    assert s.tails.stashes == 1 and s.supported is True
+    r = engine.submit(GenerateRequest(prompt)).wait(TIMEOUT)
+    assert r.metrics.cached_tokens == len(prompt) - 1  # never the whole prompt
+    assert r.metrics.cached_tokens + r.metrics.prefill_tokens == r.metrics.prompt_tokens
+    engine.clear("hot")
+    s = engine.stats()
+    assert s.hot.entries == 0 and s.ssd.entries > 0
+    assert s.events[-1][1].startswith("cleared hot tier")
+    engine.clear("tails")
+    r = engine.submit(GenerateRequest(prompt)).wait(TIMEOUT)
+    assert r.metrics.cached_by["ssd"] > 0  # hot was cleared, SSD still holds the blocks
+    engine.clear("all")
+    assert engine.stats().ssd.entries == 0
+    with pytest.raises(ValueError):
+        engine.clear("disk")
+
+
+def test_fake_engine_unsupported_model_and_fixed_clock():
+    e = FakeEngine(supported=False, clock=lambda: 100.0)
+    try:
+        prompt = tuple(e.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], True))
+        for _ in range(2):
+            r = e.submit(GenerateRequest(prompt)).wait(TIMEOUT)
+            assert r.metrics.cached_tokens == 0
+        assert (r.metrics.ttft_s, r.metrics.generation_tps) == (0.0, 0.0)
+        s = e.stats()
+        assert s.supported is False and s.reason and s.hot.entries == 0
+        events = []
+        h = e.load_model("other", events.append)
+        assert isinstance(h.wait(TIMEOUT), Finished)
+        assert [type(x) for x in events[:4]] == [ModelLoading] * 3 + [ModelLoaded]
+        assert events[3].warning and e.model_name == "other"
+        e.fail_next = "no such model"
+        assert isinstance(e.load_model("bad").wait(TIMEOUT), Failed)
+    finally:
+        e.close()
+    with pytest.raises(RuntimeError):
+        e.submit(GenerateRequest((1,)))
