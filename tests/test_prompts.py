@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
 from fakes import END_ID, FakeTokenizer
@@ -183,54 +182,54 @@ def test_nodes_are_accepted(tmp_path):
 # ---------------------------------------------------------------- the real demo tokenizer
 
 
-def _demo_tokenizer():
-    """The demo model's tokenizer when its MLX model directory is already present."""
+def _demo_tokenizer(name: str):
+    """The tokenizer of demo model ``name`` as the engine loads it (mlx-lm's wrapper), when
+    its model directory is already converted; the test is skipped otherwise."""
     models = pytest.importorskip("tierchat.core.models")
-    from tierchat.config import load_settings
+    target = models.default_models_dir() / name
+    if not (target / "tokenizer.json").exists():
+        pytest.skip(f"model {name!r} not converted yet ({target}): run `tierchat --model {name}`")
+    mlx_utils = pytest.importorskip("mlx_lm.utils")
+    return mlx_utils.load_tokenizer(target)
 
-    models_dir = load_settings(env=os.environ).models_dir
-    try:
-        loaded = models.load_model("demo", models_dir=models_dir, convert=False)
-    except TypeError:
-        pytest.skip("core.models.load_model has no convert=False to avoid a conversion")
-    except Exception as e:  # noqa: BLE001 -- absent or not converted yet
-        pytest.skip(f"demo model not available: {e}")
-    tok = getattr(loaded, "tokenizer", None) or loaded[1]
-    return getattr(tok, "_tokenizer", tok)  # mlx-lm TokenizerWrapper -> HF tokenizer
+
+REPLIES = [
+    "Sure! Here's a function:\n\n```python\ndef add(a, b):\n    return a + b\n```",
+    "The answer is 42.",
+    "Unicode: héllo wörld 你好 🙂",
+    "Bye.",
+]
 
 
 @pytest.mark.slow
-def test_demo_tokenizer_four_turns():
+@pytest.mark.parametrize(("name", "end"), [("demo", "<|im_end|>"), ("demo-gemma", "<end_of_turn>")])
+def test_demo_tokenizer_four_turns(name, end):
     """Each prompt begins with the previous prompt + reply ids, except trailing ids the
     template does not show (an EOS other than the template's closing token)."""
-    tok = _demo_tokenizer()
-    eos = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
-    replies = [
-        "Sure! Here's a function:\n\n```python\ndef add(a, b):\n    return a + b\n```",
-        "The answer is 42.",
-        "Unicode: héllo wörld 你好 🙂",
-        "Bye.",
-    ]
+    tok = _demo_tokenizer(name)
+    end_id = tok.convert_tokens_to_ids(end)
+    eos = set(tok.eos_token_ids) | {end_id}
     msgs = [{"role": "system", "content": "You are a helpful assistant."}]
     prev = None
     for k, user in enumerate(USERS):
         msgs.append({"role": "user", "content": user})
         p = build_prompt(tok, msgs)
         assert not p.fallback
-        if k < 2:
-            assert p.canonical  # piecewise == whole-text tokenization for plain contents
-        assert list(p.token_ids) == _canonical_prefix_check(tok, p)
+        assert p.canonical  # these contents start with no whitespace: pieces == whole text
+        assert p.spliced == k
+        assert tok.decode(list(p.token_ids)) == tok.decode(
+            tok.encode(p.text, add_special_tokens=False)
+        )
         if prev is not None:
-            prev_prompt, ids = prev
-            closing = len(ids) - len(_strip_trailing(ids, eos))
-            need = len(prev_prompt) + len(ids) - closing
-            assert common_prefix_len(p.token_ids, prev_prompt + tuple(ids)) >= need
-            assert p.token_ids[: len(prev_prompt) + len(ids)] == prev_prompt + tuple(ids)
+            seq = prev[0] + tuple(prev[1])
+            closing = len(prev[1]) - len(_strip_trailing(prev[1], eos))
+            assert common_prefix_len(p.token_ids, seq) >= len(seq) - closing
+            assert p.token_ids[: len(seq)] == seq  # the reply ended with the template's end
         # generated ids: one encode per character, so they differ from a re-tokenization
-        ids = [i for ch in replies[k] for i in tok.encode(ch, add_special_tokens=False)]
-        assert ids != tok.encode(replies[k], add_special_tokens=False)
-        ids.append(tok.convert_tokens_to_ids("<|im_end|>"))
-        msgs.append({"role": "assistant", "content": replies[k], "token_ids": ids})
+        ids = [i for ch in REPLIES[k] for i in tok.encode(ch, add_special_tokens=False)]
+        assert ids != tok.encode(REPLIES[k], add_special_tokens=False)
+        ids.append(end_id)
+        msgs.append({"role": "assistant", "content": REPLIES[k], "token_ids": ids})
         prev = (p.token_ids, ids)
 
 
@@ -239,8 +238,3 @@ def _strip_trailing(ids, eos):
     while ids and ids[-1] in eos:
         ids.pop()
     return ids
-
-
-def _canonical_prefix_check(tok, p):
-    assert tok.decode(list(p.token_ids)) == tok.decode(tok.encode(p.text, add_special_tokens=False))
-    return list(p.token_ids)
