@@ -36,16 +36,18 @@ def fmt_seconds(s: float) -> str:
 
 
 def metrics_from_meta(meta: dict[str, Any] | None) -> TurnMetrics | None:
-    """The :class:`TurnMetrics` stored in a reply node's ``meta`` (key "metrics"), if any.
+    """The :class:`TurnMetrics` stored in a reply node's ``meta``, if any.
 
-    Unknown keys are ignored so an older or newer store still renders.
+    ``ChatSession`` stores the metrics' fields at the top level of ``meta`` (plus "model");
+    a nested ``meta["metrics"]`` dict is read too. Unknown keys are ignored so an older or
+    newer store still renders.
     """
     if not meta:
         return None
-    raw = meta.get("metrics")
+    raw = meta.get("metrics", meta)
     if isinstance(raw, TurnMetrics):
         return raw
-    if not isinstance(raw, dict):
+    if not isinstance(raw, dict) or "prompt_tokens" not in raw:
         return None
     known = {k: v for k, v in raw.items() if k in _TURN_FIELDS}
     try:

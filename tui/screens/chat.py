@@ -121,6 +121,7 @@ class ChatScreen(Screen):
         ModelCommands,
     }
 
+    # The cache keys are priority bindings: TextArea (the focused input) binds F6/F7.
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "stop", "Stop", id="stop"),
         Binding("ctrl+r", "regenerate", "Regenerate", id="regenerate"),
@@ -136,10 +137,10 @@ class ChatScreen(Screen):
         Binding("f2", "toggle_panels", "Cache", id="toggle_panels"),
         Binding("f3", "toggle_conversations", "Chats", id="toggle_conversations", show=False),
         Binding("f4", "pick_model", "Model", id="pick_model"),
-        Binding("f5", "clear('hot')", "Clear hot", id="clear_hot", show=False),
-        Binding("f6", "clear('ssd')", "Clear SSD", id="clear_ssd", show=False),
-        Binding("f7", "clear('tails')", "Clear tails", id="clear_tails", show=False),
-        Binding("f8", "clear('all')", "Clear all", id="clear_all", show=False),
+        Binding("f5", "clear('hot')", "Clear hot", id="clear_hot", show=False, priority=True),
+        Binding("f6", "clear('ssd')", "Clear SSD", id="clear_ssd", show=False, priority=True),
+        Binding("f7", "clear('tails')", "Clear tails", id="clear_tails", show=False, priority=True),
+        Binding("f8", "clear('all')", "Clear all", id="clear_all", show=False, priority=True),
     ]
 
     streaming: reactive[bool] = reactive(False, bindings=True)
@@ -446,7 +447,7 @@ class ChatScreen(Screen):
             self.selected = views.index(event.view)
 
     @on(BranchRequested)
-    def branch_requested(self, event: BranchRequested) -> None:
+    async def branch_requested(self, event: BranchRequested) -> None:
         views = self._views()
         for i, view in enumerate(views):
             if view.info.node_id == event.node_id:
@@ -463,7 +464,7 @@ class ChatScreen(Screen):
             "copy": "copy",
         }.get(event.action)
         if action is not None:
-            self.run_action(action)
+            await self.run_action(action)
 
     # ------------------------------------------------------------------ generation
 
@@ -591,6 +592,7 @@ class ChatScreen(Screen):
             return
         await self._turn_ready.wait()
         handle, self._handle = self._handle, None
+        await _until_done(handle)
         view, self._stream_view = self._stream_view, None
         self.query_one(ActivityBar).hide()
         reply = getattr(handle, "reply_node", None)
@@ -600,6 +602,7 @@ class ChatScreen(Screen):
             await view.finish(infos[-1])
         await self.query_one(Transcript).sync(infos)
         self.streaming = False
+        self._restore_unsent(handle)
         self.refresh_conversations()
         self._show_selection()
         if event.metrics.finish_reason == "cancelled":
@@ -611,15 +614,28 @@ class ChatScreen(Screen):
         if event.turn_key != self._turn_key:
             return
         await self._turn_ready.wait()
-        self._handle = None
-        view, self._stream_view = self._stream_view, None
+        handle, self._handle = self._handle, None
+        await _until_done(handle)
+        self._stream_view = None
         self.query_one(ActivityBar).hide()
         title = FAILURE_TITLES.get(event.kind, "Engine error")
-        if view is not None:
-            await view.abandon(f"{title}: {event.message}")
+        # Nothing half is kept: the session dropped the failed turn; show the path as stored.
+        await self.query_one(Transcript).sync(self.path_infos())
         self.streaming = False
+        self._restore_unsent(handle)
         self.notify(event.message, title=title, severity="error", timeout=8)
         self.poll_stats()
+
+    def _restore_unsent(self, handle: Any) -> None:
+        """The session drops a user message whose turn failed; give its text back."""
+        user = getattr(handle, "user_node", None)
+        if user is None or getattr(handle, "kind", "") not in ("send", "edit"):
+            return
+        if any(i.node_id == user.id for i in self.path_infos()):
+            return
+        box = self.query_one(ChatInput)
+        if not box.text.strip():
+            box.load_text(user.content)
 
     # ------------------------------------------------------------------ branches
 
@@ -782,6 +798,15 @@ class ChatScreen(Screen):
     def on_unmount(self) -> None:
         if self._handle is not None:
             self._handle.cancel()
+
+
+async def _until_done(handle: Any, timeout_s: float = 2.0) -> None:
+    """Wait (briefly) until the engine thread marks ``handle`` done: it posts the terminal
+    event before setting done, and the session refuses a new turn until then."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while handle is not None and not getattr(handle, "done", True) and loop.time() < deadline:
+        await asyncio.sleep(0.001)
 
 
 def _clear_report(tier: str, before: CacheStats | None, after: CacheStats | None) -> str:

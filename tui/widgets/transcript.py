@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
-from textual.markup import escape
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 from tierchat.core.api import TurnMetrics
@@ -180,13 +179,6 @@ class MessageView(Vertical):
         self.query_one(".role", Static).update(self._role_line())
         await self.markdown.update(info.content)
         self._refresh_bars(last_turn=True)
-
-    async def abandon(self, note: str) -> None:
-        """Stop streaming without a stored reply (failed request): keep the text, add a note."""
-        await self._stop_stream()
-        self.set_class(False, "-streaming")
-        body = self._shown_text
-        await self.markdown.update(f"{body}\n\n*{escape(note)}*" if body else f"*{escape(note)}*")
 
 
 class Transcript(VerticalScroll):
