@@ -43,7 +43,10 @@ just misses from that point):
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -124,29 +127,112 @@ def common_prefix_len(a: Sequence, b: Sequence) -> int:
     return i
 
 
-def _spans(tokenizer: Tokenizer, msgs: list[_Msg], full: str) -> list[_Span | None]:
-    plain = [{"role": m.role, "content": m.content} for m in msgs]
-    spans: list[_Span | None] = []
-    prev_end = 0
-    for i, m in enumerate(msgs):
-        try:
-            rendered = _render(tokenizer, plain[: i + 1], False)
-            probe = _render(tokenizer, [*plain[:i], {"role": m.role, "content": SENTINEL}], False)
-        except Exception:  # noqa: BLE001 -- a template may refuse a partial conversation
-            spans.append(None)
-            continue
-        if not full.startswith(rendered) or len(rendered) <= prev_end:
-            spans.append(None)
-            continue
-        prev_end = len(rendered)
-        span = _Span(len(rendered), None, len(rendered))
-        if probe.count(SENTINEL) == 1:
-            pre, post = probe.split(SENTINEL)
-            fits = len(pre) + len(post) <= len(rendered)
-            if fits and rendered.startswith(pre) and rendered.endswith(post):
-                span = _Span(len(pre), len(rendered) - len(post), len(rendered))
-        spans.append(span)
-    return spans
+@dataclass(frozen=True)
+class _Rendered:
+    """What rendering ``messages[:i+1]`` told about message ``i``: the render's length and
+    hash (to check it is a prefix of a later full render) and the content span in it."""
+
+    length: int
+    text_hash: int
+    content: tuple[int, int] | None
+
+
+def _render_message(tokenizer: Tokenizer, plain: list[dict], i: int) -> _Rendered | None:
+    try:
+        rendered = _render(tokenizer, plain[: i + 1], False)
+        probe = _render(
+            tokenizer, [*plain[:i], {"role": plain[i]["role"], "content": SENTINEL}], False
+        )
+    except Exception:  # noqa: BLE001 -- a template may refuse a partial conversation
+        return None
+    content = None
+    if probe.count(SENTINEL) == 1:
+        pre, post = probe.split(SENTINEL)
+        fits = len(pre) + len(post) <= len(rendered)
+        if fits and rendered.startswith(pre) and rendered.endswith(post):
+            content = (len(pre), len(rendered) - len(post))
+    return _Rendered(len(rendered), hash(rendered), content)
+
+
+class PromptBuilder:
+    """Builds prompts for one tokenizer, remembering what rendering each conversation
+    prefix told (keyed by a sha256 chain over roles and contents), so that turn k+1 renders
+    the template only for its new messages: 2 renders per message are O(n^2) text over a
+    conversation without it. Piece tokenizations and splice decisions are cached too. At
+    most ``max_entries`` of each are kept (LRU). Thread-safe.
+
+    Measured with demo's template and tokenizer (100 turns, 38k tokens): one-shot
+    :func:`build_prompt` 470 ms; a builder's build of the next turn ~120 ms, most of it
+    one whole-text tokenization (the ``canonical`` and fallback check)."""
+
+    def __init__(self, tokenizer: Tokenizer, max_entries: int = 4096) -> None:
+        self.tokenizer = tokenizer
+        self.max_entries = max_entries
+        self._cache: OrderedDict[bytes, _Rendered | None] = OrderedDict()
+        self._pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self._splices: OrderedDict[tuple, tuple[int, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _remember(self, cache: OrderedDict, key, value) -> None:
+        with self._lock:
+            cache[key] = value
+            while len(cache) > self.max_entries:
+                cache.popitem(last=False)
+
+    def _encode(self, text: str) -> list[int]:
+        """Token ids of one piece of prompt text (cached: pieces repeat every turn)."""
+        ids = self._pieces.get(text)
+        if ids is None:
+            ids = _encode(self.tokenizer, text)
+            self._remember(self._pieces, text, ids)
+        return ids
+
+    def _splice(self, ids: tuple[int, ...], full: str, span: _Span) -> tuple[int, int]:
+        """``(n, nchars)``: splice ``ids[:n]``, covering ``nchars`` characters of ``full``
+        from the content start (cached per message text and ids)."""
+        key = (full[span.content_start : span.end], span.content_end - span.content_start, ids)
+        hit = self._splices.get(key)
+        if hit is None:
+            n = _splice_len(self.tokenizer, ids, full, span)
+            hit = (n, len(_decode(self.tokenizer, ids[:n])) if n else 0)
+            self._remember(self._splices, key, hit)
+        return hit
+
+    def build(self, messages: Iterable[Any], *, add_generation_prompt: bool = True) -> Prompt:
+        """See :func:`build_prompt`."""
+        return _build(self.tokenizer, messages, add_generation_prompt, self)
+
+    def _spans(self, msgs: list[_Msg], full: str) -> list[_Span | None]:
+        plain = [{"role": m.role, "content": m.content} for m in msgs]
+        spans: list[_Span | None] = []
+        prev_end = 0
+        digest = b""
+        for i, m in enumerate(msgs):
+            digest = hashlib.sha256(
+                digest + m.role.encode() + b"\0" + m.content.encode("utf-8", "surrogatepass")
+            ).digest()
+            with self._lock:
+                hit = digest in self._cache
+                info = self._cache.get(digest)
+                if hit:
+                    self._cache.move_to_end(digest)
+            if not hit:
+                info = _render_message(self.tokenizer, plain, i)
+                self._remember(self._cache, digest, info)
+            ok = (
+                info is not None
+                and prev_end < info.length <= len(full)
+                and hash(full[: info.length]) == info.text_hash
+            )
+            if not ok:
+                spans.append(None)
+                continue
+            prev_end = info.length
+            if info.content is None:
+                spans.append(_Span(info.length, None, info.length))
+            else:
+                spans.append(_Span(info.content[0], info.content[1], info.length))
+        return spans
 
 
 def _splice_len(tokenizer: Tokenizer, ids: tuple[int, ...], full: str, span: _Span) -> int:
@@ -176,14 +262,22 @@ def build_prompt(
 ) -> Prompt:
     """The prompt for ``messages`` (the active path: ``Node`` objects or mappings with
     ``role``, ``content`` and optional ``token_ids``), with generated ids spliced in.
+    One-shot; a :class:`PromptBuilder` caches template renders across turns.
 
     Raises ``TypeError`` if the tokenizer's template does not render to text, and whatever
     the template raises for the full conversation (e.g. roles it does not allow).
     """
+    return _build(tokenizer, messages, add_generation_prompt, PromptBuilder(tokenizer))
+
+
+def _build(
+    tokenizer: Tokenizer, messages: Iterable[Any], add_generation_prompt: bool, builder
+) -> Prompt:
+    """The body of :func:`build_prompt`; ``builder`` (a :class:`PromptBuilder`) caches."""
     msgs = [_as_msg(m) for m in messages]
     plain = [{"role": m.role, "content": m.content} for m in msgs]
     full = _render(tokenizer, plain, add_generation_prompt)
-    spans = _spans(tokenizer, msgs, full)
+    spans = builder._spans(msgs, full)
 
     cuts = {0, len(full)}
     splices: dict[int, tuple[int, ...]] = {}  # char start -> ids covering [start, stop)
@@ -196,21 +290,24 @@ def build_prompt(
             continue
         cuts.update((span.content_start, span.content_end))
         if m.role == "assistant" and m.token_ids:
-            j = _splice_len(tokenizer, m.token_ids, full, span)
+            j, nchars = builder._splice(m.token_ids, full, span)
             if j:
-                stop = span.content_start + len(_decode(tokenizer, m.token_ids[:j]))
+                stop = span.content_start + nchars
                 splices[span.content_start] = m.token_ids[:j]
                 stops[span.content_start] = stop
                 cuts.add(stop)
-    for start, stop in stops.items():  # no cut inside a spliced range
-        cuts = {c for c in cuts if not start < c < stop}
-
-    ordered = sorted(cuts)
+    ordered = []  # no cut inside a spliced range
+    inside_until = -1
+    for c in sorted(cuts | stops.keys()):
+        if c < inside_until:
+            continue
+        ordered.append(c)
+        inside_until = stops.get(c, -1)
     ids: list[int] = []
     plain_ids: list[int] = []
     offset_of: dict[int, int] = {0: 0}
     for a, b in itertools.pairwise(ordered):
-        piece = _encode(tokenizer, full[a:b])
+        piece = builder._encode(full[a:b])
         plain_ids.extend(piece)
         ids.extend(splices.get(a, piece))
         offset_of[b] = len(ids)

@@ -34,7 +34,7 @@ from tierchat.core.api import (
     RequestHandle,
 )
 from tierchat.core.conversation import ConversationStore, Node
-from tierchat.core.prompts import Prompt, build_prompt
+from tierchat.core.prompts import Prompt, PromptBuilder
 
 
 class SessionError(Exception):
@@ -110,6 +110,15 @@ class ChatSession:
         self.conversation_id: int | None = None
         self.current: TurnHandle | None = None
         self._lock = threading.Lock()
+        self._builder: PromptBuilder | None = None
+
+    def build_prompt(self, path: list[Node]) -> Prompt:
+        """The prompt for ``path`` with the engine's current tokenizer (renders cached
+        across turns; a new tokenizer, after a model switch, starts a new cache)."""
+        tokenizer = self.engine.tokenizer
+        if self._builder is None or self._builder.tokenizer is not tokenizer:
+            self._builder = PromptBuilder(tokenizer)
+        return self._builder.build(path)
 
     # ------------------------------------------------------------------ conversation
 
@@ -249,7 +258,7 @@ class ChatSession:
         ``user`` and remove it again on failure (reselecting ``restore``)."""
         added = kind in ("send", "edit")
         try:
-            prompt = build_prompt(self.engine.tokenizer, self.store.path_to(user.id))
+            prompt = self.build_prompt(self.store.path_to(user.id))
         except Exception:
             if added:
                 self._rollback(user, restore)

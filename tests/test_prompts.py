@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 from fakes import END_ID, FakeTokenizer
-from tierchat.core.prompts import Prompt, build_prompt, common_prefix_len
+from tierchat.core.prompts import Prompt, PromptBuilder, build_prompt, common_prefix_len
 
 USERS = ["hello there", "tell me more about the weather", "and then?", "thanks, that is all"]
 
@@ -238,3 +238,33 @@ def _strip_trailing(ids, eos):
     while ids and ids[-1] in eos:
         ids.pop()
     return ids
+
+
+class CountingTokenizer(FakeTokenizer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.renders = 0
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True, **kw):
+        self.renders += 1
+        return super().apply_chat_template(messages, add_generation_prompt, tokenize, **kw)
+
+
+def test_builder_renders_only_new_messages_and_agrees_with_one_shot():
+    tok = CountingTokenizer()
+    builder = PromptBuilder(tok)
+    msgs = [{"role": "system", "content": "S"}]
+    for k, user in enumerate(USERS):
+        msgs.append({"role": "user", "content": user})
+        before = tok.renders
+        p = builder.build(msgs)
+        # the full render + 2 per new message (turn 0: system and user; later: reply, user)
+        assert tok.renders - before == 1 + 2 * 2
+        assert p == build_prompt(tok, msgs)
+        ids = reply_ids(tok, f"Reply {k}")
+        msgs.append({"role": "assistant", "content": f"Reply {k}", "token_ids": ids})
+    msgs[1] = {"role": "user", "content": "changed"}  # an edit: every later prefix is new
+    before = tok.renders
+    p = builder.build(msgs)
+    assert tok.renders - before == 1 + 2 * (len(msgs) - 1)
+    assert p == build_prompt(tok, msgs)
