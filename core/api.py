@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Literal, Protocol, Union
+from typing import Literal, Protocol, Union
 
 Role = Literal["system", "user", "assistant"]
 CacheTier = Literal["hot", "ssd", "tails", "all"]
@@ -111,11 +112,15 @@ Event = Union[PrefillProgress, TokenBatch, Finished, Failed, ModelLoading, Model
 EventCallback = Callable[[Event], None]
 
 
+TERMINAL = (Finished, Failed, ModelLoaded)
+
+
 class RequestHandle:
     """The caller's side of one submitted request.
 
     Events arrive from the engine thread; ``events()`` iterates them until a terminal one
-    (:class:`Finished` or :class:`Failed`), ``wait()`` returns only the terminal event, and
+    (:class:`Finished`, :class:`Failed`, or :class:`ModelLoaded` for a load), ``wait()``
+    returns only the terminal event, and
     ``cancel()`` asks the engine to stop (decode stops within one token).
     """
 
@@ -124,16 +129,16 @@ class RequestHandle:
         self._on_event = on_event
         self._cancel = threading.Event()
         self._done = threading.Event()
-        self.result: Finished | Failed | None = None
+        self.result: Finished | Failed | ModelLoaded | None = None
 
     # engine side
     def emit(self, event: Event) -> None:
-        if isinstance(event, (Finished, Failed)):
+        if isinstance(event, TERMINAL):
             self.result = event
         if self._on_event is not None:
             self._on_event(event)
         self._queue.put(event)
-        if isinstance(event, (Finished, Failed)):
+        if isinstance(event, TERMINAL):
             self._done.set()
 
     @property
@@ -152,10 +157,10 @@ class RequestHandle:
         while True:
             event = self._queue.get()
             yield event
-            if isinstance(event, (Finished, Failed)):
+            if isinstance(event, TERMINAL):
                 return
 
-    def wait(self, timeout: float | None = None) -> Finished | Failed:
+    def wait(self, timeout: float | None = None) -> Finished | Failed | ModelLoaded:
         if not self._done.wait(timeout):
             raise TimeoutError("request did not finish in time")
         assert self.result is not None

@@ -1,0 +1,99 @@
+"""Block ids and cache entries.
+
+A prompt's tokens are cut into blocks of ``block_size`` tokens; only full blocks are blocks.
+Block ``j``'s id is ``sha256(id_{j-1} || tokens_j)`` with ``id_{-1}`` the *root*, a hash of
+the model fingerprint (and the cache format version), so one id names one prefix of one
+model: two models, or two prefixes that differ anywhere before the block, never share an
+entry (the chained-hash scheme of vLLM's automatic prefix caching and oMLX's block cache).
+
+A *tail* entry holds the tokens after a full block, ``[j * block_size, p)``: the sliceable
+K/V of those tokens plus, for state layers, the snapshot at ``p``. Its id hashes the parent
+block id and the tail tokens. Tails are what make a regenerate prefill one token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+FORMAT_VERSION = 1
+
+# entry kinds: a full block, an MRU prompt tail (state at N-1), a sequence end after
+# decoding (prompt + reply), a message-boundary checkpoint (end of a system/user message)
+KIND_BLOCK = "block"
+KIND_TAIL = "tail"
+KIND_SEQ = "seq"
+KIND_BOUNDARY = "boundary"
+TAIL_KINDS = (KIND_TAIL, KIND_SEQ, KIND_BOUNDARY)
+
+ROLE_PRIORITY = {"assistant": 0, "user": 1, "tail": 2, "system": 3}
+
+
+def root_id(fingerprint: str) -> str:
+    """The chain root for a model: sha256 of the format version and the model fingerprint."""
+    return hashlib.sha256(f"tierchat-kv/{FORMAT_VERSION}/{fingerprint}".encode()).hexdigest()
+
+
+def _token_bytes(tokens) -> bytes:
+    return struct.pack(f"<{len(tokens)}I", *tokens)
+
+
+def chain_ids(root: str, tokens, block_size: int, n_blocks: int) -> list[str]:
+    """Ids of the first ``n_blocks`` full blocks of ``tokens``."""
+    ids, parent = [], root
+    for j in range(n_blocks):
+        block = tokens[j * block_size : (j + 1) * block_size]
+        parent = hashlib.sha256(bytes.fromhex(parent) + _token_bytes(block)).hexdigest()
+        ids.append(parent)
+    return ids
+
+
+def tail_id(parent: str, tokens) -> str:
+    return hashlib.sha256(b"T" + bytes.fromhex(parent) + _token_bytes(tokens)).hexdigest()
+
+
+@dataclass
+class Entry:
+    """A cached span of one prefix: tokens ``[start, start + len(tokens))``.
+
+    ``arrays`` maps ``"<leaf>.<part>"`` to evaluated MLX arrays: ``"3.k"``/``"3.v"`` K/V
+    slices ``(B, n_kv_heads, len(tokens), head_dim)`` for KV and window leaves, and
+    ``"5.s0"``... the snapshot of a state leaf at the entry's end. ``window`` says every
+    window leaf's slice is present; ``snapshot`` says every state leaf's snapshot is.
+    """
+
+    id: str
+    parent: str
+    kind: str
+    start: int
+    tokens: tuple[int, ...]
+    role: str
+    arrays: dict[str, Any] = field(repr=False)
+    window: bool = True
+    snapshot: bool = False
+    nbytes: int = 0
+    snapshot_nbytes: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    @property
+    def priority(self) -> int:
+        if self.kind != KIND_BLOCK:
+            return ROLE_PRIORITY["tail"]
+        return ROLE_PRIORITY.get(self.role, 1)
+
+    def covers(self, other: Entry) -> bool:
+        """True when this entry holds at least what ``other`` holds (same id)."""
+        return (self.window or not other.window) and (self.snapshot or not other.snapshot)
+
+
+def role_at(boundaries, position: int) -> str:
+    """The role of the message that contains the token just before ``position``."""
+    for end, role in boundaries:
+        if position <= end:
+            return role
+    return "assistant"

@@ -1,0 +1,379 @@
+"""The engine: one long-lived thread that does every MLX operation.
+
+MLX streams belong to the thread that made them (mlx >= 0.31), so loading, prefill,
+decode and every cache slice, snapshot and restore happen on the engine thread. Other
+threads send jobs through a queue and get events back (DESIGN.md §2).
+
+A generation: build a fresh cache (``model.make_cache()``), restore the longest cached
+prefix, prefill the rest in chunks whose ends sit on absolute multiples of ``block_size``
+(and on message boundaries for models with state layers), storing each finished block,
+then decode from the last prompt token with mlx-lm's ``generate_step`` and store the
+prompt + reply. A cold run (``use_cache=False``) computes the same chunks, so cached and
+cold runs give the same tokens.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
+from mlx_lm.sample_utils import make_sampler
+
+from . import memory as memory_mod
+from .api import (
+    CacheStats,
+    EventCallback,
+    Failed,
+    Finished,
+    GenerateRequest,
+    LastTurn,
+    ModelLoaded,
+    ModelLoading,
+    PrefillProgress,
+    RequestHandle,
+    TokenBatch,
+    TurnMetrics,
+)
+from .cache import layers as L
+from .cache.blocks import KIND_BOUNDARY, KIND_TAIL, role_at
+from .cache.prefix import PrefixCache, Restored, probe_specs
+
+_STOP = object()
+
+
+def chunk_ends(start: int, stop: int, block_size: int, extra: set[int] = frozenset()) -> list[int]:
+    """Ends of the prefill chunks for tokens ``[start, stop)``.
+
+    Every multiple of ``block_size`` in ``(start, stop)`` is an end, so are the positions
+    in ``extra`` (message boundaries), and ``stop`` itself. Chunks are at most one block.
+    """
+    ends = set(range((start // block_size + 1) * block_size, stop, block_size))
+    ends.update(p for p in extra if start < p < stop)
+    if stop > start:
+        ends.add(stop)
+    return sorted(ends)
+
+
+class Engine:
+    """Owns the model, the prefix cache and the MLX thread.
+
+    ``settings`` is a :class:`tierchat.config.settings.Settings`. Construct, then
+    ``load_model(spec).wait()``; ``submit`` generations; ``stats`` and ``clear`` at will;
+    ``close`` at the end (flushes the SSD writer).
+    """
+
+    def __init__(self, settings: Any, on_log: Callable[[str], None] | None = None) -> None:
+        self.settings = settings
+        self.model_name = ""
+        self.loaded = None
+        self.cache: PrefixCache | None = None
+        self.supported: bool | None = None
+        self.reason = ""
+        self.layer_kinds: tuple[str, ...] = ()
+        self.record_logprobs = 0  # tests: keep the first N logprob vectors on the handle
+        self._on_log = on_log or (lambda text: None)
+        self._jobs: queue.Queue = queue.Queue()
+        self._control: queue.Queue = queue.Queue()
+        self._last = LastTurn()
+        self.monitor = memory_mod.MemoryMonitor(
+            limit_bytes=getattr(settings, "memory_limit", None),
+            soft_fraction=getattr(settings, "memory_soft_fraction", 0.80),
+            hard_fraction=getattr(settings, "memory_hard_fraction", 0.92),
+        )
+        self._thread = threading.Thread(target=self._run, name="tierchat-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer if self.loaded else None
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return set(self.loaded.eos_token_ids) if self.loaded else set()
+
+    def submit(
+        self, request: GenerateRequest, on_event: EventCallback | None = None
+    ) -> RequestHandle:
+        handle = RequestHandle(on_event)
+        self._jobs.put((self._generate, request, handle))
+        return handle
+
+    def load_model(self, model: str, on_event: EventCallback | None = None) -> RequestHandle:
+        handle = RequestHandle(on_event)
+        self._jobs.put((self._load, model, handle))
+        return handle
+
+    def clear(self, tier: str) -> None:
+        """Clear a cache tier. Runs on the engine thread (between decode steps if busy)."""
+        done = threading.Event()
+        box: list = []
+        self._control.put((tier, done, box))
+        self._jobs.put((self._drain_control, None, None))
+        done.wait(60)
+        if box and isinstance(box[0], Exception):
+            raise box[0]
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._jobs.put(_STOP)
+            self._thread.join(timeout=60)
+
+    def stats(self) -> CacheStats:
+        """One immutable snapshot; safe to call from any thread."""
+        mem = self.monitor.stats()
+        cache = self.cache
+        if cache is None:
+            return CacheStats(
+                model=self.model_name,
+                block_size=self.settings.block_size,
+                enabled=False,
+                supported=self.supported,
+                reason=self.reason,
+                layer_kinds=self.layer_kinds,
+                memory=mem,
+                last_turn=self._last,
+            )
+        hot, ssd, tails, snaps = cache.tier_stats()
+        return CacheStats(
+            model=self.model_name,
+            block_size=cache.block_size,
+            enabled=True,
+            supported=True,
+            reason="",
+            layer_kinds=self.layer_kinds,
+            hot=hot,
+            ssd=ssd,
+            tails=tails,
+            snapshots=snaps,
+            memory=mem,
+            last_turn=self._last,
+            events=tuple(cache.events),
+        )
+
+    # ------------------------------------------------------------------ thread
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is _STOP:
+                if self.cache is not None:
+                    self.cache.close()
+                return
+            fn, arg, handle = job
+            try:
+                fn(arg, handle)
+            except Exception as exc:  # an engine error never kills the thread
+                self._on_log(f"engine error: {exc!r}")
+                if handle is not None and not handle.done:
+                    handle.emit(Failed(f"{type(exc).__name__}: {exc}"))
+
+    def _drain_control(self, _arg=None, _handle=None) -> None:
+        while True:
+            try:
+                tier, done, box = self._control.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if self.cache is not None:
+                    box.append(self.cache.clear(tier))
+                elif tier not in ("hot", "ssd", "tails", "all"):
+                    raise ValueError(f"unknown tier {tier!r}")
+            except Exception as exc:
+                box.append(exc)
+            finally:
+                done.set()
+
+    # ------------------------------------------------------------------ load
+    def _load(self, spec: str, handle: RequestHandle) -> None:
+        from .models import load_model
+
+        def progress(done: int, total: int, message: str = "") -> None:
+            handle.emit(ModelLoading(spec, done, total, message))
+
+        if self.cache is not None:
+            self.cache.close()
+        self.cache, self.loaded, self.supported = None, None, None
+        s = self.settings
+        try:
+            loaded = load_model(spec, models_dir=Path(s.models_dir), progress=progress)
+        except Exception as exc:
+            handle.emit(Failed(str(exc), kind="load"))
+            return
+        self.loaded, self.model_name = loaded, spec
+        warning = None
+        caches = self._make_cache()
+        try:
+            leaves = L.classify(caches)
+        except L.UnsupportedCache as exc:
+            self.supported, self.reason = False, f"caching off for {spec}: {exc}"
+            self.layer_kinds = ()
+            handle.emit(ModelLoaded(spec, warning=self.reason))
+            return
+        self.supported, self.reason = True, ""
+        self.layer_kinds = tuple(f"{lf.name}:{lf.kind}" for lf in leaves)
+        # probe: two tokens through a throwaway cache give every cached array's shape
+        self.loaded.model(mx.array([[0, 0]]), cache=caches)
+        mx.eval([c.state for c in caches])
+        spec_shapes = probe_specs(leaves, caches)
+        if not s.no_cache:
+            fp = f"{loaded.fingerprint}/kv{s.kv_bits}g{s.kv_group_size}"
+            import hashlib
+
+            fp = hashlib.sha256(fp.encode()).hexdigest()
+            self.cache = PrefixCache(
+                fingerprint=fp,
+                leaves=leaves,
+                spec=spec_shapes,
+                block_size=s.block_size,
+                hot_bytes=s.hot_bytes,
+                ssd_dir=Path(s.cache_dir),
+                ssd_bytes=s.ssd_bytes,
+                max_tails=s.tail_entries,
+                max_checkpoints=s.checkpoint_entries,
+                writer_queue=s.writer_queue,
+                pin_system=s.pin_system,
+            )
+            if self.cache.ssd is not None and not self.cache.ssd.enabled:
+                warning = self.cache.ssd.reason
+        handle.emit(ModelLoaded(spec, warning=warning))
+
+    def _make_cache(self) -> list[Any]:
+        model = self.loaded.model
+        caches = (
+            model.make_cache()
+            if hasattr(model, "make_cache")
+            else [KVCache() for _ in model.layers]
+        )
+        bits = self.settings.kv_bits
+        if not bits:
+            return caches
+
+        def quantize(c):
+            if type(c) is KVCache:
+                return QuantizedKVCache(group_size=self.settings.kv_group_size, bits=bits)
+            if isinstance(c, CacheList):
+                c.caches = tuple(quantize(x) for x in c.caches)
+            return c
+
+        return [quantize(c) for c in caches]
+
+    # ------------------------------------------------------------------ generate
+    def _generate(self, req: GenerateRequest, handle: RequestHandle) -> None:
+        if self.loaded is None:
+            handle.emit(Failed("no model loaded", kind="error"))
+            return
+        t0 = time.perf_counter()
+        mx.reset_peak_memory()
+        prompt = list(req.prompt_ids)
+        n = len(prompt)
+        if n == 0:
+            handle.emit(Failed("empty prompt"))
+            return
+        model, bs = self.loaded.model, self.settings.block_size
+        cache = self.cache if (req.use_cache and not self.settings.no_cache) else None
+        caches = self._make_cache()
+        restored = cache.restore(prompt, caches) if cache is not None else Restored()
+        start = restored.position
+        boundaries = tuple(req.boundaries)
+        checkpoints = set()
+        if cache is not None and cache.state:
+            checkpoints = {end for end, role in boundaries if role in ("system", "user")}
+
+        # prefill [start, n - 1) in block-aligned chunks
+        total = n - 1 - start
+        done = 0
+        pos = start
+        for end in chunk_ends(start, n - 1, bs, checkpoints):
+            self._drain_control()
+            if handle.cancelled:
+                handle.emit(Failed("cancelled during prefill", kind="cancelled"))
+                return
+            model(mx.array(prompt[pos:end])[None], cache=caches)
+            mx.eval([c.state for c in caches])
+            if cache is not None:
+                if end % bs == 0:
+                    cache.store_block(caches, prompt, end // bs - 1, boundaries)
+                elif end in checkpoints:
+                    cache.store_tail(caches, prompt, end, KIND_BOUNDARY, role_at(boundaries, end))
+            done += end - pos
+            pos = end
+            dt = time.perf_counter() - t0
+            handle.emit(PrefillProgress(done, total, done / dt if dt > 0 else 0.0))
+        if cache is not None and n - 1 > start:
+            cache.store_tail(caches, prompt, n - 1, KIND_TAIL, role_at(boundaries, n - 1))
+
+        # decode from the last prompt token
+        if req.temperature > 0 and req.seed is not None:
+            mx.random.seed(req.seed)
+        sampler = make_sampler(temp=req.temperature, top_p=req.top_p)
+        eos = self.eos_token_ids
+        detok = self.loaded.tokenizer.detokenizer
+        detok.reset()
+        tokens: list[int] = []
+        logprobs: list[np.ndarray] = []
+        ttft = t_first = None
+        reason = "length"
+        for tok, lp in generate_step(
+            mx.array(prompt[n - 1 :]),
+            model,
+            prompt_cache=caches,
+            max_tokens=req.max_tokens,
+            sampler=sampler,
+        ):
+            if ttft is None:
+                t_first = time.perf_counter()
+                ttft = t_first - t0
+            tokens.append(tok)
+            if len(logprobs) < self.record_logprobs:
+                logprobs.append(np.array(lp.astype(mx.float32)))
+            if tok in eos:
+                reason = "stop"
+                break
+            detok.add_token(tok)
+            handle.emit(TokenBatch((tok,), detok.last_segment))
+            self._drain_control()
+            if handle.cancelled:
+                reason = "cancelled"
+                break
+        detok.finalize()
+        tail_text = detok.last_segment
+        if tail_text:
+            handle.emit(TokenBatch((), tail_text))
+        t_end = time.perf_counter()
+        mx.eval([c.state for c in caches])
+        if cache is not None:
+            cache.store_sequence(caches, prompt + tokens, boundaries)
+        handle.logprobs = logprobs
+        handle.restored_position = start
+        ttft = ttft if ttft is not None else t_end - t0
+        g = len(tokens)
+        metrics = TurnMetrics(
+            prompt_tokens=n,
+            cached_tokens=start,
+            cached_by=dict(restored.cached_by),
+            prefill_tokens=n - start,
+            ttft_s=ttft,
+            prefill_tps=(n - start) / ttft if ttft > 0 else 0.0,
+            generation_tokens=g,
+            generation_tps=(g - 1) / (t_end - t_first) if g > 1 and t_end > t_first else 0.0,
+            peak_memory_bytes=int(mx.get_peak_memory()),
+            finish_reason=reason,
+        )
+        self._last = LastTurn(
+            prompt_tokens=n,
+            cached_tokens=start,
+            cached_by=dict(restored.cached_by),
+            prefill_tokens=n - start,
+            ttft_s=ttft,
+            prefill_tps=metrics.prefill_tps,
+            generation_tps=metrics.generation_tps,
+        )
+        handle.emit(Finished(tuple(tokens), detok.text, metrics))
