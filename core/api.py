@@ -11,7 +11,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, Union
+from typing import Literal, Protocol
 
 Role = Literal["system", "user", "assistant"]
 CacheTier = Literal["hot", "ssd", "tails", "all"]
@@ -108,7 +108,7 @@ class ModelLoaded:
     warning: str | None = None
 
 
-Event = Union[PrefillProgress, TokenBatch, Finished, Failed, ModelLoading, ModelLoaded]
+Event = PrefillProgress | TokenBatch | Finished | Failed | ModelLoading | ModelLoaded
 EventCallback = Callable[[Event], None]
 
 

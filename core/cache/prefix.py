@@ -191,7 +191,7 @@ class PrefixCache:
                     continue
                 seg = prompt[j * bs : limit]
                 n = 0
-                for a, b in zip(t.tokens, seg):
+                for a, b in zip(t.tokens, seg, strict=False):
                     if a != b:
                         break
                     n += 1
@@ -328,9 +328,7 @@ class PrefixCache:
         for i in range(cand.blocks - 1, -1, -1):
             after = sources.get(i, after)
             out.cached_by[after or "hot"] += bs
-        for i, _, src in loaded:
-            if src == "hot":
-                self.hot_hits += 1
+        self.hot_hits += sum(1 for _, _, src in loaded if src == "hot")
         if t_entry is not None:
             kind = "tail" if t_entry.kind == KIND_TAIL else "checkpoint"
             out.cached_by[kind] += cand.tail_tokens
