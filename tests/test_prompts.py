@@ -182,13 +182,15 @@ def test_nodes_are_accepted(tmp_path):
 # ---------------------------------------------------------------- the real demo tokenizer
 
 
-def _demo_tokenizer(name: str):
-    """The tokenizer of demo model ``name`` as the engine loads it (mlx-lm's wrapper), when
-    its model directory is already converted; the test is skipped otherwise."""
+def _demo_tokenizer(name: str, models_dir):
+    """The tokenizer of demo model ``name`` as the engine loads it (mlx-lm's wrapper); the
+    model directory is converted into ``models_dir`` if needed (shared with the other slow
+    tests). Skipped when core.models or the demo packages are not installed."""
     models = pytest.importorskip("tierchat.core.models")
-    target = models.default_models_dir() / name
-    if not (target / "tokenizer.json").exists():
-        pytest.skip(f"model {name!r} not converted yet ({target}): run `tierchat --model {name}`")
+    try:
+        target = models.resolve_model_dir(name, models_dir)
+    except models.ModelError as e:
+        pytest.skip(str(e))
     mlx_utils = pytest.importorskip("mlx_lm.utils")
     return mlx_utils.load_tokenizer(target)
 
@@ -203,10 +205,10 @@ REPLIES = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "end"), [("demo", "<|im_end|>"), ("demo-gemma", "<end_of_turn>")])
-def test_demo_tokenizer_four_turns(name, end):
+def test_demo_tokenizer_four_turns(name, end, models_dir):
     """Each prompt begins with the previous prompt + reply ids, except trailing ids the
     template does not show (an EOS other than the template's closing token)."""
-    tok = _demo_tokenizer(name)
+    tok = _demo_tokenizer(name, models_dir)
     end_id = tok.convert_tokens_to_ids(end)
     eos = set(tok.eos_token_ids) | {end_id}
     msgs = [{"role": "system", "content": "You are a helpful assistant."}]
