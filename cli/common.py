@@ -1,0 +1,118 @@
+"""What every subcommand shares: the error type, stderr messages, engine start-up.
+
+Nothing here imports MLX at module level: ``tierchat models`` and ``tierchat config``
+stay light. :func:`start_engine` imports the engine (and so MLX) when first called.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, is_dataclass
+from typing import Any
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # the command ran and something failed (a model load, a generation)
+EXIT_USAGE = 2  # bad input: flags, settings, a script, a missing file
+EXIT_INTERRUPTED = 130
+
+
+class CLIError(Exception):
+    """An error to report as one ``error: ...`` line on stderr, exiting with ``code``."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+def error(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def warn(message: str) -> None:
+    text = message if message.startswith("warning:") else f"warning: {message}"
+    print(text, file=sys.stderr, flush=True)
+
+
+def _load_progress(spec: str):
+    """A ``ModelLoading`` callback drawing one updating line on stderr when it is a tty."""
+    from tierchat.core.api import ModelLoading
+
+    tty = sys.stderr.isatty()
+
+    def on_event(event: Any) -> None:
+        if tty and isinstance(event, ModelLoading):
+            total = max(event.total, 1)
+            msg = f" {event.message}" if event.message else ""
+            print(f"\rloading {spec}: {event.done}/{total}{msg}\033[K", end="", file=sys.stderr)
+
+    return on_event, tty
+
+
+def start_engine(settings: Any, model: str | None = None, *, quiet: bool = False):
+    """A new :class:`~tierchat.core.engine.Engine` with ``model`` (default
+    ``settings.model``) loaded. A load warning (SSD tier off, caching unsupported for the
+    model) goes to stderr unless ``quiet``.
+
+    Raises :class:`CLIError` when the model cannot be loaded; the engine is closed then
+    (and on Ctrl-C). The caller closes the returned engine.
+    """
+    from tierchat.core.api import Failed
+    from tierchat.core.engine import Engine
+
+    spec = model or settings.model
+    engine = Engine(settings)
+    try:
+        on_event, tty = _load_progress(spec)
+        result = engine.load_model(spec, on_event=on_event).wait()
+        if tty:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
+    except BaseException:
+        engine.close()
+        raise
+    if isinstance(result, Failed):
+        engine.close()
+        raise CLIError(result.message)
+    if result.warning and not quiet:
+        warn(result.warning)
+    return engine
+
+
+def plain(value: Any) -> Any:
+    """``value`` as JSON-ready data: dataclasses to dicts, tuples to lists, paths to str."""
+    if is_dataclass(value) and not isinstance(value, type):
+        value = asdict(value)
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def table(rows: list[tuple], headers: tuple[str, ...] | None = None) -> str:
+    """Rows as left-aligned text columns (numbers right-aligned), two spaces apart."""
+    cells = [[str(c) for c in r] for r in rows]
+    if headers:
+        cells.insert(0, list(headers))
+    if not cells:
+        return ""
+    widths = [max(len(r[i]) for r in cells if i < len(r)) for i in range(len(cells[0]))]
+    numeric = [
+        all(_is_number(r[i]) for r in cells[1 if headers else 0 :] if i < len(r))
+        for i in range(len(widths))
+    ]
+    lines = []
+    for r in cells:
+        parts = [c.rjust(widths[i]) if numeric[i] else c.ljust(widths[i]) for i, c in enumerate(r)]
+        lines.append("  ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text.rstrip("x%"))
+    except ValueError:
+        return text in ("-", "n/a")
+    return True

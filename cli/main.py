@@ -1,0 +1,231 @@
+"""``tierchat``: the command line (DESIGN.md §8).
+
+Subcommands: none (the TUI), ``chat``, ``replay``, ``models``, ``cache stats|clear``,
+``config``, ``bench``. The settings flags are accepted before or after the subcommand and
+override the config file and ``TIERCHAT_*`` env vars (:func:`load_settings`).
+
+Exit codes: 0 ok; 1 something failed while running (model load, a generation); 2 bad
+input (flags, settings, a malformed script, a missing file); 130 interrupted. Errors are
+one ``error: ...`` line on stderr, never a traceback (``TIERCHAT_DEBUG=1`` shows one for
+an unexpected exception).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+from .common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, CLIError, error, table
+
+# flag dest -> help; every one is a key of config.settings.Settings
+SETTING_FLAGS: dict[str, tuple[str, str]] = {
+    "model": ("SPEC", "demo, demo-gemma, tiny:<arch>, a .gguf file, an MLX dir or a HF repo id"),
+    "cache_dir": ("DIR", "SSD tier directory"),
+    "models_dir": ("DIR", "where converted and tiny models are kept"),
+    "data_dir": ("DIR", "where the conversation store (SQLite) lives"),
+    "block_size": ("TOKENS", "cache block size in tokens"),
+    "hot_bytes": ("SIZE", "hot (RAM) tier budget: bytes or 512MB, 6GB, 16GiB"),
+    "ssd_bytes": ("SIZE", "SSD tier cap"),
+    "max_tokens": ("N", "reply length limit in tokens"),
+    "seed": ("N", "sampling seed (used when temperature > 0)"),
+    "temperature": ("T", "sampling temperature (0: greedy)"),
+    "memory_limit": ("SIZE", "memory limit for the prefill guard"),
+}
+
+
+def _settings_parser() -> argparse.ArgumentParser:
+    # SUPPRESS: a flag not given leaves no attribute, so a subcommand's copy of the flag
+    # does not overwrite a value given before the subcommand.
+    p = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    g = p.add_argument_group("settings (override the config file and TIERCHAT_* env vars)")
+    for dest, (metavar, text) in SETTING_FLAGS.items():
+        g.add_argument("--" + dest.replace("_", "-"), dest=dest, metavar=metavar, help=text)
+    g.add_argument("--no-cache", dest="no_cache", action="store_true", help="prefix cache off")
+    g.add_argument("--config", dest="config", metavar="PATH", help="config file (TOML)")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _settings_parser()
+    parser = argparse.ArgumentParser(
+        prog="tierchat",
+        description="Terminal chat for local LLMs on MLX with a multi-tier prefix KV cache.",
+        epilog="Without a subcommand: the TUI.",
+        parents=[common],
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("chat", parents=[common], help="line-mode chat in a plain terminal")
+    p.add_argument("--system", metavar="TEXT", help="system prompt of the new conversation")
+
+    p = sub.add_parser(
+        "replay",
+        parents=[common],
+        help="run a scripted session (JSON lines), print one JSON line per generation",
+        description="Run a replay script (DESIGN.md §9). Ops: new, user, regenerate, edit, "
+        "swipe, restart, clear. Prints one JSON object per generating op, then a summary. "
+        "A failed op prints an error line and the script goes on; the exit code is then 1. "
+        "Conversations go to a throwaway store unless --data-dir is given.",
+    )
+    p.add_argument("script", metavar="SCRIPT.jsonl", help="the script ('-' for stdin)")
+
+    sub.add_parser("models", parents=[common], help="list the models tierchat can load")
+
+    p = sub.add_parser("cache", parents=[common], help="cache counters, or clear a tier")
+    csub = p.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
+    s = csub.add_parser("stats", parents=[common], help="every counter of the cache")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    c = csub.add_parser("clear", parents=[common], help="clear a tier")
+    c.add_argument("tier", choices=("hot", "ssd", "tails", "all"))
+
+    sub.add_parser("config", parents=[common], help="effective settings and their sources")
+
+    p = sub.add_parser(
+        "bench",
+        parents=[common],
+        help="TTFT of cold, hot, SSD and nearest-prefix prefill vs mlx-lm's LRUPromptCache",
+    )
+    p.add_argument(
+        "--lengths",
+        default="512,2048,8192",
+        metavar="N,N,...",
+        help="prompt lengths in tokens (default 512,2048,8192)",
+    )
+    p.add_argument("--json-out", metavar="PATH", help="also write the rows as JSON here")
+    p.add_argument("--no-baseline", action="store_true", help="skip the mlx-lm LRUPromptCache rows")
+    p.add_argument("--extend", type=int, default=32, metavar="N", help="nearest-prefix: new tokens")
+    return parser
+
+
+def overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings flags given on the command line, for ``load_settings``."""
+    out: dict[str, Any] = {k: getattr(args, k) for k in SETTING_FLAGS if hasattr(args, k)}
+    if getattr(args, "no_cache", False):
+        out["no_cache"] = True
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``tierchat`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error argparse already printed
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+    try:
+        from tierchat.config.settings import SettingsError, load_settings
+
+        try:
+            settings = load_settings(overrides(args), config_path=getattr(args, "config", None))
+        except SettingsError as e:
+            raise CLIError(str(e), EXIT_USAGE) from None
+        return _dispatch(args, settings)
+    except CLIError as e:
+        error(e.message)
+        return e.code
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        error("interrupted")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `tierchat replay s.jsonl | head`
+        try:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- silence the flush at exit
+        except OSError:
+            pass
+        return EXIT_FAILED
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        error(f"{where}{e.strerror or e}")
+        return EXIT_FAILED
+    except Exception as e:  # noqa: BLE001 -- the last line of defence: no traceback
+        if os.environ.get("TIERCHAT_DEBUG"):
+            traceback.print_exc()
+        error(f"{type(e).__name__}: {e} (TIERCHAT_DEBUG=1 shows a traceback)")
+        return EXIT_FAILED
+
+
+def _dispatch(args: argparse.Namespace, settings: Any) -> int:
+    command = args.command
+    if command is None:
+        return run_tui(settings)
+    if command == "chat":
+        from .chat import run_chat
+
+        return run_chat(settings, system=args.system)
+    if command == "replay":
+        from .replay import run_replay
+
+        return run_replay(settings, args.script, data_dir_given="data_dir" in args)
+    if command == "models":
+        return run_models(settings)
+    if command == "cache":
+        from .cache_cmd import run_cache
+
+        return run_cache(settings, args.cache_command, args)
+    if command == "config":
+        return run_config(settings)
+    if command == "bench":
+        from .bench import run_bench
+
+        return run_bench(settings, args)
+    raise CLIError(f"unknown command {command!r}", EXIT_USAGE)
+
+
+def run_tui(settings: Any) -> int:
+    """The TUI. The app loads ``settings.model`` itself, showing progress (``run_app``)."""
+    try:
+        from tierchat.tui.app import run_app
+    except ImportError as e:
+        raise CLIError(f"the TUI is not available ({e}); try `tierchat chat`") from None
+    from tierchat.core.conversation import ConversationStore
+    from tierchat.core.engine import Engine
+
+    store = _open_store(settings, ConversationStore)
+    engine = Engine(settings)
+    try:
+        run_app(engine, store, settings)
+    finally:
+        engine.close()
+        store.close()
+    return EXIT_OK
+
+
+def _open_store(settings: Any, cls):
+    from tierchat.core.conversation import StoreError
+
+    try:
+        return cls(settings.db_path)
+    except StoreError as e:
+        raise CLIError(str(e)) from None
+    except OSError as e:
+        raise CLIError(
+            f"cannot open the conversation store {settings.db_path}: {e.strerror or e} "
+            "(use --data-dir)"
+        ) from None
+
+
+def run_models(settings: Any) -> int:
+    from tierchat.core.models import list_models
+
+    rows = [
+        (m.name, "yes" if m.available else "no", m.description, m.note)
+        for m in list_models(settings.models_dir)
+    ]
+    print(table(rows, ("model", "available", "description", "note")))
+    return EXIT_OK
+
+
+def run_config(settings: Any) -> int:
+    from tierchat.config.settings import explain
+
+    rows = [(key, "none" if v is None else v, source) for key, v, source in explain(settings)]
+    print(table(rows, ("setting", "value", "source")))
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

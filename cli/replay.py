@@ -1,0 +1,376 @@
+"""``tierchat replay SCRIPT.jsonl``: a scripted session (DESIGN.md §9, a public contract).
+
+Input: one JSON object per line (blank lines are skipped)::
+
+    {"op": "new", "system": "optional system prompt"}
+    {"op": "user", "text": "...", "max_tokens": 64}
+    {"op": "regenerate", "max_tokens": 64}
+    {"op": "edit", "turn": 0, "text": "...", "max_tokens": 64}
+    {"op": "swipe", "turn": 0, "index": 0}
+    {"op": "restart"}
+    {"op": "clear", "tier": "hot" | "ssd" | "tails" | "all"}
+
+``user``, ``regenerate`` and ``edit`` also take ``"temperature"`` (greedy without it,
+seeded by ``--seed``). Unknown ops and unknown or mistyped fields are errors: the whole
+script is checked before anything runs, and the first bad line is reported as
+``error: SCRIPT:LINE: what is wrong`` (exit 2).
+
+Output: one JSON object per generating op with exactly :data:`RESULT_FIELDS`, where
+``op_index`` is the op's 0-based line number in the script and ``token_ids_sha256`` is the
+sha256 hex digest of the generated token ids written as ASCII decimals joined by commas
+(``"12,7,99"``; the empty string for no tokens). Then one ``{"summary": {...}}`` line.
+
+An op that fails (a ``Failed`` event: a refused prefill, an engine error; or an
+impossible ``edit``/``swipe``/``regenerate``) prints ``{"op_index", "op", "error"}`` on
+stdout and ``error: SCRIPT:LINE: ...`` on stderr; the script goes on and the exit code
+is 1 at the end.
+
+``restart`` closes the engine (flushing the SSD writer) and starts a new one: the hot tier,
+tails and checkpoints are gone, the SSD tier and the conversation store stay.
+Conversations go to a throwaway SQLite file unless ``--data-dir`` is given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CLIError, plain, start_engine
+
+RESULT_FIELDS: tuple[str, ...] = (
+    "op_index",
+    "op",
+    "prompt_tokens",
+    "cached_tokens",
+    "cached_by",
+    "prefill_tokens",
+    "ttft_s",
+    "prefill_tps",
+    "generation_tokens",
+    "generation_tps",
+    "peak_memory_bytes",
+    "text",
+    "token_ids_sha256",
+)
+GENERATING = ("user", "regenerate", "edit")
+TIERS = ("hot", "ssd", "tails", "all")
+
+
+class ScriptError(ValueError):
+    """A malformed script; the message is ``SCRIPT:LINE: what is wrong``."""
+
+
+# ------------------------------------------------------------------ parsing
+
+
+def _str(v: Any) -> str | None:
+    return None if isinstance(v, str) else "must be a string"
+
+
+def _pos_int(v: Any) -> str | None:
+    ok = isinstance(v, int) and not isinstance(v, bool) and v > 0
+    return None if ok else "must be a positive integer"
+
+
+def _turn(v: Any) -> str | None:
+    ok = isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    return None if ok else "must be a non-negative integer"
+
+
+def _int(v: Any) -> str | None:
+    ok = isinstance(v, int) and not isinstance(v, bool)
+    return None if ok else "must be an integer"
+
+
+def _temperature(v: Any) -> str | None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 100
+    return None if ok else "must be a number >= 0"
+
+
+def _tier(v: Any) -> str | None:
+    return None if v in TIERS else f"must be one of {', '.join(TIERS)}"
+
+
+_GEN = {"max_tokens": (False, _pos_int), "temperature": (False, _temperature)}
+# op -> field -> (required, check)
+OPS: dict[str, dict[str, tuple[bool, Callable[[Any], str | None]]]] = {
+    "new": {"system": (False, _str)},
+    "user": {"text": (True, _str), **_GEN},
+    "regenerate": dict(_GEN),
+    "edit": {"turn": (True, _turn), "text": (True, _str), **_GEN},
+    "swipe": {"turn": (True, _turn), "index": (True, _int)},
+    "restart": {},
+    "clear": {"tier": (True, _tier)},
+}
+
+
+@dataclass(frozen=True)
+class Op:
+    """One script line: ``index`` is its 0-based line number, ``args`` its other fields."""
+
+    index: int
+    op: str
+    args: dict[str, Any]
+
+
+def parse_line(text: str) -> tuple[str, dict[str, Any]]:
+    """``(op, fields)`` of one script line. Raises ``ValueError`` saying what is wrong."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON: {e.msg} (column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    op = obj.pop("op", None)
+    if op is None:
+        raise ValueError('missing "op"')
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}: expected one of {', '.join(OPS)}")
+    fields = OPS[op]
+    for key in obj:
+        if key not in fields:
+            allowed = ", ".join(fields) or "none"
+            raise ValueError(f'unknown field "{key}" for op {op!r} (allowed: {allowed})')
+    for key, (required, check) in fields.items():
+        if key not in obj:
+            if required:
+                raise ValueError(f'op {op!r} needs "{key}"')
+            continue
+        problem = check(obj[key])
+        if problem:
+            raise ValueError(f'"{key}" {problem}, got {json.dumps(obj[key])}')
+    return op, obj
+
+
+def parse_script(lines: Sequence[str], name: str) -> list[Op]:
+    """Every op of a script; raises :class:`ScriptError` naming the first bad line (1-based)."""
+    ops = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            op, args = parse_line(line)
+        except ValueError as e:
+            raise ScriptError(f"{name}:{i + 1}: {e}") from None
+        ops.append(Op(i, op, args))
+    return ops
+
+
+def read_script(path: str) -> list[Op]:
+    """Read and parse ``path`` (``-``: stdin). Raises :class:`CLIError` (exit 2)."""
+    try:
+        if path == "-":
+            lines, name = sys.stdin.read().splitlines(), "<stdin>"
+        else:
+            lines, name = Path(path).read_text(encoding="utf-8").splitlines(), path
+    except FileNotFoundError:
+        raise CLIError(f"{path}: no such file", EXIT_USAGE) from None
+    except IsADirectoryError:
+        raise CLIError(f"{path}: is a directory", EXIT_USAGE) from None
+    except UnicodeDecodeError as e:
+        raise CLIError(f"{path}: not UTF-8 text ({e.reason})", EXIT_USAGE) from None
+    except OSError as e:
+        raise CLIError(f"{path}: {e.strerror or e}", EXIT_USAGE) from None
+    try:
+        return parse_script(lines, name)
+    except ScriptError as e:
+        raise CLIError(str(e), EXIT_USAGE) from None
+
+
+# ------------------------------------------------------------------ running
+
+
+def token_ids_sha256(ids: Sequence[int]) -> str:
+    """sha256 hex of the ids as ASCII decimals joined by commas (see the module doc)."""
+    return hashlib.sha256(",".join(str(int(i)) for i in ids).encode("ascii")).hexdigest()
+
+
+def result_line(op: Op, event: Any) -> dict[str, Any]:
+    """The output object of a finished generating op (exactly :data:`RESULT_FIELDS`)."""
+    m = event.metrics
+    cached_by = {k: int(m.cached_by.get(k, 0)) for k in ("hot", "ssd", "tail", "checkpoint")}
+    return {
+        "op_index": op.index,
+        "op": op.op,
+        "prompt_tokens": m.prompt_tokens,
+        "cached_tokens": m.cached_tokens,
+        "cached_by": cached_by,
+        "prefill_tokens": m.prefill_tokens,
+        "ttft_s": round(m.ttft_s, 6),
+        "prefill_tps": round(m.prefill_tps, 2),
+        "generation_tokens": m.generation_tokens,
+        "generation_tps": round(m.generation_tps, 2),
+        "peak_memory_bytes": m.peak_memory_bytes,
+        "text": event.text,
+        "token_ids_sha256": token_ids_sha256(event.token_ids),
+    }
+
+
+class Replay:
+    """Runs parsed ops against an engine + store, writing JSON lines to ``out``."""
+
+    def __init__(
+        self, settings: Any, store: Any, name: str, out: TextIO, err: TextIO = sys.stderr
+    ) -> None:
+        from tierchat.core.session import ChatSession
+
+        self.settings = settings
+        self.store = store
+        self.name = name
+        self.out = out
+        self.err = err
+        self.engine = start_engine(settings)
+        self.session = ChatSession(
+            self.engine,
+            store,
+            max_tokens=settings.max_tokens,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            seed=settings.seed,
+            use_cache=not settings.no_cache,
+        )
+        self.results: list[dict[str, Any]] = []
+        self.errors = 0
+        self.restarts = 0
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def _emit(self, obj: dict[str, Any]) -> None:
+        self.out.write(json.dumps(obj, ensure_ascii=False) + "\n")
+        self.out.flush()
+
+    def _fail(self, op: Op, message: str) -> None:
+        self.errors += 1
+        self._emit({"op_index": op.index, "op": op.op, "error": message})
+        print(f"error: {self.name}:{op.index + 1}: {op.op}: {message}", file=self.err, flush=True)
+
+    def run(self, ops: Sequence[Op]) -> int:
+        from tierchat.core.session import SessionError
+
+        for op in ops:
+            try:
+                self.step(op)
+            except SessionError as e:
+                self._fail(op, str(e))
+        self._emit({"summary": self.summary(len(ops))})
+        return EXIT_FAILED if self.errors else EXIT_OK
+
+    def step(self, op: Op) -> None:
+        a, s = op.args, self.session
+        if op.op == "new":
+            s.new_conversation(system=a.get("system") or None)
+        elif op.op == "swipe":
+            s.swipe(a["turn"], a["index"])
+        elif op.op == "clear":
+            self.engine.clear(a["tier"])
+        elif op.op == "restart":
+            self.restart()
+        else:
+            self.generate(op)
+
+    def restart(self) -> None:
+        from tierchat.core.session import ChatSession
+
+        self.engine.close()
+        self.engine = start_engine(self.settings, quiet=True)
+        old = self.session
+        self.session = ChatSession(
+            self.engine,
+            self.store,
+            max_tokens=old.max_tokens,
+            temperature=old.temperature,
+            top_p=old.top_p,
+            seed=old.seed,
+            use_cache=old.use_cache,
+        )
+        self.session.conversation_id = old.conversation_id
+        self.restarts += 1
+
+    def generate(self, op: Op) -> None:
+        from tierchat.core.api import Failed
+
+        a, s = op.args, self.session
+        default_temperature = s.temperature
+        s.temperature = float(a.get("temperature", default_temperature))
+        try:
+            n = a.get("max_tokens")
+            if op.op == "user":
+                turn = s.send(a["text"], max_tokens=n)
+            elif op.op == "regenerate":
+                turn = s.regenerate(max_tokens=n)
+            else:
+                turn = s.edit(a["turn"], a["text"], max_tokens=n)
+        finally:
+            s.temperature = default_temperature
+        try:
+            event = turn.wait()
+        except KeyboardInterrupt:
+            turn.cancel()
+            turn.wait(60)
+            raise
+        if isinstance(event, Failed):
+            kind = "" if event.kind == "error" else f"{event.kind}: "
+            self._fail(op, kind + event.message)
+            return
+        if turn.error is not None:
+            self._fail(op, f"reply not stored: {turn.error}")
+            return
+        line = result_line(op, event)
+        self.results.append(line)
+        self._emit(line)
+
+    def summary(self, n_ops: int) -> dict[str, Any]:
+        r = self.results
+        ttfts = [x["ttft_s"] for x in r]
+        cached_by = {
+            k: sum(x["cached_by"][k] for x in r) for k in ("hot", "ssd", "tail", "checkpoint")
+        }
+        stats = plain(self.engine.stats())
+        stats.pop("events", None)
+        return {
+            "model": self.settings.model,
+            "ops": n_ops,
+            "generations": len(r),
+            "errors": self.errors,
+            "restarts": self.restarts,
+            "prompt_tokens": sum(x["prompt_tokens"] for x in r),
+            "cached_tokens": sum(x["cached_tokens"] for x in r),
+            "cached_by": cached_by,
+            "prefill_tokens": sum(x["prefill_tokens"] for x in r),
+            "generation_tokens": sum(x["generation_tokens"] for x in r),
+            "ttft_s_mean": round(statistics.fmean(ttfts), 6) if ttfts else 0.0,
+            "ttft_s_median": round(statistics.median(ttfts), 6) if ttfts else 0.0,
+            "cache": stats,
+        }
+
+
+def run_replay(settings: Any, script: str, *, data_dir_given: bool = False) -> int:
+    """``tierchat replay``: parse the whole script, then run it. Returns the exit code."""
+    from tierchat.core.conversation import ConversationStore, StoreError
+
+    ops = read_script(script)
+    name = "<stdin>" if script == "-" else script
+    with tempfile.TemporaryDirectory(prefix="tierchat-replay-") as tmp:
+        db = settings.db_path if data_dir_given else Path(tmp) / "replay.sqlite"
+        try:
+            store = ConversationStore(db)
+        except StoreError as e:
+            raise CLIError(str(e)) from None
+        except OSError as e:
+            raise CLIError(f"cannot open the conversation store {db}: {e.strerror or e}") from None
+        try:
+            replay = Replay(settings, store, name, sys.stdout)
+            try:
+                return replay.run(ops)
+            finally:
+                replay.close()
+        finally:
+            store.close()
