@@ -826,9 +826,9 @@ def _clear_report(tier: str, before: CacheStats | None, after: CacheStats | None
 
 
 def _alerts(before: CacheStats | None, after: CacheStats) -> list[tuple[str, str, str]]:
-    """Notifications for what got worse between two snapshots (disk errors, pressure)."""
-    if before is None:
-        return []
+    """Notifications for what got worse between two snapshots (disk errors, pressure, an
+    uncacheable model); the first snapshot is compared with an empty one."""
+    before = before or CacheStats()
     out: list[tuple[str, str, str]] = []
     if after.ssd.errors > before.ssd.errors:
         n = after.ssd.errors - before.ssd.errors

@@ -1,0 +1,166 @@
+"""Pilot tests: every command palette command runs the same action as its key."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import SIZE, chat_screen, send, settle
+from tierchat.tui.commands import BRANCH_COMMANDS, CACHE_COMMANDS, CONVERSATION_COMMANDS
+from tierchat.tui.screens.confirm import ConfirmScreen
+from tierchat.tui.screens.help import HelpScreen
+from tierchat.tui.screens.model_picker import ModelPickerScreen
+from tierchat.tui.screens.prompt import EditMessageScreen, PromptScreen
+from tierchat.tui.widgets.cache_panels import CachePanels
+from tierchat.tui.widgets.conversation_list import ConversationList
+from tierchat.tui.widgets.transcript import Transcript
+
+pytestmark = pytest.mark.anyio
+
+
+async def run_command(pilot, title: str) -> None:
+    """Open the palette, type ``title``, run the highlighted (best) hit."""
+    await pilot.press("ctrl+p")
+    await pilot.press(*title)
+    await pilot.pause(0.05)  # the palette searches in a worker
+    await settle_palette(pilot)
+    await pilot.press("enter")
+    await settle(pilot)
+
+
+async def settle_palette(pilot) -> None:
+    from textual.command import CommandPalette
+
+    palette = pilot.app.screen
+    assert isinstance(palette, CommandPalette)
+    await pilot.app.workers.wait_for_complete()
+    await pilot.pause()
+    highlighted = palette.query_one("CommandList").highlighted
+    assert highlighted is not None, "no command matched"
+
+
+def last_reply(app):
+    return chat_screen(app).query_one(Transcript).views[-1].info
+
+
+async def test_palette_lists_cache_commands(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("ctrl+p")
+        await pilot.press(*"Cache: clear")
+        await pilot.pause(0.05)
+        await settle_palette(pilot)
+        prompts = [str(o.prompt) for o in app.screen.query_one("CommandList").options]
+        for title in ("clear hot tier", "clear SSD tier", "clear tails", "clear all"):
+            assert any(title in p for p in prompts), prompts
+
+
+@pytest.mark.parametrize(
+    ("title", "tier"),
+    [(c.title, c.action.split("'")[1]) for c in CACHE_COMMANDS if c.action.startswith("clear")],
+)
+async def test_cache_clear_commands_confirm_and_clear(make_app, engine, title, tier):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "something to cache, long enough for a block or two")
+        await run_command(pilot, title)
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("y")
+        await settle(pilot)
+        assert engine.cleared == [tier]
+
+
+async def test_cache_toggle_panels_command(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await run_command(pilot, "Cache: toggle panels")
+        assert not chat_screen(app).query_one(CachePanels).display
+
+
+async def test_branch_commands(make_app, store):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "question")
+        await run_command(pilot, "Branch: regenerate reply")
+        assert (last_reply(app).index, last_reply(app).count) == (1, 2)
+        await run_command(pilot, "Branch: previous reply")
+        assert last_reply(app).index == 0
+        await run_command(pilot, "Branch: next reply")
+        assert last_reply(app).index == 1
+        await run_command(pilot, "Chat: copy message")
+        assert app.clipboard == "Reply 2 to: question"
+        await run_command(pilot, "Branch: edit message")
+        assert isinstance(app.screen, EditMessageScreen)
+        await pilot.press("escape")
+        await run_command(pilot, "Branch: fork conversation")
+        assert len(store.list_conversations()) == 2
+
+
+async def test_stop_command_is_offered_only_while_streaming(make_app, engine):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        screen = chat_screen(app)
+        engine.gate.clear()
+        from tierchat.tui.widgets.chat_input import ChatInput
+
+        screen.query_one(ChatInput).insert("tell me more")
+        await pilot.press("enter")
+        for _ in range(300):
+            await pilot.pause()
+            if screen.streaming and screen._stream_view and screen._stream_view.text:
+                break
+        await run_command(pilot, "Chat: stop generation")
+        engine.gate.set()
+        await settle(pilot)
+        assert any("stopped" in n.message for n in app._notifications)
+
+
+async def test_conversation_commands(make_app, store):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "first chat")
+        first = chat_screen(app).conversation_id
+        await run_command(pilot, "Conversation: rename")
+        assert isinstance(app.screen, PromptScreen)
+        await pilot.press("escape")
+        await run_command(pilot, "Conversation: new")
+        assert chat_screen(app).conversation_id is None
+        await run_command(pilot, "Open: first chat")
+        assert chat_screen(app).conversation_id == first
+        await run_command(pilot, "Conversation: toggle list")
+        assert not chat_screen(app).query_one(ConversationList).display
+        await run_command(pilot, "Conversation: delete")
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("y")
+        await settle(pilot)
+        assert store.list_conversations() == []
+
+
+async def test_help_command(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await run_command(pilot, "Help: keys")
+        assert isinstance(app.screen, HelpScreen)
+
+
+async def test_model_commands(make_app, engine):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await run_command(pilot, "Model: pick…")
+        assert isinstance(app.screen, ModelPickerScreen)
+        await pilot.press("escape")
+        await run_command(pilot, "Model: load tiny:gemma3")
+        assert engine.model_name == "tiny:gemma3"
+
+
+def test_every_screen_action_has_a_palette_command():
+    from tierchat.tui.screens.chat import ChatScreen
+
+    commanded = {c.action.split("(")[0] for c in CACHE_COMMANDS + BRANCH_COMMANDS}
+    commanded |= {c.action.split("(")[0] for c in CONVERSATION_COMMANDS}
+    keyed = {b.action.split("(")[0] for b in ChatScreen.BINDINGS}
+    keyed -= {"select"}  # moving the selection is a key, not a command
+    assert keyed <= commanded | {"pick_model"}
