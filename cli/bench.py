@@ -1,0 +1,373 @@
+"""``tierchat bench``: TTFT of the prefix cache's paths, side by side with mlx-lm's
+``LRUPromptCache`` in the same run (STYLE.md: ratios measured together, never asserted).
+
+For each prompt length N (tokens; deterministic text, a distinct first sentence per length
+so lengths never share a prefix), with one generated token per request:
+
+tierchat rows (through the :class:`~tierchat.core.engine.Engine`):
+  cold           a fresh cache: prefill N
+  exact hot      the same prompt again: restore N-1 from the hot tier + tail, prefill 1
+  nearest hot    prompt + ``--extend`` new tokens: restore the cached prefix, prefill the rest
+  exact ssd      after a restart (new Engine: hot tier and tails gone) with the page cache
+                 of the SSD files dropped where the OS allows (``posix_fadvise`` DONTNEED
+                 after ``fsync``; the output says whether it could)
+
+mlx-lm rows (``mlx_lm.models.cache.LRUPromptCache`` used as ``mlx_lm/server.py`` does:
+``fetch_nearest_cache``, prefill the rest with ``generate_step``, ``insert_cache`` of
+prompt + generated tokens): cold, exact hot, nearest hot. It has no disk tier.
+
+The baseline runs on this (main) thread after the engine is closed, with its own copy of
+the model, so no two threads ever touch MLX at once (DESIGN.md §2).
+
+Restore time: the engine does not report it yet, so the bench times
+``PrefixCache.restore`` (which ends in ``mx.eval``) by wrapping it on the engine's cache
+instance; bytes restored are the cache state's bytes after the restore. For mlx-lm it is
+``fetch_nearest_cache`` (deep copy + trim) plus an ``mx.eval`` of the copied state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .common import EXIT_OK, EXIT_USAGE, CLIError, start_engine, table
+
+SENTENCES = (
+    "The quick brown fox jumps over the lazy dog near the riverbank.",
+    "A cache that remembers prefixes turns long prompts into short ones.",
+    "Every block of tokens is keyed by the hash of its parent and its contents.",
+    "Rain fell softly on the tin roof while the kettle began to sing.",
+    "Seven engineers argued about eviction policies until the coffee ran out.",
+    "In the morning the harbour was full of small boats with red sails.",
+    "Time to first token is the number that users feel on every turn.",
+    "She wrote the numbers down, checked them twice, and then checked them again.",
+    "Sliding windows forget the distant past but keep the recent tokens close.",
+    "The recurrent state is small, fixed in size, and cannot be sliced.",
+    "Old maps show rivers that have since moved a mile to the east.",
+    "A good benchmark prints ratios measured side by side in one run.",
+)
+
+
+def parse_lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        lengths = []
+    if not lengths or any(n < 2 for n in lengths):
+        raise CLIError(
+            f"--lengths {text!r}: expected integers >= 2 separated by commas", EXIT_USAGE
+        )
+    return lengths
+
+
+CODEWORDS = (
+    "Alpha", "Bravo", "Charlie", "Delta", "Echo", "Foxtrot", "Golf", "Hotel", "India",
+    "Juliett", "Kilo", "Lima", "Mike", "November", "Oscar", "Papa", "Quebec", "Romeo",
+    "Sierra", "Tango", "Uniform", "Victor", "Whiskey", "Xray", "Yankee", "Zulu",
+)  # fmt: skip
+WARMUP_SALT = len(CODEWORDS) - 1  # the warm-up prompt's first word: Zulu
+
+
+def make_prompt(tokenizer: Any, n_tokens: int, salt: int = 0) -> list[int]:
+    """Exactly ``n_tokens`` token ids of deterministic English text. The first word is
+    ``CODEWORDS[salt]``: prompts with different salts differ in their first token, so they
+    share no prefix (not even a few tokens that mlx-lm's trie would reuse)."""
+    header = f"{CODEWORDS[salt % len(CODEWORDS)]}: a benchmark prompt of {n_tokens} tokens. "
+    parts, i = [header], 0
+    ids: list[int] = []
+    while True:
+        parts.extend(SENTENCES[(i * 7 + j) % len(SENTENCES)] + " " for j in range(8))
+        i += 1
+        ids = list(tokenizer.encode("".join(parts), add_special_tokens=False))
+        if len(ids) >= n_tokens:
+            return ids[:n_tokens]
+
+
+def extension(tokenizer: Any, n_tokens: int) -> list[int]:
+    """``n_tokens`` ids of a follow-up question (for the nearest-prefix rows)."""
+    text = " Now answer one question about the text above, briefly and precisely. " * 8
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    while len(ids) < n_tokens:
+        ids += ids
+    return ids[:n_tokens]
+
+
+def drop_page_cache(directory: Path) -> tuple[bool, str]:
+    """``fsync`` + ``posix_fadvise(POSIX_FADV_DONTNEED)`` every file under ``directory``.
+
+    Returns ``(dropped, note)``. DONTNEED is advice: Linux drops clean pages not mapped
+    elsewhere; macOS has no ``posix_fadvise`` (``dropped`` is False then).
+    """
+    if not hasattr(os, "posix_fadvise"):
+        return False, "page cache not dropped: posix_fadvise is not available on this OS"
+    files = [p for p in directory.rglob("*") if p.is_file()]
+    failed = 0
+    for path in files:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            failed += 1
+            continue
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            failed += 1
+        finally:
+            os.close(fd)
+    if not files:
+        return False, f"page cache not dropped: no files under {directory}"
+    if failed:
+        return False, f"page cache dropped for {len(files) - failed} of {len(files)} files"
+    return True, f"page cache dropped for {len(files)} files (fsync + posix_fadvise DONTNEED)"
+
+
+def _state_nbytes(caches: list[Any]) -> int:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    total = 0
+    for c in caches:
+        for _, a in tree_flatten(c.state):
+            if isinstance(a, mx.array):
+                total += a.nbytes
+    return total
+
+
+class RestoreTimer:
+    """Wraps ``engine.cache.restore`` to record ``(seconds, bytes)`` of the last restore.
+    The wrapper runs on the engine thread, where restore runs."""
+
+    def __init__(self) -> None:
+        self.last: tuple[float, int] = (0.0, 0)
+
+    def attach(self, engine: Any) -> None:
+        cache = engine.cache
+        if cache is None:
+            return
+        restore = cache.restore
+
+        def timed(prompt, caches):
+            t0 = time.perf_counter()
+            out = restore(prompt, caches)
+            dt = time.perf_counter() - t0
+            self.last = (dt, _state_nbytes(caches) if out.position else 0)
+            return out
+
+        cache.restore = timed
+
+
+def _row(system: str, case: str, length: int, m: Any, restore: tuple[float, int]) -> dict:
+    seconds, nbytes = restore
+    return {
+        "system": system,
+        "case": case,
+        "length": length,
+        "prompt_tokens": m["prompt_tokens"],
+        "cached_tokens": m["cached_tokens"],
+        "prefill_tokens": m["prefill_tokens"],
+        "ttft_s": m["ttft_s"],
+        "restore_s": seconds if m["cached_tokens"] else None,
+        "restore_bytes": nbytes if m["cached_tokens"] else None,
+        "restore_gbps": (nbytes / seconds / 1e9) if m["cached_tokens"] and seconds > 0 else None,
+    }
+
+
+def bench_engine(settings: Any, lengths: list[int], extend: int, log) -> tuple[list[dict], str]:
+    """tierchat rows for every length; returns ``(rows, page-cache note)``."""
+    from tierchat.core.api import Failed, GenerateRequest
+
+    timer = RestoreTimer()
+
+    def run(engine: Any, prompt: list[int], use_cache: bool = True) -> dict:
+        timer.last = (0.0, 0)
+        result = engine.submit(
+            GenerateRequest(prompt_ids=tuple(prompt), max_tokens=1, use_cache=use_cache)
+        ).wait()
+        if isinstance(result, Failed):
+            raise CLIError(f"bench generation failed: {result.message}")
+        m = result.metrics
+        return {
+            "prompt_tokens": m.prompt_tokens,
+            "cached_tokens": m.cached_tokens,
+            "prefill_tokens": m.prefill_tokens,
+            "ttft_s": m.ttft_s,
+        }
+
+    rows: list[dict] = []
+    engine = start_engine(settings)
+    try:
+        tok = engine.tokenizer
+        prompts = {n: make_prompt(tok, n, salt=i) for i, n in enumerate(lengths)}
+        ext = extension(tok, extend)
+        run(engine, make_prompt(tok, 64, salt=WARMUP_SALT), use_cache=False)  # warm-up
+        timer.attach(engine)
+        for n in lengths:
+            log(f"tierchat {n} tokens: cold, exact hot, nearest hot")
+            rows.append(_row("tierchat", "cold", n, run(engine, prompts[n]), timer.last))
+            rows.append(_row("tierchat", "exact hot", n, run(engine, prompts[n]), timer.last))
+            m = run(engine, prompts[n] + ext)
+            rows.append(_row("tierchat", "nearest hot", n, m, timer.last))
+        ssd_dir = engine.cache.ssd.dir if engine.cache and engine.cache.ssd else None
+    finally:
+        engine.close()
+    note = "page cache: no SSD tier"
+    if ssd_dir is not None:
+        note = drop_page_cache(Path(ssd_dir))[1]
+    engine = start_engine(settings, quiet=True)
+    try:
+        timer.attach(engine)
+        run(engine, make_prompt(engine.tokenizer, 64, salt=WARMUP_SALT), use_cache=False)
+        for n in lengths:
+            log(f"tierchat {n} tokens: exact ssd")
+            rows.append(_row("tierchat", "exact ssd", n, run(engine, prompts[n]), timer.last))
+    finally:
+        engine.close()
+    return rows, note
+
+
+def bench_lru(settings: Any, lengths: list[int], extend: int, log) -> list[dict]:
+    """mlx-lm ``LRUPromptCache`` rows, on this thread, with a fresh copy of the model."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
+    from mlx_lm.sample_utils import make_sampler
+    from tierchat.core.models import load_model
+
+    loaded = load_model(settings.model, models_dir=Path(settings.models_dir))
+    model, tok = loaded.model, loaded.tokenizer
+    lru = LRUPromptCache(max_size=10)
+    sampler = make_sampler(temp=0.0)
+    key = settings.model
+
+    def run(prompt: list[int]) -> tuple[dict, tuple[float, int]]:
+        t0 = time.perf_counter()
+        cache, rest = lru.fetch_nearest_cache(key, prompt)
+        cached = len(prompt) - len(rest)
+        if cache is None:
+            cache = make_prompt_cache(model)
+            restore = (0.0, 0)
+        else:
+            mx.eval([c.state for c in cache])
+            restore = (time.perf_counter() - t0, _state_nbytes(cache))
+        ttft, tokens = 0.0, []
+        for token, _ in generate_step(
+            mx.array(rest), model, prompt_cache=cache, max_tokens=1, sampler=sampler
+        ):
+            ttft = time.perf_counter() - t0
+            tokens.append(token)
+        lru.insert_cache(key, prompt + tokens, cache)
+        m = {
+            "prompt_tokens": len(prompt),
+            "cached_tokens": cached,
+            "prefill_tokens": len(prompt) - cached,
+            "ttft_s": ttft,
+        }
+        return m, restore
+
+    rows = []
+    run(make_prompt(tok, 64, salt=WARMUP_SALT))  # warm-up
+    lru.trim_to(n_sequences=0)
+    ext = extension(tok, extend)
+    for i, n in enumerate(lengths):
+        log(f"mlx-lm LRUPromptCache {n} tokens: cold, exact hot, nearest hot")
+        prompt = make_prompt(tok, n, salt=i)
+        rows.append(_row("mlx-lm LRU", "cold", n, *run(prompt)))
+        rows.append(_row("mlx-lm LRU", "exact hot", n, *run(prompt)))
+        rows.append(_row("mlx-lm LRU", "nearest hot", n, *run(prompt + ext)))
+    return rows
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """``speedup`` = TTFT of the same system's cold row at that length / this TTFT."""
+    cold = {(r["system"], r["length"]): r["ttft_s"] for r in rows if r["case"] == "cold"}
+    for r in rows:
+        base = cold.get((r["system"], r["length"]))
+        r["speedup"] = base / r["ttft_s"] if base and r["ttft_s"] > 0 else None
+
+
+def format_rows(rows: list[dict]) -> str:
+    def f(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    out = [
+        (
+            r["system"],
+            r["case"],
+            r["prompt_tokens"],
+            r["cached_tokens"],
+            r["prefill_tokens"],
+            f(r["ttft_s"], ".4f"),
+            f(r["speedup"], ".1f") + ("x" if r["speedup"] is not None else ""),
+            f(r["restore_s"], ".4f"),
+            f(r["restore_gbps"], ".2f"),
+        )
+        for r in rows
+    ]
+    headers = (
+        "system",
+        "case",
+        "prompt",
+        "cached",
+        "prefilled",
+        "TTFT s",
+        "speedup",
+        "restore s",
+        "restore GB/s",
+    )
+    return table(out, headers)
+
+
+def run_bench(settings: Any, args: Any) -> int:
+    """``tierchat bench``. Uses a throwaway SSD directory unless ``--cache-dir`` is given
+    (a cold row must be cold); prints the table, writes ``--json-out``."""
+    lengths = parse_lengths(args.lengths)
+    if args.extend < 1:
+        raise CLIError("--extend must be >= 1", EXIT_USAGE)
+    if settings.no_cache:
+        raise CLIError("bench measures the cache: drop --no-cache", EXIT_USAGE)
+
+    def log(text: str) -> None:
+        print(f"bench: {text}", file=sys.stderr, flush=True)
+
+    given = settings.sources.get("cache_dir", "default").startswith("cli")
+    with tempfile.TemporaryDirectory(prefix="tierchat-bench-") as tmp:
+        if not given:
+            settings.cache_dir = Path(tmp) / "kv"
+        log(
+            f"model {settings.model}, block size {settings.block_size}, SSD dir {settings.cache_dir}"
+        )
+        t0 = time.perf_counter()
+        rows, note = bench_engine(settings, lengths, args.extend, log)
+        if not args.no_baseline:
+            rows += bench_lru(settings, lengths, args.extend, log)
+        wall = time.perf_counter() - t0
+    add_speedups(rows)
+    rows.sort(key=lambda r: (r["length"], r["system"] != "tierchat"))
+    import mlx.core as mx
+
+    device = str(mx.default_device())
+    print(f"model {settings.model} · block size {settings.block_size} · device {device}")
+    print(note)
+    print(format_rows(rows))
+    print(f"({wall:.1f} s; speedup = cold TTFT of the same system / this TTFT)")
+    if args.json_out:
+        doc = {
+            "model": settings.model,
+            "block_size": settings.block_size,
+            "device": device,
+            "page_cache": note,
+            "lengths": lengths,
+            "extend_tokens": args.extend,
+            "rows": rows,
+        }
+        try:
+            Path(args.json_out).write_text(json.dumps(doc, indent=2) + "\n")
+        except OSError as e:
+            raise CLIError(f"cannot write {args.json_out}: {e.strerror or e}") from None
+    return EXIT_OK

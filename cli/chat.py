@@ -1,0 +1,208 @@
+"""``tierchat chat``: line-mode chat in a plain terminal, on the same engine and cache.
+
+Type a message and press Enter; the reply streams, then one line says what the turn cost
+(cached / prefilled tokens, TTFT, decode speed). Commands::
+
+    /regen               a new reply to the last message (a sibling; swipe to compare)
+    /swipe TURN INDEX    show reply INDEX of user turn TURN (0-based; negative from the end)
+    /edit TURN TEXT      replace user turn TURN by TEXT as a new branch and answer it
+    /new [SYSTEM]        start a new conversation (optionally with a system prompt)
+    /stats               the cache tiers in one line each
+    /help                this list
+    /quit                leave (so does end of input, Ctrl-D)
+
+Ctrl-C during a reply cancels it (what was generated is kept); at the prompt it clears the
+line. Conversations are stored in the conversation store (``--data-dir``).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, TextIO
+
+from .common import EXIT_OK, CLIError, start_engine
+
+HELP = __doc__.split("::", 1)[1].split("\n\nCtrl-C", 1)[0].strip("\n")
+
+
+def metrics_line(m: Any) -> str:
+    """One line of turn metrics: ``[cached 768/812 (hot 512, tail 256) · prefilled 44 · ...]``."""
+    parts = [f"{k} {v}" for k, v in m.cached_by.items() if v]
+    by = f" ({', '.join(parts)})" if parts else ""
+    text = (
+        f"[cached {m.cached_tokens}/{m.prompt_tokens}{by} · prefilled {m.prefill_tokens}"
+        f" · TTFT {m.ttft_s:.3f} s · {m.generation_tokens} tokens at {m.generation_tps:.1f} tok/s"
+    )
+    if m.finish_reason != "stop":
+        text += f" · {m.finish_reason}"
+    return text + "]"
+
+
+class LineChat:
+    """The read-eval-print loop over a :class:`~tierchat.core.session.ChatSession`."""
+
+    def __init__(self, session: Any, inp: TextIO, out: TextIO, err: TextIO) -> None:
+        self.session = session
+        self.inp = inp
+        self.out = out
+        self.err = err
+        self.prompt = "you> " if inp.isatty() else ""
+
+    def say(self, text: str = "") -> None:
+        print(text, file=self.out, flush=True)
+
+    def read(self) -> str | None:
+        """One input line; None at end of input. Ctrl-C at the prompt gives ``""``."""
+        try:
+            if self.inp is sys.stdin:
+                return input(self.prompt)
+            line = self.inp.readline()
+            return line.rstrip("\n") if line else None
+        except EOFError:
+            return None
+        except KeyboardInterrupt:
+            self.say()
+            return ""
+
+    def loop(self) -> None:
+        while True:
+            line = self.read()
+            if line is None:
+                return
+            line = line.strip()
+            if not line:
+                continue
+            if line.startswith("/"):
+                if not self.command(line):
+                    return
+            else:
+                self.stream(lambda text=line: self.session.send(text))
+
+    def command(self, line: str) -> bool:
+        """Run a /command; False to quit."""
+        from tierchat.core.session import SessionError
+
+        name, _, rest = line.partition(" ")
+        try:
+            if name in ("/quit", "/exit", "/q"):
+                return False
+            if name == "/help":
+                self.say(HELP)
+            elif name in ("/regen", "/regenerate"):
+                self.stream(self.session.regenerate)
+            elif name == "/swipe":
+                turn, index = (int(x) for x in rest.split())
+                reply = self.session.swipe(turn, index)
+                i, n = self.session.selected_reply(turn)
+                self.say(f"[turn {turn}: reply {i + 1} of {n}]")
+                self.say(f"assistant> {reply.content}")
+            elif name == "/edit":
+                turn_text, _, text = rest.strip().partition(" ")
+                turn = int(turn_text)
+                if not text.strip():
+                    raise ValueError("no text")
+                self.stream(lambda: self.session.edit(turn, text.strip()))
+            elif name == "/new":
+                self.session.new_conversation(system=rest.strip() or None)
+                self.say("[new conversation]")
+            elif name == "/stats":
+                self.say(stats_lines(self.session.engine.stats()))
+            else:
+                self.say(f"unknown command {name}; /help lists them")
+        except SessionError as e:
+            print(f"error: {e}", file=self.err, flush=True)
+        except ValueError:
+            usage = {"/swipe": "/swipe TURN INDEX", "/edit": "/edit TURN TEXT"}.get(name, name)
+            print(f"error: usage: {usage}", file=self.err, flush=True)
+        return True
+
+    def stream(self, start) -> None:
+        """Start a turn with ``start()`` and print its reply as it streams."""
+        from tierchat.core.api import Failed, Finished, TokenBatch
+
+        turn = start()
+        self.out.write("assistant> ")
+        self.out.flush()
+        events = turn.events()
+        while True:
+            try:
+                for event in events:
+                    if isinstance(event, TokenBatch):
+                        self.out.write(event.text)
+                        self.out.flush()
+                    elif isinstance(event, Finished):
+                        self.say()
+                        self.say(metrics_line(event.metrics))
+                    elif isinstance(event, Failed):
+                        self.say()
+                        print(f"error: {event.message}", file=self.err, flush=True)
+                return
+            except KeyboardInterrupt:
+                turn.cancel()
+                events = turn.events()
+
+
+def stats_lines(stats: Any) -> str:
+    from tierchat.core.memory import format_bytes
+
+    if not stats.enabled:
+        return f"[cache off{': ' + stats.reason if stats.reason else ''}]"
+    h, s, t = stats.hot, stats.ssd, stats.tails
+    return "\n".join(
+        [
+            f"[hot  {h.entries} entries, {format_bytes(h.nbytes)} of {format_bytes(h.max_bytes)},"
+            f" {h.hits} hits, {h.misses} misses, {h.evictions} evictions]",
+            f"[ssd  {s.entries} files, {format_bytes(s.nbytes)} of {format_bytes(s.max_bytes)},"
+            f" {s.hits} hits, {s.misses} misses{'' if s.enabled else ', off: ' + s.reason}]",
+            f"[tails {t.entries} entries, {t.hits} hits, {t.checkpoint_hits} checkpoint hits]",
+        ]
+    )
+
+
+def run_chat(
+    settings: Any,
+    *,
+    system: str | None = None,
+    inp: TextIO | None = None,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
+    """``tierchat chat``. Returns the exit code."""
+    from tierchat.core.conversation import ConversationStore, StoreError
+    from tierchat.core.session import ChatSession
+
+    inp, out, err = inp or sys.stdin, out or sys.stdout, err or sys.stderr
+    try:
+        store = ConversationStore(settings.db_path)
+    except StoreError as e:
+        raise CLIError(str(e)) from None
+    except OSError as e:
+        raise CLIError(
+            f"cannot open the conversation store {settings.db_path}: {e.strerror or e} "
+            "(use --data-dir)"
+        ) from None
+    try:
+        engine = start_engine(settings)
+        try:
+            session = ChatSession(
+                engine,
+                store,
+                max_tokens=settings.max_tokens,
+                temperature=settings.temperature,
+                top_p=settings.top_p,
+                seed=settings.seed,
+                use_cache=not settings.no_cache,
+            )
+            session.new_conversation(system=system)
+            if inp.isatty():
+                print(
+                    f"tierchat chat with {settings.model} — /help for commands, Ctrl-D to quit",
+                    file=out,
+                    flush=True,
+                )
+            LineChat(session, inp, out, err).loop()
+        finally:
+            engine.close()
+    finally:
+        store.close()
+    return EXIT_OK
