@@ -329,6 +329,8 @@ def load_model(
         model, tokenizer, config = mlx_lm.load(str(model_dir), return_config=True)
     except Exception as e:  # noqa: BLE001 - mlx_lm raises many kinds; all mean "cannot load"
         raise ModelError(f"model {spec!r}: cannot load {model_dir} ({type(e).__name__}: {e})")
+    if spec.startswith("tiny:"):
+        tokenizer = tiny.load_tiny_tokenizer(model_dir)
     dtype, quantized = _apply_dtype(model, config)
     is_repo = not Path(spec).expanduser().exists() and spec.count("/") == 1
     identity = spec if is_repo else str(model_dir.resolve())

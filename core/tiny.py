@@ -20,8 +20,9 @@ A tiny model is materialised once as an ordinary MLX model directory
 ``models_dir/tiny-<arch>-<seed>/`` and then loaded like any other model directory, so
 fingerprints and the tokenizer wrapper are uniform with the real models.
 
-The tokenizer is byte-level (ids 0-255 are the bytes, GPT-2 byte-to-unicode alphabet, no
-merges) plus the specials in :data:`SPECIAL_TOKENS`; ``<|end|>`` is the EOS token.
+The tokenizer is character-level (ids 0-255 are 256 distinct characters, see
+:func:`char_table`; no merges) plus the specials in :data:`SPECIAL_TOKENS`; ``<|end|>`` is
+the EOS token.
 """
 
 from __future__ import annotations
@@ -94,7 +95,12 @@ def tiny_config(arch: str) -> dict[str, Any]:
         raise KeyError(arch)
     base = {**_DIMS, "eos_token_id": EOS_TOKEN_ID, "tie_word_embeddings": False}
     if arch == "llama":
-        cfg = {**base, "model_type": "llama", "num_hidden_layers": 2}
+        cfg = {
+            **base,
+            "model_type": "llama",
+            "num_hidden_layers": 2,
+            "head_dim": 32,
+        }  # 32: KV quantization groups
     elif arch == "qwen2":
         cfg = {**base, "model_type": "qwen2", "num_hidden_layers": 2}
     elif arch == "llama_sliding":
@@ -208,14 +214,25 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def byte_tokenizer_json() -> str:
-    """``tokenizer.json`` text of the tiny byte-level tokenizer (261 tokens)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+def char_table() -> dict[int, str]:
+    """Token id -> character of the tiny tokenizer's 256 base tokens.
 
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    Printable ASCII, tab and newline are themselves; every other id is a character from
+    U+4E00 up (CJK, clear of the GPT-2 byte alphabet that tokenizer layers may remap). Each id is one character and each character one id, so any sequence of
+    generated ids decodes to valid text that re-encodes to the same ids: replies always
+    splice back into the next prompt exactly (a byte-level vocabulary would let random
+    weights emit invalid UTF-8, which cannot round-trip through text).
+    """
+    return {i: chr(i) if 32 <= i < 127 or i in (9, 10) else chr(0x4E00 + i) for i in range(256)}
+
+
+def char_tokenizer_json() -> str:
+    """``tokenizer.json`` text of the tiny character-level tokenizer (261 tokens)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    vocab = {ch: i for i, ch in char_table().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
+    tok.decoder = decoders.Fuse()
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIAL_TOKENS])
     return tok.to_str()
 
@@ -290,9 +307,10 @@ def materialize_tiny(arch: str, models_dir: Path, seed: int = DEFAULT_SEED) -> P
     config, weights = build_tiny_weights(arch, seed)
     models_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tiny-{arch}-", dir=models_dir))
+    tmp.chmod(0o755)  # mkdtemp makes it 0700
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        (tmp / "tokenizer.json").write_text(byte_tokenizer_json())
+        (tmp / "tokenizer.json").write_text(char_tokenizer_json())
         (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(), indent=2))
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         try:
@@ -303,3 +321,23 @@ def materialize_tiny(arch: str, models_dir: Path, seed: int = DEFAULT_SEED) -> P
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def load_tiny_tokenizer(model_dir: Path):
+    """The tiny tokenizer of ``model_dir`` as an mlx-lm ``TokenizerWrapper``.
+
+    Built straight from ``tokenizer.json``: ``AutoTokenizer`` would pick the tokenizer class
+    from the config's ``model_type`` (e.g. ``Qwen2Tokenizer``, byte-level) and ignore the
+    character-level pipeline in the file.
+    """
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from transformers import PreTrainedTokenizerFast
+
+    cfg = _tokenizer_config()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_file=str(Path(model_dir) / "tokenizer.json"),
+        eos_token=cfg["eos_token"],
+        pad_token=cfg["pad_token"],
+    )
+    tok.chat_template = cfg["chat_template"]
+    return TokenizerWrapper(tok, eos_token_ids=[EOS_TOKEN_ID])
