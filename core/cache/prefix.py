@@ -185,7 +185,7 @@ class PrefixCache:
         flags = [self._flags(i) for i in ids]
         for j in range(len(ids), -1, -1):
             parent = ids[j - 1] if j else self.root
-            best = None
+            best, best_rank = None, None
             for t in self._tails(parent):
                 if t.start != j * bs:
                     continue
@@ -198,10 +198,12 @@ class PrefixCache:
                 if n == 0 or (n < len(t.tokens) and self.state):
                     continue
                 cand = _Cand(j * bs + n, j, t, n)
-                if (best is None or cand.position > best.position) and self._restorable(
+                # ties go to prompt tails (kind "tail") over checkpoints, for stable stats
+                rank = (cand.position, t.kind == KIND_TAIL)
+                if (best is None or rank > best_rank) and self._restorable(
                     flags, j, cand.position, t
                 ):
-                    best = cand
+                    best, best_rank = cand, rank
             if best is not None:
                 return best
             if j > 0 and self._restorable(flags, j, j * bs):
@@ -255,13 +257,18 @@ class PrefixCache:
         Returns the number of tokens restored (0: nothing usable, caches untouched) and
         their split by source. Entries that fail validation are evicted and counted.
         """
+        limit = len(prompt) - 1
+        ids = chain_ids(self.root, prompt, self.block_size, max(limit, 0) // self.block_size)
+        # misses: the prompt's full blocks that a tier does not hold at lookup time
+        flags = [self._flags(i) for i in ids]
+        self.hot_misses += sum(1 for f in flags if f is None or f[0] != "hot")
+        if self.ssd is not None:
+            self.ssd.misses += sum(1 for f in flags if f is None)
         for _ in range(4):
             cand = self.plan(prompt)
             if cand is None:
                 self.tail_misses += 1
                 return Restored()
-            ids = chain_ids(self.root, prompt, self.block_size, cand.blocks)
-            self.hot_misses += sum(1 for i in ids if i not in self.hot)
             loaded, bad = [], None
             for i in self._needed_blocks(cand):
                 got = self._fetch(ids[i])

@@ -366,7 +366,6 @@ class SSDTier:
         """
         meta = self.meta(entry_id)
         if meta is None:
-            self.misses += 1
             return None
         path = self._path(entry_id)
         try:

@@ -1,0 +1,152 @@
+"""Faults of the SSD tier: nothing corrupt is ever loaded, and chat always goes on."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+from engine_kit import assert_same, generate, make_engine, random_prompt
+from tierchat.core.cache.blocks import chain_ids
+
+MODEL = "tiny:llama"
+PROMPT = random_prompt(100, seed=3)
+
+
+@pytest.fixture
+def engines(tmp_path, models_dir):
+    made = []
+
+    def make(**overrides):
+        e = make_engine(MODEL, tmp_path, models_dir, **overrides)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.close()
+
+
+@pytest.fixture
+def cold(engines, tmp_path, models_dir):
+    e = make_engine(MODEL, tmp_path / "cold", models_dir, no_cache=True)
+    yield generate(e, PROMPT)
+    e.close()
+
+
+def ssd_files(engine):
+    return sorted(engine.cache.ssd.dir.glob("*/*.safetensors"))
+
+
+def block_file(engine, j):
+    bid = chain_ids(engine.cache.root, PROMPT, 16, j + 1)[j]
+    return engine.cache.ssd._path(bid)
+
+
+def fill_and_restart(engines):
+    e = engines()
+    generate(e, PROMPT)
+    e.close()
+    return e
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage_header", "garbage_data"])
+def test_damaged_block_is_skipped_counted_removed(engines, cold, damage):
+    first = fill_and_restart(engines)
+    path = block_file(first, 2)
+    data = path.read_bytes()
+    if damage == "truncate":
+        damaged = data[: len(data) // 2]
+    elif damage == "garbage_header":
+        damaged = os.urandom(len(data))
+    else:  # same size, valid header, tensor bytes overwritten: only the checksum sees it
+        damaged = data[:-64] + os.urandom(64)
+    path.write_bytes(damaged)
+    e = engines()
+    hot, handle = generate(e, PROMPT)
+    assert_same(*cold, hot, handle)
+    assert e.stats().ssd.corrupt >= 1
+    e.cache.ssd.flush()  # the block is recomputed and stored again, healthy
+    assert not path.exists() or path.read_bytes() != damaged
+    # blocks before the damaged one still served (promoted to hot by the first attempt)
+    assert hot.metrics.cached_by["ssd"] + hot.metrics.cached_by["hot"] >= 32
+
+
+def test_temp_files_of_a_killed_writer_are_removed(engines):
+    first = fill_and_restart(engines)
+    shard = block_file(first, 0).parent
+    tmp = shard / "deadbeef.1234.tmp"
+    tmp.write_bytes(b"half a file")
+    engines()
+    assert not tmp.exists()
+
+
+def test_foreign_model_entry_is_never_used(engines, tmp_path, models_dir, cold):
+    other = make_engine("tiny:qwen2", tmp_path, models_dir)
+    generate(other, PROMPT)
+    other.close()
+    first = fill_and_restart(engines)
+    # plant the other model's files in this model's directory under this model's names
+    foreign = sorted(other.cache.ssd.dir.glob("*/*.safetensors"))
+    ours = ssd_files(first)
+    for src, dst in zip(foreign, ours, strict=False):
+        dst.write_bytes(src.read_bytes())
+    e = engines()
+    assert e.stats().ssd.corrupt >= 1
+    hot, handle = generate(e, PROMPT)
+    assert_same(*cold, hot, handle)
+
+
+def test_disk_full_shrinks_cap_and_chat_goes_on(engines, cold, monkeypatch):
+    import tierchat.core.cache.ssd as ssd_mod
+
+    real_open = os.open
+    calls = {"n": 0}
+
+    def full_disk(path, flags, mode=0o777):
+        if str(path).endswith(".tmp"):
+            calls["n"] += 1
+            if calls["n"] > 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(ssd_mod.os, "open", full_disk)
+    e = engines()
+    hot, handle = generate(e, PROMPT)
+    e.cache.ssd.flush()
+    s = e.stats().ssd
+    assert s.errors >= 1
+    assert s.max_bytes <= s.nbytes + 1
+    assert_same(*cold, hot, handle)
+    again, handle2 = generate(e, PROMPT)  # hot tier still serves
+    assert again.metrics.prefill_tokens == 1
+    assert not list(e.cache.ssd.dir.glob("*/*.tmp"))
+
+
+def test_unwritable_cache_dir_turns_ssd_off(tmp_path, models_dir, cold):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache dir should be")
+    e = make_engine(MODEL, tmp_path, models_dir, cache_dir=blocker / "kv")
+    try:
+        s = e.stats()
+        assert s.ssd.enabled is False and "not writable" in s.ssd.reason
+        hot, handle = generate(e, PROMPT)
+        assert_same(*cold, hot, handle)
+        again, _ = generate(e, PROMPT)
+        assert again.metrics.cached_by["hot"] > 0
+    finally:
+        e.close()
+
+
+def test_slow_writer_bounded_queue_counts_drops(engines):
+    e = engines(writer_queue=2)
+    e.cache.ssd.write_delay_s = 0.05
+    for seed in range(4):
+        generate(e, random_prompt(120, seed=seed + 10), max_tokens=2)
+        assert e.stats().ssd.queue_depth <= 2
+    s = e.stats().ssd
+    assert s.write_drops > 0
+    e.cache.ssd.flush()
+    s = e.stats().ssd
+    assert s.saves_persisted + s.write_drops >= s.saves_queued
+    assert s.saves_persisted == s.saves_queued

@@ -1,0 +1,139 @@
+"""Every counter of the stats snapshot moves when it should (DESIGN.md §5 Stats)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from engine_kit import generate, make_engine, random_prompt
+from tierchat.core.api import CacheStats
+
+
+@pytest.fixture
+def engine(tmp_path, models_dir):
+    made = []
+
+    def make(model="tiny:llama", **overrides):
+        e = make_engine(model, tmp_path, models_dir, **overrides)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.close()
+
+
+def test_snapshot_is_immutable(engine):
+    s = engine().stats()
+    assert isinstance(s, CacheStats)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.model = "x"  # type: ignore[misc]
+    assert s.supported is True and s.enabled is True
+    assert s.layer_kinds and all(":kv" in k for k in s.layer_kinds)
+
+
+def test_hot_and_ssd_counters(engine):
+    e = engine()
+    p = random_prompt(100, seed=1)
+    generate(e, p)
+    e.cache.ssd.flush()
+    s = e.stats()
+    assert s.hot.entries > 0 and s.hot.nbytes > 0 and s.hot.max_bytes == 256 << 20
+    assert s.hot.misses == 6  # 99 // 16 blocks looked up, none held
+    assert s.ssd.misses == 6
+    assert s.ssd.saves_queued == s.ssd.saves_persisted == s.ssd.entries > 0
+    assert s.ssd.nbytes > 0 and s.ssd.queue_depth == 0
+    assert s.hot.hits == 0 and s.ssd.hits == 0
+    assert s.last_turn.prompt_tokens == 100 and s.last_turn.cached_tokens == 0
+
+    generate(e, p)
+    s2 = e.stats()
+    assert s2.hot.hits == 6 and s2.last_turn.cached_tokens == 99
+    assert s2.last_turn.cached_by["hot"] == 96 and s2.last_turn.cached_by["tail"] == 3
+    assert any("hit 99 tokens" in text for _, text in s2.events)
+
+    e.clear("hot")
+    s3 = e.stats()
+    assert s3.hot.entries == 0 and s3.hot.nbytes == 0
+    assert any("cleared hot" in text for _, text in s3.events)
+    generate(e, p)
+    s4 = e.stats()
+    assert s4.ssd.hits > s3.ssd.hits and s4.last_turn.cached_by["ssd"] == 96
+
+    e.clear("ssd")
+    assert e.stats().ssd.entries == 0 and e.stats().ssd.nbytes == 0
+
+
+def test_evictions_under_small_budgets(engine):
+    e = engine(hot_bytes=60_000, ssd_bytes=120_000)
+    for seed in range(4):
+        generate(e, random_prompt(120, seed=seed), max_tokens=2)
+    e.cache.ssd.flush()
+    s = e.stats()
+    assert s.hot.evictions > 0 and s.hot.nbytes <= 60_000
+    assert s.ssd.evictions > 0 and s.ssd.nbytes <= 120_000
+
+
+def test_tail_counters(engine):
+    e = engine(tail_entries=2)
+    p = random_prompt(70, seed=5)
+    generate(e, p)
+    s = e.stats()
+    assert s.tails.stashes >= 2 and s.tails.entries == 2 and s.tails.max_entries == 2
+    assert s.tails.supported is True
+    r, _ = generate(e, p)
+    s2 = e.stats()
+    assert s2.tails.hits == s.tails.hits + 1
+    assert s2.tails.tokens_saved == s.tails.tokens_saved + r.metrics.cached_by["tail"] > 0
+    for seed in range(3):
+        generate(e, random_prompt(70, seed=50 + seed), max_tokens=2)
+    assert e.stats().tails.evictions > 0
+    assert e.stats().tails.misses > 0
+    e.clear("tails")
+    assert e.stats().tails.entries == 0
+
+
+def test_checkpoint_and_snapshot_counters(engine):
+    e = engine("tiny:qwen3_next")
+    p = random_prompt(70, seed=7)
+    first, _ = generate(e, p, max_tokens=4)
+    s = e.stats()
+    assert s.snapshots.count > 0 and s.snapshots.nbytes > 0
+    assert any(k.endswith(":state") for k in s.layer_kinds)
+    # continue after the stored prompt + reply: served by the sequence-end checkpoint
+    cont = p + first.token_ids + random_prompt(10, seed=8)
+    r, _ = generate(e, cont, max_tokens=2)
+    assert r.metrics.cached_by["checkpoint"] > 0
+    assert e.stats().tails.checkpoint_hits == 1
+
+
+def test_boundary_checkpoints_stored_for_state_models(engine):
+    from tierchat.core.api import GenerateRequest
+
+    e = engine("tiny:mamba2")
+    p = random_prompt(60, seed=9)
+    h = e.submit(
+        GenerateRequest(prompt_ids=p, max_tokens=2, boundaries=((21, "system"), (45, "user")))
+    )
+    h.wait(60)
+    assert e.stats().tails.checkpoints == 2
+    # an edit after the system prompt restores from its checkpoint
+    edited = p[:30] + random_prompt(30, seed=10)
+    r, _ = generate(e, edited, max_tokens=2)
+    assert r.metrics.cached_tokens == 21 and r.metrics.cached_by["checkpoint"] == 21 - 16
+
+
+def test_unsupported_model_reports_and_runs_cold(engine, monkeypatch):
+    import tierchat.core.cache.layers as layers
+
+    def refuse(caches):
+        raise layers.UnsupportedCache("layer 0: cache class FancyCache is not supported")
+
+    monkeypatch.setattr(layers, "classify", refuse)
+    e = engine()
+    s = e.stats()
+    assert s.supported is False and "FancyCache" in s.reason and s.enabled is False
+    r, _ = generate(e, random_prompt(40), max_tokens=2)
+    assert r.metrics.cached_tokens == 0
+    r2, _ = generate(e, random_prompt(40), max_tokens=2)
+    assert r2.metrics.cached_tokens == 0
