@@ -217,7 +217,7 @@ class Replay:
     """Runs parsed ops against an engine + store, writing JSON lines to ``out``."""
 
     def __init__(
-        self, settings: Any, store: Any, name: str, out: TextIO, err: TextIO = sys.stderr
+        self, settings: Any, store: Any, name: str, out: TextIO, err: TextIO | None = None
     ) -> None:
         from tierchat.core.session import ChatSession
 
@@ -225,7 +225,7 @@ class Replay:
         self.store = store
         self.name = name
         self.out = out
-        self.err = err
+        self.err = err or sys.stderr
         self.engine = start_engine(settings)
         self.session = ChatSession(
             self.engine,
