@@ -291,14 +291,13 @@ def _add_special(tok, tokens, types, AddedToken) -> None:
     Gemma's whitespace runs) plain added tokens matched on the raw text, as llama.cpp does."""
     added = []
     for i, t in enumerate(tokens):
-        if types[i] == _CONTROL:
-            added.append(AddedToken(t, special=True, normalized=False))
-        elif types[i] == _USER_DEFINED:
-            added.append(AddedToken(t, special=False, normalized=False))
-    tok.add_tokens(added)  # all are in the model vocab already, so they keep their ids
-    for t in added:
-        if tok.token_to_id(t.content) != tokens.index(t.content):
-            raise GGUFError(f"added token {t.content!r} changed id")
+        if types[i] in (_CONTROL, _USER_DEFINED):
+            special = types[i] == _CONTROL
+            added.append((i, AddedToken(t, special=special, normalized=False)))
+    tok.add_tokens([a for _, a in added])  # all are in the model vocab: they keep their ids
+    for i, a in added:
+        if tok.token_to_id(a.content) != i:
+            raise GGUFError(f"added token {a.content!r} changed id")
 
 
 def _tokenizer_files(reader, arch: str) -> tuple[Any, dict, list[int]]:
@@ -371,6 +370,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = Non
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it 0700
     try:
         report(0, total, "building tokenizer")
         tok, tok_cfg, eos_ids = _tokenizer_files(reader, arch)

@@ -146,7 +146,7 @@ def _assemble_demo(target: Path) -> None:
                 with open(part, "rb") as f:
                     shutil.copyfileobj(f, out, 1 << 20)
             except OSError as e:
-                raise ModelError(f"model 'demo': cannot read {part} ({e}); {INSTALL_HINT}")
+                raise ModelError(f"model 'demo': cannot read {part} ({e}); {INSTALL_HINT}") from e
 
 
 def _assemble_gemma(target: Path) -> None:
@@ -158,7 +158,8 @@ def _assemble_gemma(target: Path) -> None:
         pkg = importlib.import_module(GEMMA_PACKAGE)
         pkg.assemble(output_path=target, overwrite=True)
     except (ImportError, OSError, ValueError) as e:
-        raise ModelError(f"model 'demo-gemma': cannot assemble the GGUF ({e}); {INSTALL_HINT}")
+        msg = f"model 'demo-gemma': cannot assemble the GGUF ({e}); {INSTALL_HINT}"
+        raise ModelError(msg) from e
 
 
 def _convert(name: str, assemble, target: Path, progress: Progress | None) -> Path:
@@ -328,7 +329,8 @@ def load_model(
     try:
         model, tokenizer, config = mlx_lm.load(str(model_dir), return_config=True)
     except Exception as e:  # noqa: BLE001 - mlx_lm raises many kinds; all mean "cannot load"
-        raise ModelError(f"model {spec!r}: cannot load {model_dir} ({type(e).__name__}: {e})")
+        msg = f"model {spec!r}: cannot load {model_dir} ({type(e).__name__}: {e})"
+        raise ModelError(msg) from e
     if spec.startswith("tiny:"):
         tokenizer = tiny.load_tiny_tokenizer(model_dir)
     dtype, quantized = _apply_dtype(model, config)
