@@ -46,7 +46,12 @@ Level = Literal["ok", "soft", "hard"]
 
 DEFAULT_LIMIT_FRACTION = 0.90  # share of min(device, system) memory used as the default limit
 KV_STEP = 256  # tokens: mlx-lm KVCache / QuantizedKVCache / RotatingKVCache grow in steps of this
-HIDDEN_COPIES = 8  # (chunk, hidden) activations alive at once: residual, norms, q, o, attn out...
+HIDDEN_COPIES = 12  # (chunk, hidden) activations alive at once: residual, norms, q, o, attn out...
+KV_LAYER_COPIES = 2  # one layer's K/V copied while a cache grows (concatenate + slice update)
+STATE_SCRATCH_COPIES = 8  # (h, s, s) matrices of one SSD / delta-rule step: decay, CB, product...
+STATE_MIXER_COPIES = 16  # (chunk, hidden)-sized activations of a recurrent mixer (conv, gates)
+STATE_STEP = 256  # tokens: mlx-lm ssm_attn processes a chunk in steps of this
+SCRATCH_MARGIN = 1.10  # on everything above active_bytes: fitted on CPU, see tests/test_memory.py
 MLP_COPIES = 3  # (chunk, intermediate) activations: gate, up and their SwiGLU product
 
 MlxSource = Callable[[], tuple[int, int, int]]
@@ -402,7 +407,8 @@ class KVProfile:
         return self.per_token + sum(b for b, _ in self.windows)
 
     def nbytes(self, tokens: int, chunk_tokens: int | None = None) -> int:
-        """Cache bytes after prefilling ``tokens`` tokens in chunks of ``chunk_tokens``.
+        """Cache bytes after prefilling ``tokens`` tokens in chunks of ``chunk_tokens``: exact
+        when the last chunk is a full one, else an upper bound (the most held during it).
 
         Growing layers hold ``tokens`` rounded up to :data:`KV_STEP` (mlx-lm preallocates
         256-token steps, ``KVCache.update_and_fetch``); a ``RotatingKVCache`` fed S > 1
@@ -487,33 +493,42 @@ def estimate_prefill_peak(
     hidden_size: int,
     dtype_bytes: int,
     intermediate_size: int | None = None,
+    n_layers: int = 1,
     logits_tokens: int | None = None,
     kv_new_bytes: int | None = None,
+    kv_context_bytes: int | None = None,
     extra_bytes: int = 0,
 ) -> int:
     """Estimated peak MLX active memory (bytes) while prefilling ``new_tokens`` tokens onto
     a cache that ends up holding ``context_tokens`` (cached prefix + new tokens).
 
-    The largest chunk is the last one, ``c = min(chunk_tokens, new_tokens)`` queries over
-    ``T = context_tokens`` keys; the terms::
+    The largest chunk is the last one: ``c = min(chunk_tokens, new_tokens)`` queries over
+    ``T = context_tokens`` keys. With ``r(n)`` = n rounded up to 256 (mlx-lm ``KVCache.step``)::
 
-        active_bytes                               weights, caches, hot tier now
-        + kv_new        kv_bytes_per_token × (round256(T) - round256(T - new_tokens))
-                        (or ``kv_new_bytes``, e.g. from KVProfile.nbytes for window layers)
-        + scores        c × T × n_heads × dtype_bytes + c × T   (attention scores and the
-                        bool mask: one layer's, the CPU SDPA fallback materializes them;
-                        Metal's fused prefill kernel does not, so there this is an upper bound)
-        + activations   c × (8 × hidden + 3 × intermediate) × dtype_bytes   (residual, norms,
-                        projections; gate, up and SwiGLU product of one chunk)
-        + logits        logits_tokens × vocab_size × dtype_bytes
-        + extra_bytes
+        peak = active_bytes                 weights, restored caches, hot tier: as read now
+             + kv_new                       kv_bytes_per_token × (r(T) - r(T - new_tokens)),
+                                            or ``kv_new_bytes`` (KVProfile.nbytes: windows)
+             + 1.10 × ( scores              c × T × (n_heads × dtype_bytes + 1): one layer's
+                                            attention scores + bool mask, which the CPU SDPA
+                                            fallback materializes (Metal's fused prefill
+                                            kernel does not: an upper bound there)
+                      + activations         c × (12 × hidden + 3 × intermediate) × dtype_bytes:
+                                            residual, norms, q/k/v/o of one chunk; gate, up
+                                            and the SwiGLU product
+                      + kv_copy             2 × kv_context / n_layers: one layer's K/V copied
+                                            when the cache grows a step (concatenate, then the
+                                            slice update), kv_context = kv_bytes_per_token ×
+                                            r(T) or ``kv_context_bytes``
+                      + logits )            logits_tokens × vocab_size × dtype_bytes
+             + extra_bytes
 
     ``logits_tokens`` defaults to ``c``: mlx-lm's lm_head runs on every position of a chunk
     and ``logits[:, -1]`` does not prune it. A loop that evaluates only the cache state
-    (``mx.eval([c.state for c in cache])``, mlx-lm ``generate_step``) never computes a
-    chunk's logits; pass 1 then (the first decode step). ``intermediate_size`` defaults to
-    4 × hidden. Calibrated against ``mx.get_peak_memory()`` on the CPU backend
-    (tests/test_memory.py): measured <= estimate.
+    (``mx.eval([c.state for c in cache])``, as mlx-lm ``generate_step`` and our engine do)
+    never computes a chunk's logits: pass 1 (the first decode step). ``intermediate_size``
+    defaults to 4 × hidden. The copy counts and the 1.10 margin were fitted to
+    ``mx.get_peak_memory()`` on the CPU backend, float32 (tests/test_memory.py compares
+    them with measured peaks: measured <= estimate).
     """
     if new_tokens <= 0:
         return active_bytes + extra_bytes
@@ -523,11 +538,15 @@ def estimate_prefill_peak(
         kv_new_bytes = kv_bytes_per_token * (
             _round_up(t, KV_STEP) - _round_up(t - new_tokens, KV_STEP)
         )
+    if kv_context_bytes is None:
+        kv_context_bytes = kv_bytes_per_token * _round_up(t, KV_STEP)
     inter = intermediate_size if intermediate_size is not None else 4 * hidden_size
     scores = c * t * (n_heads * dtype_bytes + 1)
     activations = c * (HIDDEN_COPIES * hidden_size + MLP_COPIES * inter) * dtype_bytes
+    kv_copy = KV_LAYER_COPIES * kv_context_bytes // max(1, n_layers)
     logits = (c if logits_tokens is None else logits_tokens) * vocab_size * dtype_bytes
-    return active_bytes + kv_new_bytes + scores + activations + logits + extra_bytes
+    scratch = SCRATCH_MARGIN * (scores + activations + kv_copy + logits)
+    return int(active_bytes + kv_new_bytes + scratch + extra_bytes)
 
 
 @dataclass(frozen=True)
@@ -539,25 +558,38 @@ class ModelDims:
     intermediate_size: int
     vocab_size: int
     dtype_bytes: int
+    n_layers: int = 1
+    state_heads: int = 0
 
 
-def model_dims(model: Any) -> ModelDims:
-    """Read :class:`ModelDims` from an mlx-lm model's ``args`` (or ``args.text_config``).
-
-    Missing fields fall back to weights: vocab from the largest embedding-like matrix,
-    heads to ``hidden // 64``; the activation dtype is that of the first floating parameter.
-    """
-    from mlx.utils import tree_flatten
-
-    args = getattr(model, "args", None)
-    fields: dict[str, Any] = (
-        dict(vars(args)) if args is not None and hasattr(args, "__dict__") else {}
-    )
+def _config_fields(model: Any) -> dict[str, Any]:
+    """The model's config as a dict: ``args`` or ``config`` of the model or its inner
+    ``model``, with a nested ``text_config`` merged over it (Qwen3.5, Gemma 3 VLM)."""
+    fields: dict[str, Any] = {}
+    for owner in (model, getattr(model, "model", None)):
+        for name in ("args", "config"):
+            cfg = getattr(owner, name, None)
+            if cfg is not None and hasattr(cfg, "__dict__") and not fields:
+                fields = dict(vars(cfg))
     text = fields.get("text_config")
     if isinstance(text, dict):
         fields = {**fields, **text}
     elif text is not None and hasattr(text, "__dict__"):
         fields = {**fields, **vars(text)}
+    return fields
+
+
+def model_dims(model: Any) -> ModelDims:
+    """Read :class:`ModelDims` from an mlx-lm model's config (see :func:`_config_fields`).
+
+    Missing fields fall back to weights: vocab from the largest embedding-like matrix,
+    heads to ``hidden // 64``; the activation dtype is that of the first floating parameter.
+    ``state_heads`` is the head count of Mamba2-style SSD layers (Mamba2 ``num_heads``,
+    Falcon-H1 ``mamba_n_heads``, Nemotron-H ``mamba_num_heads``), 0 for other models.
+    """
+    from mlx.utils import tree_flatten
+
+    fields = _config_fields(model)
     params = tree_flatten(model.parameters())
     floats = [v for _, v in params if v.dtype in (mx.float32, mx.float16, mx.bfloat16)]
     dtype_bytes = floats[0].dtype.size if floats else 4
@@ -571,7 +603,12 @@ def model_dims(model: Any) -> ModelDims:
         fields.get("num_attention_heads") or fields.get("num_heads") or max(1, hidden // 64)
     )
     inter = int(fields.get("intermediate_size") or 4 * hidden)
-    return ModelDims(heads, hidden, inter, vocab, dtype_bytes)
+    layers = getattr(model, "layers", None) or ()
+    n_layers = len(layers) or int(fields.get("num_hidden_layers") or 1)
+    state_heads = int(fields.get("mamba_n_heads") or fields.get("mamba_num_heads") or 0)
+    if not state_heads and "num_attention_heads" not in fields:  # Mamba2: heads are SSD heads
+        state_heads = int(fields.get("num_heads") or 0)
+    return ModelDims(heads, hidden, inter, vocab, dtype_bytes, n_layers, state_heads)
 
 
 def estimate_for_model(
@@ -586,8 +623,20 @@ def estimate_for_model(
     extra_bytes: int = 0,
 ) -> int:
     """:func:`estimate_prefill_peak` with dims from :func:`model_dims` and the KV growth
-    from ``profile`` (window layers bounded by their window)."""
+    from ``profile`` (window layers bounded by their window).
+
+    Models with recurrent state (``profile.fixed > 0``) add
+    ``1.10 × (8 × s² × state_heads × 4 + 16 × c × hidden × dtype_bytes)`` bytes,
+    ``s = min(c, 256)``: one scan step of mlx-lm's SSD (``models/ssm.py`` ``ssm_attn``
+    builds several ``(h, s, s)`` float32 matrices per 256-token step) and the recurrent
+    mixer's own projections of one chunk (conv, gates). Fitted to the tiny hybrids on CPU.
+    """
     d = model_dims(model)
+    if profile.fixed > 0 and new_tokens > 0:  # recurrent layers
+        c, s = min(chunk_tokens, new_tokens), min(chunk_tokens, new_tokens, STATE_STEP)
+        ssd = STATE_SCRATCH_COPIES * s * s * d.state_heads * 4
+        mixer = STATE_MIXER_COPIES * c * d.hidden_size * d.dtype_bytes
+        extra_bytes += int(SCRATCH_MARGIN * (ssd + mixer))
     start = max(0, context_tokens - new_tokens)
     kv_new = max(
         0, profile.nbytes(context_tokens, chunk_tokens) - profile.nbytes(start, chunk_tokens)
@@ -597,14 +646,16 @@ def estimate_for_model(
         new_tokens=new_tokens,
         kv_bytes_per_token=profile.per_token,
         chunk_tokens=chunk_tokens,
-        n_heads=d.n_heads,
+        n_heads=d.n_heads if (profile.per_token or profile.windows) else 0,  # no attention
         context_tokens=context_tokens,
         vocab_size=d.vocab_size,
         hidden_size=d.hidden_size,
         dtype_bytes=d.dtype_bytes,
         intermediate_size=d.intermediate_size,
+        n_layers=d.n_layers,
         logits_tokens=logits_tokens,
         kv_new_bytes=kv_new,
+        kv_context_bytes=profile.nbytes(context_tokens, chunk_tokens),
         extra_bytes=extra_bytes,
     )
 
