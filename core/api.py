@@ -68,6 +68,8 @@ class TurnMetrics:
     generation_tps: float = 0.0
     peak_memory_bytes: int = 0
     finish_reason: str = "stop"  # "stop" | "length" | "cancelled"
+    restore_s: float = 0.0  # seconds spent finding, loading and splicing cached entries
+    restore_bytes: int = 0  # bytes of cached K/V and state put into the cache
 
     @property
     def cache_source(self) -> str:

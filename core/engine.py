@@ -49,13 +49,14 @@ from .cache.prefix import PrefixCache, Restored, probe_specs
 _STOP = object()
 
 
-def chunk_ends(start: int, stop: int, block_size: int, extra: set[int] = frozenset()) -> list[int]:
+def chunk_ends(start: int, stop: int, chunk: int, extra: set[int] = frozenset()) -> list[int]:
     """Ends of the prefill chunks for tokens ``[start, stop)``.
 
-    Every multiple of ``block_size`` in ``(start, stop)`` is an end, so are the positions
-    in ``extra`` (message boundaries), and ``stop`` itself. Chunks are at most one block.
+    Every multiple of ``chunk`` (the block size, or a divisor of it when memory is short)
+    in ``(start, stop)`` is an end, so are the positions in ``extra`` (message boundaries),
+    and ``stop`` itself: every block end is a chunk end.
     """
-    ends = set(range((start // block_size + 1) * block_size, stop, block_size))
+    ends = set(range((start // chunk + 1) * chunk, stop, chunk))
     ends.update(p for p in extra if start < p < stop)
     if stop > start:
         ends.add(stop)
@@ -83,6 +84,7 @@ class Engine:
         self._jobs: queue.Queue = queue.Queue()
         self._control: queue.Queue = queue.Queue()
         self._last = LastTurn()
+        self._kv_profile = None
         self.monitor = memory_mod.MemoryMonitor(
             limit_bytes=getattr(settings, "memory_limit", None),
             soft_fraction=getattr(settings, "memory_soft_fraction", 0.80),
@@ -209,6 +211,7 @@ class Engine:
             return
         self.loaded, self.model_name = loaded, spec
         warning = None
+        self._kv_profile = memory_mod.kv_profile(loaded.model, lambda m: self._make_cache())
         caches = self._make_cache()
         try:
             leaves = L.classify(caches)
@@ -280,8 +283,18 @@ class Engine:
         model, bs = self.loaded.model, self.settings.block_size
         cache = self.cache if (req.use_cache and not self.settings.no_cache) else None
         caches = self._make_cache()
+        self._apply_memory_pressure()
+        t_restore = time.perf_counter()
         restored = cache.restore(prompt, caches) if cache is not None else Restored()
+        restore_s = time.perf_counter() - t_restore
         start = restored.position
+        try:
+            chunk = self._plan_chunk(n, start)
+        except memory_mod.PrefillRefused as exc:
+            handle.emit(Failed(str(exc), kind="refused"))
+            if cache is not None:
+                cache.log(f"refused a {n - start}-token prefill: over the memory limit")
+            return
         boundaries = tuple(req.boundaries)
         checkpoints = set()
         if cache is not None and cache.state:
@@ -291,7 +304,7 @@ class Engine:
         total = n - 1 - start
         done = 0
         pos = start
-        for end in chunk_ends(start, n - 1, bs, checkpoints):
+        for end in chunk_ends(start, n - 1, chunk, checkpoints):
             self._drain_control()
             if handle.cancelled:
                 handle.emit(Failed("cancelled during prefill", kind="cancelled"))
@@ -366,6 +379,8 @@ class Engine:
             generation_tps=(g - 1) / (t_end - t_first) if g > 1 and t_end > t_first else 0.0,
             peak_memory_bytes=int(mx.get_peak_memory()),
             finish_reason=reason,
+            restore_s=restore_s,
+            restore_bytes=restored.nbytes,
         )
         self._last = LastTurn(
             prompt_tokens=n,
@@ -377,3 +392,52 @@ class Engine:
             generation_tps=metrics.generation_tps,
         )
         handle.emit(Finished(tuple(tokens), detok.text, metrics))
+        self._apply_memory_pressure()
+
+    # ------------------------------------------------------------------ memory
+    def _apply_memory_pressure(self) -> None:
+        """Shrink the hot tier's budget at soft/hard pressure, restore it at ok."""
+        cache = self.cache
+        if cache is None:
+            return
+        configured = self.settings.hot_bytes
+        budget = self.monitor.budget(configured, held_bytes=cache.hot.nbytes)
+        if budget != cache.hot.max_bytes:
+            evicted = cache.hot.set_budget(budget)
+            level = self.monitor.level()
+            cache.log(f"memory {level}: hot budget {budget:,} bytes ({evicted} evicted)")
+            if memory_mod.should_clear_mlx_cache(level):
+                mx.clear_cache()
+
+    def _plan_chunk(self, n: int, start: int) -> int:
+        """The prefill chunk (tokens) whose estimated peak fits the hard limit.
+
+        Raises:
+            memory_mod.PrefillRefused: no chunk down to 16 tokens fits.
+        """
+        bs = self.settings.block_size
+        new = n - 1 - start
+        if new <= 0 or self._kv_profile is None:
+            return bs
+        model = self.loaded.model
+        active = int(mx.get_active_memory())
+
+        def estimate(chunk: int) -> int:
+            return memory_mod.estimate_for_model(
+                model,
+                self._kv_profile,
+                active_bytes=active,
+                new_tokens=new,
+                context_tokens=n,
+                chunk_tokens=min(chunk, new),
+            )
+
+        chunk, _ = memory_mod.plan_prefill(
+            estimate,
+            self.monitor.hard_line(),
+            bs,
+            min_chunk=min(16, bs),
+            block_size=bs,
+            new_tokens=new,
+        )
+        return chunk

@@ -53,6 +53,7 @@ class Restored:
 
     position: int = 0
     cached_by: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CACHE_SOURCES, 0))
+    nbytes: int = 0  # bytes written into the fresh cache
 
 
 @dataclass(frozen=True)
@@ -327,7 +328,7 @@ class PrefixCache:
             L.restore_kv(leaf, c, parts, P)
         mx.eval([c.state for c in caches])
 
-        out = Restored(P)
+        out = Restored(P, nbytes=sum(c.nbytes for c in caches))
         bs = self.block_size
         # tokens of a block count for the source of the nearest loaded entry at or after it
         sources = {i: src for i, _, src in loaded}

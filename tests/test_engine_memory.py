@@ -1,0 +1,73 @@
+"""The engine under memory limits: refusals instead of OOM, budgets that shrink and recover."""
+
+from __future__ import annotations
+
+from engine_kit import assert_same, generate, make_engine, random_prompt
+from tierchat.core import memory as memory_mod
+from tierchat.core.api import Failed, GenerateRequest
+
+
+def test_refusal_leaves_every_tier_usable(tmp_path, models_dir):
+    prompt = random_prompt(100, seed=4)
+    e = make_engine("tiny:llama", tmp_path, models_dir)
+    first, h1 = generate(e, prompt)
+    e.cache.ssd.flush()
+    before = e.stats()
+    e.close()
+
+    tight = make_engine("tiny:llama", tmp_path, models_dir, memory_limit=1 << 20)
+    long_prompt = random_prompt(3000, seed=5)
+    res = tight.submit(GenerateRequest(prompt_ids=long_prompt, max_tokens=4)).wait(60)
+    assert isinstance(res, Failed) and res.kind == "refused"
+    for word in ("prompt refused", "memory limit", "shorter prompt", "--memory-limit"):
+        assert word in res.message
+    assert tight.stats().ssd.entries == before.ssd.entries  # nothing lost
+    tight.close()
+
+    again = make_engine("tiny:llama", tmp_path, models_dir)
+    r, h2 = generate(again, prompt)
+    assert_same(first, h1, r, h2)
+    assert r.metrics.cached_by["ssd"] == 96
+    again.close()
+
+
+def test_smaller_chunks_before_refusing(tmp_path, models_dir, monkeypatch):
+    e = make_engine("tiny:llama", tmp_path, models_dir, block_size=64)
+    seen = []
+    real = memory_mod.plan_prefill
+
+    def spy(estimate, limit, chunk_tokens, **kw):
+        # pretend the limit sits between the 16- and 32-token chunk estimates
+        limit = (estimate(16) + estimate(32)) // 2
+        out = real(estimate, limit, chunk_tokens, **kw)
+        seen.append(out[0])
+        return out
+
+    monkeypatch.setattr(memory_mod, "plan_prefill", spy)
+    cold = make_engine("tiny:llama", tmp_path / "cold", models_dir, block_size=64, no_cache=True)
+    prompt = random_prompt(200, seed=6)
+    a, ha = generate(cold, prompt)
+    b, hb = generate(e, prompt)
+    assert seen[-1] == 16
+    assert_same(a, ha, b, hb)  # smaller chunks, same tokens
+    assert e.stats().hot.entries >= 3  # block ends are still chunk ends
+    e.close()
+    cold.close()
+
+
+def test_soft_pressure_shrinks_hot_budget_then_restores(tmp_path, models_dir, monkeypatch):
+    e = make_engine("tiny:llama", tmp_path, models_dir)
+    for seed in range(3):
+        generate(e, random_prompt(120, seed=seed), max_tokens=2)
+    held = e.stats().hot.nbytes
+    configured = e.settings.hot_bytes
+    monkeypatch.setattr(e.monitor, "budget", lambda c, held_bytes, min_bytes=0: held // 3)
+    monkeypatch.setattr(e.monitor, "level", lambda reading=None: "soft")
+    generate(e, random_prompt(40, seed=9), max_tokens=2)
+    s = e.stats()
+    assert s.hot.max_bytes == held // 3 and s.hot.nbytes <= held // 3 and s.hot.evictions > 0
+    assert any("memory soft" in t for _, t in s.events)
+    monkeypatch.setattr(e.monitor, "budget", lambda c, held_bytes, min_bytes=0: c)
+    generate(e, random_prompt(40, seed=9), max_tokens=2)
+    assert e.stats().hot.max_bytes == configured
+    e.close()
