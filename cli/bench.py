@@ -27,6 +27,7 @@ instance; bytes restored are the cache state's bytes after the restore. For mlx-
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -323,9 +324,24 @@ def format_rows(rows: list[dict]) -> str:
     return table(out, headers)
 
 
+@contextlib.contextmanager
+def _fresh_cache_dir(cache_dir: Path, log):
+    """A new empty directory inside ``cache_dir`` (same disk as the real SSD tier), removed
+    afterwards; the system temp dir if ``cache_dir`` is not writable."""
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.TemporaryDirectory(prefix="bench-", dir=cache_dir)
+    except OSError as e:
+        log(f"{cache_dir} is not writable ({e.strerror or e}); using the system temp dir")
+        tmp = tempfile.TemporaryDirectory(prefix="tierchat-bench-")
+    with tmp as path:
+        yield Path(path)
+
+
 def run_bench(settings: Any, args: Any) -> int:
-    """``tierchat bench``. Uses a throwaway SSD directory unless ``--cache-dir`` is given
-    (a cold row must be cold); prints the table, writes ``--json-out``."""
+    """``tierchat bench``. The SSD tier goes to a new empty directory inside the cache dir
+    (a cold row must be cold; the user's cache is not touched), removed at the end. Prints
+    the table, writes ``--json-out``."""
     lengths = parse_lengths(args.lengths)
     if args.extend < 1:
         raise CLIError("--extend must be >= 1", EXIT_USAGE)
@@ -335,13 +351,9 @@ def run_bench(settings: Any, args: Any) -> int:
     def log(text: str) -> None:
         print(f"bench: {text}", file=sys.stderr, flush=True)
 
-    given = settings.sources.get("cache_dir", "default").startswith("cli")
-    with tempfile.TemporaryDirectory(prefix="tierchat-bench-") as tmp:
-        if not given:
-            settings.cache_dir = Path(tmp) / "kv"
-        log(
-            f"model {settings.model}, block size {settings.block_size}, SSD dir {settings.cache_dir}"
-        )
+    with _fresh_cache_dir(Path(settings.cache_dir), log) as tmp:
+        settings.cache_dir = tmp
+        log(f"model {settings.model}, block size {settings.block_size}, SSD dir {tmp}")
         t0 = time.perf_counter()
         rows, note = bench_engine(settings, lengths, args.extend, log)
         if not args.no_baseline:
