@@ -19,10 +19,10 @@ prompt + generated tokens): cold, exact hot, nearest hot. It has no disk tier.
 The baseline runs on this (main) thread after the engine is closed, with its own copy of
 the model, so no two threads ever touch MLX at once (DESIGN.md §2).
 
-Restore time: the engine does not report it yet, so the bench times
-``PrefixCache.restore`` (which ends in ``mx.eval``) by wrapping it on the engine's cache
-instance; bytes restored are the cache state's bytes after the restore. For mlx-lm it is
-``fetch_nearest_cache`` (deep copy + trim) plus an ``mx.eval`` of the copied state.
+Restore time and bytes: for tierchat the engine's ``TurnMetrics.restore_s`` (finding,
+loading and splicing cached entries) and ``restore_bytes``; for mlx-lm the time of
+``fetch_nearest_cache`` (deep copy + trim) plus an ``mx.eval`` of the copied state, and
+that state's bytes.
 """
 
 from __future__ import annotations
@@ -140,29 +140,6 @@ def _state_nbytes(caches: list[Any]) -> int:
     return total
 
 
-class RestoreTimer:
-    """Wraps ``engine.cache.restore`` to record ``(seconds, bytes)`` of the last restore.
-    The wrapper runs on the engine thread, where restore runs."""
-
-    def __init__(self) -> None:
-        self.last: tuple[float, int] = (0.0, 0)
-
-    def attach(self, engine: Any) -> None:
-        cache = engine.cache
-        if cache is None:
-            return
-        restore = cache.restore
-
-        def timed(prompt, caches):
-            t0 = time.perf_counter()
-            out = restore(prompt, caches)
-            dt = time.perf_counter() - t0
-            self.last = (dt, _state_nbytes(caches) if out.position else 0)
-            return out
-
-        cache.restore = timed
-
-
 def _row(system: str, case: str, length: int, m: Any, restore: tuple[float, int]) -> dict:
     seconds, nbytes = restore
     return {
@@ -183,22 +160,20 @@ def bench_engine(settings: Any, lengths: list[int], extend: int, log) -> tuple[l
     """tierchat rows for every length; returns ``(rows, page-cache note)``."""
     from tierchat.core.api import Failed, GenerateRequest
 
-    timer = RestoreTimer()
-
-    def run(engine: Any, prompt: list[int], use_cache: bool = True) -> dict:
-        timer.last = (0.0, 0)
+    def run(engine: Any, prompt: list[int], use_cache: bool = True) -> tuple[dict, tuple]:
         result = engine.submit(
             GenerateRequest(prompt_ids=tuple(prompt), max_tokens=1, use_cache=use_cache)
         ).wait()
         if isinstance(result, Failed):
             raise CLIError(f"bench generation failed: {result.message}")
         m = result.metrics
-        return {
+        counts = {
             "prompt_tokens": m.prompt_tokens,
             "cached_tokens": m.cached_tokens,
             "prefill_tokens": m.prefill_tokens,
             "ttft_s": m.ttft_s,
         }
+        return counts, (m.restore_s, m.restore_bytes)
 
     rows: list[dict] = []
     engine = start_engine(settings)
@@ -207,13 +182,11 @@ def bench_engine(settings: Any, lengths: list[int], extend: int, log) -> tuple[l
         prompts = {n: make_prompt(tok, n, salt=i) for i, n in enumerate(lengths)}
         ext = extension(tok, extend)
         run(engine, make_prompt(tok, 64, salt=WARMUP_SALT), use_cache=False)  # warm-up
-        timer.attach(engine)
         for n in lengths:
             log(f"tierchat {n} tokens: cold, exact hot, nearest hot")
-            rows.append(_row("tierchat", "cold", n, run(engine, prompts[n]), timer.last))
-            rows.append(_row("tierchat", "exact hot", n, run(engine, prompts[n]), timer.last))
-            m = run(engine, prompts[n] + ext)
-            rows.append(_row("tierchat", "nearest hot", n, m, timer.last))
+            rows.append(_row("tierchat", "cold", n, *run(engine, prompts[n])))
+            rows.append(_row("tierchat", "exact hot", n, *run(engine, prompts[n])))
+            rows.append(_row("tierchat", "nearest hot", n, *run(engine, prompts[n] + ext)))
         ssd_dir = engine.cache.ssd.dir if engine.cache and engine.cache.ssd else None
     finally:
         engine.close()
@@ -222,11 +195,10 @@ def bench_engine(settings: Any, lengths: list[int], extend: int, log) -> tuple[l
         note = drop_page_cache(Path(ssd_dir))[1]
     engine = start_engine(settings, quiet=True)
     try:
-        timer.attach(engine)
         run(engine, make_prompt(engine.tokenizer, 64, salt=WARMUP_SALT), use_cache=False)
         for n in lengths:
             log(f"tierchat {n} tokens: exact ssd")
-            rows.append(_row("tierchat", "exact ssd", n, run(engine, prompts[n]), timer.last))
+            rows.append(_row("tierchat", "exact ssd", n, *run(engine, prompts[n])))
     finally:
         engine.close()
     return rows, note

@@ -292,3 +292,18 @@ def test_demo_replay(tmp_path, models_dir, capsys):
     assert results[1]["token_ids_sha256"] == results[0]["token_ids_sha256"]
     assert results[2]["cached_tokens"] > 0 and results[3]["cached_tokens"] > 0
     assert results[4]["cached_by"]["ssd"] > 0
+
+
+def test_refused_prefill_is_an_error_line(tmp_path, models_dir, capsys):
+    ops = [
+        {"op": "user", "text": "x" * 3000, "max_tokens": 2},  # over a 1 MB limit
+        {"op": "new"},
+    ]
+    script = write_script(tmp_path / "s.jsonl", ops)
+    argv = [str(script), *flags(tmp_path, models_dir), "--memory-limit", "1MB"]
+    code, lines, err = replay(capsys, argv)
+    assert code == 1
+    assert set(lines[0]) == {"op_index", "op", "error"}
+    assert lines[0]["error"].startswith("refused: ") and "memory limit" in lines[0]["error"]
+    assert lines[-1]["summary"]["errors"] == 1 and lines[-1]["summary"]["ops"] == 2
+    assert f"error: {script}:1: user: refused: " in err
