@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for fakes
 
 from fakes import FakeEngine
 from tierchat.config.settings import Settings
-from tierchat.core.api import CacheStats, PrefillProgress
+from tierchat.core.api import CacheStats, Failed, PrefillProgress
 from tierchat.core.conversation import ConversationStore
 
 FIXED_EPOCH = 1_767_225_600.0  # 2026-01-01 00:00 UTC
@@ -44,6 +44,7 @@ class FlakyEngine(FakeEngine):
         self.ssd_errors = 0
         self.memory_level = "ok"
         self.cleared: list[str] = []
+        self.fail_kind = ""  # the kind of the Failed that ``fail_next`` emits
         self.prefill_gate = threading.Event()
         self.prefill_gate.set()
 
@@ -70,6 +71,8 @@ class FlakyEngine(FakeEngine):
             return super().submit(request, on_event)
 
         def held(event):
+            if isinstance(event, Failed) and self.fail_kind:
+                event = Failed(event.message, self.fail_kind)
             on_event(event)
             if isinstance(event, PrefillProgress) and event.done < event.total:
                 self.prefill_gate.wait()
@@ -154,6 +157,7 @@ async def send(pilot: Pilot, text: str) -> None:
     """Type ``text`` into the chat input, press Enter, and wait for the reply."""
     from tierchat.tui.widgets.chat_input import ChatInput
 
+    await settle(pilot)
     box = chat_screen(pilot.app).query_one(ChatInput)
     box.focus()
     box.insert(text)

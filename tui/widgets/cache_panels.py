@@ -2,7 +2,7 @@
 an event log, all fed from one :class:`~tierchat.core.api.CacheStats` snapshot.
 
 :class:`CachePanels` holds one reactive, ``stats``; its watcher fans the snapshot out to the
-panels (``ProgressBar.update``, ``Sparkline.data``, ``DataTable.update_cell``, ``Log``).
+panels (``ProgressBar.update``, a hit-rate sparkline, ``DataTable.update_cell``, ``Log``).
 Polling is the screen's job (one ``set_interval``, paused while the panels are hidden).
 """
 
@@ -13,8 +13,9 @@ from collections import deque
 from textual.app import ComposeResult
 from textual.clock import Clock
 from textual.containers import Vertical, VerticalScroll
+from textual.content import Content
 from textual.reactive import reactive
-from textual.widgets import DataTable, Log, ProgressBar, Sparkline, Static
+from textual.widgets import DataTable, Log, ProgressBar, Static
 from tierchat.core.api import CacheStats, MemoryStats, TailStats, TierStats
 from tierchat.tui.format import fmt_bytes, fmt_cached_by, fmt_count, fmt_seconds
 
@@ -128,13 +129,31 @@ class TierPanel(Panel):
         self.query_one(f"#{self.tier}-counters", Static).update(counters)
 
 
+SPARK_BARS = "▁▂▃▄▅▆▇█"
+
+
+class RateSparkline(Static):
+    """Rates in [0, 1] as one bar per sample on a fixed 0..100% scale, newest on the right.
+
+    Textual's ``Sparkline`` scales to the data's own min..max, so a steady 0% hit rate
+    would draw full bars; a hit rate needs an absolute scale.
+    """
+
+    DEFAULT_CSS = """
+    RateSparkline { height: 1; width: 1fr; color: $success; }
+    """
+
+    def show(self, rates: list[float]) -> None:
+        bars = "".join(
+            SPARK_BARS[round(max(0.0, min(1.0, r)) * (len(SPARK_BARS) - 1))] for r in rates
+        )
+        self.update(Content(bars))
+
+
 class TailsPanel(Panel):
     """MRU partial tails: entries, hit rate with a sparkline of it over lookups, tokens saved."""
 
     TITLE = "MRU tails"
-    DEFAULT_CSS = """
-    TailsPanel Sparkline { height: 1; width: 1fr; margin: 0; }
-    """
 
     def __init__(self, *, clock: Clock | None = None) -> None:
         super().__init__(clock=clock, id="tails-panel")
@@ -144,9 +163,7 @@ class TailsPanel(Panel):
     def compose(self) -> ComposeResult:
         yield Static("", classes="na", markup=False)
         yield Static("", classes="line when-on", id="tails-entries", markup=False)
-        spark = Sparkline([], summary_function=max, id="tails-spark")
-        spark.add_class("when-on")
-        yield spark
+        yield RateSparkline("", id="tails-spark", classes="when-on")
         yield Static("", classes="line when-on", id="tails-saved", markup=False)
 
     def show(self, stats: CacheStats) -> None:
@@ -159,8 +176,8 @@ class TailsPanel(Panel):
         if lookups != self._lookups:
             # One point per change in lookups: the line moves with traffic, not wall time.
             self._lookups = lookups
-            self._rates.append(t.hit_rate * 100)
-            self.query_one(Sparkline).data = list(self._rates)
+            self._rates.append(t.hit_rate)
+            self.query_one(RateSparkline).show(list(self._rates))
         self.query_one("#tails-entries", Static).update(
             f"{t.entries}/{t.max_entries} entries · hit rate {t.hit_rate:.0%} ({t.hits}/{lookups})"
         )
@@ -241,7 +258,15 @@ class EventsPanel(Panel):
 
     TITLE = "Events"
     DEFAULT_CSS = """
-    EventsPanel Log { height: 8; background: $background; scrollbar-size-vertical: 1; }
+    EventsPanel Log {
+        height: 6;
+        background: $background;
+        overflow-x: hidden;
+        scrollbar-size-vertical: 1;
+        scrollbar-background: $background;
+        scrollbar-background-hover: $background;
+        scrollbar-background-active: $background;
+    }
     """
 
     def __init__(self, *, clock: Clock | None = None) -> None:
@@ -264,7 +289,7 @@ class CachePanels(VerticalScroll):
     """Every panel, fed by :attr:`stats`."""
 
     DEFAULT_CSS = """
-    CachePanels { width: 46; padding: 0 1 0 0; scrollbar-size-vertical: 1; }
+    CachePanels { width: 44; padding: 0 1 0 0; scrollbar-size-vertical: 1; }
     CachePanels > #cache-model { height: 1; color: $text-muted; padding: 0 1; }
     """
 

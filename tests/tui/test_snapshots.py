@@ -1,0 +1,97 @@
+"""``snap_compare`` snapshots of the app's main states, at an explicit terminal size.
+
+Regenerate the baselines with ``pytest tests/tui --snapshot-update`` and look at them
+(``tests/tui/__snapshots__/``) before committing.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import FlakyEngine, chat_screen, send, settle
+
+SNAP_SIZE = (140, 44)
+
+
+async def quiet(pilot) -> None:
+    """Settle and drop the toasts earlier steps raised (each snapshot shows its own)."""
+    await settle(pilot)
+    pilot.app.clear_notifications()
+    await pilot.pause()
+
+
+def test_empty_app(snap_compare, make_app):
+    assert snap_compare(make_app(), terminal_size=SNAP_SIZE, run_before=quiet)
+
+
+def test_three_way_swipe(snap_compare, make_app):
+    async def run_before(pilot):
+        await send(pilot, "Explain prefix caching in **two** sentences.")
+        await pilot.press("ctrl+r")
+        await settle(pilot)
+        await pilot.press("ctrl+r")
+        await settle(pilot)
+        await pilot.press("alt+left")  # show reply 2 of 3
+        await quiet(pilot)
+
+    assert snap_compare(make_app(), terminal_size=SNAP_SIZE, run_before=run_before)
+
+
+def test_panels_after_cache_hits(snap_compare, make_app):
+    async def run_before(pilot):
+        await send(pilot, "What is a KV cache? Answer in one line.")
+        await send(pilot, "And a prefix cache?")
+        await pilot.press("ctrl+r")
+        await quiet(pilot)
+        stats = chat_screen(pilot.app).query_one("CachePanels").stats
+        assert stats.hot.hits and stats.tails.hits
+
+    assert snap_compare(make_app(), terminal_size=SNAP_SIZE, run_before=run_before)
+
+
+def test_clear_confirm_modal(snap_compare, make_app):
+    async def run_before(pilot):
+        await send(pilot, "Fill the cache a little.")
+        await quiet(pilot)
+        await pilot.press("f8")
+        await pilot.pause()
+
+    assert snap_compare(make_app(), terminal_size=SNAP_SIZE, run_before=run_before)
+
+
+def test_command_palette(snap_compare, make_app):
+    async def run_before(pilot):
+        await quiet(pilot)
+        await pilot.press("ctrl+p", *"Cache")
+        await pilot.pause(0.05)
+        await pilot.app.workers.wait_for_complete()
+        await pilot.pause()
+
+    assert snap_compare(make_app(), terminal_size=SNAP_SIZE, run_before=run_before)
+
+
+@pytest.fixture
+def unsupported_engine():
+    engine = FlakyEngine("tiny:odd", supported=False)
+    yield engine
+    engine.close()
+
+
+def test_panels_for_unsupported_model(snap_compare, make_app, unsupported_engine):
+    async def run_before(pilot):
+        await send(pilot, "Hello")
+        await quiet(pilot)
+
+    app = make_app(engine=unsupported_engine)
+    assert snap_compare(app, terminal_size=SNAP_SIZE, run_before=run_before)
+
+
+def test_error_notification(snap_compare, make_app, engine):
+    async def run_before(pilot):
+        await send(pilot, "Hello")
+        await quiet(pilot)
+        engine.fail_next = "the prompt needs 9.1 GiB, the memory limit is 8.0 GiB"
+        engine.fail_kind = "refused"
+        await send(pilot, "Now read this very long document…")
+        await pilot.pause()
+
+    assert snap_compare(make_app(), terminal_size=SNAP_SIZE, run_before=run_before)
