@@ -242,8 +242,8 @@ class FakeEngine:
         return handle
 
     def load_model(self, model: str, on_event: EventCallback | None = None) -> RequestHandle:
-        """Emit three ``ModelLoading`` steps, ``ModelLoaded``, then a terminal empty
-        ``Finished`` (so ``wait()`` returns); ``Failed`` instead when ``fail_next`` is set."""
+        """Emit three ``ModelLoading`` steps, then the terminal ``ModelLoaded`` (with a
+        warning for an unsupported model); ``Failed(kind="load")`` when ``fail_next`` is set."""
         if self.closed:
             raise RuntimeError("engine is closed")
         handle = RequestHandle(on_event)
@@ -344,7 +344,7 @@ class FakeEngine:
             kind, arg, handle, fail = item
             try:
                 if fail is not None:
-                    handle.emit(Failed(fail, "error"))
+                    handle.emit(Failed(fail, "load" if kind == "load" else "error"))
                 elif kind == "load":
                     self._load(arg, handle)
                 else:
@@ -359,7 +359,6 @@ class FakeEngine:
         self.model_name = model
         warning = None if self.supported else "caching is off: unsupported layer kind"
         handle.emit(ModelLoaded(model, warning))
-        handle.emit(Finished((), "", TurnMetrics()))
 
     def _lookup(self, prompt: tuple[int, ...]) -> dict[str, int]:
         """Cached tokens by source for ``prompt``; never the whole prompt (one token is fed)."""

@@ -288,11 +288,12 @@ def test_fake_engine_unsupported_model_and_fixed_clock():
         assert s.supported is False and s.reason and s.hot.entries == 0
         events = []
         h = e.load_model("other", events.append)
-        assert isinstance(h.wait(TIMEOUT), Finished)
-        assert [type(x) for x in events[:4]] == [ModelLoading] * 3 + [ModelLoaded]
+        assert isinstance(h.wait(TIMEOUT), ModelLoaded)
+        assert [type(x) for x in events] == [ModelLoading] * 3 + [ModelLoaded]
         assert events[3].warning and e.model_name == "other"
         e.fail_next = "no such model"
-        assert isinstance(e.load_model("bad").wait(TIMEOUT), Failed)
+        failed = e.load_model("bad").wait(TIMEOUT)
+        assert isinstance(failed, Failed) and failed.kind == "load"
     finally:
         e.close()
     with pytest.raises(RuntimeError):
