@@ -451,7 +451,7 @@ def kv_profile(
     Per-token bytes come from shapes, ``nbytes / allocated slots``, not from differencing
     totals, so the 256-token preallocation does not distort them. ``ArraysCache`` (no
     ``keys``) counts as ``fixed``; a ``RotatingKVCache`` (has ``max_size``) as a window;
-    anything else with ``keys`` as growing.
+    anything else with ``keys`` as growing. Runs the model: call it on the engine thread.
     """
     if cache_factory is None:
         from mlx_lm.models.cache import make_prompt_cache as cache_factory

@@ -355,11 +355,14 @@ def test_guard_refuses_what_would_not_fit():
 @pytest.mark.slow
 def test_estimate_bounds_measured_peak_demo(models_dir):
     model = load_model("demo", models_dir=models_dir).model
-    for n_tokens in (512, 1024, 2048):
-        peak, est, active = measure(model, n_tokens, 256, eval_logits=False)
+    cases = [(512, 256, False), (1024, 256, False), (2048, 256, False), (2048, 2048, True)]
+    for n_tokens, chunk, eval_logits in cases:
+        peak, est, active = measure(model, n_tokens, chunk, eval_logits)
         print(
-            f"demo T={n_tokens} chunk=256: measured {M.format_bytes(peak)} estimate "
-            f"{M.format_bytes(est)} ratio {est / peak:.3f} above weights "
-            f"{(est - active) / (peak - active):.2f}"
+            f"demo T={n_tokens} chunk={chunk} logits={eval_logits}: measured {peak} B, "
+            f"estimate {est} B, ratio {est / peak:.3f}; above the weights "
+            f"{(peak - active) / 1e6:.1f} MB vs {(est - active) / 1e6:.1f} MB "
+            f"({(est - active) / (peak - active):.2f}x)"
         )
         assert peak <= est <= 3 * peak
+        assert peak - active <= est - active <= 2 * (peak - active)
