@@ -10,9 +10,7 @@ previous turn's stored sequence + 1.
 from __future__ import annotations
 
 import pytest
-from engine_kit import assert_same, make_engine
-from tierchat.core.conversation import ConversationStore
-from tierchat.core.session import ChatSession
+from engine_kit import Lockstep
 from tierchat.core.tiny import TINY_ARCHS
 
 SYSTEM = "You are a careful assistant. Answer briefly, and keep every answer short."
@@ -25,62 +23,12 @@ USERS = [
 MAX_TOKENS = 6
 
 
-class Lockstep:
-    """A cached and a cold chat session doing the same thing."""
-
-    def __init__(self, model, tmp, models_dir, **overrides):
-        self.model, self.tmp, self.models_dir, self.overrides = model, tmp, models_dir, overrides
-        self.cold_engine = make_engine(model, tmp / "cold", models_dir, no_cache=True, **overrides)
-        self.cold = ChatSession(
-            self.cold_engine, ConversationStore(tmp / "cold.sqlite"), max_tokens=MAX_TOKENS
-        )
-        self.hot_engine = make_engine(model, tmp, models_dir, **overrides)
-        self.store = ConversationStore(tmp / "hot.sqlite")
-        self.hot = ChatSession(self.hot_engine, self.store, max_tokens=MAX_TOKENS)
-        self.last_sequence = ()  # prompt + reply token ids of the latest finished turn
-        self.last_prompt = ()
-
-    def run(self, op, *args):
-        a = getattr(self.cold, op)(*args)
-        b = getattr(self.hot, op)(*args)
-        if not hasattr(a, "wait"):
-            return None
-        ra, rb = a.wait(120), b.wait(120)
-        assert_same(ra, a.request_handle, rb, b.request_handle)
-        self.last_prompt = b.prompt.token_ids
-        self.last_sequence = b.prompt.token_ids + rb.token_ids
-        return rb.metrics
-
-    def reused(self, previous) -> int:
-        """Tokens of the latest prompt that continue ``previous`` (the stored sequence).
-
-        Equal to ``len(previous)`` when the reply's ids were spliced back whole; shorter
-        when a reply's bytes cannot round-trip through text (random tiny models emit
-        invalid UTF-8), in which case the prompt really differs from there on.
-        """
-        n = 0
-        for a, b in zip(previous, self.last_prompt, strict=False):
-            if a != b:
-                break
-            n += 1
-        return n
-
-    def restart(self):
-        self.hot_engine.close()
-        self.hot_engine = make_engine(self.model, self.tmp, self.models_dir, **self.overrides)
-        self.hot.engine = self.hot_engine
-
-    def close(self):
-        self.cold_engine.close()
-        self.hot_engine.close()
-
-
 @pytest.fixture
 def lockstep(request, tmp_path, models_dir):
     pairs = []
 
     def make(model, **overrides):
-        pair = Lockstep(model, tmp_path, models_dir, **overrides)
+        pair = Lockstep(model, tmp_path, models_dir, max_tokens=MAX_TOKENS, **overrides)
         pairs.append(pair)
         return pair
 
