@@ -32,6 +32,7 @@ Conversations go to a throwaway SQLite file unless ``--data-dir`` is given.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import statistics
@@ -241,7 +242,8 @@ class Replay:
         self.restarts = 0
 
     def close(self) -> None:
-        self.engine.close()
+        if self.engine is not None:  # None after a restart whose model load failed
+            self.engine.close()
 
     def _emit(self, obj: dict[str, Any]) -> None:
         self.out.write(json.dumps(obj, ensure_ascii=False) + "\n")
@@ -279,9 +281,13 @@ class Replay:
     def restart(self) -> None:
         from tierchat.core.session import ChatSession
 
-        self.engine.close()
-        self.engine = start_engine(self.settings, quiet=True)
         old = self.session
+        self.engine.close()
+        # drop every reference to the old engine (and its model) before loading again,
+        # so two copies of the weights never live at once
+        old.engine = self.engine = self.session = None
+        gc.collect()
+        self.engine = start_engine(self.settings, quiet=True)
         self.session = ChatSession(
             self.engine,
             self.store,
