@@ -14,16 +14,18 @@ cold runs give the same tokens.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 from mlx_lm.sample_utils import make_sampler
 
@@ -47,6 +49,19 @@ from .cache.blocks import KIND_BOUNDARY, KIND_TAIL, role_at
 from .cache.prefix import PrefixCache, Restored, probe_specs
 
 _STOP = object()
+_live_engines: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _clear_main_thread_streams() -> None:
+    mx.clear_streams()
+
+
+@atexit.register
+def _close_live_engines() -> None:
+    # runs before the handler above (atexit is last in, first out)
+    for engine in list(_live_engines):
+        engine.close()
 
 
 def chunk_ends(start: int, stop: int, chunk: int, extra: set[int] = frozenset()) -> list[int]:
@@ -92,6 +107,7 @@ class Engine:
         )
         self._thread = threading.Thread(target=self._run, name="tierchat-engine", daemon=True)
         self._thread.start()
+        _live_engines.add(self)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -168,6 +184,10 @@ class Engine:
             if job is _STOP:
                 if self.cache is not None:
                     self.cache.close()
+                # MLX wants each thread to destroy its own streams before it ends, or the
+                # process may abort at exit (mlx >= 0.32: mx.clear_streams)
+                mx.synchronize(generation_stream)
+                mx.clear_streams()
                 return
             fn, arg, handle = job
             try:
@@ -356,6 +376,9 @@ class Engine:
             if handle.cancelled:
                 reason = "cancelled"
                 break
+        # generate_step evaluates one step ahead: wait for that step, or the thread-local
+        # stream still has work when the thread ends and the process aborts at exit
+        mx.synchronize(generation_stream)
         detok.finalize()
         tail_text = detok.last_segment
         if tail_text:
