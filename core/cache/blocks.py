@@ -50,6 +50,36 @@ def chain_ids(root: str, tokens, block_size: int, n_blocks: int) -> list[str]:
     return ids
 
 
+class ChainHasher:
+    """``chain_ids`` with memory: consecutive calls on growing or shared-prefix token
+    sequences (a prompt, then prompt + reply) hash each block once, not once per call."""
+
+    def __init__(self, root: str, block_size: int) -> None:
+        self.root, self.block_size = root, block_size
+        self._tokens: tuple[int, ...] = ()
+        self._ids: list[str] = []
+
+    def ids(self, tokens, n_blocks: int) -> list[str]:
+        bs = self.block_size
+        known = min(len(self._ids), n_blocks)
+        head = tuple(tokens[: known * bs])
+        if head != self._tokens[: known * bs]:
+            known = 0  # cheap C-level comparison; on a mismatch rehash from the root
+            for j in range(min(len(self._ids), n_blocks)):
+                if tuple(tokens[j * bs : (j + 1) * bs]) != self._tokens[j * bs : (j + 1) * bs]:
+                    break
+                known = j + 1
+        ids = self._ids[:known]
+        parent = ids[-1] if ids else self.root
+        for j in range(known, n_blocks):
+            block = tokens[j * bs : (j + 1) * bs]
+            parent = hashlib.sha256(bytes.fromhex(parent) + _token_bytes(block)).hexdigest()
+            ids.append(parent)
+        if n_blocks >= len(self._ids):
+            self._tokens, self._ids = tuple(tokens[: n_blocks * bs]), ids
+        return ids[:n_blocks]
+
+
 def tail_id(parent: str, tokens) -> str:
     return hashlib.sha256(b"T" + bytes.fromhex(parent) + _token_bytes(tokens)).hexdigest()
 

@@ -35,8 +35,8 @@ from .blocks import (
     KIND_BLOCK,
     KIND_SEQ,
     KIND_TAIL,
+    ChainHasher,
     Entry,
-    chain_ids,
     role_at,
     root_id,
     tail_id,
@@ -106,6 +106,7 @@ class PrefixCache:
     ) -> None:
         self.fingerprint = fingerprint
         self.root = root_id(fingerprint)
+        self._chain = ChainHasher(self.root, block_size)
         self.leaves = tuple(leaves)
         self.spec = spec
         self.block_size = block_size
@@ -182,7 +183,7 @@ class PrefixCache:
         if limit <= 0:
             return None
         bs = self.block_size
-        ids = chain_ids(self.root, prompt, bs, limit // bs)
+        ids = self._chain.ids(prompt, limit // bs)
         flags = [self._flags(i) for i in ids]
         for j in range(len(ids), -1, -1):
             parent = ids[j - 1] if j else self.root
@@ -259,7 +260,7 @@ class PrefixCache:
         their split by source. Entries that fail validation are evicted and counted.
         """
         limit = len(prompt) - 1
-        ids = chain_ids(self.root, prompt, self.block_size, max(limit, 0) // self.block_size)
+        ids = self._chain.ids(prompt, max(limit, 0) // self.block_size)
         # misses: the prompt's full blocks that a tier does not hold at lookup time
         flags = [self._flags(i) for i in ids]
         self.hot_misses += sum(1 for f in flags if f is None or f[0] != "hot")
@@ -389,13 +390,13 @@ class PrefixCache:
         snapshotted. Returns True when something was stored.
         """
         bs = self.block_size
-        bid = chain_ids(self.root, tokens, bs, j + 1)[j]
+        bid = self._chain.ids(tokens, j + 1)[j]
         have = self._flags(bid)
         want_snapshot = at_end and bool(self.state)
         if have is not None and (have[1] or not self.window) and (have[2] or not want_snapshot):
             return False
         arrays, window_ok, snap = self._capture(caches, j * bs, (j + 1) * bs, want_snapshot)
-        parent = chain_ids(self.root, tokens, bs, j)[-1] if j else self.root
+        parent = self._chain.ids(tokens, j)[-1] if j else self.root
         role = role_at(boundaries, (j + 1) * bs)
         e = Entry(
             bid,
@@ -424,7 +425,7 @@ class PrefixCache:
         j = position // bs
         if position % bs == 0 or position <= 0:
             return False
-        parent = chain_ids(self.root, tokens, bs, j)[-1] if j else self.root
+        parent = self._chain.ids(tokens, j)[-1] if j else self.root
         seg = tuple(tokens[j * bs : position])
         tid = tail_id(parent, seg)
         if tid in self.hot:
