@@ -1,0 +1,223 @@
+"""Tokens prefilled per chat operation: tierchat vs cold vs mlx-lm's LRUPromptCache.
+
+For each model (default: every tiny architecture) one scripted conversation runs through
+tierchat's engine (``ChatSession``); every prompt it produced is then replayed cold (same
+engine, ``use_cache=False``) and through mlx-lm's ``LRUPromptCache`` the way
+``mlx_lm/server.py`` uses it: ``fetch_nearest_cache``, prefill with a checkpoint inserted
+at the end of every system/user segment, decode, ``insert_cache`` of prompt + reply. mlx-lm
+has no disk tier, so at ``restart`` and ``clear hot`` its cache starts empty.
+
+    python scripts/hybrid_table.py [--models tiny:llama,tiny:mamba2] [--block-size 16]
+                                   [--json-out FILE]
+
+Prints one table per model (prefilled tokens and TTFT / cold TTFT per operation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import tierchat.core  # noqa: F401  (OpenBLAS before mlx)
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import (
+    LRUPromptCache,
+    can_trim_prompt_cache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
+from tierchat.config.settings import Settings
+from tierchat.core.api import Finished, GenerateRequest
+from tierchat.core.conversation import ConversationStore
+from tierchat.core.engine import Engine
+from tierchat.core.session import ChatSession
+from tierchat.core.tiny import TINY_ARCHS
+
+SYSTEM = "You are a careful assistant. Answer briefly, and keep every answer short please."
+USERS = [
+    "Describe the tides, the moon and the wind over the harbour at dusk, in detail.",
+    "Now compare that with a mountain lake in winter, in two or three sentences.",
+    "Which of the two would a painter choose, and why would they choose it?",
+    "Summarise everything so far as a short list of three items, one line each.",
+]
+SCRIPT = [
+    ("user", USERS[0]),
+    ("user", USERS[1]),
+    ("regenerate",),
+    ("regenerate",),
+    ("swipe+user", 1, 0, USERS[2]),
+    ("edit", 0, USERS[3]),
+    ("user", USERS[1]),
+    ("edit_last", USERS[2]),
+    ("restart+user", USERS[0]),
+    ("clear_hot+user", USERS[3]),
+    ("regenerate",),
+]
+
+
+def run_ours(model: str, tmp: Path, block_size: int, max_tokens: int):
+    settings = Settings(
+        block_size=block_size,
+        cache_dir=tmp / "kv",
+        models_dir=tmp / "models",
+        data_dir=tmp / "data",
+        hot_bytes=1 << 30,
+        ssd_bytes=1 << 30,
+    )
+
+    def start():
+        e = Engine(settings)
+        loaded = e.load_model(model).wait(600)
+        if not hasattr(loaded, "model"):
+            sys.exit(f"error: {loaded.message}")
+        return e
+
+    engine = start()
+    session = ChatSession(engine, ConversationStore(tmp / "chat.sqlite"), max_tokens=max_tokens)
+    session.new_conversation(SYSTEM)
+    rows = []
+    for op in SCRIPT:
+        name = op[0]
+        if name.startswith("restart"):
+            engine.close()
+            engine = session.engine = start()
+        if name.startswith("clear_hot"):
+            engine.clear("hot")
+        if name.startswith("swipe"):
+            session.swipe(op[1], op[2])
+        if name == "regenerate":
+            turn = session.regenerate()
+        elif name == "edit":
+            turn = session.edit(op[1], op[2])
+        elif name == "edit_last":
+            turn = session.edit(len(session.user_turns()) - 1, op[1])
+        else:
+            turn = session.send(op[-1])
+        res = turn.wait(600)
+        assert isinstance(res, Finished), res
+        rows.append(
+            dict(
+                op=name,
+                prompt=turn.prompt.token_ids,
+                boundaries=turn.prompt.boundaries,
+                reply=res.token_ids,
+                ours_prefill=res.metrics.prefill_tokens,
+                ours_ttft=res.metrics.ttft_s,
+            )
+        )
+    # cold TTFT of each prompt, same engine and chunking
+    for row in rows:
+        h = engine.submit(GenerateRequest(prompt_ids=row["prompt"], max_tokens=1, use_cache=False))
+        row["cold_ttft"] = h.wait(600).metrics.ttft_s
+    model_dir = engine.loaded.model_dir
+    engine.close()
+    return rows, model_dir
+
+
+def run_mlx_lm(rows, model_dir: Path):
+    """mlx-lm's server flow over the same prompts (main thread, its own model copy)."""
+    from tierchat.core.models import load_model
+
+    loaded = load_model(str(model_dir))
+    model = loaded.model
+    lru = LRUPromptCache(max_size=10)
+    for row in rows:
+        if row["op"].startswith(("restart", "clear_hot")):
+            lru = LRUPromptCache(max_size=10)
+        prompt, boundaries = list(row["prompt"]), row["boundaries"]
+        t0 = time.perf_counter()
+        cache, rest = lru.fetch_nearest_cache("m", prompt)
+        start = len(prompt) - len(rest)
+        if cache is None:
+            cache, start = make_prompt_cache(model), 0
+        if start == len(prompt):  # exact entry: the last token must be fed again
+            if can_trim_prompt_cache(cache):
+                trim_prompt_cache(cache, 1)
+                start -= 1
+            else:
+                cache, start = make_prompt_cache(model), 0
+        # prefill up to the last token, inserting a checkpoint at each segment end
+        ends = sorted(
+            {
+                e
+                for e, role in boundaries
+                if role in ("system", "user") and start < e < len(prompt) - 1
+            }
+        )
+        pos = start
+        for end in ends + [len(prompt) - 1]:
+            if end > pos:
+                model(mx.array(prompt[pos:end])[None], cache=cache)
+                mx.eval([c.state for c in cache])
+                pos = end
+            if end in ends:
+                role = dict((e, r) for e, r in boundaries)[end]
+                lru.insert_cache("m", prompt[:end], copy.deepcopy(cache), cache_type=role)
+        ttft = None
+        gen = []
+        for tok, _ in generate_step(
+            mx.array(prompt[-1:]), model, prompt_cache=cache, max_tokens=len(row["reply"])
+        ):
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            gen.append(tok)
+        mx.eval([c.state for c in cache])
+        lru.insert_cache("m", prompt + gen, cache, cache_type="assistant")
+        row["mlx_prefill"] = len(prompt) - start
+        row["mlx_ttft"] = ttft
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(f"tiny:{a}" for a in TINY_ARCHS))
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--json-out")
+    args = ap.parse_args(argv)
+    report = {}
+    for model in args.models.split(","):
+        with tempfile.TemporaryDirectory() as d:
+            rows, model_dir = run_ours(model, Path(d), args.block_size, args.max_tokens)
+            run_mlx_lm(rows, model_dir)
+        print(f"\n{model} (block {args.block_size})")
+        print(
+            f"{'op':<15}{'prompt':>7}{'cold':>7}{'ours':>7}{'mlx-lm':>8}{'ours TTFT/cold':>16}{'mlx-lm TTFT/cold':>18}"
+        )
+        for r in rows:
+            print(
+                f"{r['op']:<15}{len(r['prompt']):>7}{len(r['prompt']):>7}{r['ours_prefill']:>7}"
+                f"{r['mlx_prefill']:>8}{r['ours_ttft'] / r['cold_ttft']:>16.3f}"
+                f"{r['mlx_ttft'] / r['cold_ttft']:>18.3f}"
+            )
+        tot = {k: sum(r[k] for r in rows) for k in ("ours_prefill", "mlx_prefill")}
+        cold = sum(len(r["prompt"]) for r in rows)
+        med = {
+            k: statistics.median(r[k] / r["cold_ttft"] for r in rows)
+            for k in ("ours_ttft", "mlx_ttft")
+        }
+        print(
+            f"{'total':<15}{'':>7}{cold:>7}{tot['ours_prefill']:>7}{tot['mlx_prefill']:>8}"
+            f"{med['ours_ttft']:>16.3f}{med['mlx_ttft']:>18.3f}   (TTFT columns: medians)"
+        )
+        report[model] = [
+            {
+                k: (v if not isinstance(v, tuple) else len(v))
+                for k, v in r.items()
+                if k != "boundaries"
+            }
+            for r in rows
+        ]
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
