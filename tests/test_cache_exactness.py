@@ -110,3 +110,23 @@ def test_prompts_exceed_windows_and_blocks(lockstep):
     pair.run("send", USERS[0])
     n = len(pair.last_sequence)
     assert n > 2 * SLIDING_WINDOW and n > 4 * 16
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_divergence_inside_a_block_reuses_the_common_prefix(tmp_path, models_dir, arch):
+    """KV and window layers restore up to the exact common prefix, even mid-block."""
+    from engine_kit import assert_same, generate, make_engine, random_prompt
+
+    hot = make_engine(f"tiny:{arch}", tmp_path, models_dir)
+    cold = make_engine(f"tiny:{arch}", tmp_path / "cold", models_dir, no_cache=True)
+    try:
+        base = random_prompt(120, seed=11)
+        generate(hot, base)
+        edited = base[:77] + random_prompt(30, seed=12)  # diverges at 77 = 4 * 16 + 13
+        a, ha = generate(cold, edited)
+        b, hb = generate(hot, edited)
+        assert_same(a, ha, b, hb)
+        assert b.metrics.cached_tokens == 77
+    finally:
+        hot.close()
+        cold.close()

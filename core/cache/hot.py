@@ -32,7 +32,7 @@ class HotTier:
         self._entries: dict[str, Entry] = {}
         self._tails: OrderedDict[str, Entry] = OrderedDict()
         self._checkpoints: OrderedDict[str, Entry] = OrderedDict()
-        self.tails_by_parent: dict[str, set[str]] = {}
+        self.children: dict[str, set[str]] = {}  # parent id -> ids of entries after it
         self.pinned: set[str] = set()
         self.nbytes = 0
         self.snapshot_count = 0
@@ -99,9 +99,9 @@ class HotTier:
         self.snapshot_nbytes += e.snapshot_nbytes
         if pin:
             self.pinned.add(e.id)
+        self.children.setdefault(e.parent, set()).add(e.id)
         if bounded is not None:
             bounded[e.id] = e
-            self.tails_by_parent.setdefault(e.parent, set()).add(e.id)
             while len(bounded) > limit:
                 victim = next(iter(bounded.values()))
                 self._evict(victim, "count")
@@ -116,11 +116,11 @@ class HotTier:
         bounded = self._bound_for(e)
         if bounded is not None:
             bounded.pop(entry_id, None)
-            ids = self.tails_by_parent.get(e.parent)
-            if ids is not None:
-                ids.discard(entry_id)
-                if not ids:
-                    del self.tails_by_parent[e.parent]
+        ids = self.children.get(e.parent)
+        if ids is not None:
+            ids.discard(entry_id)
+            if not ids:
+                del self.children[e.parent]
         self.pinned.discard(entry_id)
         self.nbytes -= e.nbytes
         self.snapshot_count -= bool(e.snapshot_nbytes)

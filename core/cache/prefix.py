@@ -8,9 +8,10 @@ tokens at which every layer can be rebuilt exactly:
 - state leaves need a snapshot taken at ``P`` exactly: at a block end, or in a tail /
   checkpoint entry that ends at ``P``.
 
-Candidates are block ends and tail entries hanging off the prompt's chain of block ids;
-for models without state leaves a tail may also be used in part (the common prefix of its
-tokens). The winner's entries are loaded (hot first, else SSD, promoted to hot), every
+Candidates are block ends and the entries (tails, checkpoints, other blocks) that hang off
+the prompt's chain of block ids; for models without state leaves such an entry may also be
+used in part, up to the common prefix of its tokens and the prompt's -- the way a trie of
+trimmable caches serves an edit in the middle of a block. The winner's entries are loaded (hot first, else SSD, promoted to hot), every
 array is checked against the model's shapes, and only then is a fresh cache filled, with
 one concatenate per layer. A bad entry is evicted from both tiers and the lookup repeats:
 a shorter prefix or a cold start, never a wrong restore.
@@ -154,10 +155,11 @@ class PrefixCache:
                 return ("ssd", m.window, m.snapshot)
         return None
 
-    def _tails(self, parent: str) -> list:
-        found = {i: self.hot.peek(i) for i in self.hot.tails_by_parent.get(parent, ())}
+    def _children(self, parent: str) -> list:
+        """Entries (hot ``Entry`` or SSD ``FileMeta``) that follow ``parent``."""
+        found = {i: self.hot.peek(i) for i in self.hot.children.get(parent, ())}
         if self.ssd is not None:
-            for m in self.ssd.tails_of(parent):
+            for m in self.ssd.children_of(parent):
                 found.setdefault(m.id, m)
         return [t for t in found.values() if t is not None]
 
@@ -188,7 +190,7 @@ class PrefixCache:
         for j in range(len(ids), -1, -1):
             parent = ids[j - 1] if j else self.root
             best, best_rank = None, None
-            for t in self._tails(parent):
+            for t in self._children(parent):
                 if t.start != j * bs:
                     continue
                 seg = prompt[j * bs : limit]
@@ -333,12 +335,16 @@ class PrefixCache:
         bs = self.block_size
         # tokens of a block count for the source of the nearest loaded entry at or after it
         sources = {i: src for i, _, src in loaded}
-        after = tail[1] if tail else None
+        after = tail[1] if tail and t_entry.kind != KIND_BLOCK else None
         for i in range(cand.blocks - 1, -1, -1):
             after = sources.get(i, after)
             out.cached_by[after or "hot"] += bs
         self.hot_hits += sum(1 for _, _, src in loaded if src == "hot")
-        if t_entry is not None:
+        if t_entry is not None and t_entry.kind == KIND_BLOCK:
+            # the first tokens of a stored block that diverges later (an edit): by source
+            out.cached_by[tail[1]] += cand.tail_tokens
+            self.tail_misses += 1
+        elif t_entry is not None:
             kind = "tail" if t_entry.kind == KIND_TAIL else "checkpoint"
             out.cached_by[kind] += cand.tail_tokens
             self.tail_hits += 1
@@ -459,9 +465,8 @@ class PrefixCache:
         elif tier == "tails":
             n = self.hot.clear(tails_only=True)
             if self.ssd is not None:
-                for parent in list(self.ssd.tails_by_parent):
-                    for m in self.ssd.tails_of(parent):
-                        self.ssd.remove(m.id)
+                for entry_id in self.ssd.tail_ids():
+                    self.ssd.remove(entry_id)
             msg = f"cleared tails and checkpoints ({n} in RAM)"
         elif tier == "ssd":
             n = self.ssd.clear() if self.ssd is not None else 0

@@ -110,7 +110,7 @@ class SSDTier:
         self._on_event = on_event or (lambda text: None)
         self._lock = threading.Lock()
         self._index: dict[str, FileMeta] = {}
-        self.tails_by_parent: dict[str, set[str]] = {}
+        self.children: dict[str, set[str]] = {}  # parent id -> ids of entries after it
         self._pending: dict[str, Entry] = {}
         self.nbytes = 0
         self.hits = self.misses = self.evictions = 0
@@ -191,19 +191,18 @@ class SSDTier:
             self.nbytes -= old.nbytes
         self._index[meta.id] = meta
         self.nbytes += meta.nbytes
-        if meta.kind != KIND_BLOCK:
-            self.tails_by_parent.setdefault(meta.parent, set()).add(meta.id)
+        self.children.setdefault(meta.parent, set()).add(meta.id)
 
     def _drop(self, entry_id: str) -> FileMeta | None:
         meta = self._index.pop(entry_id, None)
         if meta is None:
             return None
         self.nbytes -= meta.nbytes
-        ids = self.tails_by_parent.get(meta.parent)
+        ids = self.children.get(meta.parent)
         if ids is not None:
             ids.discard(entry_id)
             if not ids:
-                del self.tails_by_parent[meta.parent]
+                del self.children[meta.parent]
         self._path(entry_id).unlink(missing_ok=True)
         return meta
 
@@ -218,9 +217,14 @@ class SSDTier:
     def __len__(self) -> int:
         return len(self._index)
 
-    def tails_of(self, parent: str) -> list[FileMeta]:
+    def children_of(self, parent: str) -> list[FileMeta]:
+        """Entries (blocks and tails) whose parent is ``parent``."""
         with self._lock:
-            return [self._index[i] for i in self.tails_by_parent.get(parent, ())]
+            return [self._index[i] for i in self.children.get(parent, ())]
+
+    def tail_ids(self) -> list[str]:
+        with self._lock:
+            return [i for i, m in self._index.items() if m.kind != KIND_BLOCK]
 
     @property
     def queue_depth(self) -> int:
