@@ -28,7 +28,7 @@ from tierchat.core.api import CacheStats, Failed, PrefillProgress
 from tierchat.core.conversation import ConversationStore
 
 FIXED_EPOCH = 1_767_225_600.0  # 2026-01-01 00:00 UTC
-SIZE = (140, 44)
+SIZE = (100, 32)  # Pilot tests; snapshots use their own explicit size
 
 
 def fixed_clock() -> float:

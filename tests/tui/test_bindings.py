@@ -307,33 +307,37 @@ async def test_toggle_conversation_list(make_app):
         assert listing.display
 
 
-@pytest.mark.parametrize(
-    ("key", "tier"), [("f5", "hot"), ("f6", "ssd"), ("f7", "tails"), ("f8", "all")]
-)
-async def test_clear_keys_confirm_then_clear_and_show_it(make_app, engine, key, tier):
+async def test_clear_keys_confirm_then_clear_and_show_it_at_once(make_app, engine):
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
-        await send(pilot, "fill the cache with something long enough")
-        await send(pilot, "and again")
         panels = chat_screen(app).query_one(CachePanels)
-        before = panels.stats
-        assert before.hot.entries and before.ssd.entries and before.tails.entries
 
-        await pilot.press(key)
-        assert isinstance(app.screen, ConfirmScreen)
-        await pilot.press("n")
-        await settle(pilot)
-        assert engine.cleared == []
+        def counts():
+            s = panels.stats
+            return {"hot": s.hot.entries, "ssd": s.ssd.entries, "tails": s.tails.entries}
 
-        await pilot.press(key)
-        await pilot.press("y")
-        await settle(pilot)
-        assert engine.cleared == [tier]
-        after = panels.stats  # refreshed at once, not at the next poll
-        assert (after.hot.entries == 0) == (tier in ("hot", "all"))
-        assert (after.ssd.entries == 0) == (tier in ("ssd", "all"))
-        assert (after.tails.entries == 0) == (tier in ("tails", "all"))
-        assert any(n.title == "Cache cleared" for n in app._notifications)
+        await send(pilot, "fill the cache with something long enough to make tails")
+        assert all(counts().values())
+        for key, tier in [("f7", "tails"), ("f6", "ssd"), ("f5", "hot"), ("f8", "all")]:
+            if tier == "all":
+                await send(pilot, "fill it again")
+            before = counts()
+            assert before[tier if tier != "all" else "hot"]
+            await pilot.press(key)
+            assert isinstance(app.screen, ConfirmScreen)
+            await pilot.press("n")
+            await settle(pilot)
+            assert engine.cleared[-1:] != [tier] and counts() == before
+            await pilot.press(key)
+            await pilot.press("y")
+            await settle(pilot)
+            assert engine.cleared[-1] == tier
+            after = counts()  # the panels show it at once, not at the next poll
+            for name in ("hot", "ssd", "tails"):
+                expected = 0 if tier in (name, "all") else before[name]
+                assert after[name] == expected, (tier, name, after)
+            assert any(n.title == "Cache cleared" for n in app._notifications)
+        assert engine.cleared == ["tails", "ssd", "hot", "all"]
 
 
 async def test_model_picker_loads_with_progress(make_app, engine):

@@ -16,12 +16,19 @@ from tierchat.tui.widgets.transcript import Transcript
 pytestmark = pytest.mark.anyio
 
 
-async def run_command(pilot, title: str) -> None:
-    """Open the palette, type ``title``, run the highlighted (best) hit."""
+async def type_query(pilot, text: str) -> None:
+    """Open the palette and enter ``text`` as one edit (one search, not one per key)."""
+    from textual.command import CommandInput
+
     await pilot.press("ctrl+p")
-    await pilot.press(*title)
+    pilot.app.screen.query_one(CommandInput).value = text
     await pilot.pause(0.05)  # the palette searches in a worker
     await settle_palette(pilot)
+
+
+async def run_command(pilot, title: str) -> None:
+    """Open the palette, type ``title``, run the highlighted (best) hit."""
+    await type_query(pilot, title)
     await pilot.press("enter")
     await settle(pilot)
 
@@ -45,28 +52,24 @@ async def test_palette_lists_cache_commands(make_app):
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
-        await pilot.press("ctrl+p")
-        await pilot.press(*"Cache: clear")
-        await pilot.pause(0.05)
-        await settle_palette(pilot)
+        await type_query(pilot, "Cache: clear")
         prompts = [str(o.prompt) for o in app.screen.query_one("CommandList").options]
         for title in ("clear hot tier", "clear SSD tier", "clear tails", "clear all"):
             assert any(title in p for p in prompts), prompts
 
 
-@pytest.mark.parametrize(
-    ("title", "tier"),
-    [(c.title, c.action.split("'")[1]) for c in CACHE_COMMANDS if c.action.startswith("clear")],
-)
-async def test_cache_clear_commands_confirm_and_clear(make_app, engine, title, tier):
+async def test_cache_clear_commands_confirm_and_clear(make_app, engine):
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
         await send(pilot, "something to cache, long enough for a block or two")
-        await run_command(pilot, title)
-        assert isinstance(app.screen, ConfirmScreen)
-        await pilot.press("y")
-        await settle(pilot)
-        assert engine.cleared == [tier]
+        clears = [c for c in CACHE_COMMANDS if c.action.startswith("clear")]
+        assert len(clears) == 4
+        for command in clears:
+            await run_command(pilot, command.title)
+            assert isinstance(app.screen, ConfirmScreen)
+            await pilot.press("y")
+            await settle(pilot)
+        assert engine.cleared == ["hot", "ssd", "tails", "all"]
 
 
 async def test_cache_toggle_panels_command(make_app):

@@ -429,7 +429,9 @@ class ChatScreen(Screen):
     def _show_selection(self) -> None:
         views = self._views()
         for i, view in enumerate(views):
-            view.set_class(self.selected is not None and i == self.selected, "-selected")
+            selected = self.selected is not None and i == self.selected
+            if view.has_class("-selected") != selected:
+                view.set_class(selected, "-selected")
         if self.selected is not None and 0 <= self.selected < len(views):
             views[self.selected].scroll_visible(animate=False)
 

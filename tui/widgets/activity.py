@@ -46,4 +46,5 @@ class ActivityBar(Horizontal):
         self._show(f"loading {model}{extra}", done, total)
 
     def hide(self) -> None:
-        self.remove_class("-active")
+        if self.has_class("-active"):
+            self.remove_class("-active")

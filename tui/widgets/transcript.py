@@ -96,6 +96,7 @@ class MessageView(Vertical):
         self.info = info
         self._stream: MarkdownStream | None = None
         self._shown_text = ""
+        self._last_turn = True
         self.set_class(streaming, "-streaming")
 
     def compose(self) -> ComposeResult:
@@ -120,6 +121,7 @@ class MessageView(Vertical):
         return f"assistant · {self.info.model}" if self.info.model else "assistant"
 
     def _refresh_bars(self, *, last_turn: bool) -> None:
+        self._last_turn = last_turn
         if self.info.role in ("user", "assistant"):
             self.query_one(BranchBar).show(self.info, last_turn=last_turn)
         if self.info.role == "assistant":
@@ -137,6 +139,8 @@ class MessageView(Vertical):
 
     async def update_info(self, info: MessageInfo, *, last_turn: bool) -> None:
         """Show ``info`` (same node, or a stored reply replacing a streamed one)."""
+        if info == self.info and last_turn == self._last_turn:
+            return
         changed = info.content != self.info.content
         self.info = info
         self.query_one(".role", Static).update(self._role_line())
@@ -145,7 +149,8 @@ class MessageView(Vertical):
         self._refresh_bars(last_turn=last_turn)
 
     def set_last_turn(self, last_turn: bool) -> None:
-        self._refresh_bars(last_turn=last_turn)
+        if last_turn != self._last_turn:
+            self._refresh_bars(last_turn=last_turn)
 
     # ------------------------------------------------------------------ streaming
 
