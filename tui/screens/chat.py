@@ -752,15 +752,28 @@ class ChatScreen(Screen):
 
         self.app.push_screen(ConfirmScreen(title, body, confirm_label="Clear"), done)
 
+    @work(thread=True, group="clear")
     def clear_tier(self, tier: str) -> None:
-        """Clear ``tier`` on the engine now (no confirmation), report it, refresh the panels."""
-        engine = self.tierchat.engine
+        """Clear ``tier`` on the engine (no confirmation), then report it and refresh the
+        panels. A thread worker: ``Engine.clear`` waits for the engine thread, which may be
+        in the middle of a prefill chunk or a model load."""
         before = self._safe_stats()
-        ok, _ = self.attempt(f"Clear {tier} failed", lambda: engine.clear(tier))
-        if not ok:
-            return
+        try:
+            self.tierchat.engine.clear(tier)
+        except Exception as e:  # noqa: BLE001 - reported on the UI thread below
+            self.app.call_from_thread(self._clear_failed, tier, e)
+        else:
+            self.app.call_from_thread(self._cleared, tier, before)
+
+    def _cleared(self, tier: str, before: CacheStats | None) -> None:
         after = self.poll_stats()
         self.notify(_clear_report(tier, before, after), title="Cache cleared")
+
+    def _clear_failed(self, tier: str, error: Exception) -> None:
+        self.notify(
+            str(error) or type(error).__name__, title=f"Clear {tier} failed", severity="error"
+        )
+        self.poll_stats()
 
     def _safe_stats(self) -> CacheStats | None:
         try:
