@@ -37,6 +37,7 @@ class HotTier:
         self.nbytes = 0
         self.snapshot_count = 0
         self.snapshot_nbytes = 0
+        self.tail_nbytes = 0  # tails and checkpoints
         self.evictions = 0
         self.tail_evictions = 0
 
@@ -97,6 +98,8 @@ class HotTier:
         self.nbytes += e.nbytes
         self.snapshot_count += bool(e.snapshot_nbytes)
         self.snapshot_nbytes += e.snapshot_nbytes
+        if e.kind != KIND_BLOCK:
+            self.tail_nbytes += e.nbytes
         if pin:
             self.pinned.add(e.id)
         self.children.setdefault(e.parent, set()).add(e.id)
@@ -125,6 +128,8 @@ class HotTier:
         self.nbytes -= e.nbytes
         self.snapshot_count -= bool(e.snapshot_nbytes)
         self.snapshot_nbytes -= e.snapshot_nbytes
+        if e.kind != KIND_BLOCK:
+            self.tail_nbytes -= e.nbytes
         return e
 
     def _evict(self, e: Entry, why: str) -> None:

@@ -519,7 +519,7 @@ class PrefixCache:
         tails = TailStats(
             entries=hot.n_tails,
             max_entries=hot.max_tails,
-            nbytes=0,
+            nbytes=hot.tail_nbytes,
             stashes=self.tail_stashes,
             hits=self.tail_hits,
             misses=self.tail_misses,
