@@ -44,6 +44,17 @@ async def test_refused_prefill_is_a_notification_and_the_app_goes_on(make_app, e
         assert shown(app)[-1][0] == "assistant"
 
 
+async def test_engine_messages_are_shown_as_plain_text(make_app, engine):
+    app = make_app()
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        await settle(pilot)
+        engine.fail_next = "missing [b]config.json[/b] in [dim]/models/x[/]"  # markup-like
+        await send(pilot, "hi")
+        await settle(pilot)
+        (toast,) = app.screen.query("Toast")
+        assert "missing [b]config.json[/b] in [dim]/models/x[/]" in str(toast.render())
+
+
 async def test_failed_regenerate_keeps_the_old_reply(make_app, engine):
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:

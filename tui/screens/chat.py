@@ -16,6 +16,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.clock import Clock
 from textual.containers import Horizontal, Vertical
+from textual.notifications import SeverityLevel
 from textual.reactive import reactive
 from textual.screen import Screen
 from textual.timer import Timer
@@ -168,6 +169,19 @@ class ChatScreen(Screen):
     @property
     def tierchat(self) -> TierchatApp:
         return self.app  # type: ignore[return-value]
+
+    def notify(
+        self,
+        message: str,
+        *,
+        title: str = "",
+        severity: SeverityLevel = "information",
+        timeout: float | None = None,
+        markup: bool = False,
+    ) -> None:
+        """As ``Widget.notify``, but plain text by default: engine and store messages are
+        shown as they are (a ``[`` in them is not markup)."""
+        super().notify(message, title=title, severity=severity, timeout=timeout, markup=markup)
 
     def attempt(self, title: str, call: Callable[[], T]) -> tuple[bool, T | None]:
         """Run ``call``; any exception becomes an error notification titled ``title``.

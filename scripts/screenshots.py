@@ -1,0 +1,219 @@
+"""Regenerate the README screenshots of the TUI: SVG always, PNG where a converter exists.
+
+    python scripts/screenshots.py            # real engine, model `demo` (CPU: a few minutes)
+    python scripts/screenshots.py --fake     # the test fake engine, seconds, no MLX
+    python scripts/screenshots.py --model tiny:llama --out /tmp/shots
+
+The store and the KV cache live in a temporary directory, so every run starts cold and
+your conversations are untouched; converted models are reused from the user cache dir.
+PNGs are written with ``cairosvg`` when importable, else ``rsvg-convert`` when on PATH.
+
+States: the empty app; a three-way swipe; the panels after cache hits; the clear-confirm
+modal; the command palette; the panels of a model the cache cannot handle (always the
+fake engine with ``supported=False``: every real model family is supported); an error
+notification (a failed model load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZE = (140, 44)
+FIXED_EPOCH = 1_767_225_600.0  # 2026-01-01 00:00 UTC: stable timestamps in the list
+
+
+def make_settings(model: str, tmp: Path):
+    from tierchat.config.settings import load_settings
+
+    settings = load_settings({"model": model, "max_tokens": 48})
+    settings.data_dir = tmp / "data"
+    settings.cache_dir = tmp / "kv"
+    return settings
+
+
+def make_engine(args: argparse.Namespace, settings, *, supported: bool = True):
+    if args.fake or not supported:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from fakes import FakeEngine
+
+        name = args.model if supported else "tiny:unknown-arch"
+        return FakeEngine(name, supported=supported)
+    from tierchat.core.engine import Engine
+
+    return Engine(settings)  # the app loads settings.model itself, with progress
+
+
+async def settle(pilot, timeout_s: float) -> None:
+    """Wait for the engine, the workers and the message queues to go quiet."""
+    app = pilot.app
+    screen = app.screen_stack[0]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        await pilot.pause()
+        await app.workers.wait_for_complete()
+        if not screen.streaming and not screen.loading_model:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError("the app did not settle")
+        await asyncio.sleep(0.05)
+    await pilot.pause()
+
+
+async def send(pilot, text: str, timeout_s: float) -> None:
+    from tierchat.tui.widgets.chat_input import ChatInput
+
+    box = pilot.app.screen_stack[0].query_one(ChatInput)
+    box.focus()
+    box.insert(text)
+    await pilot.press("enter")
+    await settle(pilot, timeout_s)
+
+
+Steps = Callable[..., Awaitable[None]]
+
+
+async def empty(pilot, t):
+    pass
+
+
+async def three_way_swipe(pilot, t):
+    await send(pilot, "Explain prefix caching in two sentences.", t)
+    for _ in range(2):
+        await pilot.press("ctrl+r")
+        await settle(pilot, t)
+    await pilot.press("alt+left")
+
+
+async def panels_after_hits(pilot, t):
+    await send(pilot, "What is a KV cache? One line.", t)
+    await send(pilot, "And a prefix cache?", t)
+    await pilot.press("ctrl+r")
+
+
+async def clear_confirm(pilot, t):
+    await send(pilot, "Fill the cache a little.", t)
+    await settle(pilot, t)
+    pilot.app.clear_notifications()
+    await pilot.press("f8")
+
+
+async def command_palette(pilot, t):
+    await pilot.press("ctrl+p", *"Cache")
+    await pilot.pause(0.3)
+
+
+async def unsupported_model(pilot, t):
+    await send(pilot, "Hello", t)
+
+
+async def error_notification(pilot, t):
+    await send(pilot, "Hello", t)
+    pilot.app.clear_notifications()
+    engine = pilot.app.engine
+    if hasattr(engine, "fail_next"):  # the fake loads anything: make it fail like the real one
+        engine.fail_next = "no MLX model at /no/such/model-dir (config.json missing)"
+    pilot.app.screen_stack[0].load_model("/no/such/model-dir")
+
+
+@dataclass(frozen=True)
+class State:
+    """``name`` of the file; ``steps`` to reach it; ``supported`` False uses the fake engine
+    of an uncacheable model; ``modal`` states are shot as they are (no settle, toasts kept
+    when ``toasts``)."""
+
+    name: str
+    steps: Steps
+    supported: bool = True
+    modal: bool = False
+    toasts: bool = False
+
+
+STATES: tuple[State, ...] = (
+    State("empty", empty),
+    State("three-way-swipe", three_way_swipe),
+    State("panels-after-hits", panels_after_hits),
+    State("clear-confirm", clear_confirm, modal=True),
+    State("command-palette", command_palette, modal=True),
+    State("unsupported-model", unsupported_model, supported=False),
+    State("error-notification", error_notification, toasts=True),
+)
+
+
+async def shoot(state: State, args, out: Path) -> Path:
+    from tierchat.core.conversation import ConversationStore
+    from tierchat.tui.app import TierchatApp
+
+    with tempfile.TemporaryDirectory(prefix="tierchat-shots-") as tmp:
+        settings = make_settings(args.model, Path(tmp))
+        engine = make_engine(args, settings, supported=state.supported)
+        store = ConversationStore(Path(tmp) / "chat.sqlite", clock=lambda: FIXED_EPOCH)
+        app = TierchatApp(engine, store, settings, clock=lambda: 0.0)
+        app.animation_level = "none"
+        try:
+            async with app.run_test(size=SIZE, notifications=True) as pilot:
+                await settle(pilot, args.timeout)
+                app.clear_notifications()
+                await state.steps(pilot, args.timeout)
+                if not state.modal:
+                    await settle(pilot, args.timeout)
+                    if not state.toasts:
+                        app.clear_notifications()
+                await pilot.pause(0.2)
+                svg = app.export_screenshot(title=f"tierchat · {state.name}")
+        finally:
+            engine.close()
+            store.close()
+    path = out / f"{state.name}.svg"
+    path.write_text(svg, encoding="utf-8")
+    return path
+
+
+def to_png(svg: Path) -> Path | None:
+    png = svg.with_suffix(".png")
+    try:
+        import cairosvg
+    except ImportError:
+        cairosvg = None
+    if cairosvg is not None:
+        cairosvg.svg2png(url=str(svg), write_to=str(png), output_width=1800)
+        return png
+    if shutil.which("rsvg-convert"):
+        subprocess.run(["rsvg-convert", "-w", "1800", "-o", str(png), str(svg)], check=True)
+        return png
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fake", action="store_true", help="use the test fake engine")
+    parser.add_argument("--model", default="demo", help="model spec (default: demo)")
+    parser.add_argument("--out", type=Path, default=ROOT / "screenshots")
+    parser.add_argument("--only", nargs="*", help="state names to shoot")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per wait")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    converter = True
+    for state in STATES:
+        if args.only and state.name not in args.only:
+            continue
+        svg = asyncio.run(shoot(state, args, args.out))
+        png = to_png(svg) if converter else None
+        converter = converter and png is not None
+        print(svg, png.name if png else "")
+    if not converter:
+        print("no SVG -> PNG converter (pip install cairosvg, or apt install librsvg2-bin)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
