@@ -19,7 +19,15 @@ def entry(i: int, dtype=mx.float32, kind=KIND_BLOCK, parent=None) -> Entry:
     k = mx.random.normal((1, 2, 16, 8), key=mx.random.key(i)).astype(dtype)
     arrays = {"0.k": k, "0.v": k * 2}
     mx.eval(list(arrays.values()))
-    e = Entry(eid, parent or root_id(FP), kind, 0, tokens, "user", arrays)
+    e = Entry(
+        id=eid,
+        parent=parent or root_id(FP),
+        kind=kind,
+        start=0,
+        tokens=tokens,
+        role="user",
+        arrays=arrays,
+    )
     e.nbytes = sum(a.nbytes for a in arrays.values())
     return e
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 FORMAT_VERSION = 1
@@ -85,14 +85,11 @@ def tail_id(parent: str, tokens) -> str:
 
 
 @dataclass
-class Entry:
-    """A cached span of one prefix: tokens ``[start, start + len(tokens))``.
-
-    ``arrays`` maps ``"<leaf>.<part>"`` to evaluated MLX arrays: ``"3.k"``/``"3.v"`` K/V
-    slices ``(B, n_kv_heads, len(tokens), head_dim)`` for KV and window leaves, and
-    ``"5.s0"``... the snapshot of a state leaf at the entry's end. ``window`` says every
-    window leaf's slice is present; ``snapshot`` says every state leaf's snapshot is.
-    """
+class EntryMeta:
+    """What names and describes a cached span of one prefix: tokens
+    ``[start, start + len(tokens))`` after the entry ``parent``. ``window`` says every window
+    leaf's K/V slice is present; ``snapshot`` says every state leaf's snapshot (at the end)
+    is. The SSD tier's index holds these for its files."""
 
     id: str
     parent: str
@@ -100,25 +97,33 @@ class Entry:
     start: int
     tokens: tuple[int, ...]
     role: str
-    arrays: dict[str, Any] = field(repr=False)
     window: bool = True
     snapshot: bool = False
-    nbytes: int = 0
-    snapshot_nbytes: int = 0
 
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
+
+    def meta(self) -> dict[str, Any]:
+        """The :class:`EntryMeta` fields as keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in fields(EntryMeta)}
+
+
+@dataclass
+class Entry(EntryMeta):
+    """An entry with its data. ``arrays`` maps ``"<leaf>.<part>"`` to evaluated MLX arrays:
+    ``"3.k"``/``"3.v"`` K/V slices ``(B, n_kv_heads, len(tokens), head_dim)`` for KV and
+    window leaves, and ``"5.s0"``... the snapshot of a state leaf at the entry's end."""
+
+    arrays: dict[str, Any] = field(default_factory=dict, repr=False)
+    nbytes: int = 0
+    snapshot_nbytes: int = 0
 
     @property
     def priority(self) -> int:
         if self.kind != KIND_BLOCK:
             return ROLE_PRIORITY["tail"]
         return ROLE_PRIORITY.get(self.role, 1)
-
-    def covers(self, other: Entry) -> bool:
-        """True when this entry holds at least what ``other`` holds (same id)."""
-        return (self.window or not other.window) and (self.snapshot or not other.snapshot)
 
 
 def role_at(boundaries, position: int) -> str:

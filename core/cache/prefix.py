@@ -405,15 +405,15 @@ class PrefixCache:
         parent = self._chain.ids(tokens, j)[-1] if j else self.root
         role = role_at(boundaries, (j + 1) * bs)
         e = Entry(
-            bid,
-            parent,
-            KIND_BLOCK,
-            j * bs,
-            tuple(tokens[j * bs : (j + 1) * bs]),
-            role,
-            arrays,
-            window_ok or not self.window,
-            snap,
+            id=bid,
+            parent=parent,
+            kind=KIND_BLOCK,
+            start=j * bs,
+            tokens=tuple(tokens[j * bs : (j + 1) * bs]),
+            role=role,
+            window=window_ok or not self.window,
+            snapshot=snap,
+            arrays=arrays,
         )
         pin = self.pin_system and role == "system"
         self._put(e, pin=pin)
@@ -438,7 +438,17 @@ class PrefixCache:
             self.hot.get(tid)
             return False
         arrays, window_ok, snap = self._capture(caches, j * bs, position, True)
-        e = Entry(tid, parent, kind, j * bs, seg, role, arrays, window_ok or not self.window, snap)
+        e = Entry(
+            id=tid,
+            parent=parent,
+            kind=kind,
+            start=j * bs,
+            tokens=seg,
+            role=role,
+            window=window_ok or not self.window,
+            snapshot=snap,
+            arrays=arrays,
+        )
         self._put(e)
         if tid in self.hot:
             self.tail_stashes += 1

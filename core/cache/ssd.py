@@ -33,23 +33,17 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save as st_save
 
-from .blocks import FORMAT_VERSION, KIND_BLOCK, Entry
+from .blocks import FORMAT_VERSION, KIND_BLOCK, Entry, EntryMeta
 
 FORMAT = f"tierchat-kv/{FORMAT_VERSION}"
 
 
-@dataclass(frozen=True)
-class FileMeta:
-    id: str
-    parent: str
-    kind: str
-    start: int
-    tokens: tuple[int, ...]
-    role: str
-    window: bool
-    snapshot: bool
-    nbytes: int  # file size
-    atime: float
+@dataclass
+class FileMeta(EntryMeta):
+    """An index row: the entry's description plus its file's size and last access."""
+
+    nbytes: int = 0  # file size
+    atime: float = 0.0
 
 
 class CorruptEntry(Exception):
@@ -323,20 +317,7 @@ class SSDTier:
                 self._on_event(f"SSD write failed: {exc.strerror or exc}")
             return
         with self._lock:
-            self._add(
-                FileMeta(
-                    e.id,
-                    e.parent,
-                    e.kind,
-                    e.start,
-                    e.tokens,
-                    e.role,
-                    e.window,
-                    e.snapshot,
-                    len(data),
-                    time.time(),
-                )
-            )
+            self._add(FileMeta(**e.meta(), nbytes=len(data), atime=time.time()))
             self.saves_persisted += 1
 
     def _evict_for(self, incoming: int) -> None:
@@ -389,17 +370,7 @@ class SSDTier:
         except OSError:
             pass
         self.hits += 1
-        entry = Entry(
-            meta.id,
-            meta.parent,
-            meta.kind,
-            meta.start,
-            meta.tokens,
-            meta.role,
-            arrays,
-            meta.window,
-            meta.snapshot,
-        )
+        entry = Entry(**EntryMeta.meta(meta), arrays=arrays)
         entry.nbytes = sum(a.nbytes for a in arrays.values())
         return entry
 
