@@ -40,13 +40,14 @@ def is_mlx_model_dir(path: Path) -> bool:
 
 
 def local_model_dirs(*roots: Path | None, max_depth: int = 2) -> list[Path]:
-    """MLX model directories under ``roots`` (down to ``max_depth``), sorted, no tiny-* dirs
-    (those are the materialised ``tiny:`` models, offered by name)."""
+    """MLX model directories under ``roots`` (down to ``max_depth``), sorted, without the
+    converted built-ins (``demo``, ``demo-gemma``, ``tiny-*``: offered by name)."""
+    builtin_names = {spec for spec, _ in BUILTIN_MODELS if ":" not in spec}
     found: set[Path] = set()
 
     def walk(path: Path, depth: int) -> None:
         if is_mlx_model_dir(path):
-            if not path.name.startswith("tiny-"):
+            if not path.name.startswith("tiny-") and path.name not in builtin_names:
                 found.add(path)
             return
         if depth >= max_depth:

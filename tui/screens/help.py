@@ -26,7 +26,7 @@ class HelpScreen(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog") as dialog:
             dialog.border_title = "Keys"
-            dialog.border_subtitle = "Esc closes · remap with [keymap] in config.toml"
+            dialog.border_subtitle = "Esc closes · remap with \\[keymap] in config.toml"
             yield DataTable(cursor_type="row", zebra_stripes=True, id="help-table")
             yield Static(
                 "Every action is also in the command palette (Ctrl+P). Click ◀ ▶ under a "
