@@ -1,83 +1,16 @@
-"""Fixtures for Pilot and snapshot tests: an app factory on the fake engine.
-
-Deterministic by construction: the store's clock is fixed, the progress bars get a
-``MockClock``, ``animation_level = "none"``, the cursor does not blink in headless runs,
-the fake engine models its timings from token counts, and :func:`settle` waits for the
-engine thread, the workers and the message queues before anything is asserted.
-"""
+"""Fixtures for the Pilot and snapshot tests: an app factory on the fake engine
+(helpers in ``tui_kit.py``)."""
 
 from __future__ import annotations
 
-import asyncio
-import sys
-import threading
-import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from textual.clock import MockClock
-from textual.pilot import Pilot
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for fakes
-
-from fakes import FakeEngine
 from tierchat.config.settings import Settings
-from tierchat.core.api import CacheStats, Failed, PrefillProgress
 from tierchat.core.conversation import ConversationStore
-
-FIXED_EPOCH = 1_767_225_600.0  # 2026-01-01 00:00 UTC
-SIZE = (100, 32)  # Pilot tests; snapshots use their own explicit size
-
-
-def fixed_clock() -> float:
-    return FIXED_EPOCH
-
-
-class FlakyEngine(FakeEngine):
-    """A fake engine whose ``clear`` and ``stats`` can be told to misbehave."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.clear_error: Exception | None = None
-        self.ssd_errors = 0
-        self.memory_level = "ok"
-        self.cleared: list[str] = []
-        self.fail_kind = ""  # the kind of the Failed that ``fail_next`` emits
-        self.prefill_gate = threading.Event()
-        self.prefill_gate.set()
-
-    def clear(self, tier: str) -> None:
-        if self.clear_error is not None:
-            raise self.clear_error
-        self.cleared.append(tier)
-        super().clear(tier)
-
-    def stats(self) -> CacheStats:
-        stats = super().stats()
-        if self.ssd_errors:
-            reason = "disk full (ENOSPC); cap shrunk"
-            ssd = replace(stats.ssd, errors=self.ssd_errors, reason=reason)
-            stats = replace(stats, ssd=ssd)
-        if self.memory_level != "ok":
-            stats = replace(stats, memory=replace(stats.memory, level=self.memory_level))
-        return stats
-
-    def submit(self, request, on_event=None):
-        """As FakeEngine, but a prefill holds on ``prefill_gate`` after its first progress
-        event while the gate is clear (to look at the progress bar)."""
-        if on_event is None:
-            return super().submit(request, on_event)
-
-        def held(event):
-            if isinstance(event, Failed) and self.fail_kind:
-                event = Failed(event.message, self.fail_kind)
-            on_event(event)
-            if isinstance(event, PrefillProgress) and event.done < event.total:
-                self.prefill_gate.wait()
-
-        return super().submit(request, held)
+from tui_kit import FlakyEngine, fixed_clock
 
 
 @pytest.fixture
@@ -124,42 +57,3 @@ def make_app(engine, store, settings) -> Callable:
         return app
 
     return factory
-
-
-def chat_screen(app):
-    """The main chat screen (the bottom of the stack, under any modal)."""
-    from tierchat.tui.screens.chat import ChatScreen
-
-    screen = app.screen_stack[0]
-    assert isinstance(screen, ChatScreen)
-    return screen
-
-
-async def settle(pilot: Pilot, timeout: float = 10.0) -> None:
-    """Wait until no reply streams, no model loads and every worker and queue is idle."""
-    app = pilot.app
-    deadline = time.monotonic() + timeout
-    while True:
-        await pilot.pause()
-        await app.workers.wait_for_complete()
-        screen = chat_screen(app)
-        if not screen.streaming and not screen.loading_model:
-            break
-        if time.monotonic() > deadline:
-            raise AssertionError("the app did not settle")
-        await asyncio.sleep(0.01)
-    await pilot.pause()
-    await app.workers.wait_for_complete()
-    await pilot.pause()
-
-
-async def send(pilot: Pilot, text: str) -> None:
-    """Type ``text`` into the chat input, press Enter, and wait for the reply."""
-    from tierchat.tui.widgets.chat_input import ChatInput
-
-    await settle(pilot)
-    box = chat_screen(pilot.app).query_one(ChatInput)
-    box.focus()
-    box.insert(text)
-    await pilot.press("enter")
-    await settle(pilot)

@@ -8,12 +8,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import SIZE, FlakyEngine, chat_screen, fixed_clock, send, settle
 from tierchat.core.conversation import ConversationStore
 from tierchat.tui.widgets.activity import ActivityBar
 from tierchat.tui.widgets.cache_panels import CachePanels
 from tierchat.tui.widgets.chat_input import ChatInput
 from tierchat.tui.widgets.transcript import Transcript
+from tui_kit import SIZE, FlakyEngine, chat_screen, fixed_clock, send, settle
 
 pytestmark = pytest.mark.anyio
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import SIZE, chat_screen, send, settle
 from tierchat.tui.app import BINDING_OWNERS, binding_ids
 from tierchat.tui.screens.confirm import ConfirmScreen
 from tierchat.tui.screens.help import HelpScreen
@@ -15,6 +14,7 @@ from tierchat.tui.widgets.cache_panels import CachePanels
 from tierchat.tui.widgets.chat_input import ChatInput
 from tierchat.tui.widgets.conversation_list import ConversationList
 from tierchat.tui.widgets.transcript import MessageView, Transcript
+from tui_kit import SIZE, chat_screen, send, settle
 
 pytestmark = pytest.mark.anyio
 

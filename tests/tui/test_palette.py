@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from conftest import SIZE, chat_screen, send, settle
 from tierchat.tui.commands import BRANCH_COMMANDS, CACHE_COMMANDS, CONVERSATION_COMMANDS
 from tierchat.tui.screens.confirm import ConfirmScreen
 from tierchat.tui.screens.help import HelpScreen
@@ -12,6 +11,7 @@ from tierchat.tui.screens.prompt import EditMessageScreen, PromptScreen
 from tierchat.tui.widgets.cache_panels import CachePanels
 from tierchat.tui.widgets.conversation_list import ConversationList
 from tierchat.tui.widgets.transcript import Transcript
+from tui_kit import SIZE, chat_screen, send, settle
 
 pytestmark = pytest.mark.anyio
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import chat_screen, fixed_clock, send, settle
 from textual.clock import MockClock
 from tierchat.config.settings import Settings
 from tierchat.core.conversation import ConversationStore
+from tui_kit import chat_screen, fixed_clock, send, settle
 
 engine_module = pytest.importorskip("tierchat.core.engine")
 

@@ -7,7 +7,7 @@ Regenerate the baselines with ``pytest tests/tui --snapshot-update`` and look at
 from __future__ import annotations
 
 import pytest
-from conftest import FlakyEngine, chat_screen, send, settle
+from tui_kit import FlakyEngine, chat_screen, send, settle
 
 SNAP_SIZE = (140, 44)
 
