@@ -220,15 +220,15 @@ class Engine:
         def progress(done: int, total: int, message: str = "") -> None:
             handle.emit(ModelLoading(spec, done, total, message))
 
-        if self.cache is not None:
-            self.cache.close()
-        self.cache, self.loaded, self.supported = None, None, None
         s = self.settings
         try:
             loaded = load_model(spec, models_dir=Path(s.models_dir), progress=progress)
-        except Exception as exc:
+        except Exception as exc:  # the current model and its cache stay as they were
             handle.emit(Failed(str(exc), kind="load"))
             return
+        if self.cache is not None:
+            self.cache.close()
+        self.cache, self.supported = None, None
         self.loaded, self.model_name = loaded, spec
         warning = None
         self._kv_profile = memory_mod.kv_profile(loaded.model, lambda m: self._make_cache())

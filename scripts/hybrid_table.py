@@ -8,7 +8,7 @@ at the end of every system/user segment, decode, ``insert_cache`` of prompt + re
 has no disk tier, so at ``restart`` and ``clear hot`` its cache starts empty.
 
     python scripts/hybrid_table.py [--models tiny:llama,tiny:mamba2] [--block-size 16]
-                                   [--json-out FILE]
+                                   [--repeat N] [--json-out FILE]
 
 Prints one table per model (prefilled tokens and TTFT / cold TTFT per operation).
 """
@@ -62,7 +62,7 @@ SCRIPT = [
 ]
 
 
-def run_ours(model: str, tmp: Path, block_size: int, max_tokens: int):
+def run_ours(model: str, tmp: Path, block_size: int, max_tokens: int, repeat: int = 1):
     settings = Settings(
         block_size=block_size,
         cache_dir=tmp / "kv",
@@ -84,6 +84,7 @@ def run_ours(model: str, tmp: Path, block_size: int, max_tokens: int):
     session.new_conversation(SYSTEM)
     rows = []
     for op in SCRIPT:
+        op = tuple(x * repeat if isinstance(x, str) and x in USERS else x for x in op)
         name = op[0]
         if name.startswith("restart"):
             engine.close()
@@ -179,12 +180,15 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=",".join(f"tiny:{a}" for a in TINY_ARCHS))
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=1, help="repeat each user message N times")
     ap.add_argument("--json-out")
     args = ap.parse_args(argv)
     report = {}
     for model in args.models.split(","):
         with tempfile.TemporaryDirectory() as d:
-            rows, model_dir = run_ours(model, Path(d), args.block_size, args.max_tokens)
+            rows, model_dir = run_ours(
+                model, Path(d), args.block_size, args.max_tokens, args.repeat
+            )
             run_mlx_lm(rows, model_dir)
         print(f"\n{model} (block {args.block_size})")
         print(

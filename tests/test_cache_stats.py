@@ -137,3 +137,18 @@ def test_unsupported_model_reports_and_runs_cold(engine, monkeypatch):
     assert r.metrics.cached_tokens == 0
     r2, _ = generate(e, random_prompt(40), max_tokens=2)
     assert r2.metrics.cached_tokens == 0
+
+
+def test_failed_model_load_keeps_the_current_model_and_cache(engine):
+    from tierchat.core.api import Failed
+
+    e = engine()
+    generate(e, random_prompt(40), max_tokens=2)
+    before = e.stats()
+    res = e.load_model("no-such-model-anywhere").wait(60)
+    assert isinstance(res, Failed) and res.kind == "load"
+    after = e.stats()
+    assert after.model == before.model and after.enabled and after.supported is True
+    assert after.hot.entries == before.hot.entries
+    r, _ = generate(e, random_prompt(40), max_tokens=2)
+    assert r.metrics.cached_tokens == 39
