@@ -1,0 +1,85 @@
+"""The engine thread on a real tiny model: progress, cancel, errors, chunking."""
+
+from __future__ import annotations
+
+import pytest
+from engine_kit import assert_same, generate, make_engine, random_prompt
+from tierchat.core.api import Failed, Finished, GenerateRequest, PrefillProgress, TokenBatch
+from tierchat.core.engine import chunk_ends
+
+
+@pytest.fixture
+def engine(tmp_path, models_dir):
+    e = make_engine("tiny:llama", tmp_path, models_dir)
+    yield e
+    e.close()
+
+
+@pytest.fixture
+def cold(tmp_path, models_dir):
+    e = make_engine("tiny:llama", tmp_path / "cold", models_dir, no_cache=True)
+    yield e
+    e.close()
+
+
+def test_chunk_ends_sit_on_block_multiples():
+    assert chunk_ends(0, 50, 16) == [16, 32, 48, 50]
+    assert chunk_ends(20, 50, 16) == [32, 48, 50]
+    assert chunk_ends(20, 50, 16, {40, 60, 10}) == [32, 40, 48, 50]
+    assert chunk_ends(50, 50, 16) == []
+
+
+def test_prefill_progress_counts_up_to_the_tokens_prefilled(engine):
+    handle = engine.submit(GenerateRequest(prompt_ids=random_prompt(100), max_tokens=3))
+    events = list(handle.events())
+    progress = [e for e in events if isinstance(e, PrefillProgress)]
+    assert [p.done for p in progress] == [16, 32, 48, 64, 80, 96, 99]
+    assert all(p.total == 99 for p in progress)
+    assert isinstance(events[-1], Finished)
+    assert sum(len(e.token_ids) for e in events if isinstance(e, TokenBatch)) <= 3
+
+
+def test_cancel_during_decode_stops_within_one_token(engine, cold):
+    prompt = random_prompt(60, seed=2)
+    seen = []
+
+    def on_event(event):
+        if isinstance(event, TokenBatch) and event.token_ids:
+            seen.append(event)
+            if len(seen) == 2:
+                handle.cancel()
+
+    handle = engine.submit(GenerateRequest(prompt_ids=prompt, max_tokens=50), on_event)
+    res = handle.wait(60)
+    assert isinstance(res, Finished) and res.metrics.finish_reason == "cancelled"
+    assert len(res.token_ids) == 2
+    # the stored prompt + partial reply is consistent: continuing from it equals cold
+    cont = prompt + res.token_ids + random_prompt(10, seed=3)
+    a, ha = generate(cold, cont)
+    b, hb = generate(engine, cont)
+    assert_same(a, ha, b, hb)
+    assert b.metrics.cached_tokens == len(prompt) + 2
+
+
+def test_cancel_during_prefill_keeps_finished_blocks(engine, cold):
+    prompt = random_prompt(200, seed=4)
+
+    def on_event(event):
+        if isinstance(event, PrefillProgress) and event.done >= 48:
+            handle.cancel()
+
+    handle = engine.submit(GenerateRequest(prompt_ids=prompt, max_tokens=4), on_event)
+    res = handle.wait(60)
+    assert isinstance(res, Failed) and res.kind == "cancelled"
+    assert engine.stats().hot.entries == 3  # the blocks prefilled before the cancel
+    a, ha = generate(cold, prompt)
+    b, hb = generate(engine, prompt)
+    assert_same(a, ha, b, hb)
+    assert b.metrics.cached_by["hot"] == 48
+
+
+def test_empty_prompt_and_unknown_tier_are_errors(engine):
+    res = engine.submit(GenerateRequest(prompt_ids=())).wait(30)
+    assert isinstance(res, Failed) and "empty prompt" in res.message
+    with pytest.raises(ValueError, match="unknown tier"):
+        engine.clear("warm")
