@@ -113,7 +113,7 @@ class TierPanel(Panel):
         off = not (stats.enabled and t.enabled) or stats.supported is False
         self.set_off((t.reason or stats.reason or "caching off") if off else None)
         self.set_gauge(self.query_one(ProgressBar), t.nbytes, t.max_bytes)
-        noun = "blocks" if self.tier == "hot" else "files"
+        noun = "entries" if self.tier == "hot" else "files"
         size = self.query_one(f"#{self.tier}-size", Static)
         size.update(
             f"{fmt_bytes(t.nbytes)} / {fmt_bytes(t.max_bytes)} · {fmt_count(t.entries)} {noun}"
