@@ -15,6 +15,7 @@ cold runs give the same tokens.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import queue
 import threading
 import time
@@ -243,16 +244,13 @@ class Engine:
         self.supported, self.reason = True, ""
         self.layer_kinds = tuple(f"{lf.name}:{lf.kind}" for lf in leaves)
         # probe: two tokens through a throwaway cache give every cached array's shape
-        self.loaded.model(mx.array([[0, 0]]), cache=caches)
+        loaded.model(mx.array([[0, 0]]), cache=caches)
         mx.eval([c.state for c in caches])
         spec_shapes = probe_specs(leaves, caches)
         if not s.no_cache:
-            fp = f"{loaded.fingerprint}/kv{s.kv_bits}g{s.kv_group_size}"
-            import hashlib
-
-            fp = hashlib.sha256(fp.encode()).hexdigest()
+            kv = f"{loaded.fingerprint}/kv{s.kv_bits}g{s.kv_group_size}"
             self.cache = PrefixCache(
-                fingerprint=fp,
+                fingerprint=hashlib.sha256(kv.encode()).hexdigest(),
                 leaves=leaves,
                 spec=spec_shapes,
                 block_size=s.block_size,
