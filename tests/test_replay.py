@@ -307,3 +307,28 @@ def test_refused_prefill_is_an_error_line(tmp_path, models_dir, capsys):
     assert lines[0]["error"].startswith("refused: ") and "memory limit" in lines[0]["error"]
     assert lines[-1]["summary"]["errors"] == 1 and lines[-1]["summary"]["ops"] == 2
     assert f"error: {script}:1: user: refused: " in err
+
+
+def test_refusal_leaves_store_and_ssd_intact(tmp_path, models_dir, capsys):
+    """A refused prefill in one run; the store and SSD tier serve the next run."""
+    data = ["--data-dir", str(tmp_path / "data")]
+    warm = [{"op": "new", "system": "Be brief."}, {"op": "user", "text": "tides " * 20}]
+    script = write_script(tmp_path / "warm.jsonl", warm)
+    code, lines, _ = replay(capsys, [str(script), *flags(tmp_path, models_dir), *data])
+    assert code == 0
+    files = sorted((tmp_path / "kv").rglob("*.safetensors"))
+    store = (tmp_path / "data" / "conversations.sqlite").read_bytes()
+    assert files
+
+    refused = [{"op": "new"}, {"op": "user", "text": "x" * 3000, "max_tokens": 2}]
+    script = write_script(tmp_path / "big.jsonl", refused)
+    argv = [str(script), *flags(tmp_path, models_dir), *data, "--memory-limit", "1MB"]
+    code, lines, _ = replay(capsys, argv)
+    assert code == 1 and lines[0]["error"].startswith("refused: ")
+    assert sorted((tmp_path / "kv").rglob("*.safetensors")) == files  # nothing lost
+
+    code, lines, _ = replay(
+        capsys, [str(tmp_path / "warm.jsonl"), *flags(tmp_path, models_dir), *data]
+    )
+    assert code == 0 and lines[0]["cached_by"]["ssd"] > 0
+    assert len((tmp_path / "data" / "conversations.sqlite").read_bytes()) >= len(store)
