@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
-from .common import EXIT_OK, CLIError, start_engine
+from .common import EXIT_OK, new_session, open_store, start_engine
 
 HELP = __doc__.split("::", 1)[1].split("\n\nCtrl-C", 1)[0].strip("\n")
 
@@ -168,31 +168,12 @@ def run_chat(
     err: TextIO | None = None,
 ) -> int:
     """``tierchat chat``. Returns the exit code."""
-    from tierchat.core.conversation import ConversationStore, StoreError
-    from tierchat.core.session import ChatSession
-
     inp, out, err = inp or sys.stdin, out or sys.stdout, err or sys.stderr
-    try:
-        store = ConversationStore(settings.db_path)
-    except StoreError as e:
-        raise CLIError(str(e)) from None
-    except OSError as e:
-        raise CLIError(
-            f"cannot open the conversation store {settings.db_path}: {e.strerror or e} "
-            "(use --data-dir)"
-        ) from None
+    store = open_store(settings.db_path)
     try:
         engine = start_engine(settings)
         try:
-            session = ChatSession(
-                engine,
-                store,
-                max_tokens=settings.max_tokens,
-                temperature=settings.temperature,
-                top_p=settings.top_p,
-                seed=settings.seed,
-                use_cache=not settings.no_cache,
-            )
+            session = new_session(engine, store, settings)
             session.new_conversation(system=system)
             if inp.isatty():
                 print(

@@ -34,6 +34,35 @@ def warn(message: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def open_store(path):
+    """The conversation store at ``path``; a bad or unwritable file is a :class:`CLIError`."""
+    from tierchat.core.conversation import ConversationStore, StoreError
+
+    try:
+        return ConversationStore(path)
+    except StoreError as e:
+        raise CLIError(str(e)) from None
+    except OSError as e:
+        raise CLIError(
+            f"cannot open the conversation store {path}: {e.strerror or e} (use --data-dir)"
+        ) from None
+
+
+def new_session(engine: Any, store: Any, settings: Any):
+    """A :class:`~tierchat.core.session.ChatSession` with the settings' generation options."""
+    from tierchat.core.session import ChatSession
+
+    return ChatSession(
+        engine,
+        store,
+        max_tokens=settings.max_tokens,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        seed=settings.seed,
+        use_cache=not settings.no_cache,
+    )
+
+
 def _load_progress(spec: str):
     """A ``ModelLoading`` callback drawing one updating line on stderr when it is a tty."""
     from tierchat.core.api import ModelLoading

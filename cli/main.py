@@ -19,7 +19,16 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from .common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, CLIError, error, table
+from .common import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    CLIError,
+    error,
+    open_store,
+    table,
+)
 
 # flag dest -> help; every one is a key of config.settings.Settings
 SETTING_FLAGS: dict[str, tuple[str, str]] = {
@@ -181,10 +190,9 @@ def run_tui(settings: Any) -> int:
         from tierchat.tui.app import run_app
     except ImportError as e:
         raise CLIError(f"the TUI is not available ({e}); try `tierchat chat`") from None
-    from tierchat.core.conversation import ConversationStore
     from tierchat.core.engine import Engine
 
-    store = _open_store(settings, ConversationStore)
+    store = open_store(settings.db_path)
     engine = Engine(settings)
     try:
         run_app(engine, store, settings)
@@ -192,20 +200,6 @@ def run_tui(settings: Any) -> int:
         engine.close()
         store.close()
     return EXIT_OK
-
-
-def _open_store(settings: Any, cls):
-    from tierchat.core.conversation import StoreError
-
-    try:
-        return cls(settings.db_path)
-    except StoreError as e:
-        raise CLIError(str(e)) from None
-    except OSError as e:
-        raise CLIError(
-            f"cannot open the conversation store {settings.db_path}: {e.strerror or e} "
-            "(use --data-dir)"
-        ) from None
 
 
 def run_models(settings: Any) -> int:

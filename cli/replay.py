@@ -43,7 +43,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CLIError, plain, start_engine
+from .common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    CLIError,
+    new_session,
+    open_store,
+    plain,
+    start_engine,
+)
 
 RESULT_FIELDS: tuple[str, ...] = (
     "op_index",
@@ -220,7 +229,6 @@ class Replay:
     def __init__(
         self, settings: Any, store: Any, name: str, out: TextIO, err: TextIO | None = None
     ) -> None:
-        from tierchat.core.session import ChatSession
 
         self.settings = settings
         self.store = store
@@ -228,15 +236,7 @@ class Replay:
         self.out = out
         self.err = err or sys.stderr
         self.engine = start_engine(settings)
-        self.session = ChatSession(
-            self.engine,
-            store,
-            max_tokens=settings.max_tokens,
-            temperature=settings.temperature,
-            top_p=settings.top_p,
-            seed=settings.seed,
-            use_cache=not settings.no_cache,
-        )
+        self.session = new_session(self.engine, store, settings)
         self.results: list[dict[str, Any]] = []
         self.errors = 0
         self.restarts = 0
@@ -279,7 +279,6 @@ class Replay:
             self.generate(op)
 
     def restart(self) -> None:
-        from tierchat.core.session import ChatSession
 
         old = self.session
         self.engine.close()
@@ -288,15 +287,7 @@ class Replay:
         old.engine = self.engine = self.session = None
         gc.collect()
         self.engine = start_engine(self.settings, quiet=True)
-        self.session = ChatSession(
-            self.engine,
-            self.store,
-            max_tokens=old.max_tokens,
-            temperature=old.temperature,
-            top_p=old.top_p,
-            seed=old.seed,
-            use_cache=old.use_cache,
-        )
+        self.session = new_session(self.engine, self.store, self.settings)
         self.session.conversation_id = old.conversation_id
         self.restarts += 1
 
@@ -360,18 +351,12 @@ class Replay:
 
 def run_replay(settings: Any, script: str, *, data_dir_given: bool = False) -> int:
     """``tierchat replay``: parse the whole script, then run it. Returns the exit code."""
-    from tierchat.core.conversation import ConversationStore, StoreError
 
     ops = read_script(script)
     name = "<stdin>" if script == "-" else script
     with tempfile.TemporaryDirectory(prefix="tierchat-replay-") as tmp:
         db = settings.db_path if data_dir_given else Path(tmp) / "replay.sqlite"
-        try:
-            store = ConversationStore(db)
-        except StoreError as e:
-            raise CLIError(str(e)) from None
-        except OSError as e:
-            raise CLIError(f"cannot open the conversation store {db}: {e.strerror or e}") from None
+        store = open_store(db)
         try:
             replay = Replay(settings, store, name, sys.stdout)
             try:
