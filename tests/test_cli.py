@@ -16,23 +16,7 @@ from pathlib import Path
 import pytest
 from tierchat.cli.main import main
 
-
-@pytest.fixture(autouse=True)
-def isolated_settings(monkeypatch, tmp_path):
-    """No user config file or TIERCHAT_* env var leaks in; quiet transformers (see
-    tests/test_replay.py for why)."""
-    for key in list(os.environ):
-        if key.startswith("TIERCHAT_") and key != "TIERCHAT_MODELS_DIR":
-            monkeypatch.delenv(key)
-    config = tmp_path / "config.toml"
-    config.write_text("")
-    monkeypatch.setenv("TIERCHAT_CONFIG", str(config))
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    yield
-    hf_logging.set_verbosity(verbosity)
+pytestmark = pytest.mark.usefixtures("isolated_settings")
 
 
 @pytest.fixture

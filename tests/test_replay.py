@@ -33,26 +33,7 @@ FULL_SCRIPT = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def isolated_settings(monkeypatch, tmp_path):
-    """No user config file or TIERCHAT_* env var leaks into a test."""
-    import os
-
-    for key in list(os.environ):
-        if key.startswith("TIERCHAT_") and key != "TIERCHAT_MODELS_DIR":
-            monkeypatch.delenv(key)
-    config = tmp_path / "config.toml"
-    config.write_text("")
-    monkeypatch.setenv("TIERCHAT_CONFIG", str(config))
-    # transformers' logger keeps the stderr of the test that first imported it; once
-    # capsys closed that stream, its warnings (tiny:baichuan_m1's model type) print a
-    # "--- Logging error ---" traceback instead. Nothing of tierchat's.
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    yield
-    hf_logging.set_verbosity(verbosity)
+pytestmark = pytest.mark.usefixtures("isolated_settings")
 
 
 def write_script(path: Path, ops: list, blank_after: int | None = None) -> Path:
