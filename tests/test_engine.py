@@ -83,3 +83,18 @@ def test_empty_prompt_and_unknown_tier_are_errors(engine):
     assert isinstance(res, Failed) and "empty prompt" in res.message
     with pytest.raises(ValueError, match="unknown tier"):
         engine.clear("warm")
+
+
+def test_core_never_imports_textual():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import tierchat.core.engine, tierchat.core.session, tierchat.core.models\n"
+        "import tierchat.core.cache.prefix, tierchat.core.memory, tierchat.config.settings\n"
+        "assert 'textual' not in sys.modules, 'textual was imported'\n"
+        "assert 'mlx.core' in sys.modules\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
