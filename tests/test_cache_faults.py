@@ -150,3 +150,18 @@ def test_slow_writer_bounded_queue_counts_drops(engines):
     s = e.stats().ssd
     assert s.saves_persisted + s.write_drops >= s.saves_queued
     assert s.saves_persisted == s.saves_queued
+
+
+def test_clearing_ssd_then_chatting_persists_again(engines, cold):
+    """Write-through is repaired: hot entries used after an SSD clear are written again."""
+    e = engines()
+    generate(e, PROMPT)
+    e.clear("ssd")
+    assert e.stats().ssd.entries == 0
+    cont = PROMPT + random_prompt(20, seed=9)
+    generate(e, cont)
+    e.close()
+    again = engines()
+    hot, handle = generate(again, PROMPT)
+    assert_same(*cold, hot, handle)
+    assert hot.metrics.cached_tokens == 99 and hot.metrics.cached_by["ssd"] >= 96

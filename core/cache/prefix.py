@@ -226,6 +226,7 @@ class PrefixCache:
     def _fetch(self, entry_id: str) -> tuple[Entry, str] | None:
         e = self.hot.get(entry_id)
         if e is not None:
+            self._persist(e)
             return e, "hot"
         if self.ssd is None:
             return None
@@ -378,6 +379,12 @@ class PrefixCache:
                 )
         return arrays, window_ok, snapshot and bool(self.state)
 
+    def _persist(self, e: Entry) -> None:
+        """Write-through repair: queue a hot entry the SSD tier does not hold (after an
+        SSD clear, a dropped write or a full disk), so a restart still finds it."""
+        if self.ssd is not None:
+            self.ssd.put(e)
+
     def _put(self, e: Entry, pin: bool = False) -> None:
         mx.eval(list(e.arrays.values()))
         e.nbytes = sum(a.nbytes for a in e.arrays.values())
@@ -400,6 +407,9 @@ class PrefixCache:
         have = self._flags(bid)
         want_snapshot = at_end and bool(self.state)
         if have is not None and (have[1] or not self.window) and (have[2] or not want_snapshot):
+            held = self.hot.peek(bid)
+            if held is not None:
+                self._persist(held)
             return False
         arrays, window_ok, snap = self._capture(caches, j * bs, (j + 1) * bs, want_snapshot)
         parent = self._chain.ids(tokens, j)[-1] if j else self.root
@@ -434,8 +444,9 @@ class PrefixCache:
         parent = self._chain.ids(tokens, j)[-1] if j else self.root
         seg = tuple(tokens[j * bs : position])
         tid = tail_id(parent, seg)
-        if tid in self.hot:
-            self.hot.get(tid)
+        held = self.hot.get(tid)
+        if held is not None:
+            self._persist(held)
             return False
         arrays, window_ok, snap = self._capture(caches, j * bs, position, True)
         e = Entry(

@@ -105,7 +105,7 @@ class SSDTier:
         self._lock = threading.Lock()
         self._index: dict[str, FileMeta] = {}
         self.children: dict[str, set[str]] = {}  # parent id -> ids of entries after it
-        self._pending: dict[str, Entry] = {}
+        self._pending: set[str] = set()  # ids queued and not yet written
         self.nbytes = 0
         self.hits = self.misses = self.evictions = 0
         self.saves_queued = self.saves_persisted = self.write_drops = 0
@@ -235,7 +235,7 @@ class SSDTier:
             return False
         with self._lock:
             old = self._index.get(e.id)
-            if (
+            if e.id in self._pending or (
                 old is not None
                 and (old.window or not e.window)
                 and (old.snapshot or not e.snapshot)
@@ -256,6 +256,8 @@ class SSDTier:
         except queue.Full:
             self.write_drops += 1
             return False
+        with self._lock:
+            self._pending.add(e.id)
         self.saves_queued += 1
         return True
 
@@ -272,6 +274,9 @@ class SSDTier:
                 self.errors += 1
                 self._on_event(f"SSD write failed: {exc}")
             finally:
+                if item is not None:
+                    with self._lock:
+                        self._pending.discard(item[0].id)
                 self._queue.task_done()
 
     def _write(self, e: Entry, bf16: list[str]) -> None:
