@@ -251,13 +251,15 @@ class SSDTier:
         if bf16:
             mx.eval(list(arrays.values()))
         item = (replace(e, arrays=arrays), bf16)
+        with self._lock:  # before queueing: the writer may finish it at once
+            self._pending.add(e.id)
         try:
             self._queue.put_nowait(item)
         except queue.Full:
+            with self._lock:
+                self._pending.discard(e.id)
             self.write_drops += 1
             return False
-        with self._lock:
-            self._pending.add(e.id)
         self.saves_queued += 1
         return True
 
