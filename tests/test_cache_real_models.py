@@ -9,7 +9,6 @@ then append, regenerate, restart then continue from SSD.
 from __future__ import annotations
 
 import pytest
-
 from engine_kit import Lockstep
 
 pytestmark = pytest.mark.slow
