@@ -41,13 +41,8 @@ def _token_bytes(tokens) -> bytes:
 
 
 def chain_ids(root: str, tokens, block_size: int, n_blocks: int) -> list[str]:
-    """Ids of the first ``n_blocks`` full blocks of ``tokens``."""
-    ids, parent = [], root
-    for j in range(n_blocks):
-        block = tokens[j * block_size : (j + 1) * block_size]
-        parent = hashlib.sha256(bytes.fromhex(parent) + _token_bytes(block)).hexdigest()
-        ids.append(parent)
-    return ids
+    """Ids of the first ``n_blocks`` full blocks of ``tokens`` (one-off; see ChainHasher)."""
+    return ChainHasher(root, block_size).ids(tokens, n_blocks)
 
 
 class ChainHasher:

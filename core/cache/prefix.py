@@ -310,12 +310,7 @@ class PrefixCache:
             c = live[leaf.name]
             if leaf.kind == L.KIND_STATE:
                 src = t_entry if t_entry is not None else loaded[-1][1]
-                prefix = f"{leaf.name}."
-                L.restore_state(
-                    leaf,
-                    c,
-                    {k[len(prefix) :]: a for k, a in src.arrays.items() if k.startswith(prefix)},
-                )
+                L.restore_state(leaf, c, self._leaf_arrays(src, leaf.name))
                 continue
             blocks = loaded
             if leaf.kind == L.KIND_WINDOW:
