@@ -205,10 +205,12 @@ def init_random_weights(model: nn.Module, dtype: mx.Dtype, seed: int) -> None:
 
 def build_model(config: dict[str, Any], dtype: mx.Dtype, seed: int = DEFAULT_SEED) -> nn.Module:
     """The mlx-lm model of ``config`` with random weights in ``dtype``
-    (:func:`init_random_weights`); tied embeddings are tied as the loader ties them."""
+    (:func:`init_random_weights`); tied embeddings are tied as the loader ties them.
+    Reseeds MLX's global generator with ``seed`` (as :mod:`.tiny` does)."""
     from mlx_lm.utils import _get_classes
 
     model_cls, args_cls = _get_classes(config)
+    mx.random.seed(seed)  # vectors keep the constructor's init (A_log draws): seed it too
     model = model_cls(args_cls.from_dict(config))
     # gemma3_text ties in sanitize() when a checkpoint has no lm_head; do the same
     if config.get("tie_word_embeddings") and getattr(model, "tie_word_embeddings", None) is False:
