@@ -211,7 +211,6 @@ def test_load_and_generate_two_tokens(name, tok_dir, models_dir, small_shapes):
 @needs_demo
 def test_fingerprint_covers_name_seed_and_dtype(tok_dir, models_dir, small_shapes):
     a = load_model("shape:qwen2.5-0.5b", models_dir=models_dir)
-    assert a.fingerprint == load_model("shape:qwen2.5-0.5b:0", models_dir=models_dir).fingerprint
     assert a.fingerprint != load_model("shape:qwen2.5-0.5b:1", models_dir=models_dir).fingerprint
     config = a.config
     other_dtype = shapes.fingerprint("qwen2.5-0.5b", 0, config, tok_dir, "bfloat16")
