@@ -27,7 +27,7 @@ HELP = __doc__.split("::", 1)[1].split("\n\nCtrl-C", 1)[0].strip("\n")
 
 def metrics_line(m: Any) -> str:
     """One line of turn metrics: ``[cached 768/812 (hot 512, tail 256) · prefilled 44 · ...]``."""
-    parts = [f"{k} {v}" for k, v in m.cached_by.items() if v]
+    parts = [f"{k} {v}" for k, v in {**m.cached_by, **m.cached_kind}.items() if v]
     by = f" ({', '.join(parts)})" if parts else ""
     text = (
         f"[cached {m.cached_tokens}/{m.prompt_tokens}{by} · prefilled {m.prefill_tokens}"

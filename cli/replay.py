@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from ..core.api import CACHE_KINDS, CACHE_SOURCES
 from .common import (
     EXIT_FAILED,
     EXIT_OK,
@@ -60,6 +61,7 @@ RESULT_FIELDS: tuple[str, ...] = (
     "prompt_tokens",
     "cached_tokens",
     "cached_by",
+    "cached_kind",
     "prefill_tokens",
     "ttft_s",
     "prefill_tps",
@@ -205,13 +207,15 @@ def token_ids_sha256(ids: Sequence[int]) -> str:
 def result_line(op: Op, event: Any) -> dict[str, Any]:
     """The output object of a finished generating op (exactly :data:`RESULT_FIELDS`)."""
     m = event.metrics
-    cached_by = {k: int(m.cached_by.get(k, 0)) for k in ("hot", "ssd", "tail", "checkpoint")}
+    cached_by = {k: int(m.cached_by.get(k, 0)) for k in CACHE_SOURCES}
+    cached_kind = {k: int(m.cached_kind.get(k, 0)) for k in CACHE_KINDS}
     return {
         "op_index": op.index,
         "op": op.op,
         "prompt_tokens": m.prompt_tokens,
         "cached_tokens": m.cached_tokens,
         "cached_by": cached_by,
+        "cached_kind": cached_kind,
         "prefill_tokens": m.prefill_tokens,
         "ttft_s": round(m.ttft_s, 6),
         "prefill_tps": round(m.prefill_tps, 2),
@@ -327,9 +331,8 @@ class Replay:
     def summary(self, n_ops: int) -> dict[str, Any]:
         r = self.results
         ttfts = [x["ttft_s"] for x in r]
-        cached_by = {
-            k: sum(x["cached_by"][k] for x in r) for k in ("hot", "ssd", "tail", "checkpoint")
-        }
+        cached_by = {k: sum(x["cached_by"][k] for x in r) for k in CACHE_SOURCES}
+        cached_kind = {k: sum(x["cached_kind"][k] for x in r) for k in CACHE_KINDS}
         stats = plain(self.engine.stats())
         stats.pop("events", None)
         return {
@@ -341,6 +344,7 @@ class Replay:
             "prompt_tokens": sum(x["prompt_tokens"] for x in r),
             "cached_tokens": sum(x["cached_tokens"] for x in r),
             "cached_by": cached_by,
+            "cached_kind": cached_kind,
             "prefill_tokens": sum(x["prefill_tokens"] for x in r),
             "generation_tokens": sum(x["generation_tokens"] for x in r),
             "ttft_s_mean": round(statistics.fmean(ttfts), 6) if ttfts else 0.0,

@@ -16,7 +16,12 @@ from typing import Literal, Protocol
 Role = Literal["system", "user", "assistant"]
 CacheTier = Literal["hot", "ssd", "tails", "all"]
 CACHE_TIERS: tuple[str, ...] = ("hot", "ssd", "tails", "all")
-CACHE_SOURCES: tuple[str, ...] = ("hot", "ssd", "tail", "checkpoint")
+# where cached tokens came from: the tier (RAM or disk) ...
+CACHE_SOURCES: tuple[str, ...] = ("hot", "ssd")
+# ... and what kind of entry held them: the resident cache of the last request, full
+# blocks, MRU prompt tails, checkpoints (sequence ends and message boundaries)
+CACHE_KINDS: tuple[str, ...] = ("resident", "block", "tail", "checkpoint")
+FailureKind = Literal["error", "refused", "unsupported", "load", "cancelled"]
 
 
 @dataclass(frozen=True)
@@ -56,11 +61,16 @@ class TokenBatch:
 
 @dataclass(frozen=True)
 class TurnMetrics:
-    """What one generation cost. Invariant: ``cached_tokens + prefill_tokens == prompt_tokens``."""
+    """What one generation cost. Invariant: ``cached_tokens + prefill_tokens == prompt_tokens``.
+
+    ``cached_by`` splits ``cached_tokens`` by tier (:data:`CACHE_SOURCES`), ``cached_kind``
+    by entry kind (:data:`CACHE_KINDS`); each sums to ``cached_tokens``.
+    """
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
     cached_by: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CACHE_SOURCES, 0))
+    cached_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CACHE_KINDS, 0))
     prefill_tokens: int = 0
     ttft_s: float = 0.0
     prefill_tps: float = 0.0
@@ -88,10 +98,12 @@ class Finished:
 
 @dataclass(frozen=True)
 class Failed:
-    """A request that did not complete. ``kind`` is "error", "refused" or "unsupported"."""
+    """A request that did not complete, of one of the :data:`FailureKind` kinds: "error",
+    "refused" (over the memory limit), "unsupported", "load" (a model load failed) or
+    "cancelled" (the caller cancelled during prefill)."""
 
     message: str
-    kind: str = "error"
+    kind: FailureKind = "error"
 
 
 @dataclass(frozen=True)
@@ -135,13 +147,16 @@ class RequestHandle:
 
     # engine side
     def emit(self, event: Event) -> None:
-        if isinstance(event, TERMINAL):
+        # the handle is done before the callback hears of the terminal event, so a
+        # callback (or whatever it wakes) can rely on ``done`` and ``result``
+        terminal = isinstance(event, TERMINAL)
+        if terminal:
             self.result = event
+        self._queue.put(event)
+        if terminal:
+            self._done.set()
         if self._on_event is not None:
             self._on_event(event)
-        self._queue.put(event)
-        if isinstance(event, TERMINAL):
-            self._done.set()
 
     @property
     def cancelled(self) -> bool:
@@ -243,6 +258,7 @@ class LastTurn:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     cached_by: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CACHE_SOURCES, 0))
+    cached_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CACHE_KINDS, 0))
     prefill_tokens: int = 0
     ttft_s: float = 0.0
     prefill_tps: float = 0.0

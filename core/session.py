@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterator
 
 from tierchat.core.api import (
     EngineLike,
@@ -42,14 +41,19 @@ class SessionError(Exception):
     or a reply still being generated."""
 
 
-class TurnHandle:
-    """One generating call. Same ``events()`` / ``wait()`` / ``cancel()`` as the engine's
-    :class:`RequestHandle`; ``user_node`` is the user message answered, ``reply_node`` the
-    stored reply once finished (None before, and after a failure). ``kind`` is "send",
-    "regenerate" or "edit"; ``prompt`` the prompt submitted; ``error`` an exception raised
-    while storing the reply (the event is still forwarded)."""
+class TurnHandle(RequestHandle):
+    """One generating call: a :class:`RequestHandle` whose events are forwarded from the
+    engine's handle after the session has handled them, so ``events()``, ``wait()`` and
+    the caller's ``on_event`` all see a finished reply already stored and selected.
+    ``user_node`` is the user message answered, ``reply_node`` the stored reply once
+    finished (None before, and after a failure). ``kind`` is "send", "regenerate" or
+    "edit"; ``prompt`` the prompt submitted; ``error`` an exception raised while storing
+    the reply (the event is still forwarded)."""
 
-    def __init__(self, kind: str, user_node: Node, prompt: Prompt) -> None:
+    def __init__(
+        self, kind: str, user_node: Node, prompt: Prompt, on_event: EventCallback | None = None
+    ) -> None:
+        super().__init__(on_event)
         self.kind = kind
         self.user_node = user_node
         self.prompt = prompt
@@ -62,23 +66,10 @@ class TurnHandle:
         assert self._handle is not None
         return self._handle
 
-    @property
-    def done(self) -> bool:
-        return self.request_handle.done
-
-    @property
-    def result(self) -> Finished | Failed | None:
-        return self.request_handle.result
-
-    def events(self) -> Iterator[Event]:
-        return self.request_handle.events()
-
-    def wait(self, timeout: float | None = None) -> Finished | Failed:
-        """The terminal event; raises ``TimeoutError`` after ``timeout`` seconds."""
-        return self.request_handle.wait(timeout)
-
     def cancel(self) -> None:
-        self.request_handle.cancel()
+        super().cancel()
+        if self._handle is not None:
+            self._handle.cancel()
 
 
 class ChatSession:
@@ -263,7 +254,7 @@ class ChatSession:
             if added:
                 self._rollback(user, restore)
             raise
-        turn = TurnHandle(kind, user, prompt)
+        turn = TurnHandle(kind, user, prompt, on_event)
         request = GenerateRequest(
             prompt_ids=prompt.token_ids,
             max_tokens=max_tokens if max_tokens is not None else self.max_tokens,
@@ -279,8 +270,7 @@ class ChatSession:
                 self._finished(turn, event, added, restore)
             elif isinstance(event, Failed) and added:
                 self._safely(turn, lambda: self._rollback(user, restore))
-            if on_event is not None:
-                on_event(event)
+            turn.emit(event)
 
         try:
             turn._handle = self.engine.submit(request, handle_event)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from fakes import FakeEngine
 from tierchat.core.api import (
@@ -46,16 +48,21 @@ def roles(session):
 
 def test_send_stores_and_selects_the_reply_before_forwarding(session, engine):
     seen = []
+    heard = threading.Event()
 
     def on_event(event):
         if isinstance(event, Finished):
-            seen.append(session.active_path()[-1].content)
+            seen.append((session.active_path()[-1].content, turn.done))
+            heard.set()
 
     turn = session.send("hello", on_event=on_event)
     result = turn.wait(TIMEOUT)
     assert isinstance(result, Finished)
     assert result.text == "Reply 1 to: hello"
-    assert seen == [result.text]  # stored and selected before the caller heard of it
+    assert turn.reply_node is not None  # stored before wait() returned
+    assert heard.wait(TIMEOUT)
+    # stored and selected before the caller heard of it, and the handle already done
+    assert seen == [(result.text, True)]
     path = session.active_path()
     assert roles(session) == ["system", "user", "assistant"]
     assert path[1] == turn.user_node and path[2] == turn.reply_node
@@ -114,7 +121,7 @@ def test_regenerate_and_swipe(session, engine):
     second = turn.wait(TIMEOUT)
     assert turn.kind == "regenerate"
     assert engine.requests[-1].prompt_ids == engine.requests[-2].prompt_ids
-    assert second.metrics.cached_by["checkpoint"] > 0
+    assert second.metrics.cached_kind["checkpoint"] > 0
     assert [r.content for r in session.replies(0)] == [first.text, second.text]
     assert session.active_path()[-1].content == second.text
     assert session.selected_reply(0) == (1, 2)

@@ -7,7 +7,14 @@ from typing import Any
 
 from tierchat.core.api import CACHE_SOURCES, TurnMetrics
 
-SOURCE_LABELS = {"hot": "hot", "ssd": "SSD", "tail": "tail", "checkpoint": "checkpoint"}
+SOURCE_LABELS = {
+    "hot": "hot",
+    "ssd": "SSD",
+    "resident": "resident",
+    "block": "block",
+    "tail": "tail",
+    "checkpoint": "checkpoint",
+}
 _TURN_FIELDS = {f.name for f in fields(TurnMetrics)}
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..api import CACHE_SOURCES, SnapshotStats, TailStats, TierStats
+from ..api import CACHE_KINDS, CACHE_SOURCES, SnapshotStats, TailStats, TierStats
 from . import layers as L
 from .blocks import (
     KIND_BLOCK,
@@ -50,10 +50,12 @@ Spec = dict[str, tuple[tuple[int, ...], Any]]
 
 @dataclass
 class Restored:
-    """What a restore put into the cache: ``position`` tokens, split by source."""
+    """What a restore put into the cache: ``position`` tokens, split by tier (``cached_by``)
+    and by entry kind (``cached_kind``)."""
 
     position: int = 0
     cached_by: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CACHE_SOURCES, 0))
+    cached_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CACHE_KINDS, 0))
     nbytes: int = 0  # bytes written into the fresh cache
 
 
@@ -329,27 +331,32 @@ class PrefixCache:
 
         out = Restored(P, nbytes=sum(c.nbytes for c in caches))
         bs = self.block_size
-        # tokens of a block count for the source of the nearest loaded entry at or after it
+        # tokens of a block count for the tier of the nearest loaded entry at or after it
         sources = {i: src for i, _, src in loaded}
         after = tail[1] if tail and t_entry.kind != KIND_BLOCK else None
         for i in range(cand.blocks - 1, -1, -1):
             after = sources.get(i, after)
             out.cached_by[after or "hot"] += bs
+        out.cached_kind["block"] += cand.blocks * bs
         self.hot_hits += sum(1 for _, _, src in loaded if src == "hot")
-        if t_entry is not None and t_entry.kind == KIND_BLOCK:
-            # the first tokens of a stored block that diverges later (an edit): by source
+        if t_entry is not None:
             out.cached_by[tail[1]] += cand.tail_tokens
+            self.hot_hits += tail[1] == "hot"
+        if t_entry is not None and t_entry.kind == KIND_BLOCK:
+            # the first tokens of a stored block that diverges later (an edit)
+            out.cached_kind["block"] += cand.tail_tokens
             self.tail_misses += 1
         elif t_entry is not None:
             kind = "tail" if t_entry.kind == KIND_TAIL else "checkpoint"
-            out.cached_by[kind] += cand.tail_tokens
+            out.cached_kind[kind] += cand.tail_tokens
             self.tail_hits += 1
             self.tail_tokens_saved += cand.tail_tokens
             if kind == "checkpoint":
                 self.checkpoint_hits += 1
         else:
             self.tail_misses += 1
-        self.log(f"hit {P} tokens: " + ", ".join(f"{k} {v}" for k, v in out.cached_by.items() if v))
+        by = {**out.cached_by, **out.cached_kind}
+        self.log(f"hit {P} tokens: " + ", ".join(f"{k} {v}" for k, v in by.items() if v))
         self._flush_evictions()
         return out
 
