@@ -65,6 +65,7 @@ class Settings:
     models_dir: Path = field(default_factory=lambda: user_cache_dir() / "models")
     data_dir: Path = field(default_factory=user_data_dir)
     block_size: int = 256
+    prefill_chunk: int = 2048
     hot_bytes: int = field(default_factory=default_hot_bytes)
     ssd_bytes: int = 16 * GiB
     tail_entries: int = 8
@@ -297,6 +298,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "models_dir": _path,
     "data_dir": _path,
     "block_size": _positive_int,
+    "prefill_chunk": _positive_int,
     "hot_bytes": _size,
     "ssd_bytes": _size,
     "tail_entries": _nonneg_int,

@@ -240,6 +240,16 @@ class SnapshotStats:
 
 
 @dataclass(frozen=True)
+class ResidentStats:
+    """The resident cache: the live cache of the last request, kept for the next one and
+    cut back or extended in place (no copy). Its bytes count against the hot budget."""
+
+    tokens: int = 0
+    nbytes: int = 0
+    hits: int = 0
+
+
+@dataclass(frozen=True)
 class MemoryStats:
     """Memory readings in bytes; ``level`` is "ok", "soft" or "hard"."""
 
@@ -284,6 +294,7 @@ class CacheStats:
     ssd: TierStats = TierStats()
     tails: TailStats = TailStats()
     snapshots: SnapshotStats = SnapshotStats()
+    resident: ResidentStats = ResidentStats()
     memory: MemoryStats = MemoryStats()
     last_turn: LastTurn = LastTurn()
     events: tuple[tuple[int, str], ...] = ()
