@@ -349,6 +349,10 @@ def _read_toml(path: Path, explicit: bool) -> dict[str, Any]:
         return {}
     except tomllib.TOMLDecodeError as e:
         raise SettingsError(f"config file {path} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise SettingsError(
+            f"config file {path} is not UTF-8 text ({e.reason} at byte {e.start})"
+        ) from None
     except OSError as e:
         raise SettingsError(f"config file {path} cannot be read: {e.strerror}") from None
 
