@@ -277,6 +277,17 @@ class Engine:
 
     # ------------------------------------------------------------------ generate
     def _generate(self, req: GenerateRequest, handle: RequestHandle) -> None:
+        # the SSD writer waits while this request prefills and makes its first token
+        ssd = self.cache.ssd if self.cache is not None else None
+        if ssd is not None:
+            ssd.pause()
+        try:
+            self._generate_one(req, handle)
+        finally:
+            if ssd is not None:
+                ssd.resume()
+
+    def _generate_one(self, req: GenerateRequest, handle: RequestHandle) -> None:
         if self.loaded is None:
             handle.emit(Failed("no model loaded", kind="error"))
             return
@@ -359,6 +370,8 @@ class Engine:
             if ttft is None:
                 t_first = time.perf_counter()
                 ttft = t_first - t0
+                if cache is not None and cache.ssd is not None:
+                    cache.ssd.resume()
             tokens.append(tok)
             if len(logprobs) < self.record_logprobs:
                 logprobs.append(np.array(lp.astype(mx.float32)))

@@ -405,6 +405,11 @@ class PrefixCache:
                 break
             loaded: list[tuple[int, Entry, str]] = []
             bad = None
+            if self.ssd is not None:  # start the disk reads of every entry needed at once
+                wanted = [ids[i] for i in plan.blocks if ids[i] not in self.hot]
+                if plan.tail is not None and plan.tail.id not in self.hot:
+                    wanted.append(plan.tail.id)
+                self.ssd.prefetch(wanted)
             for i in plan.blocks:
                 got = self._fetch(ids[i])
                 if got is None:

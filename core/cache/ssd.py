@@ -370,12 +370,21 @@ def _meta_strings(e: EntryMeta, fingerprint: str) -> dict[str, str]:
     }
 
 
+def _raw_bytes(a) -> np.ndarray:
+    """The bytes of an evaluated, row-contiguous MLX array (any dtype, bf16 included) as
+    uint8, through the buffer protocol: no MLX graph is built (writer thread)."""
+    try:
+        return np.frombuffer(memoryview(a).cast("B"), dtype=np.uint8)
+    except (TypeError, ValueError, BufferError):  # not contiguous: numpy copies it
+        return np.ascontiguousarray(np.asarray(a)).view(np.uint8).reshape(-1)
+
+
 @dataclass(eq=False)
 class _Pending:
     """An entry accepted by ``put`` and not yet on disk."""
 
     entry: Entry  # the arrays as given (what a load returns meanwhile)
-    bits: dict[str, mx.array]  # the same, bf16 viewed as uint16, in file order
+    bits: dict[str, mx.array]  # the arrays to write, in file order
     head: bytes  # encode_header(...), CRCs not yet filled
     nbytes: int  # the file's size
 
@@ -424,6 +433,7 @@ class SSDTier:
         self._index: dict[str, FileMeta] = {}  # in LRU order, least recent first
         self.children: dict[str, set[str]] = {}  # parent id -> ids of entries after it
         self._pending: dict[str, _Pending] = {}
+        self._paused = False
         self._pending_bytes = 0
         self._queue: list[_Pending | None] = []
         self._tmp_seq = itertools.count()
@@ -662,10 +672,8 @@ class SSDTier:
             dtype = _NAME_OF.get(a.dtype)
             if dtype is None:
                 return self._refuse(f"dtype {a.dtype} of {name} cannot be stored")
-            bits[name] = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
+            bits[name] = a  # the writer takes the raw bytes (bf16 included): no MLX op here
             specs.append((name, dtype, tuple(a.shape), a.nbytes))
-        if any(a is not e.arrays[n] for n, a in bits.items()):
-            mx.eval(list(bits.values()))
         head = encode_header(_meta_strings(e, self.fingerprint), specs)
         size = len(head) + sum(s[3] for s in specs)
         if size > self.max_bytes:
@@ -703,6 +711,9 @@ class SSDTier:
 
         if not full():
             return True
+        if self._paused:  # backpressure wins over a pause: let the writer run
+            self._paused = False
+            self._cond.notify_all()
         self.backpressure_waits += 1
         t0 = time.monotonic()
         ok = self._cond.wait_for(lambda: not full(), self.backpressure_timeout_s)
@@ -713,7 +724,7 @@ class SSDTier:
         rng = random.Random()
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._queue)
+                self._cond.wait_for(lambda: self._queue and not self._paused)
                 item = self._queue.pop(0)
             if item is None:
                 return
@@ -734,7 +745,7 @@ class SSDTier:
         with self._lock:
             if self._pending.get(eid) is not item:
                 return  # evicted, removed or replaced since
-        data = [np.ascontiguousarray(np.asarray(item.bits[n])) for n in sorted(item.bits)]
+        data = [_raw_bytes(item.bits[n]) for n in sorted(item.bits)]
         crc = 0
         for a in data:
             crc = zlib.crc32(a, crc)
@@ -786,8 +797,21 @@ class SSDTier:
         """Wait until every accepted entry is on disk (or dropped); False on timeout."""
         if not self.enabled:
             return True
+        self.resume()
         with self._cond:
             return self._cond.wait_for(lambda: not self._pending, timeout)
+
+    def pause(self) -> None:
+        """Hold the writer and the start-up verifier (between files) while the engine
+        prefills and produces a first token, so disk work never competes with TTFT.
+        Entries stay indexed and loadable; backpressure lifts the pause."""
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
 
     def wait_verified(self, timeout: float | None = None) -> bool:
         """Wait for the start-up verifier to have read every file found at start."""
@@ -797,6 +821,7 @@ class SSDTier:
         if self.enabled:
             self.flush()
             with self._cond:
+                self._paused = False
                 self._stop = True
                 self._queue.append(None)
                 self._cond.notify_all()
@@ -807,6 +832,8 @@ class SSDTier:
     def _verify_loop(self, ids: list[str]) -> None:
         try:
             for entry_id in ids:
+                with self._cond:
+                    self._cond.wait_for(lambda: not self._paused or self._stop)
                 if self._stop:
                     return
                 with self._lock:
