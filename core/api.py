@@ -40,6 +40,9 @@ class GenerateRequest:
     seed: int | None = None
     boundaries: tuple[tuple[int, str], ...] = ()
     use_cache: bool = True
+    # teacher forcing (exactness measurements): decode feeds exactly these tokens, through
+    # the same decode loop, and the handle keeps every step's logprobs
+    teacher_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -353,13 +353,19 @@ class Engine:
             mx.random.seed(req.seed)
         sampler = make_sampler(temp=req.temperature, top_p=req.top_p)
         eos = self.eos_token_ids
+        record = self.record_logprobs
+        max_tokens = self._cap_tokens(req.max_tokens, n)
+        if req.teacher_ids:
+            # generate_step samples one step ahead of what it yields: pad the last call
+            forced = iter(req.teacher_ids)
+            sampler = lambda logprobs: mx.array([next(forced, 0)])  # noqa: E731
+            eos, record, max_tokens = set(), len(req.teacher_ids), len(req.teacher_ids)
         detok = self.loaded.tokenizer.detokenizer
         detok.reset()
         tokens: list[int] = []
         logprobs: list[np.ndarray] = []
         ttft = t_first = None
         reason = "length"
-        max_tokens = self._cap_tokens(req.max_tokens, n)
         for tok, lp in generate_step(
             mx.array(prompt[n - 1 :]),
             model,
@@ -373,7 +379,7 @@ class Engine:
                 if cache is not None and cache.ssd is not None:
                     cache.ssd.resume()
             tokens.append(tok)
-            if len(logprobs) < self.record_logprobs:
+            if len(logprobs) < record:
                 logprobs.append(np.array(lp.astype(mx.float32)))
             if tok in eos:
                 reason = "stop"
