@@ -138,13 +138,17 @@ def probe_specs(leaves: Sequence[L.Leaf], caches: list[Any]) -> Spec:
     return spec
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+def _common(a: tuple[int, ...], b: tuple[int, ...], stride: int = 256) -> int:
+    """Length of the common prefix of two token tuples: compared a stride at a time (C-level
+    tuple equality), then token by token inside the first stride that differs."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i : i + stride] == b[i : i + stride]:
+        i += stride
+    i = min(i, n)
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 class PrefixCache:
@@ -274,6 +278,7 @@ class PrefixCache:
         if limit <= 0:
             return None
         bs = self.block_size
+        prompt = tuple(prompt)
         held = [self._held(i) for i in ids[: limit // bs]]
         # entries after each chain block that match the prompt: (common tokens, entry)
         after: dict[int, list[tuple[int, Any]]] = {}
@@ -284,7 +289,8 @@ class PrefixCache:
             for t in self._children(parent):
                 if t.start != j * bs:
                     continue
-                n = _common(t.tokens, prompt[j * bs : limit])
+                lo = j * bs
+                n = _common(tuple(t.tokens), prompt[lo : min(limit, lo + len(t.tokens))])
                 if n:
                     found.append((n, t))
                     if n == len(t.tokens) and t.kind != KIND_BLOCK:
