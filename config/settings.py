@@ -71,7 +71,9 @@ class Settings:
     tail_entries: int = 8
     checkpoint_entries: int = 32
     pin_system: bool = True
-    writer_queue: int = 64
+    # entries waiting for the SSD writer before put blocks (they are held in RAM anyway,
+    # by the hot tier; the writer also stops at 1 GiB pending)
+    writer_queue: int = 4096
     no_cache: bool = False
     max_tokens: int = 512
     seed: int = 0

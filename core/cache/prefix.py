@@ -167,7 +167,7 @@ class PrefixCache:
         ssd_bytes: int,
         max_tails: int = 8,
         max_checkpoints: int = 32,
-        writer_queue: int = 64,
+        writer_queue: int = 4096,
         pin_system: bool = True,
     ) -> None:
         self.fingerprint = fingerprint
