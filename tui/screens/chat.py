@@ -608,7 +608,6 @@ class ChatScreen(Screen):
             return
         await self._turn_ready.wait()
         handle, self._handle = self._handle, None
-        await _until_done(handle)
         view, self._stream_view = self._stream_view, None
         self.query_one(ActivityBar).hide()
         reply = getattr(handle, "reply_node", None)
@@ -631,7 +630,6 @@ class ChatScreen(Screen):
             return
         await self._turn_ready.wait()
         handle, self._handle = self._handle, None
-        await _until_done(handle)
         self._stream_view = None
         self.query_one(ActivityBar).hide()
         title = FAILURE_TITLES.get(event.kind, "Engine error")
@@ -827,15 +825,6 @@ class ChatScreen(Screen):
     def on_unmount(self) -> None:
         if self._handle is not None:
             self._handle.cancel()
-
-
-async def _until_done(handle: Any, timeout_s: float = 2.0) -> None:
-    """Wait (briefly) until the engine thread marks ``handle`` done: it posts the terminal
-    event before setting done, and the session refuses a new turn until then."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while handle is not None and not getattr(handle, "done", True) and loop.time() < deadline:
-        await asyncio.sleep(0.001)
 
 
 def _clear_report(tier: str, before: CacheStats | None, after: CacheStats | None) -> str:
