@@ -219,7 +219,7 @@ class ChatSession:
         tokenizer = self.engine.tokenizer
         if tokenizer is None or not self.engine.model_name:
             raise SessionError("no model is loaded yet: pick one (F4) or wait for it to load")
-        if path and isinstance(path[0], Node):
+        if not path or isinstance(path[0], Node):
             path = self.prompt_messages(path, settings)
         if self._builder is None or self._builder.tokenizer is not tokenizer:
             self._builder = PromptBuilder(tokenizer)
