@@ -49,6 +49,10 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX nodes_by_parent ON nodes(parent_id);
     CREATE INDEX nodes_by_conversation ON nodes(conversation_id);
     """,
+    # per-conversation generation settings (system prompt, sampling), a JSON object
+    """
+    ALTER TABLE conversations ADD COLUMN settings TEXT NOT NULL DEFAULT '{}';
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -197,6 +201,16 @@ class ConversationInfo:
 
 
 _NODE_COLUMNS = "id, conversation_id, parent_id, role, content, token_ids, created_at, meta"
+
+
+@dataclass(frozen=True)
+class PathEntry:
+    """One node of the active path with its place among its siblings of the same role:
+    ``index`` (0-based, creation order) of ``count``."""
+
+    node: Node
+    index: int
+    count: int
 
 
 def _node(row: tuple) -> Node:
@@ -510,6 +524,64 @@ class ConversationStore:
                 )
                 parent = copy.id
         return cid
+
+    # ------------------------------------------------------------------ one-query reads
+
+    def active_path_entries(self, conversation_id: int) -> list[PathEntry]:
+        """The active path (as :meth:`active_path`) with each node's sibling index and
+        count among siblings of its role, in one SQL query (a recursive walk of the
+        selected children), so a transcript of n messages costs O(n), not O(n^2).
+        Raises :class:`ConversationError` for an unknown conversation."""
+        sql = f"""
+        WITH RECURSIVE path(id, depth) AS (
+            SELECT COALESCE(
+                (SELECT n.id FROM nodes n, conversations c
+                 WHERE c.id = :cid AND n.id = c.selected_root
+                   AND n.conversation_id = :cid AND n.parent_id IS NULL),
+                (SELECT max(id) FROM nodes WHERE conversation_id = :cid AND parent_id IS NULL)
+            ), 0
+            UNION ALL
+            SELECT COALESCE(
+                (SELECT c.id FROM nodes c, nodes p
+                 WHERE p.id = path.id AND c.id = p.selected_child AND c.parent_id = p.id),
+                (SELECT max(c.id) FROM nodes c WHERE c.parent_id = path.id)
+            ), path.depth + 1
+            FROM path WHERE path.id IS NOT NULL
+        )
+        SELECT {", ".join("n." + c.strip() for c in _NODE_COLUMNS.split(","))},
+            (SELECT count(*) FROM nodes s WHERE s.conversation_id = n.conversation_id
+               AND s.parent_id IS n.parent_id AND s.role = n.role AND s.id < n.id),
+            (SELECT count(*) FROM nodes s WHERE s.conversation_id = n.conversation_id
+               AND s.parent_id IS n.parent_id AND s.role = n.role)
+        FROM path JOIN nodes n ON n.id = path.id
+        ORDER BY path.depth
+        """
+        with self._lock:
+            self._check_conversation(conversation_id)
+            rows = self._conn.execute(sql, {"cid": conversation_id}).fetchall()
+        return [PathEntry(_node(r[:-2]), r[-2], r[-1]) for r in rows]
+
+    # ------------------------------------------------------------------ settings
+
+    def conversation_settings(self, conversation_id: int) -> dict[str, Any]:
+        """The conversation's saved generation settings (a JSON object; ``{}`` when none
+        were saved). Raises :class:`ConversationError` for an unknown id."""
+        with self._lock:
+            row = self._one("SELECT settings FROM conversations WHERE id = ?", (conversation_id,))
+        if row is None:
+            raise ConversationError(f"no conversation with id {conversation_id}")
+        return json.loads(row[0] or "{}")
+
+    def set_conversation_settings(self, conversation_id: int, settings: dict[str, Any]) -> None:
+        """Replace the conversation's generation settings (JSON-serializable values).
+        Raises :class:`ConversationError` for an unknown id."""
+        text = json.dumps(settings, sort_keys=True)
+        with self._tx():
+            self._check_conversation(conversation_id)
+            self._conn.execute(
+                "UPDATE conversations SET settings = ? WHERE id = ?", (text, conversation_id)
+            )
+            self._touch(conversation_id)
 
 
 def _ids(token_ids: Iterable[int] | None) -> tuple[int, ...] | None:
