@@ -243,6 +243,14 @@ def bench_engine(settings: Any, lengths: list[int], extend: int, log) -> EngineB
         prompts = {n: make_prompt(tok, n, salt=i) for i, n in enumerate(lengths)}
         ext = extension(tok, extend)
         run(engine, make_prompt(tok, 64, salt=WARMUP_SALT), use_cache=False)  # warm-up
+        # warm-up at every length (GPU kernels are compiled per shape on first use), on
+        # prompts sharing nothing with the measured ones; then every tier is emptied
+        log("tierchat warm-up at every length")
+        for i, n in enumerate(lengths):
+            warm = make_prompt(tok, n, salt=WARMUP_SALT - 1 - i)
+            for p in (warm, warm, warm + ext):
+                run(engine, p)
+        engine.clear("all")
         for n in lengths:
             log(f"tierchat {n} tokens: cold, exact hot, nearest hot")
             rows.append(_row("tierchat", "cold", n, *run(engine, prompts[n])))
@@ -311,8 +319,12 @@ def bench_lru(settings: Any, lengths: list[int], extend: int, log) -> list[dict]
 
     rows = []
     run(make_prompt(tok, 64, salt=WARMUP_SALT))  # warm-up
-    lru.trim_to(n_sequences=0)
     ext = extension(tok, extend)
+    for i, n in enumerate(lengths):  # the same warm-up at every length as tierchat's
+        warm = make_prompt(tok, n, salt=WARMUP_SALT - 1 - i)
+        for p in (warm, warm, warm + ext):
+            run(p)
+    lru.trim_to(n_sequences=0)
     for i, n in enumerate(lengths):
         log(f"mlx-lm LRUPromptCache {n} tokens: cold, exact hot, nearest hot")
         prompt = make_prompt(tok, n, salt=i)

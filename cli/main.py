@@ -41,6 +41,7 @@ SETTING_FLAGS: dict[str, tuple[str, str]] = {
     "models_dir": ("DIR", "where converted and tiny models are kept"),
     "data_dir": ("DIR", "where the conversation store (SQLite) lives"),
     "block_size": ("TOKENS", "cache block size in tokens"),
+    "prefill_chunk": ("TOKENS", "prefill chunk in tokens (mlx-lm's prefill_step_size: 2048)"),
     "hot_bytes": ("SIZE", "hot (RAM) tier budget: bytes or 512MB, 6GB, 16GiB"),
     "ssd_bytes": ("SIZE", "SSD tier cap"),
     "max_tokens": ("N", "reply length limit in tokens"),

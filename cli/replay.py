@@ -43,11 +43,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from ..core.api import CACHE_KINDS, CACHE_SOURCES
 from .common import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
     CLIError,
+    SSDWatch,
     new_session,
     open_store,
     plain,
@@ -60,6 +62,7 @@ RESULT_FIELDS: tuple[str, ...] = (
     "prompt_tokens",
     "cached_tokens",
     "cached_by",
+    "cached_kind",
     "prefill_tokens",
     "ttft_s",
     "prefill_tps",
@@ -81,7 +84,13 @@ class ScriptError(ValueError):
 
 
 def _str(v: Any) -> str | None:
-    return None if isinstance(v, str) else "must be a string"
+    if not isinstance(v, str):
+        return "must be a string"
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON "\ud800": a lone surrogate
+        return f"is not valid Unicode (lone surrogate U+{ord(v[e.start]):04X} at {e.start})"
+    return None
 
 
 def _pos_int(v: Any) -> str | None:
@@ -173,19 +182,42 @@ def parse_script(lines: Sequence[str], name: str) -> list[Op]:
     return ops
 
 
+def _decode_lines(data: bytes, name: str) -> list[str]:
+    """The script's lines; raises :class:`ScriptError` at the first line that is not
+    UTF-8 (``SCRIPT:LINE: ...``)."""
+    lines = []
+    for i, raw in enumerate(data.split(b"\n")):
+        try:
+            lines.append(raw.decode("utf-8").rstrip("\r"))
+        except UnicodeDecodeError as e:
+            raise ScriptError(
+                f"{name}:{i + 1}: not valid UTF-8 ({e.reason} at byte {e.start})"
+            ) from None
+    if lines and lines[-1] == "":
+        lines.pop()
+    return lines
+
+
 def read_script(path: str) -> list[Op]:
     """Read and parse ``path`` (``-``: stdin). Raises :class:`CLIError` (exit 2)."""
     try:
         if path == "-":
-            lines, name = sys.stdin.read().splitlines(), "<stdin>"
+            stdin = getattr(sys.stdin, "buffer", None)  # a StringIO (tests) has none
+            data = (
+                stdin.read()
+                if stdin is not None
+                else sys.stdin.read().encode("utf-8", "surrogatepass")
+            )
+            name = "<stdin>"
         else:
-            lines, name = Path(path).read_text(encoding="utf-8").splitlines(), path
+            data, name = Path(path).read_bytes(), path
+        lines = _decode_lines(data, name)
     except FileNotFoundError:
         raise CLIError(f"{path}: no such file", EXIT_USAGE) from None
     except IsADirectoryError:
         raise CLIError(f"{path}: is a directory", EXIT_USAGE) from None
-    except UnicodeDecodeError as e:
-        raise CLIError(f"{path}: not UTF-8 text ({e.reason})", EXIT_USAGE) from None
+    except ScriptError as e:
+        raise CLIError(str(e), EXIT_USAGE) from None
     except OSError as e:
         raise CLIError(f"{path}: {e.strerror or e}", EXIT_USAGE) from None
     try:
@@ -205,13 +237,15 @@ def token_ids_sha256(ids: Sequence[int]) -> str:
 def result_line(op: Op, event: Any) -> dict[str, Any]:
     """The output object of a finished generating op (exactly :data:`RESULT_FIELDS`)."""
     m = event.metrics
-    cached_by = {k: int(m.cached_by.get(k, 0)) for k in ("hot", "ssd", "tail", "checkpoint")}
+    cached_by = {k: int(m.cached_by.get(k, 0)) for k in CACHE_SOURCES}
+    cached_kind = {k: int(m.cached_kind.get(k, 0)) for k in CACHE_KINDS}
     return {
         "op_index": op.index,
         "op": op.op,
         "prompt_tokens": m.prompt_tokens,
         "cached_tokens": m.cached_tokens,
         "cached_by": cached_by,
+        "cached_kind": cached_kind,
         "prefill_tokens": m.prefill_tokens,
         "ttft_s": round(m.ttft_s, 6),
         "prefill_tps": round(m.prefill_tps, 2),
@@ -237,6 +271,7 @@ class Replay:
         self.err = err or sys.stderr
         self.engine = start_engine(settings)
         self.session = new_session(self.engine, store, settings)
+        self.ssd_watch = SSDWatch(self.engine)
         self.results: list[dict[str, Any]] = []
         self.errors = 0
         self.restarts = 0
@@ -255,13 +290,18 @@ class Replay:
         print(f"error: {self.name}:{op.index + 1}: {op.op}: {message}", file=self.err, flush=True)
 
     def run(self, ops: Sequence[Op]) -> int:
+        from tierchat.core.conversation import StoreError
         from tierchat.core.session import SessionError
 
         for op in ops:
             try:
                 self.step(op)
+            except StoreError as e:  # only this op's turn is lost
+                self._fail(op, f"not saved: {e}")
             except SessionError as e:
                 self._fail(op, str(e))
+            if self.engine is not None:
+                self.ssd_watch.check(self.err)
         self._emit({"summary": self.summary(len(ops))})
         return EXIT_FAILED if self.errors else EXIT_OK
 
@@ -289,6 +329,7 @@ class Replay:
         self.engine = start_engine(self.settings, quiet=True)
         self.session = new_session(self.engine, self.store, self.settings)
         self.session.conversation_id = old.conversation_id
+        self.ssd_watch = SSDWatch(self.engine)
         self.restarts += 1
 
     def generate(self, op: Op) -> None:
@@ -327,9 +368,8 @@ class Replay:
     def summary(self, n_ops: int) -> dict[str, Any]:
         r = self.results
         ttfts = [x["ttft_s"] for x in r]
-        cached_by = {
-            k: sum(x["cached_by"][k] for x in r) for k in ("hot", "ssd", "tail", "checkpoint")
-        }
+        cached_by = {k: sum(x["cached_by"][k] for x in r) for k in CACHE_SOURCES}
+        cached_kind = {k: sum(x["cached_kind"][k] for x in r) for k in CACHE_KINDS}
         stats = plain(self.engine.stats())
         stats.pop("events", None)
         return {
@@ -341,6 +381,7 @@ class Replay:
             "prompt_tokens": sum(x["prompt_tokens"] for x in r),
             "cached_tokens": sum(x["cached_tokens"] for x in r),
             "cached_by": cached_by,
+            "cached_kind": cached_kind,
             "prefill_tokens": sum(x["prefill_tokens"] for x in r),
             "generation_tokens": sum(x["generation_tokens"] for x in r),
             "ttft_s_mean": round(statistics.fmean(ttfts), 6) if ttfts else 0.0,

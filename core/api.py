@@ -16,7 +16,12 @@ from typing import Literal, Protocol
 Role = Literal["system", "user", "assistant"]
 CacheTier = Literal["hot", "ssd", "tails", "all"]
 CACHE_TIERS: tuple[str, ...] = ("hot", "ssd", "tails", "all")
-CACHE_SOURCES: tuple[str, ...] = ("hot", "ssd", "tail", "checkpoint")
+# where cached tokens came from: the tier (RAM or disk) ...
+CACHE_SOURCES: tuple[str, ...] = ("hot", "ssd")
+# ... and what kind of entry held them: the resident cache of the last request, full
+# blocks, MRU prompt tails, checkpoints (sequence ends and message boundaries)
+CACHE_KINDS: tuple[str, ...] = ("resident", "block", "tail", "checkpoint")
+FailureKind = Literal["error", "refused", "unsupported", "load", "cancelled"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,9 @@ class GenerateRequest:
     seed: int | None = None
     boundaries: tuple[tuple[int, str], ...] = ()
     use_cache: bool = True
+    # teacher forcing (exactness measurements): decode feeds exactly these tokens, through
+    # the same decode loop, and the handle keeps every step's logprobs
+    teacher_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -56,11 +64,16 @@ class TokenBatch:
 
 @dataclass(frozen=True)
 class TurnMetrics:
-    """What one generation cost. Invariant: ``cached_tokens + prefill_tokens == prompt_tokens``."""
+    """What one generation cost. Invariant: ``cached_tokens + prefill_tokens == prompt_tokens``.
+
+    ``cached_by`` splits ``cached_tokens`` by tier (:data:`CACHE_SOURCES`), ``cached_kind``
+    by entry kind (:data:`CACHE_KINDS`); each sums to ``cached_tokens``.
+    """
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
     cached_by: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CACHE_SOURCES, 0))
+    cached_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CACHE_KINDS, 0))
     prefill_tokens: int = 0
     ttft_s: float = 0.0
     prefill_tps: float = 0.0
@@ -88,10 +101,12 @@ class Finished:
 
 @dataclass(frozen=True)
 class Failed:
-    """A request that did not complete. ``kind`` is "error", "refused" or "unsupported"."""
+    """A request that did not complete, of one of the :data:`FailureKind` kinds: "error",
+    "refused" (over the memory limit), "unsupported", "load" (a model load failed) or
+    "cancelled" (the caller cancelled during prefill)."""
 
     message: str
-    kind: str = "error"
+    kind: FailureKind = "error"
 
 
 @dataclass(frozen=True)
@@ -135,13 +150,16 @@ class RequestHandle:
 
     # engine side
     def emit(self, event: Event) -> None:
-        if isinstance(event, TERMINAL):
+        # the handle is done before the callback hears of the terminal event, so a
+        # callback (or whatever it wakes) can rely on ``done`` and ``result``
+        terminal = isinstance(event, TERMINAL)
+        if terminal:
             self.result = event
+        self._queue.put(event)
+        if terminal:
+            self._done.set()
         if self._on_event is not None:
             self._on_event(event)
-        self._queue.put(event)
-        if isinstance(event, TERMINAL):
-            self._done.set()
 
     @property
     def cancelled(self) -> bool:
@@ -225,6 +243,16 @@ class SnapshotStats:
 
 
 @dataclass(frozen=True)
+class ResidentStats:
+    """The resident cache: the live cache of the last request, kept for the next one and
+    cut back or extended in place (no copy). Its bytes count against the hot budget."""
+
+    tokens: int = 0
+    nbytes: int = 0
+    hits: int = 0
+
+
+@dataclass(frozen=True)
 class MemoryStats:
     """Memory readings in bytes; ``level`` is "ok", "soft" or "hard"."""
 
@@ -243,6 +271,7 @@ class LastTurn:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     cached_by: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CACHE_SOURCES, 0))
+    cached_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CACHE_KINDS, 0))
     prefill_tokens: int = 0
     ttft_s: float = 0.0
     prefill_tps: float = 0.0
@@ -268,6 +297,7 @@ class CacheStats:
     ssd: TierStats = TierStats()
     tails: TailStats = TailStats()
     snapshots: SnapshotStats = SnapshotStats()
+    resident: ResidentStats = ResidentStats()
     memory: MemoryStats = MemoryStats()
     last_turn: LastTurn = LastTurn()
     events: tuple[tuple[int, str], ...] = ()

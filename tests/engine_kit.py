@@ -54,6 +54,7 @@ def assert_same(cold, cold_handle, hot, hot_handle) -> None:
     m = hot.metrics
     assert m.cached_tokens + m.prefill_tokens == m.prompt_tokens
     assert sum(m.cached_by.values()) == m.cached_tokens
+    assert sum(m.cached_kind.values()) == m.cached_tokens
 
 
 class Lockstep:

@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable
 
 from tierchat.core.api import (
+    CACHE_KINDS,
     CACHE_SOURCES,
     CACHE_TIERS,
     CacheStats,
@@ -360,9 +361,11 @@ class FakeEngine:
         warning = None if self.supported else "caching is off: unsupported layer kind"
         handle.emit(ModelLoaded(model, warning))
 
-    def _lookup(self, prompt: tuple[int, ...]) -> dict[str, int]:
-        """Cached tokens by source for ``prompt``; never the whole prompt (one token is fed)."""
+    def _lookup(self, prompt: tuple[int, ...]) -> tuple[dict[str, int], dict[str, int]]:
+        """Cached tokens of ``prompt`` by tier and by entry kind; never the whole prompt
+        (one token is fed)."""
         cached_by = dict.fromkeys(CACHE_SOURCES, 0)
+        cached_kind = dict.fromkeys(CACHE_KINDS, 0)
         limit = len(prompt) - 1
         bs = self.block_size
         n_blocks = 0
@@ -380,20 +383,23 @@ class FakeEngine:
                 break
             n_blocks += 1
         done = n_blocks * bs
+        cached_kind["block"] = done
         if done < limit and prompt in self._checkpoints:
-            cached_by["checkpoint"] = limit - done  # regenerate: exact state at N-1
+            cached_by["hot"] += limit - done
+            cached_kind["checkpoint"] = limit - done  # regenerate: exact state at N-1
             self._tail_counts["checkpoint_hits"] += 1
         elif done < limit:
             self._hot_counts["misses"] += 1
             best = max((common_prefix_len(t, prompt) for t in self._tails), default=0)
             best = min(best, limit)
             if best > done and best - done < bs:
-                cached_by["tail"] = best - done
+                cached_by["hot"] += best - done
+                cached_kind["tail"] = best - done
                 self._tail_counts["hits"] += 1
                 self._tail_counts["tokens_saved"] += best - done
             else:
                 self._tail_counts["misses"] += 1
-        return cached_by
+        return cached_by, cached_kind
 
     def _store(self, prompt: tuple[int, ...], seq: tuple[int, ...]) -> None:
         bs = self.block_size
@@ -431,7 +437,11 @@ class FakeEngine:
         with self._lock:
             self._submits += 1
             caching = self.supported and request.use_cache
-            cached_by = self._lookup(prompt) if caching else dict.fromkeys(CACHE_SOURCES, 0)
+            cached_by, cached_kind = (
+                self._lookup(prompt)
+                if caching
+                else (dict.fromkeys(CACHE_SOURCES, 0), dict.fromkeys(CACHE_KINDS, 0))
+            )
             if caching and sum(cached_by.values()):
                 self._log(f"hit {sum(cached_by.values())}/{len(prompt)} tokens")
         cached = sum(cached_by.values())
@@ -475,6 +485,7 @@ class FakeEngine:
             prompt_tokens=len(prompt),
             cached_tokens=cached,
             cached_by=cached_by,
+            cached_kind=cached_kind,
             prefill_tokens=prefill,
             ttft_s=ttft,
             prefill_tps=prefill_tps,
@@ -490,6 +501,7 @@ class FakeEngine:
                 prompt_tokens=len(prompt),
                 cached_tokens=cached,
                 cached_by=dict(cached_by),
+                cached_kind=dict(cached_kind),
                 prefill_tokens=prefill,
                 ttft_s=ttft,
                 prefill_tps=prefill_tps,

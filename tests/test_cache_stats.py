@@ -46,10 +46,19 @@ def test_hot_and_ssd_counters(engine):
     assert s.hot.hits == 0 and s.ssd.hits == 0
     assert s.last_turn.prompt_tokens == 100 and s.last_turn.cached_tokens == 0
 
+    assert s.resident.tokens == 100 + 8 and s.resident.nbytes > 0 and s.resident.hits == 0
+
+    # the same prompt again: the resident cache is cut back in place
+    generate(e, p)
+    s1 = e.stats()
+    assert s1.resident.hits == 1 and s1.hot.hits == 0
+    assert s1.last_turn.cached_kind["resident"] == 99 and s1.last_turn.cached_by["hot"] == 99
+
+    e.clear("resident")  # from the hot tier's entries now
     generate(e, p)
     s2 = e.stats()
-    assert s2.hot.hits == 6 and s2.last_turn.cached_tokens == 99
-    assert s2.last_turn.cached_by["hot"] == 96 and s2.last_turn.cached_by["tail"] == 3
+    assert s2.hot.hits == 7 and s2.last_turn.cached_tokens == 99  # 6 blocks + the tail
+    assert s2.last_turn.cached_by["hot"] == 99 and s2.last_turn.cached_kind["tail"] == 3
     assert any("hit 99 tokens" in text for _, text in s2.events)
 
     e.clear("hot")
@@ -58,7 +67,7 @@ def test_hot_and_ssd_counters(engine):
     assert any("cleared hot" in text for _, text in s3.events)
     generate(e, p)
     s4 = e.stats()
-    assert s4.ssd.hits > s3.ssd.hits and s4.last_turn.cached_by["ssd"] == 96
+    assert s4.ssd.hits > s3.ssd.hits and s4.last_turn.cached_by["ssd"] == 99
 
     e.clear("ssd")
     assert e.stats().ssd.entries == 0 and e.stats().ssd.nbytes == 0
@@ -81,10 +90,11 @@ def test_tail_counters(engine):
     s = e.stats()
     assert s.tails.stashes >= 2 and s.tails.entries == 2 and s.tails.max_entries == 2
     assert s.tails.supported is True and s.tails.nbytes > 0
+    e.clear("resident")
     r, _ = generate(e, p)
     s2 = e.stats()
     assert s2.tails.hits == s.tails.hits + 1
-    assert s2.tails.tokens_saved == s.tails.tokens_saved + r.metrics.cached_by["tail"] > 0
+    assert s2.tails.tokens_saved == s.tails.tokens_saved + r.metrics.cached_kind["tail"] > 0
     for seed in range(3):
         generate(e, random_prompt(70, seed=50 + seed), max_tokens=2)
     assert e.stats().tails.evictions > 0
@@ -102,8 +112,9 @@ def test_checkpoint_and_snapshot_counters(engine):
     assert any(k.endswith(":state") for k in s.layer_kinds)
     # continue after the stored prompt + reply: served by the sequence-end checkpoint
     cont = p + first.token_ids + random_prompt(10, seed=8)
+    e.clear("resident")
     r, _ = generate(e, cont, max_tokens=2)
-    assert r.metrics.cached_by["checkpoint"] > 0
+    assert r.metrics.cached_kind["checkpoint"] > 0
     assert e.stats().tails.checkpoint_hits == 1
 
 
@@ -119,8 +130,9 @@ def test_boundary_checkpoints_stored_for_state_models(engine):
     assert e.stats().tails.checkpoints == 2
     # an edit after the system prompt restores from its checkpoint
     edited = p[:30] + random_prompt(30, seed=10)
+    e.clear("resident")
     r, _ = generate(e, edited, max_tokens=2)
-    assert r.metrics.cached_tokens == 21 and r.metrics.cached_by["checkpoint"] == 21 - 16
+    assert r.metrics.cached_tokens == 21 and r.metrics.cached_kind["checkpoint"] == 21 - 16
 
 
 def test_unsupported_model_reports_and_runs_cold(engine, monkeypatch):

@@ -15,7 +15,8 @@ from tierchat.cli.main import main
 from tierchat.cli.replay import RESULT_FIELDS, ScriptError, parse_script, token_ids_sha256
 from tierchat.core.tiny import TINY_ARCHS
 
-SOURCES = {"hot", "ssd", "tail", "checkpoint"}
+SOURCES = {"hot", "ssd"}
+KINDS = {"resident", "block", "tail", "checkpoint"}
 
 FULL_SCRIPT = [
     {"op": "new", "system": "You are a terse assistant."},
@@ -70,6 +71,8 @@ def check_line(line: dict) -> None:
     assert set(line["cached_by"]) == SOURCES
     assert line["cached_tokens"] + line["prefill_tokens"] == line["prompt_tokens"]
     assert sum(line["cached_by"].values()) == line["cached_tokens"]
+    assert set(line["cached_kind"]) == KINDS
+    assert sum(line["cached_kind"].values()) == line["cached_tokens"]
     assert line["prefill_tokens"] >= 1  # the model is always fed >= 1 token
     assert line["generation_tokens"] >= 1
     assert line["ttft_s"] > 0 and line["peak_memory_bytes"] > 0
@@ -115,6 +118,7 @@ def test_full_script(tmp_path, models_dir, capsys):
         assert s[key] == sum(r[key] for r in results)
     assert s["cached_tokens"] + s["prefill_tokens"] == s["prompt_tokens"]
     assert s["cached_by"] == {k: sum(r["cached_by"][k] for r in results) for k in SOURCES}
+    assert s["cached_kind"] == {k: sum(r["cached_kind"][k] for r in results) for k in KINDS}
     ttfts = sorted(r["ttft_s"] for r in results)
     assert s["ttft_s_median"] == pytest.approx(ttfts[len(ttfts) // 2], abs=1e-6)
     assert s["ttft_s_mean"] == pytest.approx(sum(ttfts) / len(ttfts), abs=1e-6)
