@@ -284,6 +284,8 @@ class Engine:
         try:
             self._generate_one(req, handle)
         finally:
+            if self.cache is not None:
+                self.cache.persist()
             if ssd is not None:
                 ssd.resume()
 
@@ -376,8 +378,10 @@ class Engine:
             if ttft is None:
                 t_first = time.perf_counter()
                 ttft = t_first - t0
-                if cache is not None and cache.ssd is not None:
-                    cache.ssd.resume()
+                if cache is not None:
+                    cache.persist()
+                    if cache.ssd is not None:
+                        cache.ssd.resume()
             tokens.append(tok)
             if len(logprobs) < record:
                 logprobs.append(np.array(lp.astype(mx.float32)))
@@ -406,6 +410,7 @@ class Engine:
             entries = cache.capture(caches, sequence, seq_ids, 0, len(sequence), (), KIND_SEQ)
             mx.eval([c.state for c in caches] + [a for e in entries for a in e.arrays.values()])
             cache.commit(entries)
+            cache.persist()
             cache.set_resident(sequence, caches)
         handle.logprobs = logprobs
         handle.restored_position = start

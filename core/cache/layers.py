@@ -73,9 +73,28 @@ class Leaf:
     slices = False
     snapshots = False
 
-    def capture(self, c: Any, start: int, end: int) -> Arrays | None:
-        """The K/V of absolute positions ``[start, end)`` (slice kinds), or None."""
+    def span(self, c: Any, start: int, end: int) -> Arrays | None:
+        """Views (no copy) of the K/V of absolute positions ``[start, end)`` in the live
+        cache (slice kinds), or None when the cache does not hold them."""
         return None
+
+    def capture(self, c: Any, start: int, end: int) -> Arrays | None:
+        """A row-contiguous copy of :meth:`span`, or None."""
+        got = self.span(c, start, end)
+        return None if got is None else {n: _copy(a) for n, a in got.items()}
+
+    def capture_blocks(self, c: Any, start: int, n: int, size: int) -> list[Arrays] | None:
+        """The K/V of ``n`` consecutive blocks of ``size`` tokens from ``start``, one copy
+        per array for all of them: a row-contiguous ``(n, B, H, size, D)`` array whose ``[i]``
+        views are the blocks. One kernel per array per prefill chunk instead of one per block."""
+        got = self.span(c, start, start + n * size)
+        if got is None:
+            return None
+        stacks = {}
+        for k, a in got.items():
+            b, h, _, d = a.shape
+            stacks[k] = mx.contiguous(a.reshape(b, h, n, size, d).transpose(2, 0, 1, 3, 4))
+        return [{k: x[i] for k, x in stacks.items()} for i in range(n)]
 
     def snapshot(self, c: Any) -> Arrays:
         """The state at the cache's current position (state kinds)."""
@@ -114,10 +133,10 @@ class KVLeaf(Leaf):
 
     slices = True
 
-    def capture(self, c, start, end):
-        if c.keys is None:
+    def span(self, c, start, end):
+        if c.keys is None or end > c.offset:
             return None
-        return {n: _copy(a[..., start:end, :]) for n, a in _kv_parts(c)}
+        return {n: a[..., start:end, :] for n, a in _kv_parts(c)}
 
     def restore(self, c, parts, position, step: int = 256):
         # one concatenate per array, padded to a multiple of KVCache.step so the next
@@ -154,7 +173,7 @@ class WindowLeaf(Leaf):
 
     slices = True
 
-    def capture(self, c, start, end):
+    def span(self, c, start, end):
         if c.keys is None:
             return None
         keys, values = _temporal(c, c.keys), _temporal(c, c.values)
@@ -162,7 +181,7 @@ class WindowLeaf(Leaf):
         if start < first or end > c.offset:
             return None
         a, b = start - first, end - first
-        return {"k": _copy(keys[..., a:b, :]), "v": _copy(values[..., a:b, :])}
+        return {"k": keys[..., a:b, :], "v": values[..., a:b, :]}
 
     def first_needed(self, position):
         return max(0, position - self.max_size)

@@ -138,6 +138,17 @@ def probe_specs(leaves: Sequence[L.Leaf], caches: list[Any]) -> Spec:
     return spec
 
 
+def _runs(items: list[int]) -> list[list[int]]:
+    """Consecutive runs of sorted integers: ``[1, 2, 3, 7, 8] -> [[1, 2, 3], [7, 8]]``."""
+    runs: list[list[int]] = []
+    for x in items:
+        if runs and runs[-1][-1] == x - 1:
+            runs[-1].append(x)
+        else:
+            runs.append([x])
+    return runs
+
+
 def _common(a: tuple[int, ...], b: tuple[int, ...], stride: int = 256) -> int:
     """Length of the common prefix of two token tuples: compared a stride at a time (C-level
     tuple equality), then token by token inside the first stride that differs."""
@@ -200,6 +211,7 @@ class PrefixCache:
             else None
         )
         self.resident: Resident | None = None
+        self._unsaved: list[Entry] = []
         # counters
         self.hot_hits = self.hot_misses = 0
         self.resident_hits = 0
@@ -279,6 +291,13 @@ class PrefixCache:
             return None
         bs = self.block_size
         prompt = tuple(prompt)
+        if resident is not None and _common(resident.tokens, prompt) >= limit:
+            # the resident cache holds the whole prompt: no restore can go further than
+            # cutting it back to N - 1, if every leaf can be cut there
+            live = L.leaf_map(resident.caches)
+            n_res = len(resident.tokens)
+            if all(lf.can_cut(live[lf.name], n_res, limit) for lf in self.leaves):
+                return Plan(limit, frozenset(lf.name for lf in self.leaves))
         held = [self._held(i) for i in ids[: limit // bs]]
         # entries after each chain block that match the prompt: (common tokens, entry)
         after: dict[int, list[tuple[int, Any]]] = {}
@@ -415,7 +434,7 @@ class PrefixCache:
                 wanted = [ids[i] for i in plan.blocks if ids[i] not in self.hot]
                 if plan.tail is not None and plan.tail.id not in self.hot:
                     wanted.append(plan.tail.id)
-                self.ssd.prefetch(wanted)
+                self.ssd.read_ahead(wanted)
             for i in plan.blocks:
                 got = self._fetch(ids[i])
                 if got is None:
@@ -434,7 +453,11 @@ class PrefixCache:
                 if self.ssd is not None:
                     self.ssd.remove(bad)
                 continue
+            if self.ssd is not None:
+                self.ssd.drop_reads()
             return self._fill(plan, loaded, tail, resident, fresh)
+        if self.ssd is not None:
+            self.ssd.drop_reads()
         self.tail_misses += 1
         return Restored(caches=fresh())
 
@@ -524,26 +547,51 @@ class PrefixCache:
         """
         bs = self.block_size
         live = L.leaf_map(caches)
-        out = []
+        todo = []
         for j in range(start // bs, end // bs):
-            at_end = (j + 1) * bs == end
             h = self._held(ids[j])
             if (
                 h is not None
                 and (h.window or not self.window)
-                and (h.snapshot or not (at_end and self.state))
+                and (h.snapshot or not ((j + 1) * bs == end and self.state))
             ):
                 held = self.hot.peek(ids[j])
                 if held is not None:
                     self._persist(held)
                 continue
-            role = role_at(boundaries, (j + 1) * bs)
-            out.append(
-                self._entry(
-                    live, ids[j], ids[j - 1] if j else self.root, KIND_BLOCK, j * bs,
-                    tokens[j * bs : (j + 1) * bs], role, at_end,
+            todo.append(j)
+        out = []
+        for run in _runs(todo):
+            parts = {j: {} for j in run}
+            complete = dict.fromkeys(run, True)
+            for leaf in self.kv + self.window:
+                c = live[leaf.name]
+                got = leaf.capture_blocks(c, run[0] * bs, len(run), bs)
+                if got is None:  # a window no longer holds the run's start: block by block
+                    got = [leaf.capture(c, j * bs, (j + 1) * bs) for j in run]
+                for j, arrays in zip(run, got, strict=True):
+                    if arrays is None:
+                        complete[j] = False
+                    else:
+                        parts[j].update({f"{leaf.name}.{k}": a for k, a in arrays.items()})
+            for j in run:
+                at_end = (j + 1) * bs == end
+                snap = at_end and bool(self.state)
+                if snap:
+                    parts[j].update(self._snapshot(live))
+                out.append(
+                    Entry(
+                        id=ids[j],
+                        parent=ids[j - 1] if j else self.root,
+                        kind=KIND_BLOCK,
+                        start=j * bs,
+                        tokens=tuple(tokens[j * bs : (j + 1) * bs]),
+                        role=role_at(boundaries, (j + 1) * bs),
+                        window=complete[j] or not self.window,
+                        snapshot=snap,
+                        arrays=parts[j],
+                    )
                 )
-            )  # fmt: skip
         j = end // bs
         if end_kind is not None and end % bs:
             parent = ids[j - 1] if j else self.root
@@ -557,6 +605,14 @@ class PrefixCache:
                 out.append(self._entry(live, tid, parent, end_kind, j * bs, seg, role, True))
         return out
 
+    def _snapshot(self, live) -> dict:
+        arrays = {}
+        for leaf in self.state:
+            arrays.update(
+                {f"{leaf.name}.{k}": a for k, a in leaf.snapshot(live[leaf.name]).items()}
+            )
+        return arrays
+
     def _entry(self, live, eid, parent, kind, start, tokens, role, at_end) -> Entry:
         arrays, window_ok = {}, True
         end = start + len(tokens)
@@ -568,10 +624,7 @@ class PrefixCache:
             arrays.update({f"{leaf.name}.{k}": a for k, a in got.items()})
         snap = at_end and bool(self.state)
         if snap:
-            for leaf in self.state:
-                arrays.update(
-                    {f"{leaf.name}.{k}": a for k, a in leaf.snapshot(live[leaf.name]).items()}
-                )
+            arrays.update(self._snapshot(live))
         return Entry(
             id=eid,
             parent=parent,
@@ -585,16 +638,25 @@ class PrefixCache:
         )
 
     def commit(self, entries: list[Entry]) -> None:
-        """Put evaluated entries into the hot tier and queue them for the SSD tier."""
+        """Put evaluated entries into the hot tier; they reach the SSD tier at the next
+        :meth:`persist` (the engine calls it once the request's first token is out)."""
         for e in entries:
             e.nbytes = sum(a.nbytes for a in e.arrays.values())
             e.snapshot_nbytes = self._snapshot_nbytes(e.arrays)
             self.hot.put(e, pin=self.pin_system and e.kind == KIND_BLOCK and e.role == "system")
             if self.ssd is not None:
-                self.ssd.put(e)
+                self._unsaved.append(e)
             if e.kind != KIND_BLOCK and e.id in self.hot:
                 self.tail_stashes += 1
         self._flush_evictions()
+
+    def persist(self) -> None:
+        """Hand the entries committed since the last call to the SSD tier (write-through),
+        in commit order."""
+        unsaved, self._unsaved = self._unsaved, []
+        if self.ssd is not None:
+            for e in unsaved:
+                self.ssd.put(e)
 
     def _persist(self, e: Entry) -> None:
         """Write-through repair: queue a hot entry the SSD tier does not hold (after an
@@ -633,6 +695,7 @@ class PrefixCache:
         return msg
 
     def close(self) -> None:
+        self.persist()
         if self.ssd is not None:
             self.ssd.close()
 

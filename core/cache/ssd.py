@@ -51,6 +51,7 @@ import struct
 import threading
 import time
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -434,6 +435,9 @@ class SSDTier:
         self.children: dict[str, set[str]] = {}  # parent id -> ids of entries after it
         self._pending: dict[str, _Pending] = {}
         self._paused = False
+        # files being read ahead of their load by worker threads (pure I/O and CRC)
+        self._reads: dict[str, Future] = {}
+        self._readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tierchat-ssd-read")
         self._pending_bytes = 0
         self._queue: list[_Pending | None] = []
         self._tmp_seq = itertools.count()
@@ -818,6 +822,8 @@ class SSDTier:
         return self._verified.wait(timeout)
 
     def close(self) -> None:
+        self.drop_reads()
+        self._readers.shutdown(wait=True)
         if self.enabled:
             self.flush()
             with self._cond:
@@ -874,7 +880,8 @@ class SSDTier:
                 arrays = dict(item.entry.arrays)
             else:
                 path = self._path(entry_id)
-                layout, buf, ino = read_file(path)
+                ahead = self._reads.pop(entry_id, None)
+                layout, buf, ino = ahead.result() if ahead is not None else read_file(path)
                 if EntryMeta.meta(entry_meta(layout.meta, self.fingerprint)) != meta.meta():
                     raise CorruptEntry("file changed since indexed")
                 arrays = arrays_from(layout, buf)
@@ -894,6 +901,25 @@ class SSDTier:
         entry = Entry(**EntryMeta.meta(meta), arrays=arrays)
         entry.nbytes = sum(a.nbytes for a in arrays.values())
         return entry
+
+    def read_ahead(self, entry_ids) -> None:
+        """Start reading and verifying these entries' files on worker threads (plain file
+        I/O and CRC-32, which release the GIL; no MLX), so a long restore reads several
+        files at once while the engine thread turns finished ones into arrays. ``load``
+        takes the result; a failed read raises there and is handled as any bad file."""
+        for entry_id in entry_ids:
+            with self._lock:
+                if entry_id in self._pending or entry_id not in self._index:
+                    continue
+                if entry_id in self._reads:
+                    continue
+            self._reads[entry_id] = self._readers.submit(read_file, self._path(entry_id))
+
+    def drop_reads(self) -> None:
+        """Forget reads ahead that no load took (the restore changed its plan)."""
+        reads, self._reads = self._reads, {}
+        for f in reads.values():
+            f.cancel()
 
     def prefetch(self, entry_ids) -> None:
         """Ask the kernel to start reading these entries' files now (``POSIX_FADV_WILLNEED``,
