@@ -18,6 +18,7 @@ codes. Binding to anything but loopback needs ``--allow-remote`` and an API key
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import ipaddress
 import json
@@ -27,6 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
@@ -76,6 +78,7 @@ class ServeState:
         use_cache: bool = True,
         max_queue: int = 64,
         memory_entries: int = 256,
+        memory_path: str | os.PathLike | None = None,
     ) -> None:
         self.engine = engine
         self.log = engine.log
@@ -84,7 +87,7 @@ class ServeState:
         self.seed = seed
         self.use_cache = use_cache
         self.max_queue = max_queue
-        self.memory = ReplyMemory(memory_entries)
+        self.memory = ReplyMemory(memory_entries, memory_path)
         self.created = int(time.time())
         self._builder: PromptBuilder | None = None
 
@@ -98,6 +101,13 @@ class ServeState:
 
 
 # ---------------------------------------------------------------- responses
+
+
+def reply_memory_path(settings: Any, model_name: str) -> Path:
+    """Where the server keeps its reply memory for ``model_name``: one file per model
+    under the data dir (``serve-replies/<sha256(model)[:16]>.jsonl``)."""
+    digest = hashlib.sha256(model_name.encode()).hexdigest()[:16]
+    return Path(settings.data_dir) / "serve-replies" / f"{digest}.jsonl"
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -467,6 +477,7 @@ def run_serve(settings: Any, args: Any) -> int:
         seed=settings.seed,
         use_cache=not settings.no_cache,
         max_queue=args.max_queue,
+        memory_path=reply_memory_path(settings, engine.model_name),
     )
     app = create_app(state)
     try:

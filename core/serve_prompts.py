@@ -15,10 +15,13 @@ Errors are :class:`APIError`: an HTTP status and OpenAI's error fields
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tierchat.core.api import Tokenizer
@@ -72,12 +75,68 @@ class ReplyMemory:
     ``</think>`` token: a client that strips the reasoning still gets the generated ids.
     Wrong ids cannot corrupt a prompt: the builder splices ids only where their decoding
     equals the rendered text.
+
+    With a ``path`` the memory survives a restart (JSON lines, appended as replies come,
+    compacted on load): the SSD tier's blocks are keyed by the generated ids, so without
+    them a restarted server would miss from the first re-tokenized reply on. One file per
+    model (the caller names it); an unwritable file leaves the memory in RAM only.
     """
 
-    def __init__(self, max_entries: int = 256) -> None:
+    def __init__(self, max_entries: int = 256, path: str | os.PathLike | None = None) -> None:
         self.max_entries = max_entries
+        self.path = Path(path) if path is not None else None
         self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._lock = threading.Lock()
+        self._lines = 0
+        if self.path is not None:
+            self._load()
+
+    def _load(self) -> None:
+        """Read the file (one JSON ``[text, ids]`` a line, oldest first); a bad line is
+        skipped; the file is rewritten when it holds more than twice what is kept."""
+        assert self.path is not None
+        try:
+            lines = self.path.read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            return
+        except OSError:
+            self.path = None  # unreadable: work in memory only
+            return
+        for line in lines:
+            try:
+                text, ids = json.loads(line)
+                if isinstance(text, str) and all(isinstance(i, int) for i in ids):
+                    self._entries[text] = tuple(ids)
+                    self._entries.move_to_end(text)
+            except (ValueError, TypeError):
+                continue
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+        self._lines = len(lines)
+        if self._lines > 2 * self.max_entries:
+            self._rewrite()
+
+    def _rewrite(self) -> None:
+        assert self.path is not None
+        tmp = self.path.with_suffix(".tmp")
+        body = "".join(json.dumps([t, list(i)]) + "\n" for t, i in self._entries.items())
+        tmp.write_text(body, encoding="utf-8")
+        os.replace(tmp, self.path)
+        self._lines = len(self._entries)
+
+    def _append(self, keys: dict[str, tuple[int, ...]]) -> None:
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as f:
+                for text, ids in keys.items():
+                    f.write(json.dumps([text, list(ids)]) + "\n")
+            self._lines += len(keys)
+            if self._lines > 2 * self.max_entries:
+                self._rewrite()
+        except OSError:
+            self.path = None  # a full or read-only disk: go on in memory
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -95,6 +154,7 @@ class ReplyMemory:
                 self._entries.move_to_end(key)
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
+            self._append(keys)
 
     def lookup(self, text: str) -> tuple[int, ...] | None:
         with self._lock:

@@ -314,3 +314,21 @@ def test_sampling_parameters_follow_openai_names():
     for body in ({"top_p": 2}, {"stop": [1]}, {"tools": [{"type": "function"}]}, {"stream": "yes"}):
         with pytest.raises(APIError):
             sampling(body, 100, 0)
+
+
+def test_reply_memory_persists_and_compacts_its_file(tmp_path):
+    tok = FakeTokenizer()
+    path = tmp_path / "replies" / "m.jsonl"
+    memory = ReplyMemory(max_entries=3, path=path)
+    for i in range(7):
+        memory.remember(tok, f"reply {i}", tok.char_ids(f"reply {i}"))
+    assert len(path.read_text().splitlines()) <= 6  # compacted past twice max_entries
+    with open(path, "a") as f:
+        f.write("not json\n")
+    again = ReplyMemory(max_entries=3, path=path)
+    assert [again.lookup(f"reply {i}") is not None for i in range(7)] == [False] * 4 + [True] * 3
+    assert again.lookup("reply 6") == tuple(tok.char_ids("reply 6"))
+    unwritable = ReplyMemory(max_entries=3, path=tmp_path / "f" / "x.jsonl")
+    (tmp_path / "f").write_text("a file where a folder should be")
+    unwritable.remember(tok, "still kept", [1, 2])  # in RAM only
+    assert unwritable.lookup("still kept") == (1, 2) and unwritable.path is None

@@ -23,11 +23,14 @@ def user_text(i: int, name: str = "") -> str:
 
 
 class Served:
-    """A real engine on ``model`` behind a server on a free loopback port."""
+    """A real engine on ``model`` behind a server on a free loopback port (its reply
+    memory kept under ``tmp`` when ``persist``)."""
 
-    def __init__(self, model: str, tmp: Path, models_dir: Path) -> None:
+    def __init__(self, model: str, tmp: Path, models_dir: Path, persist: bool = False, **kw):
         self.engine = TrackedEngine(make_engine(model, tmp, models_dir), RequestLog())
-        self.state = ServeState(self.engine, max_tokens=MAX_TOKENS)
+        path = tmp / "replies.jsonl" if persist else None
+        kw.setdefault("max_tokens", MAX_TOKENS)
+        self.state = ServeState(self.engine, memory_path=path, **kw)
         self.server = ServerThread(create_app(self.state)).start()
         self.client = openai.OpenAI(
             base_url=self.server.url + "/v1", api_key="none", max_retries=0, timeout=120
@@ -122,21 +125,30 @@ def test_two_clients_interleaved_both_reuse_their_prefixes(llama):
 
 
 def test_a_restarted_server_serves_the_conversation_from_the_ssd_tier(tmp_path, models_dir):
-    messages = [{"role": "user", "content": user_text(0) * 3}]
-    served = Served("tiny:llama", tmp_path, models_dir)
+    """The SSD tier's blocks are keyed by generated ids: the persisted reply memory lets the
+    restarted server rebuild the same prompt, so all full blocks of turn 1's prompt and
+    reply are found on disk."""
+    # this reply's text re-tokenizes to other ids from its 4th token on
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": user_text(1)},
+    ]
+    served = Served("tiny:llama", tmp_path, models_dir, persist=True, max_tokens=24)
     try:
         text, first = chat(served.client, messages)
     finally:
         served.close()
     messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "again?"}]
-    served = Served("tiny:llama", tmp_path, models_dir)
+    served = Served("tiny:llama", tmp_path, models_dir, persist=True, max_tokens=24)
     try:
         _, after = chat(served.client, messages)
     finally:
         served.close()
     by = after.model_extra["tierchat"]["cached_by"]
-    assert by["ssd"] >= (first.prompt_tokens // 16) * 16 - 16
-    assert after.prompt_tokens_details.cached_tokens >= by["ssd"] > 0
+    sequence = first.prompt_tokens + first.completion_tokens
+    assert first.completion_tokens == 24
+    assert by["ssd"] >= sequence // 16 * 16
+    assert after.prompt_tokens_details.cached_tokens >= by["ssd"]
 
 
 def test_regenerate_on_a_hybrid_prefills_one_token(tmp_path, models_dir):
