@@ -242,6 +242,13 @@ def authorize(state: ServeState, http: Request) -> None:
         )
 
 
+def stopped(state: ServeState, gen: Generation, matcher: StopMatcher) -> None:
+    """A reply cut at a stop string was cancelled on the engine; the log shows it done."""
+    seq = getattr(gen.handle, "log_seq", None)
+    if matcher.stopped and seq is not None:
+        state.log.update(seq, status="done", finish_reason="stop")
+
+
 def _finish_reason(metrics: TurnMetrics, matcher: StopMatcher) -> str:
     if matcher.stopped:
         return "stop"
@@ -272,6 +279,7 @@ async def generate(state: ServeState, http: Request, endpoint: str) -> Response:
         elif isinstance(event, Failed):
             return error_response(failure(event))
         elif isinstance(event, Finished):
+            stopped(state, gen, matcher)
             text = matcher.text
             if endpoint == "chat":
                 state.memory.remember(state.engine.tokenizer, text, event.token_ids)
@@ -323,6 +331,7 @@ async def _stream(
         elif isinstance(event, Failed):
             yield sse(failure(event).body())
         elif isinstance(event, Finished):
+            stopped(state, gen, matcher)
             rest = matcher.flush()
             if rest:
                 yield chunk(rest)
@@ -474,7 +483,7 @@ def run_serve(settings: Any, args: Any) -> int:
         tracked,
         api_key=api_key,
         max_tokens=settings.max_tokens,
-        seed=settings.seed,
+        seed=settings.seed if "seed" in args else None,  # clients' own seeds otherwise
         use_cache=not settings.no_cache,
         max_queue=args.max_queue,
         memory_path=reply_memory_path(settings, engine.model_name),

@@ -231,7 +231,9 @@ class TrackedEngine:
                 on_event(event)
 
         try:
-            return self.engine.submit(request, watch)
+            handle = self.engine.submit(request, watch)
         except Exception as e:
             self.log.update(seq, status="failed", error=str(e) or type(e).__name__)
             raise
+        handle.log_seq = seq  # type: ignore[attr-defined] -- for the caller's own updates
+        return handle

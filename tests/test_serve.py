@@ -332,3 +332,22 @@ def test_reply_memory_persists_and_compacts_its_file(tmp_path):
     (tmp_path / "f").write_text("a file where a folder should be")
     unwritable.remember(tok, "still kept", [1, 2])  # in RAM only
     assert unwritable.lookup("still kept") == (1, 2) and unwritable.path is None
+
+
+def test_a_reply_cut_at_a_stop_string_is_logged_done(served):
+    state, url = served
+    client(url).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "x STOP"}], stop="STOP"
+    )
+    (record,) = state.log.snapshot().records
+    assert (record.status, record.finish_reason) == ("done", "stop")
+
+
+def test_cli_refuses_a_remote_bind_without_flag_and_key(isolated_settings, monkeypatch, capsys):
+    from tierchat.cli.main import main
+
+    monkeypatch.delenv("TIERCHAT_API_KEY", raising=False)
+    assert main(["serve", "--host", "0.0.0.0", "--model", "tiny:llama"]) == 2
+    assert "--allow-remote" in capsys.readouterr().err
+    assert main(["serve", "--host", "0.0.0.0", "--allow-remote", "--model", "tiny:llama"]) == 2
+    assert "API key" in capsys.readouterr().err
