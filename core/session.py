@@ -16,12 +16,24 @@ What is stored, and when (events arrive on the engine thread):
 - ``Failed`` (or a cancel before any token): nothing half is kept: the user node this call
   added (``send``, ``edit``) is removed and the previous selection restored; the caller
   still has the text.
+
+Generation settings (system prompt, temperature, top-p, max tokens, seed) are per
+conversation (:class:`ConversationSettings`, saved in the store with it); the session's
+constructor arguments are the defaults of a conversation that saved none. With
+temperature > 0 and a seed, reply ``k`` to a user message is sampled with ``seed + k``, so
+regenerate gives a new reply and a replay gives the same ones.
+
+A reply's generated token ids are spliced into later prompts only while the model that
+generated them is loaded (``meta["model"]``); after a model switch its text is tokenized
+by the new model instead (another model's ids are another vocabulary).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+from dataclasses import dataclass
+from typing import Any
 
 from tierchat.core.api import (
     EngineLike,
@@ -32,13 +44,59 @@ from tierchat.core.api import (
     GenerateRequest,
     RequestHandle,
 )
-from tierchat.core.conversation import ConversationStore, Node
+from tierchat.core.conversation import ConversationStore, Node, PathEntry
 from tierchat.core.prompts import Prompt, PromptBuilder
 
 
 class SessionError(Exception):
     """An operation the session cannot do now: no such turn/reply, nothing to regenerate,
     or a reply still being generated."""
+
+
+@dataclass(frozen=True)
+class ConversationSettings:
+    """How a conversation generates. ``system``: the system prompt ("" for none; it
+    replaces a system message stored at the root of the tree). ``seed`` None: unseeded."""
+
+    system: str = ""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 512
+    seed: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(
+        cls, data: dict[str, Any], defaults: ConversationSettings
+    ) -> ConversationSettings:
+        """``data`` (as saved) over ``defaults``; unknown keys and bad values are ignored."""
+        values = defaults.to_dict()
+        for f in dataclasses.fields(cls):
+            if f.name in data:
+                values[f.name] = data[f.name]
+        try:
+            out = cls(
+                system=str(values["system"] or ""),
+                temperature=float(values["temperature"]),
+                top_p=float(values["top_p"]),
+                max_tokens=int(values["max_tokens"]),
+                seed=None if values["seed"] is None else int(values["seed"]),
+            )
+        except (TypeError, ValueError):
+            return defaults
+        return out.checked()
+
+    def checked(self) -> ConversationSettings:
+        """Raises ``ValueError`` naming the first value out of range."""
+        if not 0.0 <= self.temperature <= 5.0:
+            raise ValueError(f"temperature must be in 0..5, not {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top-p must be in (0, 1], not {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max tokens must be at least 1, not {self.max_tokens}")
+        return self
 
 
 class TurnHandle(RequestHandle):
@@ -59,6 +117,7 @@ class TurnHandle(RequestHandle):
         self.prompt = prompt
         self.reply_node: Node | None = None
         self.error: Exception | None = None
+        self.request: GenerateRequest | None = None
         self._handle: RequestHandle | None = None
 
     @property
@@ -103,10 +162,65 @@ class ChatSession:
         self._lock = threading.Lock()
         self._builder: PromptBuilder | None = None
 
-    def build_prompt(self, path: list[Node]) -> Prompt:
-        """The prompt for ``path`` with the engine's current tokenizer (renders cached
-        across turns; a new tokenizer, after a model switch, starts a new cache)."""
+    # ------------------------------------------------------------------ settings
+
+    @property
+    def defaults(self) -> ConversationSettings:
+        """The settings of a conversation that saved none (the constructor's values)."""
+        return ConversationSettings(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            max_tokens=self.max_tokens,
+            seed=self.seed,
+        )
+
+    def settings(self, conversation_id: int | None = None) -> ConversationSettings:
+        """The settings of ``conversation_id`` (default: the open one; the defaults when
+        none is open). A system message at the root of the tree is the default system
+        prompt."""
+        cid = self.conversation_id if conversation_id is None else conversation_id
+        if cid is None:
+            return self.defaults
+        saved = self.store.conversation_settings(cid)
+        defaults = self.defaults
+        if "system" not in saved:
+            roots = self.store.active_path_entries(cid)[:1]
+            if roots and roots[0].node.role == "system":
+                defaults = dataclasses.replace(defaults, system=roots[0].node.content)
+        return ConversationSettings.from_dict(saved, defaults)
+
+    def save_settings(self, settings: ConversationSettings) -> None:
+        """Save ``settings`` with the open conversation. Raises ``ValueError`` for a value
+        out of range, :class:`SessionError` when no conversation is open."""
+        self.store.set_conversation_settings(self._cid(), settings.checked().to_dict())
+
+    # ------------------------------------------------------------------ prompts
+
+    def prompt_messages(self, path: list[Node], settings: ConversationSettings | None = None):
+        """What the model sees for ``path``: the conversation's system prompt first (it
+        replaces a stored system root), and no generated ids from another model."""
+        settings = settings or self.settings(path[0].conversation_id if path else None)
+        model = self.engine.model_name
+        body = path[1:] if path and path[0].role == "system" else list(path)
+        out: list[Any] = []
+        if settings.system:
+            out.append({"role": "system", "content": settings.system, "token_ids": None})
+        for node in body:
+            ids = node.token_ids
+            if ids is not None and (node.meta or {}).get("model", model) != model:
+                ids = None
+            out.append({"role": node.role, "content": node.content, "token_ids": ids})
+        return out
+
+    def build_prompt(self, path: list[Any], settings: ConversationSettings | None = None) -> Prompt:
+        """The prompt for ``path`` (nodes, or role/content dicts) with the engine's current
+        tokenizer (renders cached across turns; a new tokenizer, after a model switch,
+        starts a new cache). Raises :class:`SessionError` when no model is loaded."""
         tokenizer = self.engine.tokenizer
+        if tokenizer is None or not self.engine.model_name:
+            raise SessionError("no model is loaded yet: pick one (F4) or wait for it to load")
+        if not path or isinstance(path[0], Node):
+            path = self.prompt_messages(path, settings)
         if self._builder is None or self._builder.tokenizer is not tokenizer:
             self._builder = PromptBuilder(tokenizer)
         return self._builder.build(path)
@@ -133,6 +247,20 @@ class ChatSession:
         if self.conversation_id is None:
             return []
         return self.store.active_path(self.conversation_id)
+
+    def path_entries(self) -> list[PathEntry]:
+        """The active path with each node's place among its siblings, in one store query
+        ([] when no conversation is open)."""
+        if self.conversation_id is None:
+            return []
+        return self.store.active_path_entries(self.conversation_id)
+
+    def select(self, node_id: int) -> Node:
+        """Make ``node_id`` the selected one among its siblings (any role: a reply, an
+        edited user message, a system prompt branch); no generation. Returns the node."""
+        node = self.store.get_node(node_id)
+        self.store.select_child(node.parent_id, node.id)
+        return node
 
     def user_turns(self) -> list[Node]:
         """User nodes on the active path; turn ``i`` is ``user_turns()[i]``."""
@@ -167,9 +295,15 @@ class ChatSession:
         return replies[index]
 
     def fork(self, node_id: int) -> int:
-        """Copy the path root..``node_id`` into a new conversation; returns its id (the
-        session stays on the current conversation: ``open()`` the fork to continue it)."""
-        return self.store.fork(node_id)
+        """Copy the path root..``node_id`` into a new conversation, with the settings of
+        the conversation it came from; returns its id (the session stays on the current
+        conversation: ``open()`` the fork to continue it)."""
+        old = self.store.get_node(node_id).conversation_id
+        saved = self.store.conversation_settings(old)
+        cid = self.store.fork(node_id)
+        if saved:
+            self.store.set_conversation_settings(cid, saved)
+        return cid
 
     def delete(self, node_id: int) -> None:
         """Delete ``node_id`` and everything under it."""
@@ -249,21 +383,27 @@ class ChatSession:
         ``user`` and remove it again on failure (reselecting ``restore``)."""
         added = kind in ("send", "edit")
         try:
-            prompt = self.build_prompt(self.store.path_to(user.id))
+            settings = self.settings(user.conversation_id)
+            prompt = self.build_prompt(self.store.path_to(user.id), settings)
+            n_replies = len(self.store.replies(user.id))
         except Exception:
             if added:
                 self._rollback(user, restore)
             raise
         turn = TurnHandle(kind, user, prompt, on_event)
+        seed = settings.seed
+        if seed is not None and settings.temperature > 0:
+            seed += n_replies  # reply k of this message: a new sample, reproducibly
         request = GenerateRequest(
             prompt_ids=prompt.token_ids,
-            max_tokens=max_tokens if max_tokens is not None else self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            seed=self.seed,
+            max_tokens=max_tokens if max_tokens is not None else settings.max_tokens,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            seed=seed,
             boundaries=prompt.boundaries,
             use_cache=self.use_cache,
         )
+        turn.request = request
 
         def handle_event(event: Event) -> None:
             if isinstance(event, Finished):

@@ -238,3 +238,61 @@ def test_threads_share_the_store(store):
         t.join()
     assert errors == []
     assert len(store.children(root.id)) == 80
+
+
+def test_active_path_entries_match_the_walk_with_sibling_places(store):
+    cid, u0, a0, u1, a1 = chat(store)
+    store.add_node(cid, u1.id, "assistant", "second")  # a1' selected
+    store.select_child(u1.id, a1.id)
+    e0 = store.add_node(cid, a0.id, "user", "edited")  # u1' selected: a new branch
+    store.add_node(cid, e0.id, "assistant", "reply to edit")
+    entries = store.active_path_entries(cid)
+    assert [e.node for e in entries] == store.active_path(cid)
+    assert [(e.node.role, e.index, e.count) for e in entries] == [
+        ("system", 0, 1),
+        ("user", 0, 1),
+        ("assistant", 0, 1),
+        ("user", 1, 2),
+        ("assistant", 0, 1),
+    ]
+    store.select_child(a0.id, u1.id)  # back to the first branch: its reply 1 of 2
+    entries = store.active_path_entries(cid)
+    assert [e.node for e in entries] == store.active_path(cid)
+    assert [(e.index, e.count) for e in entries[-2:]] == [(0, 2), (0, 2)]
+    assert entries[-1].node.meta == {} and entries[2].node.meta == {"x": 1}
+    assert entries[2].node.token_ids == (5, 6, 4)
+
+
+def test_active_path_entries_of_an_empty_and_an_unknown_conversation(store):
+    cid = store.create_conversation("empty")
+    assert store.active_path_entries(cid) == []
+    with pytest.raises(ConversationError):
+        store.active_path_entries(cid + 99)
+
+
+def test_active_path_entries_fall_back_to_the_newest_child(store):
+    cid, u0, a0, _u1, _a1 = chat(store, system=None)
+    store.delete_subtree(a0.id)  # u0's selection points at a deleted node
+    other = store.add_node(cid, u0.id, "assistant", "newer", select=False)
+    assert [e.node for e in store.active_path_entries(cid)] == store.active_path(cid)
+    assert store.active_path_entries(cid)[-1].node.id == other.id
+
+
+def test_conversation_settings_round_trip_and_migrate(tmp_path):
+    path = tmp_path / "c.sqlite"
+    conn = sqlite3.connect(path)  # a version-1 file, before settings existed
+    from tierchat.core.conversation import MIGRATIONS
+
+    conn.executescript(f"BEGIN; {MIGRATIONS[0]}; PRAGMA user_version = 1; COMMIT;")
+    conn.execute("INSERT INTO conversations (title, created_at, updated_at) VALUES ('x', 1, 1)")
+    conn.commit()
+    conn.close()
+    with ConversationStore(path) as s:
+        assert s.schema_version == SCHEMA_VERSION
+        (info,) = s.list_conversations()
+        assert s.conversation_settings(info.id) == {}
+        s.set_conversation_settings(info.id, {"temperature": 0.7, "system": "Be brief."})
+    with ConversationStore(path) as s:
+        assert s.conversation_settings(info.id) == {"temperature": 0.7, "system": "Be brief."}
+        with pytest.raises(ConversationError):
+            s.conversation_settings(info.id + 1)

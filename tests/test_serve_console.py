@@ -145,13 +145,13 @@ async def test_chat_pane_turns_go_through_the_same_queue(console):
     app, engine, url = console
     post(url, "from http", "bob")
     async with app.run_test(size=SIZE) as pilot:
-        await pilot.press("f9")
+        await pilot.press("f10")
         await pilot.pause()
         assert isinstance(app.screen, ChatScreen)
         await pilot.press(*"hello from chat", "enter")
         await until(pilot, lambda: len(engine.engine.requests) == 2)
         await until(pilot, lambda: not app.session.busy)
-        await pilot.press("f9")
+        await pilot.press("f10")
         await pilot.pause()
         assert isinstance(app.screen, ServeConsoleScreen)
         await until(pilot, lambda: len(rows(app)) == 2 and rows(app)[1][4] == "done")

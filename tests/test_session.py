@@ -305,3 +305,101 @@ def test_fake_engine_unsupported_model_and_fixed_clock():
         e.close()
     with pytest.raises(RuntimeError):
         e.submit(GenerateRequest((1,)))
+
+
+# ---------------------------------------------------------------- per-conversation settings
+
+
+def test_settings_are_saved_with_the_conversation_and_used(engine, store):
+    from tierchat.core.session import ConversationSettings
+
+    s = ChatSession(engine, store, max_tokens=64, temperature=0.0, seed=7)
+    cid = s.new_conversation(title="a")
+    assert s.settings() == ConversationSettings(max_tokens=64, seed=7)
+    s.save_settings(ConversationSettings("Talk like a pirate.", 0.8, 0.9, 32, 11))
+    s.send("hi").wait(TIMEOUT)
+    r = engine.requests[-1]
+    assert (r.temperature, r.top_p, r.max_tokens, r.seed) == (0.8, 0.9, 32, 11)
+    assert "<|system|>Talk like a pirate.<|end|>" in engine.tokenizer.decode(r.prompt_ids)
+    other = s.new_conversation(title="b")  # another conversation keeps the defaults
+    s.send("hi").wait(TIMEOUT)
+    assert engine.requests[-1].temperature == 0.0
+    assert s.settings(cid).system == "Talk like a pirate." and s.settings(other).system == ""
+    with pytest.raises(ValueError, match="top-p"):
+        s.save_settings(ConversationSettings(top_p=0.0))
+
+
+def test_regenerate_at_temperature_samples_a_new_seed_each_time(engine, store):
+    from tierchat.core.session import ConversationSettings
+
+    s = ChatSession(engine, store)
+    s.new_conversation()
+    s.save_settings(ConversationSettings(temperature=0.7, seed=100))
+    s.send("q").wait(TIMEOUT)
+    s.regenerate().wait(TIMEOUT)
+    s.regenerate().wait(TIMEOUT)
+    assert [r.seed for r in engine.requests] == [100, 101, 102]
+    s.save_settings(ConversationSettings(temperature=0.0, seed=100))  # greedy: seed unused
+    s.regenerate().wait(TIMEOUT)
+    assert engine.requests[-1].seed == 100 and engine.requests[-1].temperature == 0.0
+
+
+def test_system_prompt_setting_replaces_the_stored_system_root(session, engine):
+    from dataclasses import replace
+
+    assert session.settings().system == "Be brief."  # the root message is the default
+    session.send("hi").wait(TIMEOUT)
+    assert "<|system|>Be brief." in engine.tokenizer.decode(engine.requests[-1].prompt_ids)
+    session.save_settings(replace(session.settings(), system="Be long."))
+    session.send("again").wait(TIMEOUT)
+    text = engine.tokenizer.decode(engine.requests[-1].prompt_ids)
+    assert "Be long." in text and "Be brief." not in text
+    session.save_settings(replace(session.settings(), system=""))
+    session.send("none").wait(TIMEOUT)
+    assert "<|system|>" not in engine.tokenizer.decode(engine.requests[-1].prompt_ids)
+
+
+def test_fork_keeps_the_settings(session):
+    from dataclasses import replace
+
+    session.send("hi").wait(TIMEOUT)
+    session.save_settings(replace(session.settings(), temperature=0.9))
+    fork = session.fork(session.active_path()[-1].id)
+    assert session.settings(fork).temperature == 0.9
+
+
+def test_send_without_a_model_is_a_clear_session_error(store):
+    class NoModel(FakeEngine):
+        @property
+        def tokenizer(self):
+            return None
+
+    engine = NoModel(model_name="")
+    try:
+        s = ChatSession(engine, store)
+        with pytest.raises(SessionError, match="no model is loaded"):
+            s.send("hello")
+        assert s.active_path() == []  # the user message was not kept
+    finally:
+        engine.close()
+
+
+def test_ids_of_another_model_are_not_spliced(session, engine):
+    session.send("hello there").wait(TIMEOUT)
+    same = session.build_prompt(session.active_path())
+    assert same.spliced == 1
+    engine.model_name = "another"
+    other = session.build_prompt(session.active_path())
+    assert other.spliced == 0
+    assert engine.tokenizer.decode(other.token_ids) == engine.tokenizer.decode(same.token_ids)
+
+
+def test_select_any_sibling_and_path_entries(session):
+    session.send("first").wait(TIMEOUT)
+    old_user = session.user_turns()[0]
+    session.edit(0, "second").wait(TIMEOUT)
+    entries = session.path_entries()
+    assert [(e.node.role, e.index, e.count) for e in entries][1] == ("user", 1, 2)
+    session.select(old_user.id)
+    assert session.active_path()[1].content == "first"
+    assert session.active_path()[-1].content.endswith("to: first")

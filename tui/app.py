@@ -16,11 +16,13 @@ from textual.screen import Screen
 from tierchat.core.api import EngineLike
 from tierchat.tui.screens.chat import ChatScreen
 from tierchat.tui.screens.confirm import ConfirmScreen
+from tierchat.tui.screens.conversation_settings import ConversationSettingsScreen
 from tierchat.tui.screens.help import HelpScreen
 from tierchat.tui.screens.model_picker import ModelPickerScreen
 from tierchat.tui.screens.prompt import EditMessageScreen, PromptScreen
 from tierchat.tui.widgets.chat_input import ChatInput
 from tierchat.tui.widgets.conversation_list import ConversationList
+from tierchat.tui.widgets.transcript import Transcript
 
 
 class TierchatApp(App[None]):
@@ -35,7 +37,9 @@ class TierchatApp(App[None]):
         session: a ready ``ChatSession``; by default one is built from the settings.
     """
 
-    CSS_PATH = "app.tcss"
+    # The default screen's CSS_PATH is not read for a screen from get_default_screen()
+    # (Textual 8 loads screen CSS on push/install only), so the app reads it.
+    CSS_PATH: ClassVar = ["app.tcss", "screens/chat.tcss"]
     TITLE = "tierchat"
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("ctrl+q", "quit", "Quit", id="quit", priority=True),
@@ -109,10 +113,12 @@ BINDING_OWNERS: tuple[tuple[str, type], ...] = (
     ("app", TierchatApp),
     ("chat", ChatScreen),
     ("input", ChatInput),
+    ("messages", Transcript),
     ("list", ConversationList),
     ("confirm", ConfirmScreen),
     ("rename", PromptScreen),
     ("edit", EditMessageScreen),
+    ("settings", ConversationSettingsScreen),
     ("models", ModelPickerScreen),
     ("help", HelpScreen),
 )

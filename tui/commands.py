@@ -35,11 +35,13 @@ CACHE_COMMANDS: tuple[Command, ...] = (
 
 BRANCH_COMMANDS: tuple[Command, ...] = (
     Command("Branch: regenerate reply", "regenerate", "A new sibling reply; old ones stay"),
-    Command("Branch: previous reply", "swipe(-1)", "Swipe to the previous sibling reply"),
-    Command("Branch: next reply", "swipe(1)", "Swipe to the next sibling reply"),
+    Command("Branch: previous", "swipe(-1)", "The previous sibling of the selected message"),
+    Command("Branch: next", "swipe(1)", "The next sibling of the selected message"),
     Command("Branch: edit message", "edit", "Edit the selected user message as a new branch"),
     Command("Branch: fork conversation", "fork", "Copy the path up to here into a new chat"),
     Command("Chat: copy message", "copy", "Copy the selected message to the clipboard"),
+    Command("Chat: show or hide reasoning", "toggle_reasoning", "The <think> part of a reply"),
+    Command("Chat: message cursor", "select(-1)", "Move the focus onto the messages"),
     Command("Chat: stop generation", "stop", "Stop decoding now"),
 )
 
@@ -48,6 +50,15 @@ CONVERSATION_COMMANDS: tuple[Command, ...] = (
     Command("Conversation: rename", "rename_conversation", "Rename the open conversation"),
     Command("Conversation: delete", "delete_conversation", "Delete the open conversation"),
     Command("Conversation: toggle list", "toggle_conversations", "Show or hide the list"),
+    Command(
+        "Conversation: settings…",
+        "conversation_settings",
+        "System prompt, temperature, top-p, max tokens, seed",
+    ),
+    Command("Export: active path as Markdown", "export('md', 'path')", "Under the data dir"),
+    Command("Export: active path as JSON", "export('json', 'path')", "Under the data dir"),
+    Command("Export: whole tree as Markdown", "export('md', 'tree')", "Every branch, outlined"),
+    Command("Export: whole tree as JSON", "export('json', 'tree')", "Every branch, nested"),
     Command("Help: keys", "app.help", "Every key binding and its id"),
 )
 
@@ -122,4 +133,6 @@ class ModelCommands(ActionProvider):
 
         yield Command("Model: pick…", "pick_model", "Choose a model to load on the engine")
         for spec, note in BUILTIN_MODELS:
+            if spec.startswith("tiny:"):
+                continue  # random-weight test models: typed in the picker, not offered
             yield Command(f"Model: load {spec}", f"load_model({spec!r})", note)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import fields
 from typing import Any
 
-from tierchat.core.api import CACHE_SOURCES, TurnMetrics
+from tierchat.core.api import CACHE_KINDS, CACHE_SOURCES, TurnMetrics
 
 SOURCE_LABELS = {
     "hot": "hot",
@@ -69,20 +70,46 @@ def cache_source_label(metrics: TurnMetrics) -> str:
     return SOURCE_LABELS.get(source, source)
 
 
-def fmt_cached_by(cached_by: dict[str, int]) -> str:
-    """``{"hot": 512, "tail": 40}`` -> ``"hot 512 · tail 40"`` (zero sources left out)."""
-    parts = [
-        f"{SOURCE_LABELS[s]} {fmt_count(cached_by.get(s, 0))}"
-        for s in CACHE_SOURCES
-        if cached_by.get(s, 0)
-    ]
+def cache_kind_label(metrics: TurnMetrics) -> str:
+    """The entry kind that gave the most cached tokens ("block", "checkpoint", ...), or ""."""
+    kinds = metrics.cached_kind or {}
+    if not metrics.cached_tokens or not any(kinds.values()):
+        return ""
+    best = max(kinds, key=lambda k: kinds[k])
+    return SOURCE_LABELS.get(best, best)
+
+
+def _fmt_split(counts: dict[str, int], order: tuple[str, ...]) -> str:
+    parts = [f"{SOURCE_LABELS[s]} {fmt_count(counts.get(s, 0))}" for s in order if counts.get(s, 0)]
     return " · ".join(parts) if parts else "none"
 
 
+def fmt_cached_by(cached_by: dict[str, int]) -> str:
+    """Cached tokens by tier: ``{"hot": 512, "ssd": 40}`` -> ``"hot 512 · SSD 40"``."""
+    return _fmt_split(cached_by, CACHE_SOURCES)
+
+
+def fmt_cached_kind(cached_kind: dict[str, int]) -> str:
+    """Cached tokens by entry kind: ``"block 512 · checkpoint 1"`` (zeros left out)."""
+    return _fmt_split(cached_kind, CACHE_KINDS)
+
+
+MIN_RATE_TOKENS = 16
+"""Below this many tokens a tok/s figure measures overhead, not throughput: shown as —."""
+
+
+def fmt_rate(tps: float, tokens: int) -> str:
+    """``"412.3"`` (tok/s), or ``"— (1 tok)"`` when too few tokens were timed."""
+    if tokens < MIN_RATE_TOKENS:
+        return f"— ({tokens} tok)"
+    return f"{tps:.1f}"
+
+
 def fmt_metrics(m: TurnMetrics) -> str:
-    """One line under a reply: source, cached/prefilled tokens, TTFT, decode rate."""
+    """One line under a reply: tier and entry kind, cached/prefilled tokens, TTFT, rate."""
+    kind = cache_kind_label(m)
     parts = [
-        f"⚡ {cache_source_label(m)}",
+        f"⚡ {cache_source_label(m)}{' ' + kind if kind else ''}",
         f"cached {fmt_count(m.cached_tokens)}/{fmt_count(m.prompt_tokens)}",
         f"prefilled {fmt_count(m.prefill_tokens)}",
         f"TTFT {fmt_seconds(m.ttft_s)}",
@@ -93,3 +120,29 @@ def fmt_metrics(m: TurnMetrics) -> str:
     elif m.finish_reason == "length":
         parts.append("max tokens")
     return " · ".join(parts)
+
+
+_THINK_OPEN = "<think>"
+_THINK_CLOSE = "</think>"
+_LEADING_WS = re.compile(r"^\s*")
+
+
+def split_think(text: str) -> tuple[str | None, str, bool]:
+    """``(reasoning, answer, closed)`` of a reply that may start with ``<think>…</think>``.
+
+    ``reasoning`` is None when the reply has no think block; ``closed`` is False while the
+    block is still open (streaming). Some templates put ``<think>`` in the generation
+    prompt, so a reply holding only ``…</think>`` counts as reasoning too.
+    """
+    start = len(_LEADING_WS.match(text).group(0))
+    body = text[start:]
+    if body.startswith(_THINK_OPEN):
+        rest = body[len(_THINK_OPEN) :]
+        end = rest.find(_THINK_CLOSE)
+        if end < 0:
+            return rest.strip(), "", False
+        return rest[:end].strip(), rest[end + len(_THINK_CLOSE) :].lstrip(), True
+    end = text.find(_THINK_CLOSE)
+    if end >= 0 and _THINK_OPEN not in text[:end]:
+        return text[:end].strip(), text[end + len(_THINK_CLOSE) :].lstrip(), True
+    return None, text, True

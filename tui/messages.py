@@ -116,3 +116,10 @@ class MessageClicked(Message):
     """The user clicked the message widget ``view`` (to select it)."""
 
     view: Widget
+
+
+@dataclass
+class TypedInTranscript(Message):
+    """A printable key the message cursor does not bind: it belongs in the chat input."""
+
+    character: str

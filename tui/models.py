@@ -65,8 +65,16 @@ def local_model_dirs(*roots: Path | None, max_depth: int = 2) -> list[Path]:
     return sorted(found)
 
 
-def model_choices(models_dir: Path | None = None) -> list[ModelChoice]:
-    """Built-ins first, then local MLX directories found under ``models_dir``."""
-    choices = [ModelChoice(spec, note) for spec, note in BUILTIN_MODELS]
+def model_choices(
+    models_dir: Path | None = None, *, test_models: bool = False
+) -> list[ModelChoice]:
+    """Built-ins first, then local MLX directories found under ``models_dir``. The
+    random-weight ``tiny:*`` models (for tests and cache benchmarks, they talk nonsense)
+    are left out unless ``test_models``; the picker still loads one typed by name."""
+    choices = [
+        ModelChoice(spec, note)
+        for spec, note in BUILTIN_MODELS
+        if test_models or not spec.startswith("tiny:")
+    ]
     choices += [ModelChoice(str(p), "local MLX directory") for p in local_model_dirs(models_dir)]
     return choices

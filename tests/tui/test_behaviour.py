@@ -13,7 +13,7 @@ from tierchat.tui.widgets.activity import ActivityBar
 from tierchat.tui.widgets.cache_panels import CachePanels
 from tierchat.tui.widgets.chat_input import ChatInput
 from tierchat.tui.widgets.transcript import Transcript
-from tui_kit import SIZE, FlakyEngine, chat_screen, fixed_clock, send, settle
+from tui_kit import SIZE, WIDE, FlakyEngine, chat_screen, fixed_clock, send, settle
 
 pytestmark = pytest.mark.anyio
 
@@ -191,7 +191,7 @@ async def test_unsupported_model_panels_say_na_with_the_reason(make_app):
 
 async def test_panels_follow_the_cache_after_hits(make_app):
     app = make_app()
-    async with app.run_test(size=SIZE) as pilot:
+    async with app.run_test(size=WIDE) as pilot:
         await send(pilot, "the same long question about caches")
         await pilot.press("ctrl+r")
         await settle(pilot)

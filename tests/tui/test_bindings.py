@@ -10,11 +10,11 @@ from tierchat.tui.screens.confirm import ConfirmScreen
 from tierchat.tui.screens.help import HelpScreen
 from tierchat.tui.screens.model_picker import ModelPickerScreen
 from tierchat.tui.screens.prompt import EditMessageScreen, PromptScreen
-from tierchat.tui.widgets.cache_panels import CachePanels
+from tierchat.tui.widgets.cache_panels import CachePanels, CacheSummary
 from tierchat.tui.widgets.chat_input import ChatInput
 from tierchat.tui.widgets.conversation_list import ConversationList
 from tierchat.tui.widgets.transcript import MessageView, Transcript
-from tui_kit import SIZE, chat_screen, send, settle
+from tui_kit import SIZE, WIDE, chat_screen, send, settle
 
 pytestmark = pytest.mark.anyio
 
@@ -111,7 +111,7 @@ async def test_escape_stops_generation(make_app, engine):
         engine.gate.clear()  # hold decoding after the first token batch
         screen.query_one(ChatInput).insert("a long story please")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: screen.streaming and screen._stream_view.text)
+        await wait_for(pilot, lambda: screen.streaming and screen.turns.stream_view.text)
         assert screen.check_action("stop", ()) is True
         assert screen.check_action("regenerate", ()) is None  # dimmed while streaming
         await pilot.press("escape")
@@ -161,26 +161,37 @@ async def test_branch_bar_click_swipes(make_app):
         assert views(app)[-1].info.index == 0
 
 
-async def test_select_then_copy_copies_the_selected_message(make_app):
+async def test_message_cursor_moves_visibly_and_copies_the_message_under_it(make_app):
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
         await send(pilot, "copy me")
-        await pilot.press("alt+c")
+        screen = chat_screen(app)
+        await pilot.press("escape")  # from the input: onto the last message
+        assert screen.query_one(Transcript).has_focus
+        assert screen.selected == 1 and views(app)[1].has_class("-selected")
+        await pilot.press("c")
         assert app.clipboard == "Reply 1 to: copy me"
-        await pilot.press("alt+up")
-        assert chat_screen(app).selected == 0
-        assert views(app)[0].has_class("-selected")
-        await pilot.press("alt+c")
+        await pilot.press("up")
+        assert screen.selected == 0
+        assert views(app)[0].has_class("-selected") and not views(app)[1].has_class("-selected")
+        await pilot.press("c")
         assert app.clipboard == "copy me"
-        await pilot.press("alt+down")
-        assert chat_screen(app).selected == 1
+        await pilot.press("down")
+        assert screen.selected == 1
+        await pilot.press("escape")  # back to the input; the cursor goes away
+        assert screen.query_one(ChatInput).has_focus and screen.selected is None
+        await pilot.press("alt+up")  # Alt+↑ enters the cursor too
+        assert screen.query_one(Transcript).has_focus and screen.selected == 1
+        await pilot.press("x")  # typing goes to the input
+        assert screen.query_one(ChatInput).has_focus
+        assert screen.query_one(ChatInput).text == "x"
 
 
 async def test_edit_sends_the_message_as_a_new_branch(make_app, store):
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
         await send(pilot, "first try")
-        await pilot.press("alt+e")
+        await pilot.press("escape", "up", "e")
         assert isinstance(app.screen, EditMessageScreen)
         app.screen.query_one("#edit-area").load_text("second try")
         await pilot.press("ctrl+s")
@@ -195,7 +206,7 @@ async def test_edit_cancel_changes_nothing(make_app, store, engine):
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
         await send(pilot, "keep me")
-        await pilot.press("alt+e")
+        await pilot.press("escape", "e")  # on the reply: edits the user message above
         await pilot.press("escape")
         await settle(pilot)
         assert not isinstance(app.screen, EditMessageScreen)
@@ -208,7 +219,7 @@ async def test_fork_opens_a_copy_in_a_new_conversation(make_app, store):
     async with app.run_test(size=SIZE) as pilot:
         await send(pilot, "fork me")
         first = chat_screen(app).conversation_id
-        await pilot.press("alt+f")
+        await pilot.press("escape", "f")
         await settle(pilot)
         screen = chat_screen(app)
         assert screen.conversation_id != first
@@ -282,18 +293,42 @@ async def test_conversation_list_opens_a_conversation(make_app, store):
         assert shown(app)[0] == ("user", "alpha")
 
 
-async def test_toggle_panels_stops_polling_while_hidden(make_app):
+async def test_toggle_panels_feeds_only_what_is_shown(make_app):
     app = make_app()
-    async with app.run_test(size=SIZE) as pilot:
+    async with app.run_test(size=WIDE) as pilot:
         await settle(pilot)
         screen = chat_screen(app)
         panels = screen.query_one(CachePanels)
-        assert panels.display and screen._poll_timer._active.is_set()
+        summary = screen.query_one(CacheSummary)
+        assert panels.display and not summary.display
         await pilot.press("f2")
-        assert not panels.display
-        assert not screen._poll_timer._active.is_set()
+        assert not panels.display and summary.display
+        await send(pilot, "hello")  # the hidden panels are not fed, the summary is
+        assert panels.stats.last_turn.prompt_tokens == 0
+        assert summary.stats.last_turn.prompt_tokens > 0
+        assert "cached" in str(summary.content)
         await pilot.press("f2")
-        assert panels.display and screen._poll_timer._active.is_set()
+        assert panels.display and panels.stats.last_turn.prompt_tokens > 0
+
+
+async def test_narrow_terminal_folds_the_panels_into_a_summary_line(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "hello")
+        screen = chat_screen(app)
+        panels, summary = screen.query_one(CachePanels), screen.query_one(CacheSummary)
+        listing = screen.query_one(ConversationList)
+        assert not panels.display and summary.display
+        chat = screen.query_one("#chat")
+        assert chat.size.width >= 70  # the chat keeps most of 100 columns
+        assert listing.size.width <= 22
+        await pilot.press("f2")  # the panels take the list's place
+        assert panels.display and not listing.display and not summary.display
+        assert screen.query_one("#chat").size.width >= 50
+        await pilot.resize_terminal(200, 50)
+        await pilot.pause()
+        assert panels.display and listing.display  # wide: the default layout again
+        assert listing.size.width <= 30 and screen.query_one("#chat").size.width > 100
 
 
 async def test_toggle_conversation_list(make_app):
@@ -302,14 +337,16 @@ async def test_toggle_conversation_list(make_app):
         await settle(pilot)
         listing = chat_screen(app).query_one(ConversationList)
         await pilot.press("f3")
+        await pilot.pause()
         assert not listing.display
         await pilot.press("f3")
+        await pilot.pause()
         assert listing.display
 
 
 async def test_clear_keys_confirm_then_clear_and_show_it_at_once(make_app, engine):
     app = make_app()
-    async with app.run_test(size=SIZE) as pilot:
+    async with app.run_test(size=WIDE) as pilot:
         panels = chat_screen(app).query_one(CachePanels)
 
         def counts():
@@ -348,9 +385,9 @@ async def test_model_picker_loads_with_progress(make_app, engine):
         assert isinstance(app.screen, ModelPickerScreen)
         options = app.screen.query_one("#model-options")
         specs = [options.get_option_at_index(i).id for i in range(options.option_count)]
-        assert specs[:2] == ["demo", "demo-gemma"] and "tiny:llama" in specs
-        options.highlighted = specs.index("tiny:llama")
-        await pilot.press("enter")
+        assert specs[:2] == ["demo", "demo-gemma"] and "tiny:llama" not in specs
+        app.screen.query_one("#model-path").focus()
+        await pilot.press(*"tiny:llama", "enter")
         await settle(pilot)
         assert engine.model_name == "tiny:llama"
         assert "tiny:llama" in chat_screen(app).sub_title
@@ -369,7 +406,13 @@ async def test_model_picker_cancel_and_typed_path(make_app, engine):
         app.screen.query_one("#model-path").focus()
         await pilot.press(*"/models/x", "enter")
         await settle(pilot)
-        assert engine.model_name == "/models/x"
+        assert engine.model_name == "demo"  # no such directory: said, nothing loaded
+        assert any("/models/x: no such directory" in n.message for n in app._notifications)
+        await pilot.press("f4")
+        app.screen.query_one("#model-path").focus()
+        await pilot.press(*"mlx-community/some-model", "enter")  # a repo id goes through
+        await settle(pilot)
+        assert engine.model_name == "mlx-community/some-model"
 
 
 async def test_quit_key_exits(make_app):

@@ -20,10 +20,15 @@ def test_local_dirs_are_found_and_builtins_are_not_repeated(tmp_path: Path):
     make_model_dir(tmp_path / "tiny-llama-0")
     (tmp_path / "not-a-model").mkdir()
     assert local_model_dirs(tmp_path) == [mine]
-    specs = [c.spec for c in model_choices(tmp_path)]
+    specs = [c.spec for c in model_choices(tmp_path, test_models=True)]
     assert specs[: len(BUILTIN_MODELS)] == [s for s, _ in BUILTIN_MODELS]
     assert specs[len(BUILTIN_MODELS) :] == [str(mine)]
 
 
 def test_missing_models_dir_gives_the_builtins():
-    assert len(model_choices(Path("/no/such/dir"))) == len(BUILTIN_MODELS)
+    assert len(model_choices(Path("/no/such/dir"), test_models=True)) == len(BUILTIN_MODELS)
+
+
+def test_random_weight_models_are_not_offered_by_default(tmp_path: Path):
+    specs = [c.spec for c in model_choices(tmp_path)]
+    assert specs == ["demo", "demo-gemma"]

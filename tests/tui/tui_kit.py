@@ -26,7 +26,8 @@ from fakes import FakeEngine
 from tierchat.core.api import CacheStats, Failed, PrefillProgress
 
 FIXED_EPOCH = 1_767_225_600.0  # 2026-01-01 00:00 UTC
-SIZE = (100, 32)  # Pilot tests; snapshots use their own explicit size
+SIZE = (100, 32)  # Pilot tests (narrow: panels folded); snapshots use their own size
+WIDE = (150, 40)  # Pilot tests that read the full cache panels
 
 
 def fixed_clock() -> float:

@@ -1,15 +1,25 @@
 """The main screen: conversations | transcript + input | live cache panels.
 
-Threads: the engine calls the ``on_event`` callbacks made here from its own thread. They
-only build messages (``tierchat.tui.messages``) and ``post_message`` them; every widget is
-touched on the UI thread, in the handlers below.
+Threads: the engine calls the ``on_event`` callbacks made here (and in ``tui/turns.py``)
+from its own thread. They only build messages (``tierchat.tui.messages``) and
+``post_message`` them; every widget is touched on the UI thread, in the handlers below.
+
+Keys: the chat input has the focus by default, so every binding of this screen is a key
+the input does not type (Ctrl, Alt+arrows, F-keys, Esc). Actions on one message (edit,
+fork, copy, branches) are single keys on the message cursor: Esc or Alt+↑ moves the focus
+into the transcript (see ``widgets/transcript.py``).
+
+Layout: at 140 columns and more the cache panels sit on the right; below, a one-line
+summary replaces them (F2 shows them in place of the conversation list).
 """
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
+import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from textual import on, work
 from textual.app import ComposeResult
@@ -21,23 +31,15 @@ from textual.reactive import reactive
 from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Header
-from tierchat.core.api import (
-    CacheStats,
-    Event,
-    Failed,
-    Finished,
-    ModelLoaded,
-    ModelLoading,
-    PrefillProgress,
-    TokenBatch,
-)
+from tierchat.core.api import CACHE_TIERS, CacheStats, Event, Failed, ModelLoaded, ModelLoading
+from tierchat.tui.cache_report import CLEAR_TEXT, alerts, clear_report
 from tierchat.tui.commands import (
     BranchCommands,
     CacheCommands,
     ConversationCommands,
     ModelCommands,
 )
-from tierchat.tui.format import fmt_bytes, metrics_from_meta
+from tierchat.tui.live_status import StatusWriter
 from tierchat.tui.messages import (
     BranchRequested,
     ConversationChosen,
@@ -50,16 +52,19 @@ from tierchat.tui.messages import (
     ReplyFailed,
     ReplyFinished,
     ReplyStreamed,
+    TypedInTranscript,
 )
 from tierchat.tui.models import model_choices
 from tierchat.tui.screens.confirm import ConfirmScreen
+from tierchat.tui.screens.conversation_settings import ConversationSettingsScreen
 from tierchat.tui.screens.model_picker import ModelPickerScreen
 from tierchat.tui.screens.prompt import EditMessageScreen, PromptScreen
+from tierchat.tui.turns import TurnRunner
 from tierchat.tui.widgets.activity import ActivityBar
-from tierchat.tui.widgets.cache_panels import CachePanels
+from tierchat.tui.widgets.cache_panels import CachePanels, CacheSummary
 from tierchat.tui.widgets.chat_input import ChatInput
 from tierchat.tui.widgets.conversation_list import ConversationList, ConversationRow
-from tierchat.tui.widgets.transcript import MessageInfo, MessageView, Transcript
+from tierchat.tui.widgets.transcript import MessageInfo, MessageView, Transcript, message_infos
 
 T = TypeVar("T")
 
@@ -67,41 +72,10 @@ if TYPE_CHECKING:
     from tierchat.tui.app import TierchatApp
 
 STATS_POLL_S = 0.5
-"""Seconds between stats polls while the cache panels are shown."""
+"""Seconds between stats polls (panels or summary, the status file, clear requests)."""
 
-CLEAR_TEXT = {
-    "hot": (
-        "Clear the hot tier?",
-        (
-            "Drops every block held in RAM. Blocks already on the SSD tier stay there, so the "
-            "next turn reloads them from disk."
-        ),
-    ),
-    "ssd": (
-        "Clear the SSD tier?",
-        "Deletes every block file of this model's cache directory. The hot tier is kept.",
-    ),
-    "tails": (
-        "Clear MRU tails and checkpoints?",
-        (
-            "Drops the partial tails and prompt-end checkpoints; regenerate will prefill the "
-            "tail of the prompt again."
-        ),
-    ),
-    "all": (
-        "Clear every cache tier?",
-        (
-            "Drops the hot tier, the SSD tier, tails and checkpoints. The next turn is a cold "
-            "prefill of the whole conversation."
-        ),
-    ),
-}
-
-FAILURE_TITLES = {
-    "refused": "Prefill refused",
-    "unsupported": "Model not supported",
-    "error": "Engine error",
-}
+WIDE_COLUMNS = 140
+"""From this width on the cache panels sit beside the chat; below it, a summary line."""
 
 
 def title_from(text: str, width: int = 40) -> str:
@@ -112,7 +86,8 @@ def title_from(text: str, width: int = 40) -> str:
 
 class ChatScreen(Screen):
     """Chat with the model and watch the cache. All state lives in the session and store;
-    the screen only mirrors it (``Transcript.sync``) and tracks the request in flight."""
+    the screen only mirrors it (``Transcript.sync``); :class:`TurnRunner` tracks the
+    request in flight."""
 
     CSS_PATH = "chat.tcss"
     COMMANDS = Screen.COMMANDS | {
@@ -121,23 +96,25 @@ class ChatScreen(Screen):
         ConversationCommands,
         ModelCommands,
     }
+    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [
+        (0, "-narrow"),
+        (WIDE_COLUMNS, "-wide"),
+    ]
 
-    # The cache keys are priority bindings: TextArea (the focused input) binds F6/F7.
+    # Priority: F6/F7 are TextArea keys, Esc must stop a reply whatever has the focus.
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("escape", "stop", "Stop", id="stop"),
+        Binding("escape", "stop", "Stop", id="stop", priority=True),
         Binding("ctrl+r", "regenerate", "Regenerate", id="regenerate"),
-        Binding("alt+left", "swipe(-1)", "◀ Reply", id="swipe_prev"),
-        Binding("alt+right", "swipe(1)", "Reply ▶", id="swipe_next"),
-        Binding("alt+up", "select(-1)", "Select previous", id="select_prev", show=False),
+        Binding("alt+left", "swipe(-1)", "◀ Branch", id="swipe_prev"),
+        Binding("alt+right", "swipe(1)", "Branch ▶", id="swipe_next"),
+        Binding("alt+up", "select(-1)", "Messages", id="select_prev"),
         Binding("alt+down", "select(1)", "Select next", id="select_next", show=False),
-        Binding("alt+e", "edit", "Edit", id="edit", show=False),
-        Binding("alt+f", "fork", "Fork", id="fork", show=False),
-        Binding("alt+c", "copy", "Copy", id="copy", show=False),
         Binding("ctrl+n", "new_conversation", "New", id="new_conversation"),
         Binding("ctrl+t", "rename_conversation", "Rename", id="rename_conversation", show=False),
         Binding("f2", "toggle_panels", "Cache", id="toggle_panels"),
         Binding("f3", "toggle_conversations", "Chats", id="toggle_conversations", show=False),
         Binding("f4", "pick_model", "Model", id="pick_model"),
+        Binding("f9", "conversation_settings", "Settings", id="conversation_settings"),
         Binding("f5", "clear('hot')", "Clear hot", id="clear_hot", show=False, priority=True),
         Binding("f6", "clear('ssd')", "Clear SSD", id="clear_ssd", show=False, priority=True),
         Binding("f7", "clear('tails')", "Clear tails", id="clear_tails", show=False, priority=True),
@@ -149,22 +126,21 @@ class ChatScreen(Screen):
     loading_model: reactive[str] = reactive("", bindings=True)
     """The model being loaded on the engine thread, "" when none."""
     panels_visible: reactive[bool] = reactive(True, bindings=True)
-    """The cache panels are shown (and polled)."""
+    """The full cache panels are shown (else the one-line summary)."""
     conversation_id: reactive[int | None] = reactive(None, bindings=True)
     """The open conversation; None before the first message of a new one."""
     selected: reactive[int | None] = reactive(None, bindings=True)
-    """Index of the selected message in the transcript; None follows the last one."""
+    """Index of the message under the cursor; None: none (actions use the last one)."""
 
     def __init__(self, *, clock: Clock | None = None) -> None:
         super().__init__()
         self._clock = clock
-        self._turn_key = 0
-        self._turn_ready = asyncio.Event()
-        self._turn_ready.set()
-        self._handle: Any = None
-        self._stream_view: MessageView | None = None
+        self.turns = TurnRunner(self)
         self._poll_timer: Timer | None = None
         self._last_stats: CacheStats | None = None
+        self._narrow: bool | None = None
+        self._status: StatusWriter | None = None
+        self._serving: set[str] = set()  # clear requests from the CLI being served
 
     @property
     def tierchat(self) -> TierchatApp:
@@ -203,6 +179,7 @@ class ChatScreen(Screen):
             with Vertical(id="chat"):
                 yield Transcript(welcome=self._welcome_text(), id="transcript")
                 yield ActivityBar(clock=self._clock, id="activity")
+                yield CacheSummary(id="summary")
                 yield ChatInput(id="input")
             yield CachePanels(clock=self._clock, id="panels")
         yield Footer()
@@ -212,21 +189,41 @@ class ChatScreen(Screen):
         return (
             f"tierchat · {model}\n\n"
             "Type a message and press Enter. Every turn reuses the KV cache of the "
-            "conversation so far; the panels on the right show where it came from.\n\n"
-            "F1 keys · Ctrl+P commands · F2 cache panels · F4 model · Ctrl+N new chat"
+            "conversation so far; the cache panels show where it came from.\n\n"
+            "F1 keys · Ctrl+P commands · Esc/Alt+↑ message cursor · F9 settings · "
+            "F2 cache panels · F4 model · Ctrl+N new chat"
         )
 
     def on_mount(self) -> None:
+        cache_dir = getattr(self.tierchat.settings, "cache_dir", None)
+        if cache_dir is not None:
+            self._status = StatusWriter(Path(cache_dir))
         self._poll_timer = self.set_interval(STATS_POLL_S, self.poll_stats, pause=False)
         self.refresh_conversations()
         rows = self.query_one(ConversationList).rows
         if rows:
             self.open_conversation(rows[0].id)
         self._update_titles()
-        self.query_one(ChatInput).focus()
+        self.focus_input()
         self.poll_stats()
         if not self.tierchat.engine.model_name:
             self.load_model(self.tierchat.settings.model)
+
+    def on_resize(self) -> None:
+        narrow = self.size.width < WIDE_COLUMNS
+        if narrow != self._narrow:
+            self._narrow = narrow
+            self.panels_visible = not narrow  # each layout starts with its own default
+            self.set_class(self.panels_visible, "-panels")
+
+    def _device(self) -> str:
+        # describe_device() (device + dtype) lands in core/models.py; the TUI never
+        # imports MLX, so it reads it through the engine when the engine offers it.
+        describe = getattr(self.tierchat.engine, "describe_device", None)
+        try:
+            return str(describe()) if callable(describe) else ""
+        except Exception:  # noqa: BLE001 - a header detail, never a crash
+            return ""
 
     def _update_titles(self) -> None:
         app = self.tierchat
@@ -238,8 +235,9 @@ class ChatScreen(Screen):
                 title = info.title or f"conversation {info.id}"
             except KeyError:
                 pass
+        device = self._device()
         self.title = "tierchat"
-        self.sub_title = f"{model} · {title}"
+        self.sub_title = f"{model}{f' ({device})' if device else ''} · {title}"
 
     # ------------------------------------------------------------------ availability
 
@@ -247,25 +245,28 @@ class ChatScreen(Screen):
         return self.query_one(Transcript).views
 
     def _target(self) -> MessageView | None:
-        views = [v for v in self._views() if v.info.role != "system"]
+        """The message under the cursor, else the last message (never a placeholder)."""
+        views = [v for v in self._views() if v.info.node_id is not None]
         if not views:
             return None
-        if self.selected is None or not 0 <= self.selected < len(self._views()):
-            return views[-1]
-        view = self._views()[self.selected]
-        return view if view.info.role != "system" else views[0]
+        all_views = self._views()
+        if self.selected is not None and 0 <= self.selected < len(all_views):
+            view = all_views[self.selected]
+            if view.info.node_id is not None:
+                return view
+        return views[-1]
 
-    def _target_reply(self) -> MessageView | None:
-        target = self._target()
-        if target is None or target.info.node_id is None:
+    def _branch_target(self) -> MessageView | None:
+        """The message whose siblings ←/→ move through: the one under the cursor (or,
+        from the input, the last reply); a message without siblings gives none."""
+        if self.selected is None:
+            replies = [v for v in self._views() if v.info.role == "assistant"]
+            target = replies[-1] if replies else None
+        else:
+            target = self._target()
+        if target is None or target.info.node_id is None or target.info.role == "system":
             return None
-        if target.info.role == "assistant":
-            return target
-        views = self._views()
-        i = views.index(target)
-        if i + 1 < len(views) and views[i + 1].info.role == "assistant":
-            return views[i + 1]
-        return None
+        return target
 
     def _target_user(self) -> MessageView | None:
         target = self._target()
@@ -285,30 +286,56 @@ class ChatScreen(Screen):
             return True if self.streaming else None
         if action == "regenerate":
             views = self._views()
-            ok = not busy and bool(views) and views[-1].info.role == "assistant"
+            ok = not busy and bool(views) and views[-1].info.role in ("user", "assistant")
             return True if ok and views[-1].info.node_id is not None else None
         if action == "swipe":
-            reply = self._target_reply()
-            if busy or reply is None:
+            target = self._branch_target()
+            if busy or target is None:
                 return None
             delta = int(parameters[0]) if parameters else 1
-            index = reply.info.index + delta
-            return True if 0 <= index < reply.info.count else None
-        if action == "select":
+            return True if 0 <= target.info.index + delta < target.info.count else None
+        if action in ("select", "select_edge"):
             return True if self._views() else None
         if action == "edit":
             user = self._target_user()
             return True if not busy and user is not None and user.info.node_id else None
-        if action in ("fork", "copy"):
+        if action == "fork":
             target = self._target()
-            return True if target is not None and target.info.node_id is not None else None
-        if action in ("rename_conversation", "delete_conversation"):
+            ok = target is not None and target.info.role != "system" and not busy
+            return True if ok else None
+        if action == "copy":
+            return True if self._target() is not None else None
+        if action == "toggle_reasoning":
+            target = self._target()
+            return True if target is not None and target.has_reasoning else None
+        if action in ("rename_conversation", "delete_conversation", "export"):
             return True if self.conversation_id is not None and not self.streaming else None
-        if action in ("new_conversation", "open_conversation"):
+        if action in ("new_conversation", "open_conversation", "conversation_settings"):
             return None if self.streaming else True
         if action in ("pick_model", "load_model"):
             return None if busy else True
         return True
+
+    # ------------------------------------------------------------------ focus
+
+    def focus_input(self) -> None:
+        self.query_one(ChatInput).focus()
+
+    def action_focus_input(self) -> None:
+        self.focus_input()
+
+    def on_descendant_focus(self, event) -> None:
+        if isinstance(event.widget, Transcript):
+            if self.selected is None and self._views():
+                self.selected = len(self._views()) - 1
+        elif isinstance(event.widget, ChatInput):
+            self.selected = None
+
+    @on(TypedInTranscript)
+    def typed_in_transcript(self, event: TypedInTranscript) -> None:
+        box = self.query_one(ChatInput)
+        box.focus()
+        box.insert(event.character)
 
     # ------------------------------------------------------------------ conversations
 
@@ -330,6 +357,7 @@ class ChatScreen(Screen):
 
     def action_open_conversation(self, conversation_id: int) -> None:
         self.open_conversation(conversation_id)
+        self.focus_input()
 
     @on(ConversationChosen)
     def conversation_chosen(self, event: ConversationChosen) -> None:
@@ -338,16 +366,17 @@ class ChatScreen(Screen):
             return
         if event.conversation_id != self.conversation_id:
             self.open_conversation(event.conversation_id)
-        self.query_one(ChatInput).focus()
+        self.focus_input()
 
     def action_new_conversation(self) -> None:
         """Start an empty conversation; it is stored with its first message."""
         self.conversation_id = None
+        self.tierchat.session.conversation_id = None
         self.selected = None
         self.sync_transcript()
         self.refresh_conversations()
         self._update_titles()
-        self.query_one(ChatInput).focus()
+        self.focus_input()
 
     def action_rename_conversation(self) -> None:
         cid = self.conversation_id
@@ -392,48 +421,85 @@ class ChatScreen(Screen):
             ConfirmScreen("Delete conversation?", body, confirm_label="Delete"), done
         )
 
+    def _ensure_conversation(self, first_text: str) -> bool:
+        """Create the conversation a first message (or a settings save) belongs to."""
+        if self.conversation_id is not None:
+            return True
+        session = self.tierchat.session
+        title = title_from(first_text)
+        ok, cid = self.attempt(
+            "Cannot create conversation", lambda: session.new_conversation(title=title)
+        )
+        if not ok:
+            return False
+        self.conversation_id = cid
+        self.refresh_conversations()
+        self._update_titles()
+        return True
+
+    # ------------------------------------------------------------------ settings
+
+    def action_conversation_settings(self) -> None:
+        session = self.tierchat.session
+        ok, current = self.attempt("Cannot read settings", lambda: session.settings())
+        if not ok or current is None:
+            return
+        title = self.sub_title.split(" · ")[-1]
+
+        def done(new) -> None:
+            if new is None or new == current:
+                return
+            if not self._ensure_conversation(title if self.conversation_id else "untitled"):
+                return
+            if not self.attempt("Cannot save settings", lambda: session.save_settings(new))[0]:
+                return
+            self.sync_transcript()
+            note = self._reuse_note(new.system, current) if new.system != current.system else ""
+            extra = f" {note}" if note else ""
+            self.notify(f"Saved for this conversation.{extra}", title="Settings")
+
+        screen = ConversationSettingsScreen(
+            current, title, reuse_note=lambda system: self._reuse_note(system, current)
+        )
+        self.app.push_screen(screen, done)
+
+    def _reuse_note(self, system: str, current) -> str:
+        """What a system prompt of ``system`` does to the next turn's cache reuse."""
+        session = self.tierchat.session
+        if system == current.system:
+            return "System prompt unchanged: the next turn reuses the cached prefix."
+        path = session.active_path()
+        try:
+            old = session.build_prompt(path, current)
+            new = session.build_prompt(path, dataclasses.replace(current, system=system))
+        except Exception:  # noqa: BLE001 - no model yet: say it in general terms
+            return "A new system prompt is a new prefix: the next turn prefills from the start."
+        shared = 0
+        for a, b in zip(old.token_ids, new.token_ids, strict=False):
+            if a != b:
+                break
+            shared += 1
+        total = len(new.token_ids)
+        return (
+            f"New prefix: the prompt changes at token {shared} of {total}, so the next turn "
+            f"prefills about {total - shared} tokens again. The old prefix stays cached; "
+            "switching back reuses it."
+        )
+
     # ------------------------------------------------------------------ transcript
 
     def path_infos(self) -> list[MessageInfo]:
-        """The active path as :class:`MessageInfo` rows (empty for a new conversation)."""
+        """The active path as :class:`MessageInfo` rows, from one store query."""
         if self.conversation_id is None:
             return []
         session = self.tierchat.session
-        infos: list[MessageInfo] = []
-        turn = -1
-        for node in session.active_path():
-            meta = node.meta or {}
-            if node.role == "user":
-                turn += 1
-                infos.append(MessageInfo(node.id, "user", node.content, turn))
-            elif node.role == "assistant":
-                replies = [r.id for r in session.replies(turn)]
-                index = replies.index(node.id) if node.id in replies else 0
-                infos.append(
-                    MessageInfo(
-                        node.id,
-                        "assistant",
-                        node.content,
-                        turn,
-                        index=index,
-                        count=max(len(replies), 1),
-                        metrics=metrics_from_meta(meta),
-                        model=str(meta.get("model", "")),
-                    )
-                )
-            else:
-                infos.append(MessageInfo(node.id, "system", node.content, -1))
-        return infos
+        system = session.settings().system
+        return message_infos(session.path_entries(), system)
 
     @work(exclusive=True, group="sync")
-    async def sync_transcript(self, upto: int | None = None) -> None:
-        """Mirror the active path (up to node ``upto`` when given) in the transcript."""
-        infos = self.path_infos()
-        if upto is not None:
-            ids = [i.node_id for i in infos]
-            if upto in ids:
-                infos = infos[: ids.index(upto) + 1]
-        await self.query_one(Transcript).sync(infos)
+    async def sync_transcript(self) -> None:
+        """Mirror the active path in the transcript."""
+        await self.query_one(Transcript).sync(self.path_infos())
         self._show_selection()
         self.refresh_bindings()
 
@@ -450,16 +516,29 @@ class ChatScreen(Screen):
             views[self.selected].scroll_visible(animate=False)
 
     def action_select(self, delta: int) -> None:
+        """Move the message cursor (and the focus into the transcript)."""
         views = self._views()
         if not views:
             return
+        transcript = self.query_one(Transcript)
+        if not transcript.has_focus:
+            transcript.focus()
+            if self.selected is None:
+                self.selected = len(views) - 1 if delta < 0 else 0
+                return
         current = len(views) - 1 if self.selected is None else self.selected
         self.selected = max(0, min(len(views) - 1, current + delta))
+
+    def action_select_edge(self, last: int) -> None:
+        views = self._views()
+        if views:
+            self.selected = len(views) - 1 if last else 0
 
     @on(MessageClicked)
     def message_clicked(self, event: MessageClicked) -> None:
         views = self._views()
         if event.view in views:
+            self.query_one(Transcript).focus()
             self.selected = views.index(event.view)
 
     @on(BranchRequested)
@@ -484,65 +563,6 @@ class ChatScreen(Screen):
 
     # ------------------------------------------------------------------ generation
 
-    def _callback(self, key: int) -> Callable[[Event], None]:
-        """An ``on_event`` for the engine thread: events -> messages, nothing else."""
-        parts: list[str] = []
-        tokens = 0
-        post = self.post_message
-
-        def on_event(event: Event) -> None:
-            nonlocal tokens
-            if isinstance(event, TokenBatch):
-                parts.append(event.text)
-                tokens += len(event.token_ids)
-                post(ReplyStreamed(key, "".join(parts), tokens))
-            elif isinstance(event, PrefillProgress):
-                post(PrefillAdvanced(key, event.done, event.total, event.tps))
-            elif isinstance(event, Finished):
-                post(ReplyFinished(key, event.text, event.metrics))
-            elif isinstance(event, Failed):
-                post(ReplyFailed(key, event.message, event.kind))
-
-        return on_event
-
-    async def _start(self, start: Callable[[Callable[[Event], None]], Any]) -> bool:
-        """Run ``start(on_event)`` (a session call returning a turn handle) and mount the
-        streaming reply. Returns False (with a notification) when the session refused.
-
-        Actions run on the app's message pump, so the turn's first events may be handled
-        by this screen before the placeholder is mounted; their handlers wait for
-        ``_turn_ready``, which is set once the transcript is ready for them.
-        """
-        self._turn_key += 1
-        self._turn_ready = ready = asyncio.Event()
-        try:
-            return await self._start_turn(start)
-        finally:
-            ready.set()
-
-    async def _start_turn(self, start: Callable[[Callable[[Event], None]], Any]) -> bool:
-        on_event = self._callback(self._turn_key)
-        ok, handle = self.attempt("Cannot generate", lambda: start(on_event))
-        if not ok:
-            return False
-        self._handle = handle
-        self.streaming = True
-        self.selected = None
-        user = getattr(handle, "user_node", None)
-        infos = self.path_infos()
-        if user is not None:
-            ids = [i.node_id for i in infos]
-            if user.id in ids:
-                infos = infos[: ids.index(user.id) + 1]
-        transcript = self.query_one(Transcript)
-        await transcript.sync(infos)
-        turn = sum(1 for i in infos if i.role == "user") - 1
-        model = self.tierchat.engine.model_name
-        placeholder = MessageInfo(None, "assistant", "", turn, model=model)
-        self._stream_view = await transcript.add_streaming_reply(placeholder)
-        self._show_selection()
-        return True
-
     @on(MessageSubmitted)
     async def message_submitted(self, event: MessageSubmitted) -> None:
         if self.streaming:
@@ -551,23 +571,24 @@ class ChatScreen(Screen):
         if self.loading_model:
             self.notify(f"{self.loading_model} is still loading.", severity="warning")
             return
+        if not self._ensure_conversation(event.text):
+            return
         session = self.tierchat.session
-        if self.conversation_id is None:
-            title = title_from(event.text)
-            ok, cid = self.attempt(
-                "Cannot create conversation", lambda: session.new_conversation(title=title)
-            )
-            if not ok:
-                return
-            self.conversation_id = cid
-            self.refresh_conversations()
-            self._update_titles()
-        if await self._start(lambda cb: session.send(event.text, on_event=cb)):
+        if await self.turns.start(lambda cb: session.send(event.text, on_event=cb)):
             self.query_one(ChatInput).clear()
 
     async def action_regenerate(self) -> None:
         session = self.tierchat.session
-        await self._start(lambda cb: session.regenerate(on_event=cb))
+        settings = session.settings()
+        views = self._views()
+        if settings.temperature == 0 and views and views[-1].info.role == "assistant":
+            self.notify(
+                "Temperature is 0 (greedy): the new reply will match the old one. F9 sets "
+                "a temperature for this conversation.",
+                timeout=5,
+            )
+        await self.turns.start(lambda cb: session.regenerate(on_event=cb))
+        self.focus_input()
 
     def action_edit(self) -> None:
         user = self._target_user()
@@ -579,92 +600,57 @@ class ChatScreen(Screen):
             if text is None:
                 return
             session = self.tierchat.session
-            await self._start(lambda cb: session.edit(turn, text, on_event=cb))
+            await self.turns.start(lambda cb: session.edit(turn, text, on_event=cb))
+            self.focus_input()
 
         self.app.push_screen(EditMessageScreen(user.info.content, turn), done)
 
     def action_stop(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
+        self.turns.stop()
 
     @on(PrefillAdvanced)
     def prefill_advanced(self, event: PrefillAdvanced) -> None:
-        if event.turn_key == self._turn_key and self.streaming and event.done < event.total:
-            self.query_one(ActivityBar).show_prefill(event.done, event.total, event.tps)
+        self.turns.prefill(event)
 
     @on(ReplyStreamed)
     async def reply_streamed(self, event: ReplyStreamed) -> None:
-        if event.turn_key != self._turn_key:
-            return
-        await self._turn_ready.wait()
-        if self._stream_view is None:
-            return
-        self.query_one(ActivityBar).hide()
-        await self._stream_view.stream_to(event.text)
+        await self.turns.streamed(event)
 
     @on(ReplyFinished)
     async def reply_finished(self, event: ReplyFinished) -> None:
-        if event.turn_key != self._turn_key:
-            return
-        await self._turn_ready.wait()
-        handle, self._handle = self._handle, None
-        await _until_done(handle)
-        view, self._stream_view = self._stream_view, None
-        self.query_one(ActivityBar).hide()
-        reply = getattr(handle, "reply_node", None)
-        infos = self.path_infos()
-        stored = bool(infos) and infos[-1].role == "assistant"
-        if view is not None and stored and (reply is None or infos[-1].node_id == reply.id):
-            await view.finish(infos[-1])
-        await self.query_one(Transcript).sync(infos)
-        self.streaming = False
-        self._restore_unsent(handle)
-        self.refresh_conversations()
-        self._show_selection()
-        if event.metrics.finish_reason == "cancelled":
-            self.notify("Generation stopped.", timeout=3)
-        self.poll_stats()
+        await self.turns.finished(event)
 
     @on(ReplyFailed)
     async def reply_failed(self, event: ReplyFailed) -> None:
-        if event.turn_key != self._turn_key:
-            return
-        await self._turn_ready.wait()
-        handle, self._handle = self._handle, None
-        await _until_done(handle)
-        self._stream_view = None
-        self.query_one(ActivityBar).hide()
-        title = FAILURE_TITLES.get(event.kind, "Engine error")
-        # Nothing half is kept: the session dropped the failed turn; show the path as stored.
-        await self.query_one(Transcript).sync(self.path_infos())
-        self.streaming = False
-        self._restore_unsent(handle)
-        self.notify(event.message, title=title, severity="error", timeout=8)
-        self.poll_stats()
+        await self.turns.failed(event)
 
-    def _restore_unsent(self, handle: Any) -> None:
-        """The session drops a user message whose turn failed; give its text back."""
-        user = getattr(handle, "user_node", None)
-        if user is None or getattr(handle, "kind", "") not in ("send", "edit"):
-            return
-        if any(i.node_id == user.id for i in self.path_infos()):
-            return
-        box = self.query_one(ChatInput)
-        if not box.text.strip():
-            box.load_text(user.content)
+    def turn_ended(self) -> None:
+        """After a reply finished or failed: refresh the list, the keys and the panels."""
+        self.refresh_conversations()
+        self._show_selection()
+        self.refresh_bindings()
+        self.poll_stats()
 
     # ------------------------------------------------------------------ branches
 
     async def action_swipe(self, delta: int) -> None:
-        reply = self._target_reply()
-        if reply is None:
+        """Show the previous/next sibling of the message under the cursor (a reply, or a
+        user message that edits made into branches)."""
+        target = self._branch_target()
+        if target is None or target.info.node_id is None:
             return
-        index = reply.info.index + delta
-        if not 0 <= index < reply.info.count:
+        index = target.info.index + delta
+        if not 0 <= index < target.info.count:
             return
+        store = self.tierchat.store
+        node_id, role = target.info.node_id, target.info.role
+
+        def pick():
+            siblings = [n for n in store.siblings(node_id) if n.role == role]
+            return self.tierchat.session.select(siblings[index].id)
+
         selected = self.selected
-        turn = reply.info.turn
-        ok, _ = self.attempt("Swipe failed", lambda: self.tierchat.session.swipe(turn, index))
+        ok, _ = self.attempt("Cannot show that branch", pick)
         if not ok:
             return
         await self.query_one(Transcript).sync(self.path_infos())
@@ -681,7 +667,9 @@ class ChatScreen(Screen):
         if not ok or new_id is None:
             return
         self.open_conversation(new_id)
-        self.notify(f"Forked into “{self.sub_title.split(' · ', 1)[-1]}”")
+        self.focus_input()
+        hint = " Ctrl+R generates its reply." if target.info.role == "user" else ""
+        self.notify(f"Forked into “{self.sub_title.split(' · ')[-1]}”.{hint}")
 
     def action_copy(self) -> None:
         target = self._target()
@@ -690,6 +678,34 @@ class ChatScreen(Screen):
         text = target.text
         self.app.copy_to_clipboard(text)
         self.notify(f"Copied {len(text)} characters of the {target.info.role} message.")
+
+    def action_toggle_reasoning(self) -> None:
+        target = self._target()
+        if target is not None:
+            target.toggle_reasoning()
+
+    def action_export(self, fmt: str = "md", scope: str = "path") -> None:
+        """Write the open conversation (active path or whole tree) under the data dir."""
+        from tierchat.tui.export import export_conversation, export_path
+
+        cid = self.conversation_id
+        if cid is None:
+            return
+        app = self.tierchat
+
+        def write() -> Path:
+            info = app.store.get_conversation(cid)
+            saved = app.store.conversation_settings(cid)
+            text = export_conversation(app.store, cid, fmt, scope, saved)  # type: ignore[arg-type]
+            folder = Path(getattr(app.settings, "data_dir", ".")) / "exports"
+            folder.mkdir(parents=True, exist_ok=True)
+            path = export_path(folder, info.title or "", cid, fmt, scope)
+            path.write_text(text)
+            return path
+
+        ok, path = self.attempt("Export failed", write)
+        if ok:
+            self.notify(str(path), title="Exported")
 
     # ------------------------------------------------------------------ model
 
@@ -705,6 +721,12 @@ class ChatScreen(Screen):
 
     def load_model(self, spec: str) -> None:
         """Ask the engine to load ``spec``; progress and the result arrive as messages."""
+        if spec.startswith(("/", "./", "../", "~")):
+            path = Path(os.path.expanduser(spec))
+            if not path.is_dir():
+                what = "no such directory" if not path.exists() else "not a directory"
+                self.notify(f"{spec}: {what}", title=f"Cannot load {spec}", severity="error")
+                return
         post = self.post_message
 
         def on_event(event: Event) -> None:
@@ -716,7 +738,7 @@ class ChatScreen(Screen):
                 post(ModelLoadFailed(spec, event.message))
 
         self.loading_model = spec
-        self.query_one(ActivityBar).show_loading(spec, 0, 1, "")
+        self.query_one(ActivityBar).show_loading(spec, 0, 0, "")
         self._update_titles()
         ok, _ = self.attempt(
             f"Cannot load {spec}", lambda: self.tierchat.engine.load_model(spec, on_event=on_event)
@@ -745,6 +767,19 @@ class ChatScreen(Screen):
             self.notify(event.warning, title=f"Loaded {event.model}", severity="warning")
         else:
             self.notify(f"{event.model} is ready.", title="Model loaded")
+        others = sorted(
+            {i.model for i in self.path_infos() if i.role == "assistant" and i.model}
+            - {event.model}
+        )
+        if others:
+            self.notify(
+                f"This conversation holds replies of {', '.join(others)}; {event.model} reads "
+                "them as its own. Ctrl+R regenerates the last reply, Ctrl+N starts afresh.",
+                title="Another model's replies",
+                severity="warning",
+                timeout=8,
+            )
+        self.refresh_bindings()
         self.poll_stats()
 
     @on(ModelLoadFailed)
@@ -767,26 +802,33 @@ class ChatScreen(Screen):
         self.app.push_screen(ConfirmScreen(title, body, confirm_label="Clear"), done)
 
     @work(thread=True, group="clear")
-    def clear_tier(self, tier: str) -> None:
+    def clear_tier(self, tier: str, request: dict | None = None) -> None:
         """Clear ``tier`` on the engine (no confirmation), then report it and refresh the
         panels. A thread worker: ``Engine.clear`` waits for the engine thread, which may be
-        in the middle of a prefill chunk or a model load."""
+        in the middle of a prefill chunk or a model load. ``request``: a clear asked for by
+        ``tierchat cache clear`` (live_status.py), answered in the status file."""
         before = self._safe_stats()
         try:
             self.tierchat.engine.clear(tier)
         except Exception as e:  # noqa: BLE001 - reported on the UI thread below
-            self.app.call_from_thread(self._clear_failed, tier, e)
+            self.app.call_from_thread(self._clear_failed, tier, e, request)
         else:
-            self.app.call_from_thread(self._cleared, tier, before)
+            self.app.call_from_thread(self._cleared, tier, before, request)
 
-    def _cleared(self, tier: str, before: CacheStats | None) -> None:
-        after = self.poll_stats()
-        self.notify(_clear_report(tier, before, after), title="Cache cleared")
+    def _cleared(self, tier: str, before: CacheStats | None, request: dict | None) -> None:
+        after = self._safe_stats()
+        report = clear_report(tier, before, after)
+        if request is not None and self._status is not None:
+            self._status.served(request, report)
+        self.poll_stats()
+        title = "Cache cleared" + (" (from the command line)" if request else "")
+        self.notify(report, title=title)
 
-    def _clear_failed(self, tier: str, error: Exception) -> None:
-        self.notify(
-            str(error) or type(error).__name__, title=f"Clear {tier} failed", severity="error"
-        )
+    def _clear_failed(self, tier: str, error: Exception, request: dict | None) -> None:
+        text = str(error) or type(error).__name__
+        if request is not None and self._status is not None:
+            self._status.served(request, f"failed: {text}")
+        self.notify(text, title=f"Clear {tier} failed", severity="error")
         self.poll_stats()
 
     def _safe_stats(self) -> CacheStats | None:
@@ -796,91 +838,48 @@ class ChatScreen(Screen):
             return None
 
     def poll_stats(self) -> CacheStats | None:
-        """Read one stats snapshot into the panels (and raise alerts). Never raises."""
+        """Read one stats snapshot into the panels (or the summary line), write it to the
+        status file, serve clear requests from the CLI and raise alerts. Never raises."""
         stats = self._safe_stats()
         if stats is None:
             return None
-        self.query_one(CachePanels).stats = stats
+        if self.panels_visible:
+            self.query_one(CachePanels).stats = stats
+        else:
+            self.query_one(CacheSummary).stats = stats
         before, self._last_stats = self._last_stats, stats
-        for severity, title, text in _alerts(before, stats):
+        for severity, title, text in alerts(before, stats):
             self.notify(text, title=title, severity=severity, timeout=8)
+        if self._status is not None:
+            self._status.write(self.tierchat.engine.model_name, stats)
+            for request in self._status.requests():
+                if request["tier"] not in CACHE_TIERS:
+                    self._status.served(request, f"unknown tier {request['tier']!r}")
+                    continue
+                if request["id"] not in self._serving:
+                    self._serving.add(request["id"])
+                    self.clear_tier(request["tier"], request)
         return stats
 
     def action_toggle_panels(self) -> None:
         self.panels_visible = not self.panels_visible
 
     def watch_panels_visible(self, visible: bool) -> None:
-        self.query_one(CachePanels).display = visible
-        if self._poll_timer is not None:
-            if visible:
-                self.poll_stats()
-                self._poll_timer.resume()
-            else:
-                self._poll_timer.pause()
+        self.set_class(visible, "-panels")
+        if visible and self._last_stats is not None:
+            self.query_one(CachePanels).stats = self._last_stats
+        elif self._last_stats is not None:
+            self.query_one(CacheSummary).stats = self._last_stats
 
     def action_toggle_conversations(self) -> None:
         listing = self.query_one(ConversationList)
-        listing.display = not listing.display
-        if listing.display:
+        self.toggle_class("-no-list")
+        if not self.has_class("-no-list"):
             listing.focus()
+        else:
+            self.focus_input()
 
     def on_unmount(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-
-
-async def _until_done(handle: Any, timeout_s: float = 2.0) -> None:
-    """Wait (briefly) until the engine thread marks ``handle`` done: it posts the terminal
-    event before setting done, and the session refuses a new turn until then."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while handle is not None and not getattr(handle, "done", True) and loop.time() < deadline:
-        await asyncio.sleep(0.001)
-
-
-def _clear_report(tier: str, before: CacheStats | None, after: CacheStats | None) -> str:
-    """ "hot tier: 12 blocks (48.0 KiB) dropped" style text for the clear notification."""
-    if before is None or after is None:
-        return f"Cleared {tier}."
-    parts = []
-    if tier in ("hot", "all"):
-        n = before.hot.entries - after.hot.entries
-        parts.append(f"hot: {n} blocks, {fmt_bytes(before.hot.nbytes - after.hot.nbytes)}")
-    if tier in ("ssd", "all"):
-        n = before.ssd.entries - after.ssd.entries
-        parts.append(f"SSD: {n} files, {fmt_bytes(before.ssd.nbytes - after.ssd.nbytes)}")
-    if tier in ("tails", "all"):
-        parts.append(f"tails: {before.tails.entries - after.tails.entries} entries")
-    return "Dropped " + "; ".join(parts) + "."
-
-
-def _alerts(before: CacheStats | None, after: CacheStats) -> list[tuple[str, str, str]]:
-    """Notifications for what got worse between two snapshots (disk errors, pressure, an
-    uncacheable model); the first snapshot is compared with an empty one."""
-    before = before or CacheStats()
-    out: list[tuple[str, str, str]] = []
-    if after.ssd.errors > before.ssd.errors:
-        n = after.ssd.errors - before.ssd.errors
-        cap = fmt_bytes(after.ssd.max_bytes)
-        reason = f" ({after.ssd.reason})" if after.ssd.reason else ""
-        out.append(
-            ("error", "SSD tier write failed", f"{n} write error(s){reason}; cap now {cap}.")
-        )
-    if after.ssd.corrupt > before.ssd.corrupt:
-        n = after.ssd.corrupt - before.ssd.corrupt
-        out.append(("warning", "SSD tier", f"{n} unreadable block file(s) skipped and removed."))
-    if after.memory.level != before.memory.level and after.memory.level in ("soft", "hard"):
-        what = {
-            "soft": "the hot tier shrinks to make room",
-            "hard": "long prefills that would cross the limit are refused",
-        }[after.memory.level]
-        out.append(
-            (
-                "warning" if after.memory.level == "soft" else "error",
-                f"Memory pressure {after.memory.level}",
-                f"{fmt_bytes(after.memory.active)} active of {fmt_bytes(after.memory.limit)}: {what}.",
-            )
-        )
-    if after.supported is False and before.supported is not False:
-        out.append(("warning", "Cache off", after.reason or "this model cannot be cached"))
-    return out
+        self.turns.stop()
+        if self._status is not None:
+            self._status.remove()

@@ -40,7 +40,11 @@ class ModelPickerScreen(ModalScreen[str | None]):
             yield Input(
                 placeholder="or a local MLX directory / Hugging Face repo id", id="model-path"
             )
-            yield Static("Enter loads on the engine thread · Esc cancels", classes="hint")
+            yield Static(
+                "Enter loads on the engine thread · Esc cancels · random-weight test "
+                "models (tiny:llama, tiny:gemma3, …) load when typed by name",
+                classes="hint",
+            )
 
     def on_mount(self) -> None:
         options = self.query_one(OptionList)

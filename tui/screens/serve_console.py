@@ -3,7 +3,7 @@
 :class:`ServeConsoleScreen` shows the request log (one row per request: client, prompt
 tokens, cached tokens by tier and kind, TTFT, queue wait, tok/s), the queue depth and the
 cache panels, all read on one poll from the engine's stats and the request log. F5-F8
-clear tiers as in the chat. F9 switches to the chat screen, whose turns go through the
+clear tiers as in the chat. F10 switches to the chat screen, whose turns go through the
 same engine queue (and show in the log as client "chat"), and back.
 
 Nothing here imports MLX: the engine is an ``EngineLike`` (the server's
@@ -28,9 +28,9 @@ from tierchat.core.api import CacheStats, EngineLike
 from tierchat.core.serve_log import RequestLog
 from tierchat.tui import app as app_module
 from tierchat.tui.app import TierchatApp
+from tierchat.tui.cache_report import CLEAR_TEXT, clear_report
 from tierchat.tui.commands import CacheCommands
-from tierchat.tui.format import fmt_bytes
-from tierchat.tui.screens.chat import CLEAR_TEXT, ChatScreen
+from tierchat.tui.screens.chat import ChatScreen
 from tierchat.tui.screens.confirm import ConfirmScreen
 from tierchat.tui.widgets.cache_panels import CachePanels
 from tierchat.tui.widgets.request_log import RequestLogView
@@ -123,7 +123,10 @@ class ServeConsoleScreen(Screen):
     @work(thread=True, group="clear")
     def clear_tier(self, tier: str) -> None:
         """``Engine.clear`` waits for the engine thread (maybe mid-request): a thread worker."""
-        before = self.engine.stats()
+        try:
+            before: CacheStats | None = self.engine.stats()
+        except Exception:  # noqa: BLE001 -- the report then says less
+            before = None
         try:
             self.engine.clear(tier)
         except Exception as e:  # noqa: BLE001 -- reported on the UI thread
@@ -133,21 +136,27 @@ class ServeConsoleScreen(Screen):
             return
         self.app.call_from_thread(self._cleared, tier, before)
 
-    def _cleared(self, tier: str, before: CacheStats) -> None:
-        after = self.poll() or before
-        freed = before.hot.nbytes + before.ssd.nbytes - after.hot.nbytes - after.ssd.nbytes
-        self.notify(f"Cleared {tier}: {fmt_bytes(max(freed, 0))} freed.", title="Cache cleared")
+    def _cleared(self, tier: str, before: CacheStats | None) -> None:
+        self.notify(clear_report(tier, before, self.poll()), title="Cache cleared")
 
 
 class ServeConsoleApp(TierchatApp):
     """The TUI of ``tierchat serve --console``: the console screen first, the chat one
-    F9 away (both on the same engine and queue)."""
+    F10 away (both on the same engine and queue)."""
 
     TITLE = "tierchat serve"
-    CSS_PATH = str(Path(app_module.__file__).with_name("app.tcss"))  # the app's, not ours
+    # the app's stylesheets (relative to tui/app.py), not relative to this module
+    CSS_PATH: ClassVar = [
+        str(Path(app_module.__file__).parent / p)
+        for p in (
+            [TierchatApp.CSS_PATH]
+            if isinstance(TierchatApp.CSS_PATH, str)
+            else TierchatApp.CSS_PATH
+        )
+    ]
     BINDINGS: ClassVar[list[BindingType]] = [
         *TierchatApp.BINDINGS,
-        Binding("f9", "toggle_chat", "Chat ⇄ console", id="toggle_chat", priority=True),
+        Binding("f10", "toggle_chat", "Chat ⇄ console", id="toggle_chat", priority=True),
     ]
 
     def __init__(self, engine: EngineLike, store: Any, settings: Any, log: RequestLog, **kw):

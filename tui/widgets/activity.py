@@ -42,7 +42,14 @@ class ActivityBar(Horizontal):
         self._show(f"prefill {fmt_count(done)}/{fmt_count(total)} tokens{rate}", done, total)
 
     def show_loading(self, model: str, done: int, total: int, note: str) -> None:
+        """Model load progress; before the first step is done (a long GGUF assembly
+        reports nothing for a while) the bar is indeterminate rather than stuck at 0%."""
         extra = f" · {note}" if note else ""
+        if done <= 0:
+            self.add_class("-active")
+            self.query_one("#activity-label", Static).update(f"loading {model}{extra}")
+            self.query_one(ProgressBar).update(total=None)
+            return
         self._show(f"loading {model}{extra}", done, total)
 
     def hide(self) -> None:

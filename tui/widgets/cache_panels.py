@@ -10,14 +10,22 @@ from __future__ import annotations
 
 from collections import deque
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.clock import Clock
 from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
 from textual.reactive import reactive
-from textual.widgets import DataTable, Log, ProgressBar, Static
+from textual.widgets import DataTable, ProgressBar, RichLog, Static
 from tierchat.core.api import CacheStats, MemoryStats, TailStats, TierStats
-from tierchat.tui.format import fmt_bytes, fmt_cached_by, fmt_count, fmt_seconds
+from tierchat.tui.format import (
+    fmt_bytes,
+    fmt_cached_by,
+    fmt_cached_kind,
+    fmt_count,
+    fmt_rate,
+    fmt_seconds,
+)
 
 SPARK_POINTS = 40
 
@@ -119,6 +127,7 @@ class TierPanel(Panel):
             f"{fmt_bytes(t.nbytes)} / {fmt_bytes(t.max_bytes)} · {fmt_count(t.entries)} {noun}"
         )
         if self.tier == "hot":
+            # hits count every hot entry used: blocks and MRU tails (core/api.py)
             counters = f"hits {t.hits} · misses {t.misses} · evicted {t.evictions}"
         else:
             counters = (
@@ -199,19 +208,21 @@ class SnapshotsPanel(Panel):
             f"snapshots {fmt_count(s.count)} · {fmt_bytes(s.nbytes)}"
         )
         t = stats.tails
+        # held now vs used since start: a cleared checkpoint's hit still counts
         self.query_one("#checkpoints-text", Static).update(
-            f"checkpoints {t.checkpoints} · hits {t.checkpoint_hits}"
+            f"checkpoints held {t.checkpoints} · used {t.checkpoint_hits}×"
         )
 
 
 LAST_TURN_ROWS = (
-    ("prompt", "prompt tokens"),
+    ("prompt", "prompt"),
     ("cached", "cached"),
-    ("by", "  by source"),
+    ("by", " by tier"),
+    ("kind", " by kind"),
     ("prefilled", "prefilled"),
     ("ttft", "TTFT"),
-    ("prefill_tps", "prefill tok/s"),
-    ("decode_tps", "decode tok/s"),
+    ("prefill_tps", "prefill"),
+    ("decode_tps", "decode"),
 )
 
 
@@ -238,13 +249,14 @@ class LastTurnPanel(Panel):
     def show(self, stats: CacheStats) -> None:
         lt = stats.last_turn
         values = {
-            "prompt": fmt_count(lt.prompt_tokens),
+            "prompt": f"{fmt_count(lt.prompt_tokens)} tokens",
             "cached": fmt_count(lt.cached_tokens),
             "by": fmt_cached_by(lt.cached_by),
+            "kind": fmt_cached_kind(lt.cached_kind),
             "prefilled": fmt_count(lt.prefill_tokens),
             "ttft": fmt_seconds(lt.ttft_s),
-            "prefill_tps": f"{lt.prefill_tps:.1f}",
-            "decode_tps": f"{lt.generation_tps:.1f}",
+            "prefill_tps": fmt_rate(lt.prefill_tps, lt.prefill_tokens) + " tok/s",
+            "decode_tps": f"{lt.generation_tps:.1f} tok/s",
         }
         if not lt.prompt_tokens:
             values = dict.fromkeys(values, "—")
@@ -258,8 +270,8 @@ class EventsPanel(Panel):
 
     TITLE = "Events"
     DEFAULT_CSS = """
-    EventsPanel Log {
-        height: 6;
+    EventsPanel RichLog {
+        height: 8;
         background: $background;
         overflow-x: hidden;
         scrollbar-size-vertical: 1;
@@ -274,7 +286,8 @@ class EventsPanel(Panel):
         self._last_seq = 0
 
     def compose(self) -> ComposeResult:
-        log = Log(max_lines=500, id="events-log")
+        # wrap: an event line is never cut off; continuation lines are indented
+        log = RichLog(max_lines=500, wrap=True, markup=False, id="events-log")
         log.can_focus = False
         yield log
 
@@ -282,14 +295,55 @@ class EventsPanel(Panel):
         fresh = [(seq, text) for seq, text in stats.events if seq > self._last_seq]
         if fresh:
             self._last_seq = fresh[-1][0]
-            self.query_one(Log).write_lines(f"{seq:>4} {text}" for seq, text in fresh)
+            log = self.query_one(RichLog)
+            for seq, text in fresh:
+                line = Text.assemble((f"{seq:>4} ", "dim"), text)
+                log.write(line)
+
+
+def cache_summary(stats: CacheStats | None) -> str:
+    """The panels in one line, for narrow terminals: model state, hot and SSD use, tail
+    hit rate and the last turn's reuse."""
+    if stats is None:
+        return "cache: waiting for the engine…"
+    if stats.supported is False or not stats.enabled:
+        return f"cache off · {stats.reason or 'caching disabled'} · F2 details"
+    lt = stats.last_turn
+    last = (
+        f"last {fmt_count(lt.cached_tokens)}/{fmt_count(lt.prompt_tokens)} cached "
+        f"· TTFT {fmt_seconds(lt.ttft_s)}"
+        if lt.prompt_tokens
+        else "no turn yet"
+    )
+    return (
+        f"hot {fmt_bytes(stats.hot.nbytes)} ({stats.hot.entries}) · "
+        f"SSD {fmt_bytes(stats.ssd.nbytes)} ({stats.ssd.entries}) · "
+        f"tails {stats.tails.hit_rate:.0%} · {last} · mem {stats.memory.level} · F2 panels"
+    )
+
+
+class CacheSummary(Static):
+    """One line of cache state, shown when the full panels are not."""
+
+    DEFAULT_CSS = """
+    CacheSummary { height: 1; color: $text-muted; padding: 0 1; text-wrap: nowrap;
+                   text-overflow: ellipsis; }
+    """
+
+    stats: reactive[CacheStats | None] = reactive(None)
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__("", id=id, markup=False)
+
+    def watch_stats(self, stats: CacheStats | None) -> None:
+        self.update(cache_summary(stats))
 
 
 class CachePanels(VerticalScroll):
     """Every panel, fed by :attr:`stats`."""
 
     DEFAULT_CSS = """
-    CachePanels { width: 44; padding: 0 1 0 0; scrollbar-size-vertical: 1; }
+    CachePanels { width: 46; padding: 0 1 0 0; scrollbar-size-vertical: 1; }
     CachePanels > #cache-model { height: 1; color: $text-muted; padding: 0 1; }
     """
 
@@ -299,6 +353,7 @@ class CachePanels(VerticalScroll):
     def __init__(self, *, clock: Clock | None = None, id: str | None = None) -> None:
         super().__init__(id=id)
         self._clock = clock
+        self.can_focus = False  # Tab cycles list, transcript and input
 
     def compose(self) -> ComposeResult:
         yield Static("cache: waiting for the engine…", id="cache-model", markup=False)

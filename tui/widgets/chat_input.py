@@ -1,10 +1,20 @@
-"""The multi-line chat input: Enter sends, a second key inserts a newline (both remappable)."""
+"""The multi-line chat input: Enter sends, a second key inserts a newline (both remappable).
+
+Key order: the app checks priority bindings when it *reads* a key, but a typed character
+reaches the TextArea later, through the input's own message queue. So "hi" + Enter in
+one terminal read (tmux, expect scripts, a fast typist) would run the send binding before
+"h" and "i" are in the text. The send action therefore only queues a :class:`SendRequest`
+to the input itself, behind the characters; its handler reads the text.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
+from textual import on
 from textual.binding import Binding, BindingType
+from textual.message import Message
 from textual.widgets import TextArea
 from tierchat.tui.messages import MessageSubmitted
 
@@ -34,7 +44,16 @@ class ChatInput(TextArea):
         Binding(
             "shift+enter,ctrl+j", "newline", "Newline", id="newline", priority=True, show=False
         ),
+        Binding("escape", "screen.select(-1)", "Messages", id="to_messages", show=False),
     ]
+
+    @dataclass
+    class SendRequest(Message):
+        """Queued by the send key behind any characters typed before it."""
+
+    @dataclass
+    class NewlineRequest(Message):
+        """Queued by the newline key behind any characters typed before it."""
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(
@@ -52,9 +71,19 @@ class ChatInput(TextArea):
         self.cursor_blink = not self.app.is_headless
 
     def action_send(self) -> None:
+        self.post_message(self.SendRequest())
+
+    def action_newline(self) -> None:
+        self.post_message(self.NewlineRequest())
+
+    @on(SendRequest)
+    def _send(self, event: SendRequest) -> None:
+        event.stop()
         text = self.text.strip()
         if text:
             self.post_message(MessageSubmitted(text))
 
-    def action_newline(self) -> None:
+    @on(NewlineRequest)
+    def _newline(self, event: NewlineRequest) -> None:
+        event.stop()
         self.insert("\n")

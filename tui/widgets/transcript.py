@@ -3,20 +3,28 @@
 The transcript is an anchored ``VerticalScroll`` (it follows the bottom while a reply
 streams, until the user scrolls up). :meth:`Transcript.sync` diffs the shown messages with
 the session's active path by node id, so a swipe or an edit only remounts what changed.
+
+Focused, the transcript is a message cursor: ↑/↓ move it (visibly), ←/→ pick a sibling of
+the message under it (a reply, or an edited user message), and single keys act on that
+message. Plain keys, so they work in every terminal: the chat input is not focused.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
+from textual import events
 from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
 from textual.containers import Vertical, VerticalScroll
-from textual.widgets import Markdown, Static
+from textual.widgets import Collapsible, Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 from tierchat.core.api import TurnMetrics
-from tierchat.tui.format import fmt_metrics
-from tierchat.tui.messages import BranchRequested, MessageClicked
+from tierchat.tui.format import fmt_metrics, metrics_from_meta, split_think
+from tierchat.tui.messages import BranchRequested, MessageClicked, TypedInTranscript
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,39 @@ class MessageInfo:
     count: int = 1
     metrics: TurnMetrics | None = None
     model: str = ""
+
+
+def message_infos(entries: Sequence[Any], system: str | None = None) -> list[MessageInfo]:
+    """The rows of a transcript from the store's ``active_path_entries`` (``node``,
+    ``index``, ``count`` per message), O(n). ``system`` (the conversation's effective
+    system prompt) replaces a system root, or is shown first when the tree has none."""
+    infos: list[MessageInfo] = []
+    turn = -1
+    if system and not (entries and entries[0].node.role == "system"):
+        infos.append(MessageInfo(0, "system", system, -1))
+    for entry in entries:
+        node = entry.node
+        if node.role == "user":
+            turn += 1
+            infos.append(MessageInfo(node.id, "user", node.content, turn, entry.index, entry.count))
+        elif node.role == "assistant":
+            meta = node.meta or {}
+            infos.append(
+                MessageInfo(
+                    node.id,
+                    "assistant",
+                    node.content,
+                    turn,
+                    entry.index,
+                    entry.count,
+                    metrics=metrics_from_meta(meta),
+                    model=str(meta.get("model", "")),
+                )
+            )
+        elif system != "":
+            content = node.content if system is None else system
+            infos.append(MessageInfo(node.id, "system", content, -1, entry.index, entry.count))
+    return infos
 
 
 class BranchBar(Static):
@@ -56,13 +97,13 @@ class BranchBar(Static):
             self.update("")
             return
         parts: list[str] = []
-        if info.role == "assistant":
+        if info.role == "assistant" or info.count > 1:
             prev = "[@click=branch('prev')]◀[/]" if info.index > 0 else "[dim]◀[/]"
             nxt = "[@click=branch('next')]▶[/]" if info.index < info.count - 1 else "[dim]▶[/]"
             parts.append(f"{prev} {info.index + 1}/{info.count} {nxt}")
-            if last_turn:
-                parts.append("[@click=branch('regenerate')]↻ regenerate[/]")
-        else:
+        if info.role == "assistant" and last_turn:
+            parts.append("[@click=branch('regenerate')]↻ regenerate[/]")
+        if info.role == "user":
             parts.append("[@click=branch('edit')]✎ edit[/]")
         parts.append("[@click=branch('fork')]fork[/]")
         parts.append("[@click=branch('copy')]copy[/]")
@@ -71,7 +112,13 @@ class BranchBar(Static):
 
 class MessageView(Vertical):
     """One message: a role line, the markdown body, and for a reply its branch bar and
-    metrics line. Replies stream into the markdown with ``Markdown.get_stream()``."""
+    metrics line. Replies stream into the markdown with ``Markdown.get_stream()``.
+
+    A reply's ``<think>…</think>`` reasoning is shown apart, in a collapsed
+    :class:`Collapsible` (``t`` on the message, or a click, toggles it); the body shows
+    the answer only. The stored content keeps the reasoning: whether the next prompt does
+    is the chat template's choice (``core/prompts.py``).
+    """
 
     DEFAULT_CSS = """
     MessageView {
@@ -84,11 +131,21 @@ class MessageView(Vertical):
     MessageView.-assistant { border-left: outer $success; }
     MessageView.-system { border-left: outer $warning; color: $text-muted; }
     MessageView.-selected { background: $primary 15%; }
+    Transcript:focus-within MessageView.-selected {
+        background: $primary 30%;
+        border-left: outer $accent;
+    }
     MessageView.-streaming { border-left: outer $accent; }
     MessageView > .role { height: 1; color: $text-muted; text-style: bold; }
     MessageView > Markdown { margin: 0; padding: 0; background: transparent; }
     MessageView > Markdown > *:last-child { margin-bottom: 0; }
     MessageView > .metrics { height: auto; color: $text-muted; }
+    MessageView > Collapsible {
+        background: transparent; border: none; padding: 0; margin: 0;
+        color: $text-muted;
+    }
+    MessageView > Collapsible > Contents { padding: 0 0 0 2; height: auto; }
+    MessageView > Collapsible .reasoning { color: $text-muted; text-style: italic; }
     """
 
     def __init__(self, info: MessageInfo, *, streaming: bool = False) -> None:
@@ -96,16 +153,63 @@ class MessageView(Vertical):
         self.info = info
         self._stream: MarkdownStream | None = None
         self._shown_text = ""
+        self._shown_answer = ""
         self._last_turn = True
         self.set_class(streaming, "-streaming")
 
+    def _parts(self, text: str) -> tuple[str | None, str, bool]:
+        if self.info.role != "assistant":
+            return None, text, True
+        return split_think(text)
+
     def compose(self) -> ComposeResult:
         yield Static(self._role_line(), classes="role", markup=False)
-        yield Markdown(self.info.content or ("…" if self.has_class("-streaming") else ""))
+        reasoning, answer, closed = self._parts(self.info.content)
+        if reasoning is not None:
+            yield self._think_box(reasoning, closed)
+        yield Markdown(answer or ("…" if self.has_class("-streaming") else ""))
         if self.info.role in ("user", "assistant"):
             yield BranchBar(self.info.node_id, classes="branch-bar")
         if self.info.role == "assistant":
             yield Static("", classes="metrics", markup=False)
+
+    @staticmethod
+    def _think_title(reasoning: str, closed: bool) -> str:
+        words = len(reasoning.split())
+        return f"reasoning · {words} words" if closed else f"thinking… {words} words"
+
+    def _think_box(self, reasoning: str, closed: bool) -> Collapsible:
+        return Collapsible(
+            Static(reasoning, classes="reasoning", markup=False),
+            title=self._think_title(reasoning, closed),
+            collapsed=True,
+            classes="think",
+        )
+
+    async def _show_reasoning(self, reasoning: str | None, closed: bool) -> None:
+        boxes = self.query_children(Collapsible)
+        if reasoning is None:
+            await boxes.remove()
+            return
+        if not boxes:
+            await self.mount(self._think_box(reasoning, closed), before=self.markdown)
+            return
+        box = boxes.first()
+        box.title = self._think_title(reasoning, closed)
+        box.query_one(".reasoning", Static).update(reasoning)
+
+    @property
+    def has_reasoning(self) -> bool:
+        return bool(self.query_children(Collapsible))
+
+    def toggle_reasoning(self) -> bool:
+        """Expand or collapse the reasoning; False when the message has none."""
+        boxes = self.query_children(Collapsible)
+        if not boxes:
+            return False
+        box = boxes.first()
+        box.collapsed = not box.collapsed
+        return True
 
     def on_mount(self) -> None:
         self._refresh_bars(last_turn=True)
@@ -134,8 +238,13 @@ class MessageView(Vertical):
 
     @property
     def text(self) -> str:
-        """What the body shows now (the content, or the streamed text so far)."""
+        """What the message holds now (the content, or the streamed text so far)."""
         return self._shown_text if self.has_class("-streaming") else self.info.content
+
+    async def _show_content(self, content: str) -> None:
+        reasoning, answer, closed = self._parts(content)
+        await self._show_reasoning(reasoning, closed)
+        await self.markdown.update(answer)
 
     async def update_info(self, info: MessageInfo, *, last_turn: bool) -> None:
         """Show ``info`` (same node, or a stored reply replacing a streamed one)."""
@@ -145,7 +254,7 @@ class MessageView(Vertical):
         self.info = info
         self.query_one(".role", Static).update(self._role_line())
         if changed:
-            await self.markdown.update(info.content)
+            await self._show_content(info.content)
         self._refresh_bars(last_turn=last_turn)
 
     def set_last_turn(self, last_turn: bool) -> None:
@@ -155,19 +264,26 @@ class MessageView(Vertical):
     # ------------------------------------------------------------------ streaming
 
     async def stream_to(self, text: str) -> None:
-        """Extend the streamed body to ``text`` (the cumulative reply so far)."""
-        if not text.startswith(self._shown_text):
+        """Extend the streamed body to ``text`` (the cumulative reply so far); reasoning
+        goes to the collapsed box, the answer streams into the markdown."""
+        self._shown_text = text
+        reasoning, answer, closed = self._parts(text)
+        if reasoning is not None:
+            await self._show_reasoning(reasoning, closed)
+        if not answer.startswith(self._shown_answer):
             # Decoding revised earlier text (rare): restart the stream from scratch.
             await self._stop_stream()
-            self._shown_text = ""
+            self._shown_answer = ""
             await self.markdown.update("")
-        delta = text[len(self._shown_text) :]
+        delta = answer[len(self._shown_answer) :]
         if not delta:
+            if reasoning is not None and not self._shown_answer and self._stream is None:
+                await self.markdown.update("")  # drop the "…" placeholder
             return
         if self._stream is None:
             await self.markdown.update("")
             self._stream = Markdown.get_stream(self.markdown)
-        self._shown_text = text
+        self._shown_answer = answer
         await self._stream.write(delta)
 
     async def _stop_stream(self) -> None:
@@ -181,19 +297,41 @@ class MessageView(Vertical):
         self.set_class(False, "-streaming")
         self.info = info
         self._shown_text = ""
+        self._shown_answer = ""
         self.query_one(".role", Static).update(self._role_line())
-        await self.markdown.update(info.content)
+        await self._show_content(info.content)
         self._refresh_bars(last_turn=True)
 
 
 class Transcript(VerticalScroll):
-    """The messages of the active path, with a welcome note while empty."""
+    """The messages of the active path, with a welcome note while empty.
+
+    Focused, it is the message cursor (see the module docstring): the screen owns the
+    cursor position (``ChatScreen.selected``) and the actions; these bindings only route
+    keys to them. A printable key that is not bound goes to the chat input.
+    """
 
     DEFAULT_CSS = """
     Transcript { height: 1fr; padding: 0 1; scrollbar-size-vertical: 1; }
+    Transcript:focus { background-tint: $foreground 3%; }
     Transcript > #welcome { color: $text-muted; padding: 1 2; width: 1fr; }
     Transcript.-has-messages > #welcome { display: none; }
     """
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("up,k", "screen.select(-1)", "↑ Message", id="msg_up"),
+        Binding("down,j", "screen.select(1)", "↓ Message", id="msg_down"),
+        Binding("home", "screen.select_edge(0)", "First", id="msg_first", show=False),
+        Binding("end", "screen.select_edge(1)", "Last", id="msg_last", show=False),
+        Binding("left,h", "screen.swipe(-1)", "◀ Branch", id="msg_prev_branch"),
+        Binding("right,l", "screen.swipe(1)", "Branch ▶", id="msg_next_branch"),
+        Binding("e", "screen.edit", "Edit", id="edit"),
+        Binding("r", "screen.regenerate", "Regenerate", id="msg_regenerate", show=False),
+        Binding("f", "screen.fork", "Fork", id="fork"),
+        Binding("c", "screen.copy", "Copy", id="copy"),
+        Binding("t", "screen.toggle_reasoning", "Reasoning", id="toggle_reasoning"),
+        Binding("escape,enter,i", "screen.focus_input", "Type", id="msg_done"),
+    ]
 
     def __init__(self, *, welcome: str = "", id: str | None = None) -> None:
         super().__init__(id=id)
@@ -205,6 +343,15 @@ class Transcript(VerticalScroll):
 
     def on_mount(self) -> None:
         self.anchor()
+
+    def on_key(self, event: events.Key) -> None:
+        # A printable key no binding takes (keymap applied) is typing: it goes to the input.
+        if event.key in self.screen.active_bindings:
+            return
+        if event.is_printable and event.character:
+            event.stop()
+            event.prevent_default()
+            self.post_message(TypedInTranscript(event.character))
 
     def set_welcome(self, text: str) -> None:
         self.query_one("#welcome", Static).update(text)

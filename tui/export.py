@@ -1,0 +1,114 @@
+"""Export a conversation -- its active path or its whole tree -- to Markdown or JSON.
+
+Pure Python over a ``ConversationStore``. JSON carries everything the store holds (ids,
+roles, content, generated token ids, meta with the turn's metrics, the selected branch);
+Markdown is for reading: the active path as a chat, or the tree as an outline where the
+branches on the active path are marked ``●``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from tierchat.core.conversation import ConversationStore, Node
+
+ExportFormat = Literal["md", "json"]
+ExportScope = Literal["path", "tree"]
+
+ROLE_TITLES = {"system": "System", "user": "You", "assistant": "Assistant"}
+
+
+def _node_dict(node: Node, *, active: bool) -> dict[str, Any]:
+    return {
+        "id": node.id,
+        "parent_id": node.parent_id,
+        "role": node.role,
+        "content": node.content,
+        "token_ids": list(node.token_ids) if node.token_ids is not None else None,
+        "created_at": node.created_at,
+        "meta": node.meta,
+        "active": active,
+    }
+
+
+def _tree(store: ConversationStore, cid: int) -> tuple[list[Node], dict[int | None, list[Node]]]:
+    children: dict[int | None, list[Node]] = {}
+    roots = store.roots(cid)
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        kids = store.children(node.id)
+        children[node.id] = kids
+        stack.extend(kids)
+    return roots, children
+
+
+def export_conversation(
+    store: ConversationStore,
+    conversation_id: int,
+    fmt: ExportFormat,
+    scope: ExportScope,
+    settings: dict[str, Any] | None = None,
+) -> str:
+    """The conversation as text. Raises ``ConversationError`` for an unknown id."""
+    info = store.get_conversation(conversation_id)
+    title = info.title or f"conversation {info.id}"
+    path = store.active_path(conversation_id)
+    active = {n.id for n in path}
+    if fmt == "json":
+        doc: dict[str, Any] = {
+            "format": "tierchat-conversation",
+            "version": 1,
+            "id": info.id,
+            "title": title,
+            "created_at": info.created_at,
+            "updated_at": info.updated_at,
+            "settings": settings or {},
+            "scope": scope,
+        }
+        if scope == "path":
+            doc["messages"] = [_node_dict(n, active=True) for n in path]
+        else:
+            roots, children = _tree(store, conversation_id)
+
+            def nest(node: Node) -> dict[str, Any]:
+                d = _node_dict(node, active=node.id in active)
+                d["children"] = [nest(c) for c in children.get(node.id, [])]
+                return d
+
+            doc["roots"] = [nest(r) for r in roots]
+        return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
+
+    lines = [f"# {title}", ""]
+    system = (settings or {}).get("system")
+    if system and not (path and path[0].role == "system"):
+        lines += ["## System", "", system, ""]
+    if scope == "path":
+        for node in path:
+            model = (node.meta or {}).get("model")
+            head = ROLE_TITLES.get(node.role, node.role)
+            lines += [f"## {head}" + (f" · {model}" if model else ""), "", node.content, ""]
+        return "\n".join(lines).rstrip() + "\n"
+
+    roots, children = _tree(store, conversation_id)
+    lines += ["Branches on the active path are marked ●.", ""]
+
+    def walk(node: Node, depth: int) -> None:
+        mark = "●" if node.id in active else "○"
+        text = node.content.strip().replace("\n", "\n" + "  " * (depth + 1) + "  ")
+        lines.append(f"{'  ' * depth}- {mark} **{ROLE_TITLES.get(node.role, node.role)}**: {text}")
+        for child in children.get(node.id, []):
+            walk(child, depth + 1)
+
+    for root in roots:
+        walk(root, 0)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def export_path(folder: Path, title: str, conversation_id: int, fmt: str, scope: str) -> Path:
+    """``<folder>/<slug>-<id>-<scope>.<fmt>``."""
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", title).strip("-").lower()[:40] or "conversation"
+    return Path(folder) / f"{slug}-{conversation_id}-{scope}.{fmt}"
