@@ -233,7 +233,8 @@ def authorize(state: ServeState, http: Request) -> None:
     if not state.api_key:
         return
     scheme, _, key = http.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip(), state.api_key):
+    given = key.strip().encode("utf-8", "surrogateescape")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given, state.api_key.encode()):
         raise APIError(
             "missing or invalid API key (Authorization: Bearer <key>)",
             401,
