@@ -1,7 +1,7 @@
 """``tierchat``: the command line (DESIGN.md §8).
 
 Subcommands: none (the TUI), ``chat``, ``replay``, ``models``, ``cache stats|clear``,
-``config``, ``bench``. The settings flags are accepted before or after the subcommand and
+``config``, ``serve``, ``bench``. The settings flags are accepted before or after the subcommand and
 override the config file and ``TIERCHAT_*`` env vars (:func:`load_settings`).
 
 Exit codes: 0 ok; 1 something failed while running (model load, a generation); 2 bad
@@ -103,6 +103,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p = sub.add_parser(
+        "serve",
+        parents=[common],
+        help="an OpenAI-compatible HTTP endpoint on the same engine and cache",
+        description="Serve /v1/chat/completions, /v1/completions and /v1/models (OpenAI's API) "
+        "from one engine and its prefix cache. Requests queue for the engine. Binding to "
+        "anything but loopback needs --allow-remote and an API key.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
+    p.add_argument("--console", action="store_true", help="show the live console (TUI)")
+    p.add_argument(
+        "--allow-remote", action="store_true", help="allow a non-loopback --host (needs a key)"
+    )
+    p.add_argument(
+        "--api-key", metavar="KEY", help="require Authorization: Bearer KEY (or TIERCHAT_API_KEY)"
+    )
+    p.add_argument(
+        "--max-queue", type=int, default=64, metavar="N", help="refuse requests past N queued (503)"
+    )
+
+    p = sub.add_parser(
         "bench",
         parents=[common],
         help="TTFT of cold, hot, SSD and nearest-prefix prefill vs mlx-lm's LRUPromptCache",
@@ -122,6 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-baseline", action="store_true", help="skip the mlx-lm LRUPromptCache rows")
     p.add_argument("--extend", type=int, default=32, metavar="N", help="nearest-prefix: new tokens")
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="instead: replay a chat through `tierchat serve` and `mlx_lm.server` (serve_bench)",
+    )
+    p.add_argument("--turns", type=int, default=4, metavar="N", help="--serve: user turns")
+    p.add_argument(
+        "--turn-tokens", type=int, default=200, metavar="N", help="--serve: tokens per user turn"
+    )
     return parser
 
 
@@ -192,6 +222,14 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
         return run_cache(settings, args.cache_command, args)
     if command == "config":
         return run_config(settings)
+    if command == "serve":
+        from .serve import run_serve
+
+        return run_serve(settings, args)
+    if command == "bench" and args.serve:
+        from .serve_bench import run_serve_bench
+
+        return run_serve_bench(settings, args)
     if command == "bench":
         from .bench import run_bench
 

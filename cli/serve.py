@@ -1,0 +1,530 @@
+"""``tierchat serve``: an OpenAI-compatible HTTP endpoint on the one engine and its cache.
+
+Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming with
+server-sent events, or not), ``GET /v1/models``, ``GET /health``. Every generation is a
+``GenerateRequest`` submitted to the one engine through a
+:class:`~tierchat.core.serve_log.TrackedEngine`, so requests queue for the engine's thread
+(its depth shows in ``/health``, the console and the log) and hit the same prefix cache as
+``tierchat chat``. Prompts are built as the chat builds them (:mod:`tierchat.core.serve_prompts`).
+
+``usage`` is OpenAI's (``prompt_tokens``, ``completion_tokens``, ``total_tokens``,
+``prompt_tokens_details.cached_tokens``) plus ``usage.tierchat``: cached tokens by tier
+(``cached_by``) and by entry kind (``cached_kind``), ``prefill_tokens``, ``ttft_s``,
+``prefill_tps``, ``generation_tps``. Errors are OpenAI's ``{"error": {...}}`` with its status
+codes. Binding to anything but loopback needs ``--allow-remote`` and an API key
+(``--api-key`` or ``TIERCHAT_API_KEY``), checked as ``Authorization: Bearer <key>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import ipaddress
+import json
+import os
+import sys
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from tierchat.core.api import Event, Failed, Finished, GenerateRequest, TokenBatch, TurnMetrics
+from tierchat.core.prompts import PromptBuilder
+from tierchat.core.serve_log import RequestLog, RequestRecord, TrackedEngine
+from tierchat.core.serve_prompts import (
+    APIError,
+    ReplyMemory,
+    Sampling,
+    StopMatcher,
+    build_chat_prompt,
+    completion_prompt,
+    sampling,
+)
+
+from .common import EXIT_OK, EXIT_USAGE, CLIError, start_engine
+
+API_KEY_ENV = "TIERCHAT_API_KEY"
+DISCONNECT_POLL_S = 0.5
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class ServeState:
+    """What the routes share: the tracked engine, the log, the reply memory, defaults."""
+
+    def __init__(
+        self,
+        engine: TrackedEngine,
+        *,
+        api_key: str | None = None,
+        max_tokens: int = 512,
+        seed: int | None = None,
+        use_cache: bool = True,
+        max_queue: int = 64,
+        memory_entries: int = 256,
+        memory_path: str | os.PathLike | None = None,
+    ) -> None:
+        self.engine = engine
+        self.log = engine.log
+        self.api_key = api_key
+        self.max_tokens = max_tokens
+        self.seed = seed
+        self.use_cache = use_cache
+        self.max_queue = max_queue
+        self.memory = ReplyMemory(memory_entries, memory_path)
+        self.created = int(time.time())
+        self._builder: PromptBuilder | None = None
+
+    def builder(self) -> PromptBuilder:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise APIError("no model is loaded", 503, "server_error", code="model_not_loaded")
+        if self._builder is None or self._builder.tokenizer is not tokenizer:
+            self._builder = PromptBuilder(tokenizer)
+        return self._builder
+
+
+# ---------------------------------------------------------------- responses
+
+
+def reply_memory_path(settings: Any, model_name: str) -> Path:
+    """Where the server keeps its reply memory for ``model_name``: one file per model
+    under the data dir (``serve-replies/<sha256(model)[:16]>.jsonl``)."""
+    digest = hashlib.sha256(model_name.encode()).hexdigest()[:16]
+    return Path(settings.data_dir) / "serve-replies" / f"{digest}.jsonl"
+
+
+def error_response(e: APIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def usage(m: TurnMetrics) -> dict[str, Any]:
+    return {
+        "prompt_tokens": m.prompt_tokens,
+        "completion_tokens": m.generation_tokens,
+        "total_tokens": m.prompt_tokens + m.generation_tokens,
+        "prompt_tokens_details": {"cached_tokens": m.cached_tokens},
+        "tierchat": {
+            "cached_by": dict(m.cached_by),
+            "cached_kind": dict(m.cached_kind),
+            "prefill_tokens": m.prefill_tokens,
+            "ttft_s": round(m.ttft_s, 6),
+            "prefill_tps": round(m.prefill_tps, 2),
+            "generation_tps": round(m.generation_tps, 2),
+        },
+    }
+
+
+def failure(event: Failed) -> APIError:
+    if event.kind == "refused":
+        return APIError(event.message, 400, code="context_length_exceeded")
+    if event.kind == "cancelled":
+        return APIError(event.message, 499, "server_error", code="cancelled")
+    return APIError(event.message, 500, "server_error", code=event.kind)
+
+
+def sse(data: Any) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def client_label(request: Request, body: dict) -> str:
+    """``host label``: the request's ``user`` field, else the User-Agent's product."""
+    host = request.client.host if request.client else "?"
+    user = body.get("user")
+    if isinstance(user, str) and user:
+        return f"{host} {user[:24]}"
+    agent = request.headers.get("user-agent", "").split(" ")[0]
+    return f"{host} {agent[:24]}" if agent else host
+
+
+# ---------------------------------------------------------------- one generation
+
+
+class Generation:
+    """One request to the engine, read as async events; cancels it if abandoned."""
+
+    def __init__(self, state: ServeState, request: GenerateRequest, client: str, endpoint: str):
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.handle = state.engine.submit(request, self._post, client=client, endpoint=endpoint)
+
+    def _post(self, event: Event) -> None:  # engine thread
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the loop is gone (server stopped)
+            self.handle.cancel()
+
+    async def events(self, http: Request | None = None) -> AsyncIterator[Event]:
+        try:
+            while True:
+                if http is None:
+                    event = await self.queue.get()
+                else:
+                    try:
+                        event = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
+                    except TimeoutError:
+                        if await http.is_disconnected():
+                            return
+                        continue
+                yield event
+                if isinstance(event, Finished | Failed):
+                    return
+        finally:
+            if not self.handle.done:
+                self.handle.cancel()
+
+
+async def _prepare(state: ServeState, http: Request, endpoint: str):
+    """Check the key, the queue and the body; build the request. Raises :class:`APIError`."""
+    authorize(state, http)
+    try:
+        body = await http.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise APIError("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    params = sampling(body, state.max_tokens, state.seed)
+    if endpoint == "chat":
+        builder = state.builder()
+        prompt = await run_in_threadpool(build_chat_prompt, builder, body, state.memory)
+        ids, boundaries = prompt.prompt.token_ids, prompt.prompt.boundaries
+    else:
+        if body.get("echo"):
+            raise APIError("echo is not supported", param="echo")
+        if body.get("suffix"):
+            raise APIError("suffix is not supported", param="suffix")
+        builder = state.builder()
+        ids, boundaries = completion_prompt(builder.tokenizer, body), ()
+    waiting = state.engine.queue_depth
+    if waiting >= state.max_queue:
+        raise APIError(
+            f"the engine queue is full ({waiting} requests)", 503, "server_error", code="queue_full"
+        )
+    request = GenerateRequest(
+        prompt_ids=ids,
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        seed=params.seed,
+        boundaries=boundaries,
+        use_cache=state.use_cache,
+    )
+    return body, params, request
+
+
+def authorize(state: ServeState, http: Request) -> None:
+    if not state.api_key:
+        return
+    scheme, _, key = http.headers.get("authorization", "").partition(" ")
+    given = key.strip().encode("utf-8", "surrogateescape")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given, state.api_key.encode()):
+        raise APIError(
+            "missing or invalid API key (Authorization: Bearer <key>)",
+            401,
+            "authentication_error",
+            code="invalid_api_key",
+        )
+
+
+def stopped(state: ServeState, gen: Generation, matcher: StopMatcher) -> None:
+    """A reply cut at a stop string was cancelled on the engine; the log shows it done."""
+    seq = getattr(gen.handle, "log_seq", None)
+    if matcher.stopped and seq is not None:
+        state.log.update(seq, status="done", finish_reason="stop")
+
+
+def _finish_reason(metrics: TurnMetrics, matcher: StopMatcher) -> str:
+    if matcher.stopped:
+        return "stop"
+    return "length" if metrics.finish_reason == "length" else "stop"
+
+
+async def generate(state: ServeState, http: Request, endpoint: str) -> Response:
+    try:
+        body, params, request = await _prepare(state, http, endpoint)
+    except APIError as e:
+        return error_response(e)
+    client = client_label(http, body)
+    gen = Generation(state, request, client, endpoint)
+    ident = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+    head = {"id": ident, "created": int(time.time()), "model": state.engine.model_name}
+    if params.stream:
+        return StreamingResponse(
+            _stream(state, gen, params, endpoint, head),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    matcher = StopMatcher(params.stop)
+    async for event in gen.events(http):
+        if isinstance(event, TokenBatch):
+            matcher.feed(event.text)
+            if matcher.stopped:
+                gen.handle.cancel()
+        elif isinstance(event, Failed):
+            return error_response(failure(event))
+        elif isinstance(event, Finished):
+            stopped(state, gen, matcher)
+            text = matcher.text
+            if endpoint == "chat":
+                state.memory.remember(state.engine.tokenizer, text, event.token_ids)
+            reason = _finish_reason(event.metrics, matcher)
+            if endpoint == "chat":
+                choice = {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": None,
+                    "finish_reason": reason,
+                }
+                obj = "chat.completion"
+            else:
+                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+                obj = "text_completion"
+            return JSONResponse(
+                {**head, "object": obj, "choices": [choice], "usage": usage(event.metrics)}
+            )
+    return Response(status_code=499)  # the client went away
+
+
+async def _stream(
+    state: ServeState, gen: Generation, params: Sampling, endpoint: str, head: dict
+) -> AsyncIterator[str]:
+    chat = endpoint == "chat"
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    extra = {"usage": None} if params.include_usage else {}
+
+    def chunk(text: str | None, reason: str | None = None, first: bool = False) -> str:
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if text:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        return sse({**head, "object": obj, "choices": [choice], **extra})
+
+    matcher = StopMatcher(params.stop)
+    if chat:
+        yield chunk(None, first=True)
+    async for event in gen.events():
+        if isinstance(event, TokenBatch):
+            text = matcher.feed(event.text)
+            if text:
+                yield chunk(text)
+            if matcher.stopped:
+                gen.handle.cancel()
+        elif isinstance(event, Failed):
+            yield sse(failure(event).body())
+        elif isinstance(event, Finished):
+            stopped(state, gen, matcher)
+            rest = matcher.flush()
+            if rest:
+                yield chunk(rest)
+            if chat:
+                state.memory.remember(state.engine.tokenizer, matcher.text, event.token_ids)
+            yield chunk(None, _finish_reason(event.metrics, matcher))
+            if params.include_usage:
+                yield sse({**head, "object": obj, "choices": [], "usage": usage(event.metrics)})
+    yield "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------- the app
+
+
+def create_app(state: ServeState) -> Starlette:
+    """The ASGI app over ``state`` (routes in the module docstring)."""
+
+    async def chat_completions(http: Request) -> Response:
+        return await generate(state, http, "chat")
+
+    async def completions(http: Request) -> Response:
+        return await generate(state, http, "completion")
+
+    async def models(http: Request) -> Response:
+        try:
+            authorize(state, http)
+        except APIError as e:
+            return error_response(e)
+        name = state.engine.model_name
+        data = [{"id": name, "object": "model", "created": state.created, "owned_by": "tierchat"}]
+        return JSONResponse({"object": "list", "data": data if name else []})
+
+    async def health(http: Request) -> Response:
+        snap = state.log.snapshot()
+        return JSONResponse(
+            {
+                "status": "ok" if state.engine.model_name else "loading",
+                "model": state.engine.model_name,
+                "queue": {"waiting": snap.waiting, "running": snap.running},
+                "requests": snap.total,
+            }
+        )
+
+    async def http_error(http: Request, exc: HTTPException) -> Response:
+        code = "unknown_url" if exc.status_code == 404 else None
+        text = f"{http.method} {http.url.path}: {exc.detail}"
+        return error_response(APIError(text, exc.status_code, code=code))
+
+    async def server_error(http: Request, exc: Exception) -> Response:
+        text = f"{type(exc).__name__}: {exc}"
+        return error_response(APIError(text, 500, "server_error"))
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ]
+    return Starlette(
+        routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error}
+    )
+
+
+class ServerThread:
+    """uvicorn serving ``app`` on a thread (port 0: a free port); ``start`` waits until it
+    listens, ``stop`` until it is gone. ``url`` is ``http://host:port``."""
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0) -> None:
+        import uvicorn
+
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", access_log=False, lifespan="off"
+        )
+        self.server = uvicorn.Server(config)
+        self.host = host
+        self.port = port
+        self.thread = threading.Thread(target=self.server.run, name="tierchat-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP server did not start on {self.host}:{self.port}")
+            time.sleep(0.02)
+        sockets = [s for server in self.server.servers for s in server.sockets]
+        if sockets:
+            self.port = sockets[0].getsockname()[1]
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout_s)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# ---------------------------------------------------------------- the command
+
+
+def check_bind(host: str, allow_remote: bool, api_key: str | None) -> None:
+    """Loopback is open; anything else needs ``--allow-remote`` and a key. Raises CLIError."""
+    if is_loopback(host):
+        return
+    if not allow_remote:
+        raise CLIError(
+            f"--host {host} is not loopback: add --allow-remote (and an API key) to serve it",
+            EXIT_USAGE,
+        )
+    if not api_key:
+        raise CLIError(
+            f"serving on {host} needs an API key: --api-key KEY or {API_KEY_ENV}", EXIT_USAGE
+        )
+
+
+def _print_record(record: RequestRecord) -> None:
+    if record.status in ("waiting", "running"):
+        return
+    by = ", ".join(f"{k} {v}" for k, v in record.cached_by.items() if v) or "none"
+    line = (
+        f"#{record.seq} {record.client} {record.endpoint} {record.status}: "
+        f"prompt {record.prompt_tokens}, cached {record.cached_tokens} "
+        f"({by}), prefilled {record.prefill_tokens}, "
+        f"TTFT {record.ttft_s:.2f}s (+{record.wait_s:.2f}s queued), "
+        f"{record.generation_tokens} tok at {record.generation_tps:.1f} tok/s"
+    )
+    if record.error:
+        line += f" ({record.error})"
+    print(line, file=sys.stderr, flush=True)
+
+
+def run_serve(settings: Any, args: Any) -> int:
+    """``tierchat serve``: load the model, serve until Ctrl-C (or the console quits)."""
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    check_bind(args.host, args.allow_remote, api_key)
+    engine = start_engine(settings)
+    log = RequestLog()
+    tracked = TrackedEngine(engine, log)
+    state = ServeState(
+        tracked,
+        api_key=api_key,
+        max_tokens=settings.max_tokens,
+        seed=settings.seed if "seed" in args else None,  # clients' own seeds otherwise
+        use_cache=not settings.no_cache,
+        max_queue=args.max_queue,
+        memory_path=reply_memory_path(settings, engine.model_name),
+    )
+    app = create_app(state)
+    try:
+        server = ServerThread(app, args.host, args.port).start()
+    except RuntimeError as e:
+        engine.close()
+        raise CLIError(f"{e} (is the port in use?)") from None
+    log.url = f"{server.url}/v1"
+    try:
+        if args.console:
+            _run_console(tracked, log, settings)
+        else:
+            log.subscribe(_print_record)
+            print(
+                f"tierchat serve: {log.url} · model {engine.model_name} · Ctrl-C stops",
+                file=sys.stderr,
+                flush=True,
+            )
+            while server.thread.is_alive():
+                server.thread.join(0.5)
+    except KeyboardInterrupt:
+        print("\ntierchat serve: stopped", file=sys.stderr, flush=True)
+    finally:
+        server.stop()
+        engine.close()
+    return EXIT_OK
+
+
+def _run_console(engine: TrackedEngine, log: RequestLog, settings: Any) -> None:
+    try:
+        from tierchat.tui.screens.serve_console import run_console
+    except ImportError as e:
+        raise CLIError(f"the console is not available ({e})") from None
+    from .common import open_store
+
+    store = open_store(settings.db_path)
+    try:
+        run_console(engine, store, settings, log)
+    finally:
+        store.close()

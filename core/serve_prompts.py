@@ -1,0 +1,396 @@
+"""OpenAI request bodies -> prompts, for ``tierchat serve``. Pure Python: no MLX, no HTTP.
+
+Clients resend the whole message list on every turn, with the assistant replies as text
+(often with the reasoning removed). The prompt is built with the chat's
+:class:`~tierchat.core.prompts.PromptBuilder`, so its ids are the ones ``tierchat chat``
+would use; a :class:`ReplyMemory` of recent replies maps an assistant message's text back to
+the ids the model generated, and the builder splices them in where the rendered text
+matches (DESIGN.md §4). Turn k+1's prompt then extends turn k's sequence token-exactly and
+the cache reuses all of it; where nothing matches the builder tokenizes the text and the
+cache reuses the prefix up to that message.
+
+Errors are :class:`APIError`: an HTTP status and OpenAI's error fields
+(``{"error": {"message", "type", "param", "code"}}``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tierchat.core.api import Tokenizer
+from tierchat.core.prompts import Prompt, PromptBuilder
+
+THINK_END = "</think>"
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class APIError(Exception):
+    """An error answered as OpenAI does: ``status`` and the ``error`` object's fields."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def _decode(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
+    try:
+        return tokenizer.decode(list(ids), skip_special_tokens=True)
+    except TypeError:
+        return tokenizer.decode(list(ids))
+
+
+class ReplyMemory:
+    """Recent replies' text -> generated token ids (the newest ``max_entries``, LRU).
+
+    A reply is remembered under its text and, when it holds ``</think>``, also under the
+    text after it (with and without leading whitespace), mapped to the ids after the
+    ``</think>`` token: a client that strips the reasoning still gets the generated ids.
+    Wrong ids cannot corrupt a prompt: the builder splices ids only where their decoding
+    equals the rendered text.
+
+    With a ``path`` the memory survives a restart (JSON lines, appended as replies come,
+    compacted on load): the SSD tier's blocks are keyed by the generated ids, so without
+    them a restarted server would miss from the first re-tokenized reply on. One file per
+    model (the caller names it); an unwritable file leaves the memory in RAM only.
+    """
+
+    def __init__(self, max_entries: int = 256, path: str | os.PathLike | None = None) -> None:
+        self.max_entries = max_entries
+        self.path = Path(path) if path is not None else None
+        self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._lines = 0
+        if self.path is not None:
+            self._load()
+
+    def _load(self) -> None:
+        """Read the file (one JSON ``[text, ids]`` a line, oldest first); a bad line is
+        skipped; the file is rewritten when it holds more than twice what is kept."""
+        assert self.path is not None
+        try:
+            lines = self.path.read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            return
+        except OSError:
+            self.path = None  # unreadable: work in memory only
+            return
+        for line in lines:
+            try:
+                text, ids = json.loads(line)
+                if isinstance(text, str) and all(isinstance(i, int) for i in ids):
+                    self._entries[text] = tuple(ids)
+                    self._entries.move_to_end(text)
+            except (ValueError, TypeError):
+                continue
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+        self._lines = len(lines)
+        if self._lines > 2 * self.max_entries:
+            self._rewrite()
+
+    def _rewrite(self) -> None:
+        assert self.path is not None
+        tmp = self.path.with_suffix(".tmp")
+        body = "".join(json.dumps([t, list(i)]) + "\n" for t, i in self._entries.items())
+        tmp.write_text(body, encoding="utf-8")
+        os.replace(tmp, self.path)
+        self._lines = len(self._entries)
+
+    def _append(self, keys: dict[str, tuple[int, ...]]) -> None:
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as f:
+                for text, ids in keys.items():
+                    f.write(json.dumps([text, list(ids)]) + "\n")
+            self._lines += len(keys)
+            if self._lines > 2 * self.max_entries:
+                self._rewrite()
+        except OSError:
+            self.path = None  # a full or read-only disk: go on in memory
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def remember(self, tokenizer: Tokenizer, text: str, token_ids: Sequence[int]) -> None:
+        ids = tuple(int(i) for i in token_ids)
+        if not text or not ids:
+            return
+        keys = {text: ids}
+        if THINK_END in text:
+            keys.update(_after_think(tokenizer, ids))
+        with self._lock:
+            for key, value in keys.items():
+                self._entries[key] = value
+                self._entries.move_to_end(key)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+            self._append(keys)
+
+    def lookup(self, text: str) -> tuple[int, ...] | None:
+        with self._lock:
+            ids = self._entries.get(text)
+            if ids is not None:
+                self._entries.move_to_end(text)
+            return ids
+
+
+def _after_think(tokenizer: Tokenizer, ids: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """Keys for the answer after the last ``</think>``: its text -> its ids, and the same
+    with leading whitespace tokens dropped."""
+    out: dict[str, tuple[int, ...]] = {}
+    for k in range(len(ids), 0, -1):
+        if _decode(tokenizer, ids[:k]).endswith(THINK_END):
+            break
+    else:
+        return out
+    rest = ids[k:]
+    while rest:
+        text = _decode(tokenizer, rest)
+        if text:
+            out.setdefault(text, rest)
+        if not text[:1].isspace():
+            break
+        rest = rest[1:]
+    return out
+
+
+def text_content(content: Any, param: str) -> str:
+    """A message's ``content``: a string, or a list of ``{"type": "text", "text": ...}``
+    parts (joined). Raises :class:`APIError` for other parts (images, audio)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if isinstance(part, Mapping) and part.get("type") == "text":
+                parts.append(str(part.get("text", "")))
+            else:
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                raise APIError(
+                    f"content part of type {kind!r} is not supported", param=f"{param}.{i}"
+                )
+        return "".join(parts)
+    raise APIError("content must be a string or a list of text parts", param=param)
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    prompt: Prompt
+    messages: tuple[dict[str, Any], ...]  # role, content, token_ids (assistant, if known)
+    reused_replies: int  # assistant messages whose generated ids were found
+
+
+def chat_messages(body: Mapping[str, Any], memory: ReplyMemory) -> tuple[list[dict], int]:
+    """The request's ``messages`` as builder messages, with remembered reply ids attached.
+    Returns ``(messages, reused)``. Raises :class:`APIError` for a malformed list."""
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise APIError("'messages' must be a non-empty list", param="messages")
+    out: list[dict] = []
+    reused = 0
+    for i, m in enumerate(raw):
+        if not isinstance(m, Mapping):
+            raise APIError(f"messages[{i}] must be an object", param=f"messages.{i}")
+        role = ROLES.get(m.get("role"))  # type: ignore[arg-type]
+        if role is None:
+            raise APIError(
+                f"messages[{i}].role {m.get('role')!r} is not supported "
+                "(system, developer, user, assistant)",
+                param=f"messages.{i}.role",
+            )
+        content = text_content(m.get("content"), f"messages.{i}.content")
+        msg: dict[str, Any] = {"role": role, "content": content}
+        if role == "assistant":
+            ids = memory.lookup(content)
+            if ids is not None:
+                msg["token_ids"] = ids
+                reused += 1
+        out.append(msg)
+    return out, reused
+
+
+def build_chat_prompt(
+    builder: PromptBuilder, body: Mapping[str, Any], memory: ReplyMemory
+) -> ChatPrompt:
+    """The prompt of a ``/v1/chat/completions`` body. Raises :class:`APIError` for bad
+    messages and for a template that refuses them (e.g. roles out of order)."""
+    messages, reused = chat_messages(body, memory)
+    try:
+        prompt = builder.build(messages)
+    except APIError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- the template's own complaint, as a 400
+        raise APIError(
+            f"the chat template cannot render these messages: {e}", param="messages"
+        ) from None
+    return ChatPrompt(prompt, tuple(messages), reused)
+
+
+def completion_prompt(tokenizer: Tokenizer, body: Mapping[str, Any]) -> tuple[int, ...]:
+    """The token ids of a ``/v1/completions`` ``prompt``: a string, or a list of token ids.
+    Raises :class:`APIError` otherwise (a list of several prompts is not supported)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        ids = prompt
+    else:
+        raise APIError(
+            "'prompt' must be a string or a list of token ids (one prompt)", param="prompt"
+        )
+    if not ids:
+        raise APIError("'prompt' is empty", param="prompt")
+    return tuple(int(i) for i in ids)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """OpenAI sampling parameters, checked."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+def _number(body: Mapping[str, Any], name: str, default, lo: float, hi: float, kind=float):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise APIError(f"'{name}' must be a number", param=name)
+    if kind is int and value != int(value):
+        raise APIError(f"'{name}' must be an integer", param=name)
+    if not lo <= value <= hi:
+        raise APIError(f"'{name}' must be between {lo:g} and {hi:g}", param=name)
+    return kind(value)
+
+
+def sampling(
+    body: Mapping[str, Any], default_max_tokens: int, default_seed: int | None
+) -> Sampling:
+    """Read ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``,
+    ``seed``, ``stop``, ``n``, ``stream`` and ``stream_options``. Raises :class:`APIError`
+    for a bad value or an unsupported feature (``n`` > 1, ``logprobs``, ``tools``)."""
+    if not isinstance(body, Mapping):
+        raise APIError("the request body must be a JSON object")
+    max_name = (
+        "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    )
+    max_tokens = _number(body, max_name, default_max_tokens, 1, 1 << 20, int)
+    temperature = _number(body, "temperature", 0.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    seed = _number(body, "seed", default_seed, -(1 << 63), (1 << 64) - 1, int)
+    if _number(body, "n", 1, 1, 128, int) != 1:
+        raise APIError("only n=1 is supported", param="n")
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise APIError("logprobs are not supported", param="logprobs")
+    if body.get("tools"):
+        raise APIError("tools are not supported", param="tools")
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,) if stop else ()
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 4:
+        stops = tuple(s for s in stop if s)
+    else:
+        raise APIError("'stop' must be a string or a list of up to 4 strings", param="stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise APIError("'stream' must be a boolean", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, Mapping):
+        raise APIError("'stream_options' must be an object", param="stream_options")
+    return Sampling(
+        max_tokens,
+        temperature,
+        top_p,
+        None if seed is None else seed % (1 << 32),
+        stops,
+        stream,
+        bool(options.get("include_usage")),
+    )
+
+
+class StopMatcher:
+    """Cuts streamed text at the first stop string. ``feed(delta)`` returns the text safe
+    to send now; an end of the text that could begin a stop string is held back until the
+    next delta shows it does not (or ``flush()`` at the end)."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""  # everything sent or held, up to a stop
+        self.sent = 0
+        self.stopped = False
+
+    def feed(self, delta: str) -> str:
+        if self.stopped or not delta:
+            return ""
+        if not self.stops:
+            self.text += delta
+            self.sent = len(self.text)
+            return delta
+        start = max(0, len(self.text) - self.hold)
+        self.text += delta
+        cut = min((i for s in self.stops if (i := self.text.find(s, start)) >= 0), default=-1)
+        if cut >= 0:
+            self.text = self.text[:cut]
+            self.stopped = True
+            out, self.sent = self.text[self.sent :], len(self.text)
+            return out
+        safe = max(self.sent, len(self.text) - self._partial())
+        out, self.sent = self.text[self.sent : safe], safe
+        return out
+
+    def _partial(self) -> int:
+        """Length of the longest end of the text that begins some stop string."""
+        for n in range(min(self.hold, len(self.text)), 0, -1):
+            end = self.text[-n:]
+            if any(s.startswith(end) for s in self.stops):
+                return n
+        return 0
+
+    def flush(self) -> str:
+        out, self.sent = self.text[self.sent :], len(self.text)
+        return out
