@@ -328,23 +328,29 @@ class Engine:
 
         # prefill [start, n - 1) in the schedule's chunks: one eval per chunk, covering the
         # cache and the entries captured from it
+        # KV slices are taken once, after the first token (the live cache keeps them);
+        # window slices and state snapshots per chunk, before the next chunk moves them
         total = n - 1 - start
         pos = start
+        deferred: list = []
         for end in ends:
             if end == n - 1 and end == pos:
                 break
             self._drain_control()
             if handle.cancelled:
+                if cache is not None:  # keep the blocks finished before the cancel
+                    cache.complete(caches, deferred)
                 handle.emit(Failed("cancelled during prefill", kind="cancelled"))
                 return
             model(mx.array(prompt[pos:end])[None], cache=caches)
             entries = []
             if cache is not None:
                 kind = KIND_TAIL if end == n - 1 else checkpoint_kind
-                entries = cache.capture(caches, prompt, ids, pos, end, boundaries, kind)
+                entries = cache.capture(
+                    caches, prompt, ids, pos, end, boundaries, kind, defer_kv=True
+                )
+                deferred.extend(entries)
             mx.eval([c.state for c in caches] + [a for e in entries for a in e.arrays.values()])
-            if cache is not None:
-                cache.commit(entries)
             pos = end
             dt = time.perf_counter() - t0
             done = pos - start
@@ -379,6 +385,8 @@ class Engine:
                 t_first = time.perf_counter()
                 ttft = t_first - t0
                 if cache is not None:
+                    cache.complete(caches, deferred)
+                    deferred = []
                     cache.persist()
                     if cache.ssd is not None:
                         cache.ssd.resume()
@@ -404,6 +412,7 @@ class Engine:
         t_end = time.perf_counter()
         sequence = prompt + tokens
         if cache is not None:
+            cache.complete(caches, deferred)
             # the cache holds prompt + every yielded token: store its new blocks and its
             # end, then keep it resident for the next request
             seq_ids = cache.ids(sequence)

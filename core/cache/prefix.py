@@ -536,6 +536,7 @@ class PrefixCache:
         end: int,
         boundaries=(),
         end_kind: str | None = None,
+        defer_kv: bool = False,
     ) -> list[Entry]:
         """Entries to store after the cache reached position ``end`` (= its offset).
 
@@ -543,7 +544,9 @@ class PrefixCache:
         carry, and, when ``end_kind`` is given and ``end`` is not a block end, an entry of
         that kind for ``[floor(end / bs) * bs, end)``. Only entries ending at ``end`` get
         state snapshots. The arrays are lazy: evaluate them with the chunk (one eval), then
-        :meth:`commit`.
+        :meth:`commit`. ``defer_kv``: leave out the KV leaves' slices, which the live
+        cache keeps anyway; :meth:`complete` adds them later (after the first token), so
+        a prefill copies only what a later chunk would overwrite (windows, states).
         """
         bs = self.block_size
         live = L.leaf_map(caches)
@@ -564,7 +567,7 @@ class PrefixCache:
         for run in _runs(todo):
             parts = {j: {} for j in run}
             complete = dict.fromkeys(run, True)
-            for leaf in self.kv + self.window:
+            for leaf in self.window if defer_kv else self.kv + self.window:
                 c = live[leaf.name]
                 got = leaf.capture_blocks(c, run[0] * bs, len(run), bs)
                 if got is None:  # a window no longer holds the run's start: block by block
@@ -602,8 +605,46 @@ class PrefixCache:
                 self._persist(held)
             else:
                 role = "assistant" if end_kind == KIND_SEQ else role_at(boundaries, end)
-                out.append(self._entry(live, tid, parent, end_kind, j * bs, seg, role, True))
+                out.append(
+                    self._entry(live, tid, parent, end_kind, j * bs, seg, role, True, defer_kv)
+                )
         return out
+
+    def complete(self, caches, entries: list[Entry]) -> None:
+        """Add the KV leaves' slices to entries captured with ``defer_kv`` (the live cache
+        must still hold their tokens), evaluate them in one eval and :meth:`commit`."""
+        if not entries:
+            return
+        bs = self.block_size
+        live = L.leaf_map(caches)
+        blocks = {e.start // bs: e for e in entries if e.kind == KIND_BLOCK}
+        new, lost = [], set()
+        for run in _runs(sorted(blocks)):
+            for leaf in self.kv:
+                c = live[leaf.name]
+                got = leaf.capture_blocks(c, run[0] * bs, len(run), bs)
+                if got is None:
+                    got = [leaf.capture(c, j * bs, (j + 1) * bs) for j in run]
+                for j, arrays in zip(run, got, strict=True):
+                    if arrays is None:  # the live cache lost it: never store a partial entry
+                        lost.add(blocks[j].id)
+                        continue
+                    named = {f"{leaf.name}.{k}": a for k, a in arrays.items()}
+                    blocks[j].arrays.update(named)
+                    new.extend(named.values())
+        for e in entries:
+            if e.kind == KIND_BLOCK:
+                continue
+            for leaf in self.kv:
+                got = leaf.capture(live[leaf.name], e.start, e.end)
+                if got is None:
+                    lost.add(e.id)
+                    break
+                named = {f"{leaf.name}.{k}": a for k, a in got.items()}
+                e.arrays.update(named)
+                new.extend(named.values())
+        mx.eval(new)
+        self.commit([e for e in entries if e.id not in lost])
 
     def _snapshot(self, live) -> dict:
         arrays = {}
@@ -613,10 +654,10 @@ class PrefixCache:
             )
         return arrays
 
-    def _entry(self, live, eid, parent, kind, start, tokens, role, at_end) -> Entry:
+    def _entry(self, live, eid, parent, kind, start, tokens, role, at_end, defer_kv=False):
         arrays, window_ok = {}, True
         end = start + len(tokens)
-        for leaf in self.kv + self.window:
+        for leaf in self.window if defer_kv else self.kv + self.window:
             got = leaf.capture(live[leaf.name], start, end)
             if got is None:
                 window_ok = False
