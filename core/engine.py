@@ -300,6 +300,9 @@ class Engine:
         if n == 0:
             handle.emit(Failed("empty prompt"))
             return
+        if handle.cancelled:  # cancelled while queued: no restore, no token
+            handle.emit(Failed("cancelled before it started", kind="cancelled"))
+            return
         model = self.loaded.model
         cache = self.cache if (req.use_cache and not self.settings.no_cache) else None
         self._apply_memory_pressure()
