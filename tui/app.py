@@ -7,6 +7,7 @@ engine. Nothing here imports MLX: the engine arrives as an ``EngineLike``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, ClassVar
 
 from textual.app import App
@@ -24,6 +25,8 @@ from tierchat.tui.widgets.chat_input import ChatInput
 from tierchat.tui.widgets.conversation_list import ConversationList
 from tierchat.tui.widgets.transcript import Transcript
 
+HERE = Path(__file__).resolve().parent
+
 
 class TierchatApp(App[None]):
     """Chat with a local model and watch its prefix KV cache.
@@ -39,7 +42,8 @@ class TierchatApp(App[None]):
 
     # The default screen's CSS_PATH is not read for a screen from get_default_screen()
     # (Textual 8 loads screen CSS on push/install only), so the app reads it.
-    CSS_PATH: ClassVar = ["app.tcss", "screens/chat.tcss"]
+    # Absolute: a relative CSS_PATH resolves against a *subclass's* file.
+    CSS_PATH: ClassVar = [HERE / "app.tcss", HERE / "screens" / "chat.tcss"]
     TITLE = "tierchat"
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("ctrl+q", "quit", "Quit", id="quit", priority=True),

@@ -524,7 +524,7 @@ class ChatScreen(Screen):
         if not transcript.has_focus:
             transcript.focus()
             if self.selected is None:
-                self.selected = len(views) - 1 if delta < 0 else 0
+                self.selected = len(views) - 1  # the cursor starts on the newest message
                 return
         current = len(views) - 1 if self.selected is None else self.selected
         self.selected = max(0, min(len(views) - 1, current + delta))

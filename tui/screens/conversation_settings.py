@@ -10,12 +10,14 @@ system prompt is a new prefix, so the next turn prefills the whole conversation 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar
 
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Grid, Vertical
+from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Static, TextArea
 from tierchat.core.session import ConversationSettings
@@ -110,7 +112,17 @@ class ConversationSettingsScreen(ModalScreen[ConversationSettings | None]):
         system = self.query_one("#system", TextArea).text.strip()
         return ConversationSettings(system, temperature, top_p, max_tokens, seed).checked()
 
+    @dataclass
+    class SaveRequest(Message):
+        """Queued behind the keys the focused widget has not handled yet."""
+
     def action_save(self) -> None:
+        # a priority key runs as it is read: let typed characters land first
+        (self.focused or self).post_message(self.SaveRequest())
+
+    @on(SaveRequest)
+    def _save(self, event: SaveRequest) -> None:
+        event.stop()
         try:
             settings = self.read()
         except ValueError as e:
