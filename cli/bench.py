@@ -13,8 +13,16 @@ tierchat rows (through the :class:`~tierchat.core.engine.Engine`):
                  after ``fsync``; the output says whether it could)
 
 mlx-lm rows (``mlx_lm.models.cache.LRUPromptCache`` used as ``mlx_lm/server.py`` does:
-``fetch_nearest_cache``, prefill the rest with ``generate_step``, ``insert_cache`` of
-prompt + generated tokens): cold, exact hot, nearest hot. It has no disk tier.
+``fetch_nearest_cache``, prefill the rest with ``generate_step`` (``prefill_step_size``
+2048, the server's default), ``insert_cache`` of prompt + generated tokens; at most 10
+entries, the server's ``--prompt-cache-size``): cold, exact hot, nearest hot. It has no
+disk tier. On a hybrid model (``shape:qwen3.5-0.8b``) its rows still run: it reuses only
+exact or shorter checkpoints there, which is the point of the comparison.
+
+Disk: before the SSD rows, the files the bench's own SSD tier wrote are read once with
+large sequential reads after their page cache is dropped (:func:`measure_read_bandwidth`);
+the table shows each SSD restore's GB/s as a fraction of that bandwidth. Each tierchat row
+also shows its TTFT over mlx-lm's for the same length and case (< 1: tierchat is faster).
 
 The baseline runs on this (main) thread after the engine is closed, with its own copy of
 the model, so no two threads ever touch MLX at once (DESIGN.md §2).
@@ -34,7 +42,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .common import EXIT_OK, EXIT_USAGE, CLIError, start_engine, table
 
@@ -77,16 +85,18 @@ WARMUP_SALT = len(CODEWORDS) - 1  # the warm-up prompt's first word: Zulu
 def make_prompt(tokenizer: Any, n_tokens: int, salt: int = 0) -> list[int]:
     """Exactly ``n_tokens`` token ids of deterministic English text. The first word is
     ``CODEWORDS[salt]``: prompts with different salts differ in their first token, so they
-    share no prefix (not even a few tokens that mlx-lm's trie would reuse)."""
+    share no prefix (not even a few tokens that mlx-lm's trie would reuse). The text grows
+    by doubling, so a 32K-token prompt costs a handful of encodes, not hundreds."""
     header = f"{CODEWORDS[salt % len(CODEWORDS)]}: a benchmark prompt of {n_tokens} tokens. "
-    parts, i = [header], 0
-    ids: list[int] = []
+    parts, i, groups = [header], 0, 1
     while True:
-        parts.extend(SENTENCES[(i * 7 + j) % len(SENTENCES)] + " " for j in range(8))
-        i += 1
+        for _ in range(groups):
+            parts.extend(SENTENCES[(i * 7 + j) % len(SENTENCES)] + " " for j in range(8))
+            i += 1
         ids = list(tokenizer.encode("".join(parts), add_special_tokens=False))
         if len(ids) >= n_tokens:
             return ids[:n_tokens]
+        groups *= 2
 
 
 def extension(tokenizer: Any, n_tokens: int) -> list[int]:
@@ -107,25 +117,65 @@ def drop_page_cache(directory: Path) -> tuple[bool, str]:
     if not hasattr(os, "posix_fadvise"):
         return False, "page cache not dropped: posix_fadvise is not available on this OS"
     files = [p for p in directory.rglob("*") if p.is_file()]
-    failed = 0
-    for path in files:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            failed += 1
-            continue
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            failed += 1
-        finally:
-            os.close(fd)
+    failed = sum(not _drop_file(path) for path in files)
     if not files:
         return False, f"page cache not dropped: no files under {directory}"
     if failed:
         return False, f"page cache dropped for {len(files) - failed} of {len(files)} files"
     return True, f"page cache dropped for {len(files)} files (fsync + posix_fadvise DONTNEED)"
+
+
+class ReadBandwidth(NamedTuple):
+    """One sequential read of a set of files: ``nbytes`` in ``seconds``; ``gbps`` is
+    ``nbytes / seconds / 1e9``; ``dropped`` says whether their page cache was dropped
+    first (else the figure may be the page cache's, not the disk's)."""
+
+    files: int
+    nbytes: int
+    seconds: float
+    gbps: float
+    dropped: bool
+
+
+def measure_read_bandwidth(paths: list[Path], buffer_bytes: int = 16 << 20) -> ReadBandwidth:
+    """Drop the page cache of ``paths`` (``fsync`` + ``POSIX_FADV_DONTNEED``), then read
+    each file start to end with ``buffer_bytes`` reads into one reused buffer, one file
+    after another, and time it: the disk's sequential read bandwidth as the SSD tier sees
+    it (same files, same file system). The page cache is left holding the files: drop it
+    again before a cold restore.
+    """
+    dropped = True
+    for path in paths:
+        dropped &= _drop_file(path)
+    buf = bytearray(buffer_bytes)
+    view = memoryview(buf)
+    nbytes = 0
+    t0 = time.perf_counter()
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(view):
+                nbytes += n
+    seconds = time.perf_counter() - t0
+    gbps = nbytes / seconds / 1e9 if seconds > 0 else 0.0
+    return ReadBandwidth(len(paths), nbytes, seconds, gbps, dropped and bool(paths))
+
+
+def _drop_file(path: Path) -> bool:
+    """``fsync`` + ``posix_fadvise(DONTNEED)`` one file; False where that is not possible."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def _state_nbytes(caches: list[Any]) -> int:
@@ -156,8 +206,19 @@ def _row(system: str, case: str, length: int, m: Any, restore: tuple[float, int]
     }
 
 
-def bench_engine(settings: Any, lengths: list[int], extend: int, log) -> tuple[list[dict], str]:
-    """tierchat rows for every length; returns ``(rows, page-cache note)``."""
+class EngineBench(NamedTuple):
+    """What :func:`bench_engine` measured: the rows, the page-cache note of the SSD rows,
+    the disk's read bandwidth over the SSD files (None without an SSD tier or files) and
+    the loaded model's compute dtype."""
+
+    rows: list[dict]
+    page_cache: str
+    disk: ReadBandwidth | None
+    dtype: str
+
+
+def bench_engine(settings: Any, lengths: list[int], extend: int, log) -> EngineBench:
+    """tierchat rows for every length, the disk read bandwidth of the SSD files written."""
     from tierchat.core.api import Failed, GenerateRequest
 
     def run(engine: Any, prompt: list[int], use_cache: bool = True) -> tuple[dict, tuple]:
@@ -182,17 +243,30 @@ def bench_engine(settings: Any, lengths: list[int], extend: int, log) -> tuple[l
         prompts = {n: make_prompt(tok, n, salt=i) for i, n in enumerate(lengths)}
         ext = extension(tok, extend)
         run(engine, make_prompt(tok, 64, salt=WARMUP_SALT), use_cache=False)  # warm-up
+        # warm-up at every length (GPU kernels are compiled per shape on first use), on
+        # prompts sharing nothing with the measured ones; then every tier is emptied
+        log("tierchat warm-up at every length")
+        for i, n in enumerate(lengths):
+            warm = make_prompt(tok, n, salt=WARMUP_SALT - 1 - i)
+            for p in (warm, warm, warm + ext):
+                run(engine, p)
+        engine.clear("all")
         for n in lengths:
             log(f"tierchat {n} tokens: cold, exact hot, nearest hot")
             rows.append(_row("tierchat", "cold", n, *run(engine, prompts[n])))
             rows.append(_row("tierchat", "exact hot", n, *run(engine, prompts[n])))
             rows.append(_row("tierchat", "nearest hot", n, *run(engine, prompts[n] + ext)))
         ssd_dir = engine.cache.ssd.dir if engine.cache and engine.cache.ssd else None
+        dtype = engine.loaded.dtype
     finally:
         engine.close()
-    note = "page cache: no SSD tier"
+    note, disk = "page cache: no SSD tier", None
     if ssd_dir is not None:
-        note = drop_page_cache(Path(ssd_dir))[1]
+        files = sorted(p for p in Path(ssd_dir).rglob("*") if p.is_file())
+        if files:
+            log(f"disk: sequential read of the {len(files)} SSD files written")
+            disk = measure_read_bandwidth(files)
+        note = drop_page_cache(Path(ssd_dir))[1]  # again: the measurement read them in
     engine = start_engine(settings, quiet=True)
     try:
         run(engine, make_prompt(engine.tokenizer, 64, salt=WARMUP_SALT), use_cache=False)
@@ -201,7 +275,7 @@ def bench_engine(settings: Any, lengths: list[int], extend: int, log) -> tuple[l
             rows.append(_row("tierchat", "exact ssd", n, *run(engine, prompts[n])))
     finally:
         engine.close()
-    return rows, note
+    return EngineBench(rows, note, disk, dtype)
 
 
 def bench_lru(settings: Any, lengths: list[int], extend: int, log) -> list[dict]:
@@ -245,8 +319,12 @@ def bench_lru(settings: Any, lengths: list[int], extend: int, log) -> list[dict]
 
     rows = []
     run(make_prompt(tok, 64, salt=WARMUP_SALT))  # warm-up
-    lru.trim_to(n_sequences=0)
     ext = extension(tok, extend)
+    for i, n in enumerate(lengths):  # the same warm-up at every length as tierchat's
+        warm = make_prompt(tok, n, salt=WARMUP_SALT - 1 - i)
+        for p in (warm, warm, warm + ext):
+            run(p)
+    lru.trim_to(n_sequences=0)
     for i, n in enumerate(lengths):
         log(f"mlx-lm LRUPromptCache {n} tokens: cold, exact hot, nearest hot")
         prompt = make_prompt(tok, n, salt=i)
@@ -264,6 +342,18 @@ def add_speedups(rows: list[dict]) -> None:
         r["speedup"] = base / r["ttft_s"] if base and r["ttft_s"] > 0 else None
 
 
+def add_ratios(rows: list[dict], disk: ReadBandwidth | None) -> None:
+    """``vs_mlx_lm`` = this tierchat TTFT / mlx-lm's TTFT for the same length and case
+    (< 1: tierchat is faster; None on mlx-lm rows and where mlx-lm has no such case);
+    ``of_disk`` = an SSD row's restore GB/s / the disk's sequential read GB/s."""
+    lru = {(r["length"], r["case"]): r["ttft_s"] for r in rows if r["system"] != "tierchat"}
+    for r in rows:
+        base = lru.get((r["length"], r["case"])) if r["system"] == "tierchat" else None
+        r["vs_mlx_lm"] = r["ttft_s"] / base if base else None
+        ssd = r["case"] == "exact ssd" and disk is not None and disk.gbps > 0
+        r["of_disk"] = r["restore_gbps"] / disk.gbps if ssd and r["restore_gbps"] else None
+
+
 def format_rows(rows: list[dict]) -> str:
     def f(x, fmt):
         return "-" if x is None else format(x, fmt)
@@ -277,8 +367,11 @@ def format_rows(rows: list[dict]) -> str:
             r["prefill_tokens"],
             f(r["ttft_s"], ".4f"),
             f(r["speedup"], ".1f") + ("x" if r["speedup"] is not None else ""),
+            f(r.get("vs_mlx_lm"), ".2f") + ("x" if r.get("vs_mlx_lm") is not None else ""),
             f(r["restore_s"], ".4f"),
             f(r["restore_gbps"], ".2f"),
+            f(None if r.get("of_disk") is None else 100 * r["of_disk"], ".0f")
+            + ("%" if r.get("of_disk") is not None else ""),
         )
         for r in rows
     ]
@@ -290,10 +383,23 @@ def format_rows(rows: list[dict]) -> str:
         "prefilled",
         "TTFT s",
         "speedup",
+        "vs mlx-lm",
         "restore s",
         "restore GB/s",
+        "of disk",
     )
     return table(out, headers)
+
+
+def disk_line(disk: ReadBandwidth | None) -> str:
+    """The header line naming the disk's measured sequential read bandwidth."""
+    if disk is None:
+        return "disk read: not measured (no SSD files)"
+    cache = "page cache dropped" if disk.dropped else "page cache NOT dropped: may be RAM speed"
+    return (
+        f"disk sequential read: {disk.gbps:.2f} GB/s ({disk.nbytes / 1e6:.1f} MB in "
+        f"{disk.files} SSD files, {disk.seconds:.3f} s; {cache})"
+    )
 
 
 @contextlib.contextmanager
@@ -327,25 +433,34 @@ def run_bench(settings: Any, args: Any) -> int:
         settings.cache_dir = tmp
         log(f"model {settings.model}, block size {settings.block_size}, SSD dir {tmp}")
         t0 = time.perf_counter()
-        rows, note = bench_engine(settings, lengths, args.extend, log)
+        measured = bench_engine(settings, lengths, args.extend, log)
+        rows, note, disk = measured.rows, measured.page_cache, measured.disk
         if not args.no_baseline:
             rows += bench_lru(settings, lengths, args.extend, log)
         wall = time.perf_counter() - t0
     add_speedups(rows)
+    add_ratios(rows, disk)
     rows.sort(key=lambda r: (r["length"], r["system"] != "tierchat"))
-    import mlx.core as mx
+    from tierchat.core.device import describe_device, device_info
 
-    device = str(mx.default_device())
-    print(f"model {settings.model} · block size {settings.block_size} · device {device}")
+    device = describe_device(measured.dtype)
+    print(f"model {settings.model} · block size {settings.block_size} · {device}")
     print(note)
+    print(disk_line(disk))
     print(format_rows(rows))
-    print(f"({wall:.1f} s; speedup = cold TTFT of the same system / this TTFT)")
+    print(
+        f"({wall:.1f} s; speedup = cold TTFT of the same system / this TTFT; vs mlx-lm = "
+        "tierchat TTFT / mlx-lm TTFT, same length and case; of disk = SSD restore GB/s / "
+        "disk sequential read GB/s)"
+    )
     if args.json_out:
         doc = {
             "model": settings.model,
             "block_size": settings.block_size,
             "device": device,
+            "device_info": device_info(measured.dtype)._asdict(),
             "page_cache": note,
+            "disk_read": None if disk is None else disk._asdict(),
             "lengths": lengths,
             "extend_tokens": args.extend,
             "rows": rows,

@@ -20,7 +20,9 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
-from .common import EXIT_OK, new_session, open_store, start_engine
+from tierchat.core.text import printable
+
+from .common import EXIT_OK, SSDWatch, new_session, open_store, start_engine
 
 HELP = __doc__.split("::", 1)[1].split("\n\nCtrl-C", 1)[0].strip("\n")
 
@@ -47,6 +49,7 @@ class LineChat:
         self.out = out
         self.err = err
         self.prompt = "you> " if inp.isatty() else ""
+        self.ssd_watch = SSDWatch(session.engine)
 
     def say(self, text: str = "") -> None:
         print(text, file=self.out, flush=True)
@@ -77,9 +80,11 @@ class LineChat:
                     return
             else:
                 self.stream(lambda text=line: self.session.send(text))
+            self.ssd_watch.check(self.err)
 
     def command(self, line: str) -> bool:
         """Run a /command; False to quit."""
+        from tierchat.core.conversation import StoreError
         from tierchat.core.session import SessionError
 
         name, _, rest = line.partition(" ")
@@ -95,7 +100,7 @@ class LineChat:
                 reply = self.session.swipe(turn, index)
                 i, n = self.session.selected_reply(turn)
                 self.say(f"[turn {turn}: reply {i + 1} of {n}]")
-                self.say(f"assistant> {reply.content}")
+                self.say(f"assistant> {printable(reply.content)}")
             elif name == "/edit":
                 turn_text, _, text = rest.strip().partition(" ")
                 turn = int(turn_text)
@@ -109,8 +114,8 @@ class LineChat:
                 self.say(stats_lines(self.session.engine.stats()))
             else:
                 self.say(f"unknown command {name}; /help lists them")
-        except SessionError as e:
-            print(f"error: {e}", file=self.err, flush=True)
+        except (SessionError, StoreError) as e:
+            print(f"error: {printable(str(e))}", file=self.err, flush=True)
         except ValueError:
             usage = {"/swipe": "/swipe TURN INDEX", "/edit": "/edit TURN TEXT"}.get(name, name)
             print(f"error: usage: {usage}", file=self.err, flush=True)
@@ -119,8 +124,13 @@ class LineChat:
     def stream(self, start) -> None:
         """Start a turn with ``start()`` and print its reply as it streams."""
         from tierchat.core.api import Failed, Finished, TokenBatch
+        from tierchat.core.conversation import StoreError
 
-        turn = start()
+        try:
+            turn = start()
+        except StoreError as e:  # the turn could not be saved: say why, go on
+            print(f"error: turn not saved: {printable(str(e))}", file=self.err, flush=True)
+            return
         self.out.write("assistant> ")
         self.out.flush()
         events = turn.events()
@@ -128,14 +138,17 @@ class LineChat:
             try:
                 for event in events:
                     if isinstance(event, TokenBatch):
-                        self.out.write(event.text)
+                        self.out.write(printable(event.text))
                         self.out.flush()
                     elif isinstance(event, Finished):
                         self.say()
                         self.say(metrics_line(event.metrics))
                     elif isinstance(event, Failed):
                         self.say()
-                        print(f"error: {event.message}", file=self.err, flush=True)
+                        print(f"error: {printable(event.message)}", file=self.err, flush=True)
+                if turn.error is not None:
+                    msg = printable(str(turn.error))
+                    print(f"error: reply not saved: {msg}", file=self.err, flush=True)
                 return
             except KeyboardInterrupt:
                 turn.cancel()
@@ -169,6 +182,8 @@ def run_chat(
 ) -> int:
     """``tierchat chat``. Returns the exit code."""
     inp, out, err = inp or sys.stdin, out or sys.stdout, err or sys.stderr
+    if hasattr(inp, "reconfigure"):  # bytes that are not UTF-8 become U+FFFD, not an exit
+        inp.reconfigure(errors="replace")
     store = open_store(settings.db_path)
     try:
         engine = start_engine(settings)

@@ -35,9 +35,20 @@ def warn(message: str) -> None:
 
 
 def open_store(path):
-    """The conversation store at ``path``; a bad or unwritable file is a :class:`CLIError`."""
+    """The conversation store at ``path``; a bad or unwritable file is a :class:`CLIError`.
+
+    The default data dir (created 0755 by tierchat before 0.2) is tightened to 0700."""
+    from pathlib import Path
+
+    from tierchat.config.settings import user_data_dir
     from tierchat.core.conversation import ConversationStore, StoreError
 
+    try:
+        data_dir = Path(path).parent
+        if data_dir == user_data_dir() and data_dir.is_dir() and data_dir.stat().st_mode & 0o077:
+            data_dir.chmod(0o700)
+    except OSError:
+        pass
     try:
         return ConversationStore(path)
     except StoreError as e:
@@ -145,3 +156,37 @@ def _is_number(text: str) -> bool:
     except ValueError:
         return text in ("-", "n/a")
     return True
+
+
+# cache events that mean the SSD tier lost capacity or turned off (core/cache/ssd.py)
+SSD_LOSS_MARKERS = ("disk full: SSD cap shrunk", "SSD tier off", "SSD write failed")
+
+
+class SSDWatch:
+    """Turns the engine's cache events into at most one stderr line per change: the SSD
+    tier turning off, shrinking on a full disk, or failing writes (issue 12 case 12)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.seen = 0
+        self.last = ""
+
+    def check(self, err: Any = None) -> str | None:
+        """Print (to ``err``, default stderr) and return the new line, if any."""
+        try:
+            events = self.engine.stats().events
+        except Exception:  # noqa: BLE001 -- a closed engine has nothing to say
+            return None
+        new = [(n, t) for n, t in events if n > self.seen]
+        if new:
+            self.seen = new[-1][0]
+        lost = [t for _, t in new if any(m in t for m in SSD_LOSS_MARKERS)]
+        if not lost:
+            return None
+        text = lost[-1].removeprefix("warning: ")
+        line = f"warning: SSD tier: {text}" + (f" ({len(lost)} events)" if len(lost) > 1 else "")
+        if text == self.last:
+            return None
+        self.last = text
+        print(line, file=err or sys.stderr, flush=True)
+        return line

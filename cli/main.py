@@ -32,11 +32,16 @@ from .common import (
 
 # flag dest -> help; every one is a key of config.settings.Settings
 SETTING_FLAGS: dict[str, tuple[str, str]] = {
-    "model": ("SPEC", "demo, demo-gemma, tiny:<arch>, a .gguf file, an MLX dir or a HF repo id"),
+    "model": (
+        "SPEC",
+        "demo, demo-gemma, tiny:<arch>, shape:<name> (random weights, real shapes), "
+        "a .gguf file, an MLX dir or a HF repo id",
+    ),
     "cache_dir": ("DIR", "SSD tier directory"),
     "models_dir": ("DIR", "where converted and tiny models are kept"),
     "data_dir": ("DIR", "where the conversation store (SQLite) lives"),
     "block_size": ("TOKENS", "cache block size in tokens"),
+    "prefill_chunk": ("TOKENS", "prefill chunk in tokens (mlx-lm's prefill_step_size: 2048)"),
     "hot_bytes": ("SIZE", "hot (RAM) tier budget: bytes or 512MB, 6GB, 16GiB"),
     "ssd_bytes": ("SIZE", "SSD tier cap"),
     "max_tokens": ("N", "reply length limit in tokens"),
@@ -91,7 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = csub.add_parser("clear", parents=[common], help="clear a tier")
     c.add_argument("tier", choices=("hot", "ssd", "tails", "all"))
 
-    sub.add_parser("config", parents=[common], help="effective settings and their sources")
+    sub.add_parser(
+        "config",
+        parents=[common],
+        help="effective settings and their sources, and the device and compute dtype",
+    )
 
     p = sub.add_parser(
         "bench",
@@ -104,7 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N,N,...",
         help="prompt lengths in tokens (default 512,2048,8192)",
     )
-    p.add_argument("--json-out", metavar="PATH", help="also write the rows as JSON here")
+    p.add_argument(
+        "--json",
+        "--json-out",
+        dest="json_out",
+        metavar="PATH",
+        help="also write every row (and the device, disk read figures) as JSON here",
+    )
     p.add_argument("--no-baseline", action="store_true", help="skip the mlx-lm LRUPromptCache rows")
     p.add_argument("--extend", type=int, default=32, metavar="N", help="nearest-prefix: new tokens")
     return parser
@@ -218,7 +233,17 @@ def run_config(settings: Any) -> int:
 
     rows = [(key, "none" if v is None else v, source) for key, v, source in explain(settings)]
     print(table(rows, ("setting", "value", "source")))
+    print(f"device: {_device_line()}")
     return EXIT_OK
+
+
+def _device_line() -> str:
+    """The device and compute dtype (imports MLX); says so when MLX cannot load."""
+    try:
+        from tierchat.core.device import describe_device
+    except ImportError as e:  # a Linux install without tierchat[cpu] or tierchat[cuda]
+        return f"unavailable: MLX does not load ({e}); install tierchat[cpu] or tierchat[cuda]"
+    return describe_device()
 
 
 if __name__ == "__main__":

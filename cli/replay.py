@@ -49,6 +49,7 @@ from .common import (
     EXIT_OK,
     EXIT_USAGE,
     CLIError,
+    SSDWatch,
     new_session,
     open_store,
     plain,
@@ -83,7 +84,13 @@ class ScriptError(ValueError):
 
 
 def _str(v: Any) -> str | None:
-    return None if isinstance(v, str) else "must be a string"
+    if not isinstance(v, str):
+        return "must be a string"
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON "\ud800": a lone surrogate
+        return f"is not valid Unicode (lone surrogate U+{ord(v[e.start]):04X} at {e.start})"
+    return None
 
 
 def _pos_int(v: Any) -> str | None:
@@ -175,19 +182,42 @@ def parse_script(lines: Sequence[str], name: str) -> list[Op]:
     return ops
 
 
+def _decode_lines(data: bytes, name: str) -> list[str]:
+    """The script's lines; raises :class:`ScriptError` at the first line that is not
+    UTF-8 (``SCRIPT:LINE: ...``)."""
+    lines = []
+    for i, raw in enumerate(data.split(b"\n")):
+        try:
+            lines.append(raw.decode("utf-8").rstrip("\r"))
+        except UnicodeDecodeError as e:
+            raise ScriptError(
+                f"{name}:{i + 1}: not valid UTF-8 ({e.reason} at byte {e.start})"
+            ) from None
+    if lines and lines[-1] == "":
+        lines.pop()
+    return lines
+
+
 def read_script(path: str) -> list[Op]:
     """Read and parse ``path`` (``-``: stdin). Raises :class:`CLIError` (exit 2)."""
     try:
         if path == "-":
-            lines, name = sys.stdin.read().splitlines(), "<stdin>"
+            stdin = getattr(sys.stdin, "buffer", None)  # a StringIO (tests) has none
+            data = (
+                stdin.read()
+                if stdin is not None
+                else sys.stdin.read().encode("utf-8", "surrogatepass")
+            )
+            name = "<stdin>"
         else:
-            lines, name = Path(path).read_text(encoding="utf-8").splitlines(), path
+            data, name = Path(path).read_bytes(), path
+        lines = _decode_lines(data, name)
     except FileNotFoundError:
         raise CLIError(f"{path}: no such file", EXIT_USAGE) from None
     except IsADirectoryError:
         raise CLIError(f"{path}: is a directory", EXIT_USAGE) from None
-    except UnicodeDecodeError as e:
-        raise CLIError(f"{path}: not UTF-8 text ({e.reason})", EXIT_USAGE) from None
+    except ScriptError as e:
+        raise CLIError(str(e), EXIT_USAGE) from None
     except OSError as e:
         raise CLIError(f"{path}: {e.strerror or e}", EXIT_USAGE) from None
     try:
@@ -241,6 +271,7 @@ class Replay:
         self.err = err or sys.stderr
         self.engine = start_engine(settings)
         self.session = new_session(self.engine, store, settings)
+        self.ssd_watch = SSDWatch(self.engine)
         self.results: list[dict[str, Any]] = []
         self.errors = 0
         self.restarts = 0
@@ -259,13 +290,18 @@ class Replay:
         print(f"error: {self.name}:{op.index + 1}: {op.op}: {message}", file=self.err, flush=True)
 
     def run(self, ops: Sequence[Op]) -> int:
+        from tierchat.core.conversation import StoreError
         from tierchat.core.session import SessionError
 
         for op in ops:
             try:
                 self.step(op)
+            except StoreError as e:  # only this op's turn is lost
+                self._fail(op, f"not saved: {e}")
             except SessionError as e:
                 self._fail(op, str(e))
+            if self.engine is not None:
+                self.ssd_watch.check(self.err)
         self._emit({"summary": self.summary(len(ops))})
         return EXIT_FAILED if self.errors else EXIT_OK
 
@@ -293,6 +329,7 @@ class Replay:
         self.engine = start_engine(self.settings, quiet=True)
         self.session = new_session(self.engine, self.store, self.settings)
         self.session.conversation_id = old.conversation_id
+        self.ssd_watch = SSDWatch(self.engine)
         self.restarts += 1
 
     def generate(self, op: Op) -> None:

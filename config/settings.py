@@ -65,12 +65,15 @@ class Settings:
     models_dir: Path = field(default_factory=lambda: user_cache_dir() / "models")
     data_dir: Path = field(default_factory=user_data_dir)
     block_size: int = 256
+    prefill_chunk: int = 2048
     hot_bytes: int = field(default_factory=default_hot_bytes)
     ssd_bytes: int = 16 * GiB
     tail_entries: int = 8
     checkpoint_entries: int = 32
     pin_system: bool = True
-    writer_queue: int = 64
+    # entries waiting for the SSD writer before put blocks (they are held in RAM anyway,
+    # by the hot tier; the writer also stops at 1 GiB pending)
+    writer_queue: int = 4096
     no_cache: bool = False
     max_tokens: int = 512
     seed: int = 0
@@ -297,6 +300,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "models_dir": _path,
     "data_dir": _path,
     "block_size": _positive_int,
+    "prefill_chunk": _positive_int,
     "hot_bytes": _size,
     "ssd_bytes": _size,
     "tail_entries": _nonneg_int,
@@ -347,6 +351,10 @@ def _read_toml(path: Path, explicit: bool) -> dict[str, Any]:
         return {}
     except tomllib.TOMLDecodeError as e:
         raise SettingsError(f"config file {path} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise SettingsError(
+            f"config file {path} is not UTF-8 text ({e.reason} at byte {e.start})"
+        ) from None
     except OSError as e:
         raise SettingsError(f"config file {path} cannot be read: {e.strerror}") from None
 

@@ -40,6 +40,9 @@ class GenerateRequest:
     seed: int | None = None
     boundaries: tuple[tuple[int, str], ...] = ()
     use_cache: bool = True
+    # teacher forcing (exactness measurements): decode feeds exactly these tokens, through
+    # the same decode loop, and the handle keeps every step's logprobs
+    teacher_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -240,6 +243,16 @@ class SnapshotStats:
 
 
 @dataclass(frozen=True)
+class ResidentStats:
+    """The resident cache: the live cache of the last request, kept for the next one and
+    cut back or extended in place (no copy). Its bytes count against the hot budget."""
+
+    tokens: int = 0
+    nbytes: int = 0
+    hits: int = 0
+
+
+@dataclass(frozen=True)
 class MemoryStats:
     """Memory readings in bytes; ``level`` is "ok", "soft" or "hard"."""
 
@@ -284,6 +297,7 @@ class CacheStats:
     ssd: TierStats = TierStats()
     tails: TailStats = TailStats()
     snapshots: SnapshotStats = SnapshotStats()
+    resident: ResidentStats = ResidentStats()
     memory: MemoryStats = MemoryStats()
     last_turn: LastTurn = LastTurn()
     events: tuple[tuple[int, str], ...] = ()

@@ -14,13 +14,14 @@ that uses the store, serialized by a lock.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 ROLES = ("system", "user", "assistant")
 
@@ -56,8 +57,117 @@ MIGRATIONS: tuple[str, ...] = (
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
+StoreErrorKind = Literal[
+    "full", "readonly", "ioerr", "cantopen", "busy", "corrupt", "schema", "other"
+]
+
+# SQLite primary result code name -> (kind, what to tell the user)
+_SQLITE_KINDS: dict[str, tuple[StoreErrorKind, str]] = {
+    "SQLITE_FULL": ("full", "the disk is full"),
+    "SQLITE_READONLY": ("readonly", "the store is read-only"),
+    "SQLITE_IOERR": ("ioerr", "a disk I/O error"),
+    "SQLITE_CANTOPEN": ("cantopen", "the file cannot be opened or created"),
+    "SQLITE_PERM": ("readonly", "permission denied"),
+    "SQLITE_BUSY": ("busy", "the store is locked by another process"),
+    "SQLITE_LOCKED": ("busy", "the store is locked"),
+    "SQLITE_NOTADB": ("corrupt", "not a tierchat conversation store"),
+    "SQLITE_CORRUPT": ("corrupt", "the file is corrupt"),
+}
+
+
 class StoreError(Exception):
-    """A problem with the store file itself (wrong schema version, not a database)."""
+    """A problem with the store file: ``kind`` names it ("full", "readonly", "ioerr",
+    "cantopen", "busy", "corrupt", "schema", "other")."""
+
+    def __init__(self, message: str, kind: StoreErrorKind = "other") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def store_error(e: sqlite3.Error, path: str, doing: str = "") -> StoreError:
+    """A :class:`StoreError` named for what the SQLite error ``e`` is (FULL, READONLY,
+    IOERR, CANTOPEN...), from its ``sqlite_errorname`` (extended codes such as
+    ``SQLITE_IOERR_WRITE`` map to their primary code)."""
+    name = getattr(e, "sqlite_errorname", "") or ""
+    kind, what = "other", str(e)
+    for prefix, (k, text) in _SQLITE_KINDS.items():
+        if name == prefix or name.startswith(prefix + "_"):
+            kind, what = k, text
+            break
+    else:  # older SQLite bindings: match the message
+        low = str(e).lower()
+        for needle, k, text in (
+            ("disk is full", "full", "the disk is full"),
+            ("readonly", "readonly", "the store is read-only"),
+            ("disk i/o", "ioerr", "a disk I/O error"),
+            ("unable to open", "cantopen", "the file cannot be opened or created"),
+            ("not a database", "corrupt", "not a tierchat conversation store"),
+        ):
+            if needle in low:
+                kind, what = k, text
+                break
+    verb = f"cannot {doing}: " if doing else ""
+    return StoreError(f"{path}: {verb}{what} ({e})", kind)
+
+
+class _Conn:
+    """The SQLite connection, raising :class:`StoreError` (named for its cause) instead of
+    ``sqlite3`` errors, so a full or read-only disk is a message, not a traceback."""
+
+    def __init__(self, conn: sqlite3.Connection, path: str) -> None:
+        self._conn = conn
+        self._path = path
+
+    @property
+    def in_transaction(self) -> bool:
+        return self._conn.in_transaction
+
+    def execute(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
+        try:
+            return self._conn.execute(sql, args)
+        except sqlite3.IntegrityError:
+            raise  # a constraint: the caller's business, not the disk's
+        except sqlite3.Error as e:
+            raise store_error(e, self._path, _doing(sql)) from None
+
+    def executescript(self, sql: str) -> sqlite3.Cursor:
+        try:
+            return self._conn.executescript(sql)
+        except sqlite3.Error as e:
+            if self._conn.in_transaction:
+                try:
+                    self._conn.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
+            raise store_error(e, self._path, "update the store") from None
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def _doing(sql: str) -> str:
+    verb = sql.lstrip().split(None, 1)[0].upper() if sql.strip() else ""
+    return "save" if verb in ("INSERT", "UPDATE", "DELETE", "COMMIT", "BEGIN") else "read"
+
+
+def _private_file(path: Path) -> None:
+    """Create the store's directory (missing parts 0700) and file (0600) before SQLite
+    does, and tighten an existing file to 0600; SQLite gives its -wal and -shm files the
+    database file's mode."""
+    missing, p = [], path.parent.absolute()
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        d.mkdir(mode=0o700, exist_ok=True)
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        try:
+            if path.stat().st_mode & 0o077:
+                path.chmod(0o600)
+        except OSError:
+            pass  # someone else's file or a read-only disk: SQLite will say what it can do
 
 
 class ConversationError(StoreError, KeyError):
@@ -120,14 +230,15 @@ class ConversationStore:
         self.path = str(path)
         self.clock = clock
         if self.path != ":memory:":
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            _private_file(Path(self.path))
         self._lock = threading.RLock()
-        self._conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        try:
+            conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        except sqlite3.Error as e:
+            raise store_error(e, self.path, "open the store") from None
+        self._conn = _Conn(conn, self.path)
         try:
             self._migrate()
-        except sqlite3.DatabaseError as e:
-            self._conn.close()
-            raise StoreError(f"{self.path}: not a tierchat conversation store ({e})") from None
         except StoreError:
             self._conn.close()
             raise
@@ -138,7 +249,8 @@ class ConversationStore:
         if version > SCHEMA_VERSION:
             raise StoreError(
                 f"{self.path}: conversation store schema version {version} is newer than this "
-                f"tierchat supports ({SCHEMA_VERSION}); upgrade tierchat or use another data dir"
+                f"tierchat supports ({SCHEMA_VERSION}); upgrade tierchat or use another data dir",
+                "schema",
             )
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA foreign_keys=ON")
@@ -479,7 +591,7 @@ def _ids(token_ids: Iterable[int] | None) -> tuple[int, ...] | None:
 class _Transaction:
     """Hold the store lock and one SQLite transaction; nested use joins the outer one."""
 
-    def __init__(self, conn: sqlite3.Connection, lock: threading.RLock) -> None:
+    def __init__(self, conn: _Conn, lock: threading.RLock) -> None:
         self.conn = conn
         self.lock = lock
         self.outer = False
@@ -493,6 +605,15 @@ class _Transaction:
     def __exit__(self, exc_type, *exc: object) -> None:
         try:
             if self.outer:
-                self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
+                try:
+                    self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
+                except StoreError:
+                    if self.conn.in_transaction:  # a failed COMMIT: undo the turn's write
+                        try:
+                            self.conn.execute("ROLLBACK")
+                        except StoreError:
+                            pass
+                    if exc_type is None:
+                        raise
         finally:
             self.lock.release()

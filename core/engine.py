@@ -4,12 +4,14 @@ MLX streams belong to the thread that made them (mlx >= 0.31), so loading, prefi
 decode and every cache slice, snapshot and restore happen on the engine thread. Other
 threads send jobs through a queue and get events back (DESIGN.md §2).
 
-A generation: build a fresh cache (``model.make_cache()``), restore the longest cached
-prefix, prefill the rest in chunks whose ends sit on absolute multiples of ``block_size``
-(and on message boundaries for models with state layers), storing each finished block,
-then decode from the last prompt token with mlx-lm's ``generate_step`` and store the
-prompt + reply. A cold run (``use_cache=False``) computes the same chunks, so cached and
-cold runs give the same tokens.
+A generation: restore the longest allowed cached prefix (the resident cache of the last
+request cut back in place, or entries from the hot and SSD tiers), prefill the rest in the
+prompt's schedule of chunks (:func:`~.cache.prefix.schedule_points`: multiples of
+``prefill_chunk``, message ends, N-1) with one eval per chunk that also materializes the
+blocks and checkpoints captured from it, then decode from the last prompt token with
+mlx-lm's ``generate_step``, store the prompt + reply and keep that cache resident. A cold
+run (``use_cache=False``) computes the same chunks, so a restore at a schedule point gives
+the cold run's tokens bit for bit.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ from .api import (
     TurnMetrics,
 )
 from .cache import layers as L
-from .cache.blocks import KIND_BOUNDARY, KIND_TAIL, role_at
-from .cache.prefix import PrefixCache, Restored, probe_specs
+from .cache.blocks import KIND_BOUNDARY, KIND_SEQ, KIND_TAIL
+from .cache.prefix import PrefixCache, Restored, chunk_ends, probe_specs, schedule_points
 
 _STOP = object()
 _live_engines: weakref.WeakSet = weakref.WeakSet()
@@ -63,20 +65,6 @@ def _close_live_engines() -> None:
     # runs before the handler above (atexit is last in, first out)
     for engine in list(_live_engines):
         engine.close()
-
-
-def chunk_ends(start: int, stop: int, chunk: int, extra: set[int] = frozenset()) -> list[int]:
-    """Ends of the prefill chunks for tokens ``[start, stop)``.
-
-    Every multiple of ``chunk`` (the block size, or a divisor of it when memory is short)
-    in ``(start, stop)`` is an end, so are the positions in ``extra`` (message boundaries),
-    and ``stop`` itself: every block end is a chunk end.
-    """
-    ends = set(range((start // chunk + 1) * chunk, stop, chunk))
-    ends.update(p for p in extra if start < p < stop)
-    if stop > start:
-        ends.add(stop)
-    return sorted(ends)
 
 
 class Engine:
@@ -161,7 +149,7 @@ class Engine:
                 memory=mem,
                 last_turn=self._last,
             )
-        hot, ssd, tails, snaps = cache.tier_stats()
+        hot, ssd, tails, snaps, resident = cache.tier_stats()
         return CacheStats(
             model=self.model_name,
             block_size=cache.block_size,
@@ -173,6 +161,7 @@ class Engine:
             ssd=ssd,
             tails=tails,
             snapshots=snaps,
+            resident=resident,
             memory=mem,
             last_turn=self._last,
             events=tuple(cache.events),
@@ -207,7 +196,7 @@ class Engine:
             try:
                 if self.cache is not None:
                     box.append(self.cache.clear(tier))
-                elif tier not in ("hot", "ssd", "tails", "all"):
+                elif tier not in ("hot", "ssd", "tails", "all", "resident"):
                     raise ValueError(f"unknown tier {tier!r}")
             except Exception as exc:
                 box.append(exc)
@@ -288,6 +277,17 @@ class Engine:
 
     # ------------------------------------------------------------------ generate
     def _generate(self, req: GenerateRequest, handle: RequestHandle) -> None:
+        # the SSD writer waits while this request prefills and makes its first token
+        ssd = self.cache.ssd if self.cache is not None else None
+        if ssd is not None:
+            ssd.pause()
+        try:
+            self._generate_one(req, handle)
+        finally:
+            if ssd is not None:
+                ssd.resume()
+
+    def _generate_one(self, req: GenerateRequest, handle: RequestHandle) -> None:
         if self.loaded is None:
             handle.emit(Failed("no model loaded", kind="error"))
             return
@@ -298,54 +298,68 @@ class Engine:
         if n == 0:
             handle.emit(Failed("empty prompt"))
             return
-        model, bs = self.loaded.model, self.settings.block_size
+        model = self.loaded.model
         cache = self.cache if (req.use_cache and not self.settings.no_cache) else None
-        caches = self._make_cache()
         self._apply_memory_pressure()
-        t_restore = time.perf_counter()
-        restored = cache.restore(prompt, caches) if cache is not None else Restored()
-        restore_s = time.perf_counter() - t_restore
-        start = restored.position
         try:
-            chunk = self._plan_chunk(n, start)
+            chunk = self._plan_chunk(n)
         except memory_mod.PrefillRefused as exc:
             handle.emit(Failed(str(exc), kind="refused"))
             if cache is not None:
-                cache.log(f"refused a {n - start}-token prefill: over the memory limit")
+                cache.log(f"refused a {n}-token prefill: over the memory limit")
             return
         boundaries = tuple(req.boundaries)
-        checkpoints = set()
-        if cache is not None and cache.state:
-            checkpoints = {end for end, role in boundaries if role in ("system", "user")}
+        points = schedule_points(n, chunk, boundaries)
+        t_restore = time.perf_counter()
+        if cache is not None:
+            ids = cache.ids(prompt)
+            restored = cache.restore(prompt, ids, points, self._make_cache)
+        else:
+            ids, restored = [], Restored(caches=self._make_cache())
+        caches = restored.caches
+        restore_s = time.perf_counter() - t_restore
+        start = restored.position
+        ends = chunk_ends(start, points)
+        handle.chunk_ends = tuple(ends)
+        # state models keep a checkpoint at every chunk end (message ends included)
+        checkpoint_kind = KIND_BOUNDARY if cache is not None and cache.state else None
 
-        # prefill [start, n - 1) in block-aligned chunks
+        # prefill [start, n - 1) in the schedule's chunks: one eval per chunk, covering the
+        # cache and the entries captured from it
         total = n - 1 - start
-        done = 0
         pos = start
-        for end in chunk_ends(start, n - 1, chunk, checkpoints):
+        for end in ends:
+            if end == n - 1 and end == pos:
+                break
             self._drain_control()
             if handle.cancelled:
                 handle.emit(Failed("cancelled during prefill", kind="cancelled"))
                 return
             model(mx.array(prompt[pos:end])[None], cache=caches)
-            mx.eval([c.state for c in caches])
+            entries = []
             if cache is not None:
-                if end % bs == 0:
-                    cache.store_block(caches, prompt, end // bs - 1, boundaries)
-                elif end in checkpoints:
-                    cache.store_tail(caches, prompt, end, KIND_BOUNDARY, role_at(boundaries, end))
-            done += end - pos
+                kind = KIND_TAIL if end == n - 1 else checkpoint_kind
+                entries = cache.capture(caches, prompt, ids, pos, end, boundaries, kind)
+            mx.eval([c.state for c in caches] + [a for e in entries for a in e.arrays.values()])
+            if cache is not None:
+                cache.commit(entries)
             pos = end
             dt = time.perf_counter() - t0
+            done = pos - start
             handle.emit(PrefillProgress(done, total, done / dt if dt > 0 else 0.0))
-        if cache is not None and n - 1 > start:
-            cache.store_tail(caches, prompt, n - 1, KIND_TAIL, role_at(boundaries, n - 1))
 
         # decode from the last prompt token
         if req.temperature > 0 and req.seed is not None:
             mx.random.seed(req.seed)
         sampler = make_sampler(temp=req.temperature, top_p=req.top_p)
         eos = self.eos_token_ids
+        record = self.record_logprobs
+        max_tokens = self._cap_tokens(req.max_tokens, n)
+        if req.teacher_ids:
+            # generate_step samples one step ahead of what it yields: pad the last call
+            forced = iter(req.teacher_ids)
+            sampler = lambda logprobs: mx.array([next(forced, 0)])  # noqa: E731
+            eos, record, max_tokens = set(), len(req.teacher_ids), len(req.teacher_ids)
         detok = self.loaded.tokenizer.detokenizer
         detok.reset()
         tokens: list[int] = []
@@ -356,14 +370,16 @@ class Engine:
             mx.array(prompt[n - 1 :]),
             model,
             prompt_cache=caches,
-            max_tokens=req.max_tokens,
+            max_tokens=max_tokens,
             sampler=sampler,
         ):
             if ttft is None:
                 t_first = time.perf_counter()
                 ttft = t_first - t0
+                if cache is not None and cache.ssd is not None:
+                    cache.ssd.resume()
             tokens.append(tok)
-            if len(logprobs) < self.record_logprobs:
+            if len(logprobs) < record:
                 logprobs.append(np.array(lp.astype(mx.float32)))
             if tok in eos:
                 reason = "stop"
@@ -382,9 +398,15 @@ class Engine:
         if tail_text:
             handle.emit(TokenBatch((), tail_text))
         t_end = time.perf_counter()
-        mx.eval([c.state for c in caches])
+        sequence = prompt + tokens
         if cache is not None:
-            cache.store_sequence(caches, prompt + tokens, boundaries)
+            # the cache holds prompt + every yielded token: store its new blocks and its
+            # end, then keep it resident for the next request
+            seq_ids = cache.ids(sequence)
+            entries = cache.capture(caches, sequence, seq_ids, 0, len(sequence), (), KIND_SEQ)
+            mx.eval([c.state for c in caches] + [a for e in entries for a in e.arrays.values()])
+            cache.commit(entries)
+            cache.set_resident(sequence, caches)
         handle.logprobs = logprobs
         handle.restored_position = start
         ttft = ttft if ttft is not None else t_end - t0
@@ -417,6 +439,29 @@ class Engine:
         handle.emit(Finished(tuple(tokens), detok.text, metrics))
         self._apply_memory_pressure()
 
+    def _cap_tokens(self, max_tokens: int, n: int) -> int:
+        """``max_tokens`` capped so prompt + reply stays within the model's context length
+        (``max_position_embeddings`` of its config, when known); logged when it bites."""
+        ctx = self.context_length
+        if ctx is None:
+            return max_tokens
+        room = max(1, ctx - n)
+        if max_tokens > room and self.cache is not None:
+            self.cache.log(f"max tokens {max_tokens} capped at {room}: context length {ctx}")
+        return min(max_tokens, room)
+
+    @property
+    def context_length(self) -> int | None:
+        """The model's context length in tokens, from its config, or None if unknown."""
+        if self.loaded is None:
+            return None
+        args = getattr(self.loaded.model, "args", None)
+        for key in ("max_position_embeddings", "max_seq_len", "n_ctx"):
+            value = getattr(args, key, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
     # ------------------------------------------------------------------ memory
     def _apply_memory_pressure(self) -> None:
         """Shrink the hot tier's budget at soft/hard pressure, restore it at ok."""
@@ -432,35 +477,36 @@ class Engine:
             if memory_mod.should_clear_mlx_cache(level):
                 mx.clear_cache()
 
-    def _plan_chunk(self, n: int, start: int) -> int:
-        """The prefill chunk (tokens) whose estimated peak fits the hard limit.
+    def _plan_chunk(self, n: int) -> int:
+        """The prefill chunk (tokens): ``prefill_chunk``, or the largest smaller one whose
+        estimated peak fits the hard limit. A function of the prompt length and the memory
+        in use, never of what the cache holds, so cached and cold runs use one schedule
+        unless memory is short.
 
         Raises:
             memory_mod.PrefillRefused: no chunk down to 16 tokens fits.
         """
-        bs = self.settings.block_size
-        new = n - 1 - start
-        if new <= 0 or self._kv_profile is None:
-            return bs
+        chunk = max(1, int(getattr(self.settings, "prefill_chunk", 2048)))
+        if n <= 1 or self._kv_profile is None:
+            return chunk
         model = self.loaded.model
         active = int(mx.get_active_memory())
 
-        def estimate(chunk: int) -> int:
+        def estimate(c: int) -> int:
             return memory_mod.estimate_for_model(
                 model,
                 self._kv_profile,
                 active_bytes=active,
-                new_tokens=new,
+                new_tokens=n - 1,
                 context_tokens=n,
-                chunk_tokens=min(chunk, new),
+                chunk_tokens=min(c, n - 1),
             )
 
         chunk, _ = memory_mod.plan_prefill(
             estimate,
             self.monitor.hard_line(),
-            bs,
-            min_chunk=min(16, bs),
-            block_size=bs,
-            new_tokens=new,
+            chunk,
+            min_chunk=min(16, chunk),
+            new_tokens=n - 1,
         )
         return chunk

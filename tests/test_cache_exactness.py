@@ -130,3 +130,34 @@ def test_divergence_inside_a_block_reuses_the_common_prefix(tmp_path, models_dir
     finally:
         hot.close()
         cold.close()
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_restart_regenerate_is_bitwise_hot_regenerate_and_cold(tmp_path, models_dir, arch):
+    """A regenerate served from the SSD tier after a restart gives the logprobs of the same
+    regenerate served hot (the resident cache), bit for bit; with no decode-computed K/V in
+    the prompt both equal the cold run bit for bit too."""
+    import numpy as np
+    from engine_kit import generate, make_engine, random_prompt
+
+    model = f"tiny:{arch}"
+    bounds = ((9, "system"), (40, "user"))
+    prompt = random_prompt(70, seed=21)
+    cold = make_engine(model, tmp_path / "cold", models_dir, no_cache=True)
+    hot = make_engine(model, tmp_path, models_dir)
+    try:
+        ref, h_cold = generate(cold, prompt, max_tokens=4, boundaries=bounds)
+        generate(hot, prompt, max_tokens=4, boundaries=bounds)
+        a, h_hot = generate(hot, prompt, max_tokens=4, boundaries=bounds)
+        assert a.metrics.cached_tokens == len(prompt) - 1
+        hot.close()
+        hot = make_engine(model, tmp_path, models_dir)
+        b, h_ssd = generate(hot, prompt, max_tokens=4, boundaries=bounds)
+        assert b.metrics.cached_by["ssd"] == len(prompt) - 1
+        assert ref.token_ids == a.token_ids == b.token_ids
+        for x, y, z in zip(h_cold.logprobs, h_hot.logprobs, h_ssd.logprobs, strict=True):
+            assert np.array_equal(y, z)  # SSD restore == hot restore, bit for bit
+            assert np.array_equal(x, y)  # == cold: the prompt holds no decode K/V
+    finally:
+        cold.close()
+        hot.close()

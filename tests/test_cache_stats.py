@@ -46,6 +46,15 @@ def test_hot_and_ssd_counters(engine):
     assert s.hot.hits == 0 and s.ssd.hits == 0
     assert s.last_turn.prompt_tokens == 100 and s.last_turn.cached_tokens == 0
 
+    assert s.resident.tokens == 100 + 8 and s.resident.nbytes > 0 and s.resident.hits == 0
+
+    # the same prompt again: the resident cache is cut back in place
+    generate(e, p)
+    s1 = e.stats()
+    assert s1.resident.hits == 1 and s1.hot.hits == 0
+    assert s1.last_turn.cached_kind["resident"] == 99 and s1.last_turn.cached_by["hot"] == 99
+
+    e.clear("resident")  # from the hot tier's entries now
     generate(e, p)
     s2 = e.stats()
     assert s2.hot.hits == 7 and s2.last_turn.cached_tokens == 99  # 6 blocks + the tail
@@ -81,6 +90,7 @@ def test_tail_counters(engine):
     s = e.stats()
     assert s.tails.stashes >= 2 and s.tails.entries == 2 and s.tails.max_entries == 2
     assert s.tails.supported is True and s.tails.nbytes > 0
+    e.clear("resident")
     r, _ = generate(e, p)
     s2 = e.stats()
     assert s2.tails.hits == s.tails.hits + 1
@@ -102,6 +112,7 @@ def test_checkpoint_and_snapshot_counters(engine):
     assert any(k.endswith(":state") for k in s.layer_kinds)
     # continue after the stored prompt + reply: served by the sequence-end checkpoint
     cont = p + first.token_ids + random_prompt(10, seed=8)
+    e.clear("resident")
     r, _ = generate(e, cont, max_tokens=2)
     assert r.metrics.cached_kind["checkpoint"] > 0
     assert e.stats().tails.checkpoint_hits == 1
@@ -119,6 +130,7 @@ def test_boundary_checkpoints_stored_for_state_models(engine):
     assert e.stats().tails.checkpoints == 2
     # an edit after the system prompt restores from its checkpoint
     edited = p[:30] + random_prompt(30, seed=10)
+    e.clear("resident")
     r, _ = generate(e, edited, max_tokens=2)
     assert r.metrics.cached_tokens == 21 and r.metrics.cached_kind["checkpoint"] == 21 - 16
 

@@ -5,28 +5,52 @@ from __future__ import annotations
 import pytest
 from engine_kit import assert_same, generate, make_engine, random_prompt
 from tierchat.core.api import Failed, Finished, GenerateRequest, PrefillProgress, TokenBatch
-from tierchat.core.engine import chunk_ends
+from tierchat.core.cache.prefix import chunk_ends, schedule_points
 
 
 @pytest.fixture
 def engine(tmp_path, models_dir):
-    e = make_engine("tiny:llama", tmp_path, models_dir)
+    e = make_engine("tiny:llama", tmp_path, models_dir, prefill_chunk=16)
     yield e
     e.close()
 
 
 @pytest.fixture
 def cold(tmp_path, models_dir):
-    e = make_engine("tiny:llama", tmp_path / "cold", models_dir, no_cache=True)
+    e = make_engine("tiny:llama", tmp_path / "cold", models_dir, no_cache=True, prefill_chunk=16)
     yield e
     e.close()
 
 
-def test_chunk_ends_sit_on_block_multiples():
-    assert chunk_ends(0, 50, 16) == [16, 32, 48, 50]
-    assert chunk_ends(20, 50, 16) == [32, 48, 50]
-    assert chunk_ends(20, 50, 16, {40, 60, 10}) == [32, 40, 48, 50]
-    assert chunk_ends(50, 50, 16) == []
+def test_schedule_is_chunk_multiples_message_ends_and_n_minus_1():
+    assert schedule_points(51, 16) == [16, 32, 48, 50]
+    assert schedule_points(51, 16, ((40, "user"), (60, "user"), (10, "system"))) == [
+        10, 16, 32, 40, 48, 50
+    ]  # fmt: skip
+    assert schedule_points(1, 16) == []
+    points = schedule_points(51, 16, ((40, "user"),))
+    assert chunk_ends(20, points) == [32, 40, 48, 50]
+    assert chunk_ends(50, points) == []
+
+
+def test_cold_chunk_ends_equal_with_cache_on_and_off(tmp_path, models_dir):
+    """The prefill schedule is a function of the prompt: a cold run with the cache on
+    computes exactly the chunks of a run with the cache off."""
+    on = make_engine("tiny:llama", tmp_path / "on", models_dir, prefill_chunk=32)
+    off = make_engine("tiny:llama", tmp_path / "off", models_dir, prefill_chunk=32, no_cache=True)
+    try:
+        prompt = random_prompt(100, seed=3)
+        bounds = ((7, "system"), (45, "user"), (70, "assistant"), (90, "user"))
+        _, h_on = generate(on, prompt, max_tokens=2, boundaries=bounds)
+        _, h_off = generate(off, prompt, max_tokens=2, boundaries=bounds)
+        assert h_on.restored_position == 0
+        assert h_on.chunk_ends == h_off.chunk_ends == (7, 32, 45, 64, 70, 90, 96, 99)
+        # a restore at a schedule point computes the rest in the cold run's chunks
+        _, again = generate(on, prompt[:95] + (1, 2, 3), max_tokens=2, boundaries=bounds)
+        assert again.restored_position == 90 and again.chunk_ends == (96, 97)
+    finally:
+        on.close()
+        off.close()
 
 
 def test_prefill_progress_counts_up_to_the_tokens_prefilled(engine):

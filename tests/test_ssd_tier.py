@@ -1,103 +1,220 @@
-"""The SSD tier on its own: round trips (bf16 included), index rebuild, LRU cap, permissions."""
+"""The SSD tier on its own: round trips (bf16 included), index rebuild, LRU cap,
+permissions, pending entries served from memory, backpressure, the file format."""
 
 from __future__ import annotations
 
 import stat
+import threading
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from tierchat.core.cache.blocks import KIND_BLOCK, KIND_TAIL, Entry, chain_ids, root_id
-from tierchat.core.cache.ssd import SSDTier
+from tierchat.core.cache import ssd as ssd_mod
+from tierchat.core.cache.blocks import KIND_BLOCK, KIND_TAIL, Entry, chain_ids, root_id, tail_id
+from tierchat.core.cache.ssd import CorruptEntry, SSDTier
 
 FP = "ab" * 32
+DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 
 
-def entry(i: int, dtype=mx.float32, kind=KIND_BLOCK, parent=None) -> Entry:
-    tokens = tuple(range(i * 16, i * 16 + 16))
-    eid = chain_ids(root_id(FP), tokens, 16, 1)[0]
-    k = mx.random.normal((1, 2, 16, 8), key=mx.random.key(i)).astype(dtype)
-    arrays = {"0.k": k, "0.v": k * 2}
+def entry(i: int, dtype=mx.float32, kind=KIND_BLOCK, parent=None, n=16) -> Entry:
+    tokens = tuple(range(i * n, i * n + n))
+    parent = parent or root_id(FP)
+    eid = chain_ids(parent, tokens, n, 1)[0] if kind == KIND_BLOCK else tail_id(parent, tokens)
+    k = mx.random.normal((1, 2, n, 8), key=mx.random.key(i)).astype(dtype)
+    arrays = {"0.k": k, "0.v": k * 2, "1.k": k[:, :1], "1.v": -k[:, 1:]}
     mx.eval(list(arrays.values()))
-    e = Entry(
-        id=eid,
-        parent=parent or root_id(FP),
-        kind=kind,
-        start=0,
-        tokens=tokens,
-        role="user",
-        arrays=arrays,
-    )
+    e = Entry(id=eid, parent=parent, kind=kind, start=0, tokens=tokens, role="user", arrays=arrays)
     e.nbytes = sum(a.nbytes for a in arrays.values())
     return e
 
 
-@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-def test_round_trip_is_bitwise(tmp_path, dtype):
-    ssd = SSDTier(tmp_path, FP, 1 << 30)
-    e = entry(1, dtype)
-    assert ssd.put(e)
+def bits(a: mx.array) -> np.ndarray:
+    """The array's raw bits (bf16 included), for bitwise comparison."""
+    view = {2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[a.dtype.size]
+    return np.array(a.view(view) if a.dtype != mx.bool_ else a)
+
+
+def assert_bitwise(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for name, a in want.items():
+        b = got[name]
+        assert b.dtype == a.dtype and b.shape == a.shape, name
+        assert np.array_equal(bits(a), bits(b)), name
+
+
+@pytest.fixture
+def tier(tmp_path):
+    made = []
+
+    def make(**kw):
+        t = SSDTier(tmp_path, FP, kw.pop("max_bytes", 1 << 30), **kw)
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.close()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ssd_restore_equals_hot_bit_for_bit(tier, dtype):
+    """Issue 11 part 2: the same entry restores the same arrays from either tier."""
+    ssd = tier()
+    hot = [entry(i, dtype) for i in range(3)]
+    for e in hot:
+        assert ssd.put(e)
+        got = ssd.load(e.id)  # still pending or already written: either way the same
+        assert_bitwise(got.arrays, e.arrays)
     ssd.flush()
-    got = ssd.load(e.id)
-    assert got is not None and got.tokens == e.tokens and got.kind == KIND_BLOCK
-    for name, a in e.arrays.items():
-        b = got.arrays[name]
-        assert b.dtype == dtype and b.shape == a.shape
-        assert np.array_equal(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)))
-    path = ssd._path(e.id)
+    fresh = tier()  # a restart: the index rebuilt from headers, arrays read from files
+    for e in hot:
+        got = fresh.load(e.id)
+        assert got is not None and got.tokens == e.tokens and got.kind == KIND_BLOCK
+        assert_bitwise(got.arrays, e.arrays)
+    assert fresh.corrupt == 0 and fresh.memory_hits == 0 and fresh.hits == 3
+    path = fresh._path(hot[0].id)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
-    ssd.close()
 
 
-def test_index_rebuilt_from_headers(tmp_path):
-    ssd = SSDTier(tmp_path, FP, 1 << 30)
+def test_files_open_in_other_tools(tier):
+    ssd = tier()
+    e = entry(1, mx.bfloat16)
+    ssd.put(e)
+    ssd.flush()
+    loaded = mx.load(str(ssd._path(e.id)))  # MLX's own safetensors reader
+    assert_bitwise(loaded, e.arrays)
+    from safetensors import safe_open
+
+    f32 = entry(2)
+    ssd.put(f32)
+    ssd.flush()
+    with safe_open(str(ssd._path(f32.id)), framework="numpy") as f:
+        assert f.metadata()["format"] == ssd_mod.FORMAT
+        assert np.array_equal(f.get_tensor("0.k"), np.array(f32.arrays["0.k"]))
+
+
+def test_pending_entry_is_visible_and_served_from_memory(tier):
+    ssd = tier()
+    ssd.write_delay_s = 0.3
+    e = entry(1, mx.bfloat16)
+    assert ssd.put(e)
+    # visible at once, whatever the writer has done
+    assert e.id in ssd and ssd.meta(e.id) is not None
+    assert [m.id for m in ssd.children_of(e.parent)] == [e.id]
+    assert ssd.queue_depth == 1
+    got = ssd.load(e.id)
+    assert ssd.memory_hits == 1
+    assert_bitwise(got.arrays, e.arrays)
+    assert not ssd.put(e)  # already held
+    ssd.flush()
+    assert ssd.queue_depth == 0 and ssd.saves_persisted == 1
+    assert_bitwise(ssd.load(e.id).arrays, e.arrays)
+
+
+def test_backpressure_blocks_instead_of_dropping(tier):
+    ssd = tier(queue_size=2)
+    ssd.write_delay_s = 0.05
+    es = [entry(i) for i in range(8)]
+    for e in es:
+        assert ssd.put(e)
+        assert ssd.queue_depth <= 2
+    assert ssd.write_drops == 0 and ssd.backpressure_waits > 0
+    assert all(e.id in ssd for e in es)
+    ssd.flush()
+    assert ssd.saves_persisted == ssd.saves_queued == 8
+
+
+def test_backpressure_by_bytes(tier):
+    one = entry(0)
+    ssd = tier(max_pending_bytes=one.nbytes * 2)
+    ssd.write_delay_s = 0.05
+    for i in range(5):
+        assert ssd.put(entry(i))
+        assert ssd.pending_bytes <= one.nbytes * 2 + 4096
+    assert ssd.write_drops == 0
+
+
+def test_index_rebuilt_from_headers(tier):
+    ssd = tier()
     a, t = entry(1), entry(2, kind=KIND_TAIL)
     ssd.put(a)
     ssd.put(t)
     ssd.close()
-    again = SSDTier(tmp_path, FP, 1 << 30)
-    assert len(again) == 2 and again.nbytes > 0
+    again = tier()
+    assert len(again) == 2 and again.nbytes == ssd.nbytes > 0
     assert {m.id for m in again.children_of(root_id(FP))} == {a.id, t.id}
     assert again.tail_ids() == [t.id]
+    again.wait_verified()
     assert again.corrupt == 0
-    again.close()
 
 
-def test_cap_evicts_least_recently_used(tmp_path):
+def test_cap_evicts_least_recently_used_at_put(tier, tmp_path):
     probe = SSDTier(tmp_path / "probe", FP, 1 << 30)
     probe.put(entry(0))
     probe.close()
     one = probe.nbytes
-    ssd = SSDTier(tmp_path, FP, 2 * one + one // 2)  # room for two entries
+    ssd = tier(max_bytes=2 * one + one // 2)  # room for two entries
+    ssd.write_delay_s = 0.2  # eviction does not wait for the writer
     e1, e2, e3 = entry(1), entry(2), entry(3)
     ssd.put(e1)
     ssd.put(e2)
-    ssd.flush()
     assert ssd.load(e1.id) is not None  # e1 is now more recent than e2
     ssd.put(e3)
-    ssd.flush()
     assert e1.id in ssd and e3.id in ssd and e2.id not in ssd
     assert ssd.evictions == 1 and ssd.nbytes <= ssd.max_bytes
-    ssd.close()
+    ssd.flush()
+    assert not ssd._path(e2.id).exists()
 
 
-def test_shape_mismatch_is_a_miss_and_removes_the_file(tmp_path):
-    ssd = SSDTier(tmp_path, FP, 1 << 30)
+def test_shape_mismatch_is_a_miss_and_removes_the_file(tier):
+    ssd = tier()
     e = entry(1)
     ssd.put(e)
     ssd.flush()
     wrong = {"0.k": ((1, 4, -1, 8), mx.float32), "0.v": ((1, 4, -1, 8), mx.float32)}
     assert ssd.load(e.id, expected=wrong) is None
     assert ssd.corrupt == 1 and e.id not in ssd and not ssd._path(e.id).exists()
-    ssd.close()
 
 
-def test_clear_removes_every_file(tmp_path):
-    ssd = SSDTier(tmp_path, FP, 1 << 30)
+def test_clear_removes_every_file_pending_included(tier):
+    ssd = tier()
+    ssd.write_delay_s = 0.05
     for i in range(3):
         ssd.put(entry(i))
     assert ssd.clear() == 3
-    assert len(ssd) == 0 and ssd.nbytes == 0
-    assert not list(ssd.dir.glob("*/*.safetensors"))
-    ssd.close()
+    assert len(ssd) == 0 and ssd.nbytes == 0 and ssd.queue_depth == 0
+    ssd.write_delay_s = 0
+    ssd.put(entry(9))
+    ssd.flush()
+    threading.Event().wait(0.2)  # let an abandoned in-flight write finish
+    assert [p.name for p in ssd.dir.glob("*/*")] == [f"{entry(9).id}.safetensors"]
+
+
+def test_every_byte_is_covered(tier):
+    """A one-bit flip anywhere in a file (header, padding, data) fails verification."""
+    ssd = tier()
+    e = entry(1, mx.bfloat16, n=2)
+    ssd.put(e)
+    ssd.flush()
+    path = ssd._path(e.id)
+    good = path.read_bytes()
+    ssd_mod.read_file(path)  # the healthy file passes
+    for pos in range(len(good)):
+        bad = bytearray(good)
+        bad[pos] ^= 1 << (pos % 8)
+        path.write_bytes(bad)
+        with pytest.raises(CorruptEntry):
+            layout, _, _ = ssd_mod.read_file(path)
+            ssd_mod.entry_meta(layout.meta, FP)
+
+
+def test_tokens_must_hash_to_the_id(tmp_path):
+    e = entry(1)
+    meta = ssd_mod._meta_strings(e, FP)
+    meta["tokens"] = "[" + ",".join(str(t) for t in (*e.tokens[:-1], 7)) + "]"
+    with pytest.raises(CorruptEntry, match="hash"):
+        ssd_mod.entry_meta(meta, FP)
+    with pytest.raises(CorruptEntry, match="another model"):
+        ssd_mod.entry_meta(ssd_mod._meta_strings(e, FP), "cd" * 32)

@@ -18,7 +18,7 @@ import struct
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 # entry kinds: a full block, an MRU prompt tail (state at N-1), a sequence end after
 # decoding (prompt + reply), a message-boundary checkpoint (end of a system/user message)

@@ -35,6 +35,7 @@ class HotTier:
         self.children: dict[str, set[str]] = {}  # parent id -> ids of entries after it
         self.pinned: set[str] = set()
         self.nbytes = 0
+        self.reserved = 0  # bytes of the budget held by the resident cache
         self.snapshot_count = 0
         self.snapshot_nbytes = 0
         self.tail_nbytes = 0  # tails and checkpoints
@@ -140,8 +141,14 @@ class HotTier:
             self.tail_evictions += 1
         self._on_evict(e, why)
 
+    def reserve(self, nbytes: int) -> int:
+        """Hold ``nbytes`` of the budget for the resident cache; evicts to make room and
+        returns the number of entries evicted."""
+        self.reserved = nbytes
+        return self.shrink_to(self.max_bytes)
+
     def shrink_to(self, max_bytes: int, keep: str | None = None) -> int:
-        """Evict lowest priority first, LRU inside, until ``nbytes <= max_bytes``.
+        """Evict lowest priority first, LRU inside, until ``nbytes + reserved <= max_bytes``.
 
         Pinned entries and ``keep`` stay. Returns the number of entries evicted.
         """
@@ -149,7 +156,7 @@ class HotTier:
         for prio in sorted(self._lru):
             lru = self._lru[prio]
             for entry_id in list(lru):
-                if self.nbytes <= max_bytes:
+                if self.nbytes + self.reserved <= max_bytes:
                     return n
                 if entry_id in self.pinned or entry_id == keep:
                     continue

@@ -14,6 +14,11 @@ give each leaf one small adapter according to its kind (DESIGN.md §5):
 - ``state``: ``ArraysCache`` (SSM / GatedDeltaNet conv + recurrent state, fixed size).
   Only restorable from a snapshot taken exactly at that position.
 
+Each kind is one adapter class (:class:`KVLeaf`, :class:`WindowLeaf`, :class:`StateLeaf`)
+carrying its own protocol, in the spirit of mlx-lm's cache classes (``state``, ``trim``,
+``is_trimmable``): what it captures for a block, how it is rebuilt at a position, and
+whether the live cache of the last request can be cut back to a position in place.
+
 Any other class makes the model unsupported (:class:`UnsupportedCache`): caching is turned
 off for it rather than guessed at.
 
@@ -54,12 +59,157 @@ def _copy(x: mx.array) -> mx.array:
 
 @dataclass(frozen=True)
 class Leaf:
-    """One cache object inside the model's cache list. ``name`` is its path ("3" or "5.1")."""
+    """One cache object inside the model's cache list. ``name`` is its path ("3" or "5.1").
+
+    Subclasses implement one layer kind. ``slices``: a block stores its tokens' K/V slice;
+    ``snapshots``: a position is restorable only from a snapshot taken there.
+    """
 
     name: str
     kind: str
     cls: str
     max_size: int = 0  # window leaves: the sliding window, in tokens
+
+    slices = False
+    snapshots = False
+
+    def capture(self, c: Any, start: int, end: int) -> Arrays | None:
+        """The K/V of absolute positions ``[start, end)`` (slice kinds), or None."""
+        return None
+
+    def snapshot(self, c: Any) -> Arrays:
+        """The state at the cache's current position (state kinds)."""
+        return {}
+
+    def first_needed(self, position: int) -> int:
+        """The first token position whose slice a restore at ``position`` needs."""
+        return 0
+
+    def restore(self, c: Any, parts: list[Arrays], position: int) -> None:
+        """Fill a fresh cache object: from slices covering ``[first_needed(P), P)`` in
+        order (slice kinds) or from ``parts[0]``, a snapshot taken at ``P`` (state kinds)."""
+        raise NotImplementedError
+
+    def can_cut(self, c: Any, length: int, position: int) -> bool:
+        """Whether the live cache ``c``, holding ``length`` tokens, can be cut back to
+        ``position`` in place, bit for bit what a restore at ``position`` would hold."""
+        return position == length
+
+    def cut(self, c: Any, length: int, position: int) -> None:
+        """Cut the live cache back to ``position`` (after :meth:`can_cut` said yes)."""
+
+
+def _trimmed_to(c: Any, position: int) -> None:
+    if c.offset > position:
+        c.trim(c.offset - position)
+
+
+@dataclass(frozen=True)
+class KVLeaf(Leaf):
+    """``KVCache`` / ``QuantizedKVCache``: the K/V of every token, sliceable and trimmable.
+
+    Slices are ``{"k": (B, n_kv_heads, T, head_dim), "v": ...}``; quantized caches give
+    ``k0..k2``/``v0..v2`` (data, scales, biases), token axis 2 in each.
+    """
+
+    slices = True
+
+    def capture(self, c, start, end):
+        if c.keys is None:
+            return None
+        return {n: _copy(a[..., start:end, :]) for n, a in _kv_parts(c)}
+
+    def restore(self, c, parts, position, step: int = 256):
+        # one concatenate per array, padded to a multiple of KVCache.step so the next
+        # update writes in place instead of growing the buffer
+        joined = {}
+        for n in parts[0]:
+            arrays = [p[n] for p in parts]
+            pad = -sum(a.shape[2] for a in arrays) % step
+            if pad:
+                shape = list(arrays[0].shape)
+                shape[2] = pad
+                arrays.append(mx.zeros(shape, arrays[0].dtype))
+            joined[n] = mx.concatenate(arrays, axis=2) if len(arrays) > 1 else mx.array(arrays[0])
+        _set_kv(c, joined)
+        c.offset = position
+
+    def can_cut(self, c, length, position):
+        return c.keys is not None and position <= c.offset
+
+    def cut(self, c, length, position):
+        _trimmed_to(c, position)
+
+
+@dataclass(frozen=True)
+class WindowLeaf(Leaf):
+    """``RotatingKVCache`` (sliding window, ``keep == 0``): the last ``max_size`` tokens.
+
+    A block still stores its tokens' K/V slice; a restore at P rebuilds the buffer from the
+    slices covering ``[P - max_size, P)``, in temporal order with ``_idx`` = its length, so
+    the next chunk trims and attends exactly as the cold run's buffer would. The live
+    buffer can be cut back in place only while it has never rotated (mlx-lm's
+    ``is_trimmable``: ``offset < max_size``).
+    """
+
+    slices = True
+
+    def capture(self, c, start, end):
+        if c.keys is None:
+            return None
+        keys, values = _temporal(c, c.keys), _temporal(c, c.values)
+        first = c.offset - keys.shape[2]
+        if start < first or end > c.offset:
+            return None
+        a, b = start - first, end - first
+        return {"k": _copy(keys[..., a:b, :]), "v": _copy(values[..., a:b, :])}
+
+    def first_needed(self, position):
+        return max(0, position - self.max_size)
+
+    def restore(self, c, parts, position):
+        joined = {}
+        keep = min(position, self.max_size)
+        for n in parts[0]:
+            arrays = [p[n] for p in parts]
+            x = mx.concatenate(arrays, axis=2) if len(arrays) > 1 else arrays[0]
+            joined[n] = mx.array(x[..., x.shape[2] - keep :, :])
+        _set_kv(c, joined)
+        c.offset = position
+        c._idx = c.keys.shape[2]
+
+    def can_cut(self, c, length, position):
+        if c.keys is None or position > c.offset:
+            return False
+        return position == c.offset or c.is_trimmable()
+
+    def cut(self, c, length, position):
+        _trimmed_to(c, position)
+
+
+@dataclass(frozen=True)
+class StateLeaf(Leaf):
+    """``ArraysCache`` (SSM / GatedDeltaNet conv + recurrent state, fixed size): only
+    restorable from a snapshot ``{"s0": ..., "s1": ...}`` taken exactly at the position
+    (a missing slot is left out)."""
+
+    snapshots = True
+
+    def snapshot(self, c):
+        return {f"s{i}": _copy(a) for i, a in enumerate(c.cache) if a is not None}
+
+    def restore(self, c, parts, position):
+        arrays = parts[0]
+        c.cache = [
+            mx.array(arrays[f"s{i}"]) if f"s{i}" in arrays else None for i in range(len(c.cache))
+        ]
+
+
+_ADAPTERS = {KIND_KV: KVLeaf, KIND_WINDOW: WindowLeaf, KIND_STATE: StateLeaf}
+
+
+def make_leaf(name: str, kind: str, cls: str, max_size: int = 0) -> Leaf:
+    return _ADAPTERS[kind](name, kind, cls, max_size)
 
 
 def iter_leaves(caches: list[Any]) -> Iterator[tuple[str, Any]]:
@@ -77,23 +227,23 @@ def iter_leaves(caches: list[Any]) -> Iterator[tuple[str, Any]]:
 
 
 def classify(caches: list[Any]) -> tuple[Leaf, ...]:
-    """Return the leaves of a fresh cache list with their kinds.
+    """Return the leaves of a fresh cache list as adapters of their kinds.
 
     Raises:
         UnsupportedCache: a leaf's class is unknown, or a window cache keeps tokens
             (``keep > 0``), whose buffer layout we do not rebuild.
     """
-    leaves = []
+    leaves: list[Leaf] = []
     for name, c in iter_leaves(caches):
         cls = type(c).__name__
         if type(c) in (KVCache, QuantizedKVCache):
-            leaves.append(Leaf(name, KIND_KV, cls))
+            leaves.append(make_leaf(name, KIND_KV, cls))
         elif type(c) is RotatingKVCache:
             if c.keep:
                 raise UnsupportedCache(f"layer {name}: RotatingKVCache with keep={c.keep}")
-            leaves.append(Leaf(name, KIND_WINDOW, cls, c.max_size))
+            leaves.append(make_leaf(name, KIND_WINDOW, cls, c.max_size))
         elif type(c) is ArraysCache:
-            leaves.append(Leaf(name, KIND_STATE, cls))
+            leaves.append(make_leaf(name, KIND_STATE, cls))
         else:
             raise UnsupportedCache(f"layer {name}: cache class {cls} is not supported")
     return tuple(leaves)
@@ -108,6 +258,14 @@ def _kv_parts(c: Any) -> list[tuple[str, mx.array]]:
     return [("k", c.keys), ("v", c.values)]
 
 
+def _set_kv(c: Any, joined: Arrays) -> None:
+    if isinstance(c, QuantizedKVCache):
+        c.keys = tuple(joined[f"k{i}"] for i in range(3))
+        c.values = tuple(joined[f"v{i}"] for i in range(3))
+    else:
+        c.keys, c.values = joined["k"], joined["v"]
+
+
 def _temporal(c: RotatingKVCache, x: mx.array) -> mx.array:
     """The rotating buffer ``x`` in temporal order: the last ``n`` tokens ending at offset."""
     idx = c._idx
@@ -116,72 +274,6 @@ def _temporal(c: RotatingKVCache, x: mx.array) -> mx.array:
     if idx < c.offset:
         return mx.concatenate([x[..., idx:, :], x[..., :idx, :]], axis=2)
     return x[..., :idx, :]
-
-
-def capture_slice(leaf: Leaf, c: Any, start: int, end: int) -> Arrays | None:
-    """Copy the K/V of absolute token positions ``[start, end)`` out of a live cache.
-
-    Returns ``{"k": (B, n_kv_heads, end - start, head_dim), "v": ...}`` (quantized caches:
-    ``k0..k2``/``v0..v2`` for data, scales, biases), or None when a window cache no longer
-    holds those positions.
-    """
-    if c.keys is None:
-        return None
-    if leaf.kind == KIND_KV:
-        return {n: _copy(a[..., start:end, :]) for n, a in _kv_parts(c)}
-    # window: the buffer holds the last n tokens before c.offset, maybe rotated
-    keys, values = _temporal(c, c.keys), _temporal(c, c.values)
-    first = c.offset - keys.shape[2]
-    if start < first or end > c.offset:
-        return None
-    a, b = start - first, end - first
-    return {"k": _copy(keys[..., a:b, :]), "v": _copy(values[..., a:b, :])}
-
-
-def snapshot(leaf: Leaf, c: Any) -> Arrays:
-    """Copy a state leaf's arrays (``s0``, ``s1``, ...; a missing slot is left out)."""
-    return {f"s{i}": _copy(a) for i, a in enumerate(c.cache) if a is not None}
-
-
-def restore_kv(leaf: Leaf, c: Any, parts: list[Arrays], position: int, step: int = 256) -> None:
-    """Fill a fresh KV/window leaf from slices covering ``[P - n, P)`` in order.
-
-    KV leaves get every slice from position 0 concatenated once, padded to a multiple of
-    ``KVCache.step`` so the next update writes in place. Window leaves keep the last
-    ``min(P, max_size)`` tokens in temporal order (``_idx`` = that length): the next chunk
-    then trims and attends exactly as the cold run's buffer would.
-    """
-    names = list(parts[0])
-    joined = {}
-    for n in names:
-        arrays = [p[n] for p in parts]
-        if leaf.kind == KIND_KV:
-            total = sum(a.shape[2] for a in arrays)
-            pad = -total % step
-            if pad:
-                shape = list(arrays[0].shape)
-                shape[2] = pad
-                arrays.append(mx.zeros(shape, arrays[0].dtype))
-            joined[n] = mx.concatenate(arrays, axis=2) if len(arrays) > 1 else mx.array(arrays[0])
-        else:
-            x = mx.concatenate(arrays, axis=2) if len(arrays) > 1 else arrays[0]
-            keep = min(position, leaf.max_size)
-            joined[n] = mx.array(x[..., x.shape[2] - keep :, :])
-    if isinstance(c, QuantizedKVCache):
-        c.keys = tuple(joined[f"k{i}"] for i in range(3))
-        c.values = tuple(joined[f"v{i}"] for i in range(3))
-    else:
-        c.keys, c.values = joined["k"], joined["v"]
-    c.offset = position
-    if leaf.kind == KIND_WINDOW:
-        c._idx = c.keys.shape[2]
-
-
-def restore_state(leaf: Leaf, c: Any, arrays: Arrays) -> None:
-    """Put a snapshot back into a fresh ``ArraysCache``."""
-    c.cache = [
-        mx.array(arrays[f"s{i}"]) if f"s{i}" in arrays else None for i in range(len(c.cache))
-    ]
 
 
 def leaf_map(caches: list[Any]) -> dict[str, Any]:

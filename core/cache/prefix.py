@@ -1,20 +1,25 @@
-"""The prefix cache: lookup, all-or-nothing restore, and store, over the hot and SSD tiers.
+"""The prefix cache: lookup, all-or-nothing restore, and store, over the resident cache,
+the hot tier and the SSD tier.
 
-Lookup (DESIGN.md §5) finds the furthest position ``P <= N - 1`` of a prompt of ``N``
-tokens at which every layer can be rebuilt exactly:
+A restore for a prompt of ``N`` tokens lands on one position ``P <= N - 1`` (DESIGN.md §5):
 
-- KV leaves need the K/V slices of every block before ``P`` (plus a tail's slice);
-- window leaves need the slices covering ``[P - max_size, P)``;
-- state leaves need a snapshot taken at ``P`` exactly: at a block end, or in a tail /
-  checkpoint entry that ends at ``P``.
+- **Allowed positions.** ``P`` is a point of the prompt's prefill schedule
+  (:func:`schedule_points`: multiples of the chunk size, message ends, ``N - 1``), or the
+  end of an earlier sequence that the prompt continues (a prompt end or a decode end: the
+  tokens after it were computed by decode, never by a chunk). The rest is then prefilled in
+  the very chunks a cold run uses, so a restore at a schedule point is bit for bit the
+  cold run (issue "same tokens whatever the cache holds").
+- **Restorable.** Each leaf says what it needs (:mod:`.layers`): KV leaves the slices of
+  ``[0, P)``, window leaves those of ``[P - max_size, P)``, state leaves a snapshot taken at
+  ``P`` exactly. A leaf is served by the *resident* cache (the live cache of the last
+  request, cut back in place: no copy) when it can be cut to ``P``, else by entries: the
+  prompt's chain of full blocks plus one entry hanging off the chain (a tail, checkpoint,
+  sequence end or block) for the tokens after the last full block.
 
-Candidates are block ends and the entries (tails, checkpoints, other blocks) that hang off
-the prompt's chain of block ids; for models without state leaves such an entry may also be
-used in part, up to the common prefix of its tokens and the prompt's -- the way a trie of
-trimmable caches serves an edit in the middle of a block. The winner's entries are loaded (hot first, else SSD, promoted to hot), every
-array is checked against the model's shapes, and only then is a fresh cache filled, with
-one concatenate per layer. A bad entry is evicted from both tiers and the lookup repeats:
-a shorter prefix or a cold start, never a wrong restore.
+The furthest allowed, restorable ``P`` wins. Entries are loaded (hot first, else SSD,
+promoted to hot; SSD loads are verified there), and only then is the cache filled, with one
+concatenate per layer. A bad entry is evicted from both tiers and the lookup repeats: a
+shorter prefix or a cold start, never a wrong restore.
 
 Everything here runs on the engine thread.
 """
@@ -26,11 +31,11 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from ..api import CACHE_KINDS, CACHE_SOURCES, SnapshotStats, TailStats, TierStats
+from ..api import CACHE_KINDS, CACHE_SOURCES, ResidentStats, SnapshotStats, TailStats, TierStats
 from . import layers as L
 from .blocks import (
     KIND_BLOCK,
@@ -43,27 +48,73 @@ from .blocks import (
     tail_id,
 )
 from .hot import HotTier
-from .ssd import CorruptEntry, SSDTier, check_arrays
+from .ssd import SSDTier
 
 Spec = dict[str, tuple[tuple[int, ...], Any]]
+
+
+def schedule_points(n: int, chunk: int, boundaries=()) -> list[int]:
+    """The prefill schedule of a prompt of ``n`` tokens: sorted chunk ends in ``(0, n - 1]``.
+
+    Every multiple of ``chunk`` below ``n - 1``, every message end (``boundaries``:
+    ``(end_offset, role)``) below ``n - 1``, and ``n - 1`` itself (the last token is fed to
+    decode). A fixed function of the prompt: a cold run and a run restored at one of these
+    points compute the same chunks after it.
+    """
+    last = n - 1
+    if last <= 0:
+        return []
+    points = set(range(chunk, last, chunk))
+    points.update(end for end, _ in boundaries if 0 < end < last)
+    points.add(last)
+    return sorted(points)
+
+
+def chunk_ends(start: int, points: Sequence[int]) -> list[int]:
+    """The schedule points after ``start``: the ends of the chunks that prefill from it."""
+    return [p for p in points if p > start]
+
+
+class Held(NamedTuple):
+    """Where an entry is held and what it carries."""
+
+    source: str  # "hot" | "ssd"
+    window: bool  # every window leaf's slice is present
+    snapshot: bool  # every state leaf's snapshot (at the entry's end) is present
+
+
+@dataclass
+class Resident:
+    """The live cache of the last request and the tokens it holds (``len(tokens)`` is
+    every leaf's position). Reused in place by the next request when it shares a prefix."""
+
+    tokens: tuple[int, ...]
+    caches: list[Any]
+    nbytes: int = 0
 
 
 @dataclass
 class Restored:
     """What a restore put into the cache: ``position`` tokens, split by tier (``cached_by``)
-    and by entry kind (``cached_kind``)."""
+    and by entry kind (``cached_kind``), and the cache list to continue with."""
 
     position: int = 0
     cached_by: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CACHE_SOURCES, 0))
     cached_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CACHE_KINDS, 0))
-    nbytes: int = 0  # bytes written into the fresh cache
+    nbytes: int = 0  # bytes copied into the cache (0 when the resident cache was cut)
+    caches: list[Any] | None = None
 
 
-@dataclass(frozen=True)
-class _Cand:
+@dataclass
+class Plan:
+    """A restore at ``position``: leaves in ``cut`` from the resident cache, the others
+    from ``blocks`` (chain indices) and ``tail`` (an entry after block ``position // bs``,
+    of which the first ``tail_tokens`` are used)."""
+
     position: int
-    blocks: int  # number of chain blocks in front of it
-    tail: Any = None  # Entry or FileMeta of a tail, or None for a block end
+    cut: frozenset[str] = frozenset()
+    blocks: tuple[int, ...] = ()
+    tail: Any = None
     tail_tokens: int = 0
 
 
@@ -76,21 +127,33 @@ def probe_specs(leaves: Sequence[L.Leaf], caches: list[Any]) -> Spec:
     spec: Spec = {}
     for leaf in leaves:
         c = live[leaf.name]
-        if leaf.kind == L.KIND_STATE:
-            parts = L.snapshot(leaf, c)
-            for n, a in parts.items():
+        if leaf.snapshots:
+            for n, a in leaf.snapshot(c).items():
                 spec[f"{leaf.name}.{n}"] = (tuple(a.shape), a.dtype)
         else:
-            parts = L.capture_slice(leaf, c, c.offset - 1, c.offset)
-            for n, a in parts.items():
+            for n, a in leaf.capture(c, c.offset - 1, c.offset).items():
                 shape = list(a.shape)
                 shape[2] = -1
                 spec[f"{leaf.name}.{n}"] = (tuple(shape), a.dtype)
     return spec
 
 
+def _common(a: tuple[int, ...], b: tuple[int, ...], stride: int = 256) -> int:
+    """Length of the common prefix of two token tuples: compared a stride at a time (C-level
+    tuple equality), then token by token inside the first stride that differs."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i : i + stride] == b[i : i + stride]:
+        i += stride
+    i = min(i, n)
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 class PrefixCache:
-    """Blocks, tails and checkpoints of one model over a hot and an SSD tier."""
+    """Blocks, tails and checkpoints of one model over a hot and an SSD tier, plus the
+    resident cache of the last request."""
 
     def __init__(
         self,
@@ -104,7 +167,7 @@ class PrefixCache:
         ssd_bytes: int,
         max_tails: int = 8,
         max_checkpoints: int = 32,
-        writer_queue: int = 64,
+        writer_queue: int = 4096,
         pin_system: bool = True,
     ) -> None:
         self.fingerprint = fingerprint
@@ -116,8 +179,18 @@ class PrefixCache:
         self.pin_system = pin_system
         self.kv = [lf for lf in leaves if lf.kind == L.KIND_KV]
         self.window = [lf for lf in leaves if lf.kind == L.KIND_WINDOW]
-        self.state = [lf for lf in leaves if lf.kind == L.KIND_STATE]
+        self.state = [lf for lf in leaves if lf.snapshots]
         self.max_window = max((lf.max_size for lf in self.window), default=0)
+        self._expected_by_flags = {
+            (w, s): {
+                k: v
+                for lf in self.kv + (self.window if w else []) + (self.state if s else [])
+                for k, v in spec.items()
+                if k.startswith(lf.name + ".")
+            }
+            for w in (False, True)
+            for s in (False, True)
+        }
         self.events: deque[tuple[int, str]] = deque(maxlen=200)
         self._seq = itertools.count(1)
         self.hot = HotTier(hot_bytes, max_tails, max_checkpoints, on_evict=self._evicted)
@@ -126,8 +199,10 @@ class PrefixCache:
             if ssd_dir is not None
             else None
         )
+        self.resident: Resident | None = None
         # counters
         self.hot_hits = self.hot_misses = 0
+        self.resident_hits = 0
         self.tail_stashes = self.tail_hits = self.tail_misses = self.tail_tokens_saved = 0
         self.checkpoint_hits = 0
         self.restore_errors = 0
@@ -145,16 +220,39 @@ class PrefixCache:
             self.log(f"hot: evicted {self._evicted_batch} entries")
             self._evicted_batch = 0
 
+    def ids(self, tokens: Sequence[int]) -> list[str]:
+        """Chain ids of every full block of ``tokens`` (hashed once per block, incrementally
+        across calls on growing or shared-prefix sequences)."""
+        return self._chain.ids(tokens, len(tokens) // self.block_size)
+
+    # ------------------------------------------------------------------ resident
+    def set_resident(self, tokens: Sequence[int], caches: list[Any]) -> None:
+        """Keep ``caches`` (holding exactly ``tokens``) live for the next request; its bytes
+        count against the hot budget."""
+        nbytes = sum(c.nbytes for c in caches)
+        self.resident = Resident(tuple(tokens), caches, nbytes)
+        self.hot.reserve(nbytes)
+        self._flush_evictions()
+
+    def take_resident(self) -> Resident | None:
+        """Hand the resident cache to a request (it is modified in place from here on)."""
+        r, self.resident = self.resident, None
+        self.hot.reserve(0)
+        return r
+
+    def drop_resident(self) -> int:
+        r = self.take_resident()
+        return len(r.tokens) if r is not None else 0
+
     # ------------------------------------------------------------------ lookup
-    def _flags(self, entry_id: str):
-        """``(source, window, snapshot)`` of an entry in hot or SSD, or None."""
+    def _held(self, entry_id: str) -> Held | None:
         e = self.hot.peek(entry_id)
         if e is not None:
-            return ("hot", e.window, e.snapshot)
+            return Held("hot", e.window, e.snapshot)
         if self.ssd is not None:
             m = self.ssd.meta(entry_id)
             if m is not None:
-                return ("ssd", m.window, m.snapshot)
+                return Held("ssd", m.window, m.snapshot)
         return None
 
     def _children(self, parent: str) -> list:
@@ -165,77 +263,120 @@ class PrefixCache:
                 found.setdefault(m.id, m)
         return [t for t in found.values() if t is not None]
 
-    def _restorable(self, flags: list, blocks: int, position: int, tail=None) -> bool:
-        if self.kv and not all(flags[:blocks]):
-            return False
-        if self.window:
-            lo = max(0, position - self.max_window)
-            for i in range(lo // self.block_size, blocks):
-                if not (flags[i] and flags[i][1]):
-                    return False
-            if tail is not None and not tail.window:
-                return False
-        if self.state:
-            if tail is not None:
-                return tail.snapshot
-            return blocks > 0 and bool(flags[blocks - 1]) and flags[blocks - 1][2]
-        return True
+    def plan(
+        self,
+        prompt: Sequence[int],
+        ids: Sequence[str],
+        points: Sequence[int],
+        resident: Resident | None = None,
+    ) -> Plan | None:
+        """The furthest allowed position at which every leaf can be rebuilt, or None.
 
-    def plan(self, prompt: Sequence[int]) -> _Cand | None:
-        """The furthest restorable position for ``prompt`` (at most ``len(prompt) - 1``)."""
+        ``ids``: the prompt's chain ids; ``points``: its schedule (:func:`schedule_points`).
+        """
         limit = len(prompt) - 1
         if limit <= 0:
             return None
         bs = self.block_size
-        ids = self._chain.ids(prompt, limit // bs)
-        flags = [self._flags(i) for i in ids]
-        for j in range(len(ids), -1, -1):
+        prompt = tuple(prompt)
+        held = [self._held(i) for i in ids[: limit // bs]]
+        # entries after each chain block that match the prompt: (common tokens, entry)
+        after: dict[int, list[tuple[int, Any]]] = {}
+        allowed = set(points)
+        for j in range(len(held) + 1):
             parent = ids[j - 1] if j else self.root
-            best, best_rank = None, None
+            found = []
             for t in self._children(parent):
                 if t.start != j * bs:
                     continue
-                seg = prompt[j * bs : limit]
-                n = 0
-                for a, b in zip(t.tokens, seg, strict=False):
-                    if a != b:
-                        break
-                    n += 1
-                if n == 0 or (n < len(t.tokens) and self.state):
-                    continue
-                cand = _Cand(j * bs + n, j, t, n)
-                # ties go to prompt tails (kind "tail") over checkpoints, for stable stats
-                rank = (cand.position, t.kind == KIND_TAIL)
-                if (best is None or rank > best_rank) and self._restorable(
-                    flags, j, cand.position, t
-                ):
-                    best, best_rank = cand, rank
+                lo = j * bs
+                n = _common(tuple(t.tokens), prompt[lo : min(limit, lo + len(t.tokens))])
+                if n:
+                    found.append((n, t))
+                    if n == len(t.tokens) and t.kind != KIND_BLOCK:
+                        allowed.add(j * bs + n)  # an earlier sequence stopped here
+            after[j] = found
+        common, live = 0, None
+        if resident is not None:
+            common = _common(resident.tokens, prompt)
+            if common == len(resident.tokens):
+                allowed.add(common)
+            live = L.leaf_map(resident.caches)
+        best = None
+        for P in sorted((p for p in allowed if 0 < p <= limit), reverse=True):
+            best = self._plan_at(P, prompt, held, after, resident, common, live)
             if best is not None:
-                return best
-            if j > 0 and self._restorable(flags, j, j * bs):
-                return _Cand(j * bs, j)
-        return None
+                break
+        if self.state:
+            return best
+        # Models without state layers can also stop at the exact common prefix (as a trie
+        # of trimmable caches would). Taken only when it saves more than a block over the
+        # last schedule point: the tokens between would be computed in a chunk the cold
+        # run does not have, so the schedule point is preferred at equal speed.
+        n_chain = next((j for j, h in enumerate(held) if h is None), len(held))
+        extent = n_chain * bs + max((n for n, _ in after.get(n_chain, ())), default=0)
+        floor = best.position if best is not None else 0
+        for P in sorted({min(limit, extent), min(limit, common)}, reverse=True):
+            if P - floor > bs:
+                plan = self._plan_at(P, prompt, held, after, resident, common, live)
+                if plan is not None:
+                    return plan
+        return best
+
+    def _plan_at(self, P, prompt, held, after, resident, common, live) -> Plan | None:
+        bs = self.block_size
+        j, r = divmod(P, bs)
+        cut: set[str] = set()
+        if resident is not None and P <= common:
+            n_res = len(resident.tokens)
+            cut = {lf.name for lf in self.leaves if lf.can_cut(live[lf.name], n_res, P)}
+        rest = [lf for lf in self.leaves if lf.name not in cut]
+        if not rest:
+            return Plan(P, frozenset(cut))
+        slices = [lf for lf in rest if lf.slices]
+        need_window = any(lf.kind == L.KIND_WINDOW for lf in rest)
+        need_snapshot = any(lf.snapshots for lf in rest)
+        need = set()
+        if slices:
+            need.update(range(min(lf.first_needed(P) for lf in slices) // bs, j))
+        if need_snapshot and r == 0:
+            need.add(j - 1)
+        for i in need:
+            h = held[i] if 0 <= i < len(held) else None
+            if h is None or (need_window and not h.window):
+                return None
+        if need_snapshot and r == 0 and not held[j - 1].snapshot:
+            return None
+        tail = None
+        if r:
+            # one entry after block j covering [j * bs, P); ending exactly at P when it
+            # must carry the state snapshot. Hot entries first (no disk read).
+            # Ties are broken by a fixed order (hot, whole, prompt tail, id), never by
+            # set iteration order, so one cache state always gives one plan.
+            best = None
+            for n, t in after.get(j, ()):
+                if n < r or (need_window and not t.window):
+                    continue
+                if need_snapshot and not (t.snapshot and len(t.tokens) == r):
+                    continue
+                rank = (isinstance(t, Entry), len(t.tokens) == r, t.kind == KIND_TAIL, t.id)
+                if best is None or rank > best[0]:
+                    best = (rank, t)
+            if best is None:
+                return None
+            tail = best[1]
+        return Plan(P, frozenset(cut), tuple(sorted(need)), tail, r if tail is not None else 0)
 
     # ------------------------------------------------------------------ restore
-    def _expected(self, e, ntokens_only: bool = False) -> Spec:
-        exp = {}
-        for leaf in (
-            self.kv + (self.window if e.window else []) + (self.state if e.snapshot else [])
-        ):
-            exp.update({k: v for k, v in self.spec.items() if k.startswith(leaf.name + ".")})
-        return exp
-
     def _fetch(self, entry_id: str) -> tuple[Entry, str] | None:
         e = self.hot.get(entry_id)
         if e is not None:
             self._persist(e)
             return e, "hot"
-        if self.ssd is None:
+        if self.ssd is None or self.ssd.meta(entry_id) is None:
             return None
         meta = self.ssd.meta(entry_id)
-        if meta is None:
-            return None
-        e = self.ssd.load(entry_id, expected=self._expected(meta))
+        e = self.ssd.load(entry_id, expected=self._expected_by_flags[meta.window, meta.snapshot])
         if e is None:
             return None
         e.snapshot_nbytes = self._snapshot_nbytes(e.arrays)
@@ -246,115 +387,113 @@ class PrefixCache:
         names = tuple(f"{lf.name}." for lf in self.state)
         return sum(a.nbytes for k, a in arrays.items() if names and k.startswith(names))
 
-    def _needed_blocks(self, cand: _Cand) -> list[int]:
-        j, bs = cand.blocks, self.block_size
-        if self.kv:
-            return list(range(j))
-        need = set()
-        if self.window:
-            lo = max(0, cand.position - self.max_window) // bs
-            need.update(range(lo, j))
-        if self.state and cand.tail is None and j:
-            need.add(j - 1)
-        return sorted(need)
+    def restore(
+        self, prompt: Sequence[int], ids: Sequence[str], points: Sequence[int], fresh
+    ) -> Restored:
+        """Restore the furthest allowed prefix of ``prompt`` (see the module doc).
 
-    def restore(self, prompt: Sequence[int], caches: list[Any]) -> Restored:
-        """Fill the fresh ``caches`` with the longest restorable prefix of ``prompt``.
-
-        Returns the number of tokens restored (0: nothing usable, caches untouched) and
-        their split by source. Entries that fail validation are evicted and counted.
+        ``ids``: the prompt's chain ids (:meth:`ids`); ``points``: its schedule; ``fresh``:
+        makes a new cache list (``model.make_cache``). Takes the resident cache: the
+        returned ``caches`` is it (cut back in place) when it served, else a fresh list.
+        Entries that fail validation are evicted and counted.
         """
+        resident = self.take_resident()
         limit = len(prompt) - 1
-        ids = self._chain.ids(prompt, max(limit, 0) // self.block_size)
         # misses: the prompt's full blocks that a tier does not hold at lookup time
-        flags = [self._flags(i) for i in ids]
-        self.hot_misses += sum(1 for f in flags if f is None or f[0] != "hot")
-        if self.ssd is not None:
-            self.ssd.misses += sum(1 for f in flags if f is None)
+        for i in ids[: max(limit, 0) // self.block_size]:
+            if i not in self.hot:
+                self.hot_misses += 1
+                if self.ssd is not None and self.ssd.meta(i) is None:
+                    self.ssd.misses += 1
         for _ in range(4):
-            cand = self.plan(prompt)
-            if cand is None:
-                self.tail_misses += 1
-                return Restored()
-            loaded, bad = [], None
-            for i in self._needed_blocks(cand):
+            plan = self.plan(prompt, ids, points, resident)
+            if plan is None:
+                break
+            loaded: list[tuple[int, Entry, str]] = []
+            bad = None
+            if self.ssd is not None:  # start the disk reads of every entry needed at once
+                wanted = [ids[i] for i in plan.blocks if ids[i] not in self.hot]
+                if plan.tail is not None and plan.tail.id not in self.hot:
+                    wanted.append(plan.tail.id)
+                self.ssd.prefetch(wanted)
+            for i in plan.blocks:
                 got = self._fetch(ids[i])
                 if got is None:
                     bad = ids[i]
                     break
                 loaded.append((i, *got))
             tail = None
-            if bad is None and cand.tail is not None:
-                tail = self._fetch(cand.tail.id)
+            if bad is None and plan.tail is not None:
+                tail = self._fetch(plan.tail.id)
                 if tail is None:
-                    bad = cand.tail.id
-            if bad is None:
-                try:
-                    for _, e, _src in loaded + ([(None, *tail)] if tail else []):
-                        check_arrays(e.arrays, self._expected(e), len(e.tokens))
-                except CorruptEntry as exc:
-                    bad = e.id
-                    self.log(f"entry {bad[:12]} failed validation: {exc}")
+                    bad = plan.tail.id
             if bad is not None:
                 self.restore_errors += 1
+                self.log(f"entry {bad[:12]} could not be loaded: evicted")
                 self.hot.remove(bad)
                 if self.ssd is not None:
                     self.ssd.remove(bad)
                 continue
-            return self._fill(caches, cand, loaded, tail)
-        return Restored()
+            return self._fill(plan, loaded, tail, resident, fresh)
+        self.tail_misses += 1
+        return Restored(caches=fresh())
 
-    def _fill(self, caches, cand: _Cand, loaded, tail) -> Restored:
+    def _fill(self, plan: Plan, loaded, tail, resident: Resident | None, fresh) -> Restored:
+        P, bs = plan.position, self.block_size
+        caches = resident.caches if plan.cut else fresh()
         live = L.leaf_map(caches)
-        P = cand.position
         t_entry = tail[0] if tail else None
+        copied = 0
         for leaf in self.leaves:
             c = live[leaf.name]
-            if leaf.kind == L.KIND_STATE:
-                src = t_entry if t_entry is not None else loaded[-1][1]
-                L.restore_state(leaf, c, self._leaf_arrays(src, leaf.name))
+            if leaf.name in plan.cut:
+                leaf.cut(c, len(resident.tokens), P)
                 continue
-            blocks = loaded
-            if leaf.kind == L.KIND_WINDOW:
-                lo = max(0, P - leaf.max_size) // self.block_size
-                blocks = [b for b in loaded if b[0] >= lo]
-            parts = [self._leaf_arrays(b[1], leaf.name) for b in blocks]
-            if t_entry is not None:
-                parts.append(
-                    {
-                        k: a[..., : cand.tail_tokens, :]
-                        for k, a in self._leaf_arrays(t_entry, leaf.name).items()
-                    }
-                )
-            L.restore_kv(leaf, c, parts, P)
+            if leaf.snapshots:
+                src = t_entry if t_entry is not None else loaded[-1][1]
+                parts = [self._leaf_arrays(src, leaf.name)]
+            else:
+                lo = leaf.first_needed(P) // bs
+                parts = [self._leaf_arrays(e, leaf.name) for i, e, _ in loaded if i >= lo]
+                if t_entry is not None:
+                    parts.append(
+                        {
+                            k: a[..., : plan.tail_tokens, :]
+                            for k, a in self._leaf_arrays(t_entry, leaf.name).items()
+                        }
+                    )
+            leaf.restore(c, parts, P)
+            copied += sum(a.nbytes for part in parts for a in part.values())
         mx.eval([c.state for c in caches])
 
-        out = Restored(P, nbytes=sum(c.nbytes for c in caches))
-        bs = self.block_size
-        # tokens of a block count for the tier of the nearest loaded entry at or after it
-        sources = {i: src for i, _, src in loaded}
-        after = tail[1] if tail and t_entry.kind != KIND_BLOCK else None
-        for i in range(cand.blocks - 1, -1, -1):
-            after = sources.get(i, after)
-            out.cached_by[after or "hot"] += bs
-        out.cached_kind["block"] += cand.blocks * bs
-        self.hot_hits += sum(1 for _, _, src in loaded if src == "hot")
-        if t_entry is not None:
-            out.cached_by[tail[1]] += cand.tail_tokens
-            self.hot_hits += tail[1] == "hot"
-        if t_entry is not None and t_entry.kind == KIND_BLOCK:
-            # the first tokens of a stored block that diverges later (an edit)
-            out.cached_kind["block"] += cand.tail_tokens
-            self.tail_misses += 1
-        elif t_entry is not None:
-            kind = "tail" if t_entry.kind == KIND_TAIL else "checkpoint"
-            out.cached_kind[kind] += cand.tail_tokens
-            self.tail_hits += 1
-            self.tail_tokens_saved += cand.tail_tokens
-            if kind == "checkpoint":
-                self.checkpoint_hits += 1
+        out = Restored(P, nbytes=copied, caches=caches)
+        sources = [src for _, _, src in loaded] + ([tail[1]] if tail else [])
+        self.hot_hits += sources.count("hot")
+        if plan.cut:
+            self.resident_hits += 1
+            out.cached_kind["resident"] = P
+            out.cached_by["ssd" if "ssd" in sources else "hot"] = P
         else:
-            self.tail_misses += 1
+            j = P // bs
+            # a block's tokens count for the tier of the nearest loaded entry at or after it
+            by_block = {i: src for i, _, src in loaded}
+            nearest = tail[1] if tail else None
+            for i in range(j - 1, -1, -1):
+                nearest = by_block.get(i, nearest)
+                out.cached_by[nearest or "hot"] += bs
+            out.cached_kind["block"] = j * bs
+            if tail:
+                out.cached_by[tail[1]] += plan.tail_tokens
+        if t_entry is not None and not plan.cut:
+            if t_entry.kind == KIND_BLOCK:  # the first tokens of a block (an edit)
+                out.cached_kind["block"] += plan.tail_tokens
+                self.tail_misses += 1
+            else:
+                kind = "tail" if t_entry.kind == KIND_TAIL else "checkpoint"
+                out.cached_kind[kind] += plan.tail_tokens
+                self.tail_hits += 1
+                self.tail_tokens_saved += plan.tail_tokens
+                self.checkpoint_hits += kind == "checkpoint"
         by = {**out.cached_by, **out.cached_kind}
         self.log(f"hit {P} tokens: " + ", ".join(f"{k} {v}" for k, v in by.items() if v))
         self._flush_evictions()
@@ -365,21 +504,97 @@ class PrefixCache:
         return {k[len(prefix) :]: a for k, a in e.arrays.items() if k.startswith(prefix)}
 
     # ------------------------------------------------------------------ store
-    def _capture(self, caches, start: int, end: int, snapshot: bool) -> tuple[dict, bool, bool]:
+    def capture(
+        self,
+        caches,
+        tokens: Sequence[int],
+        ids: Sequence[str],
+        start: int,
+        end: int,
+        boundaries=(),
+        end_kind: str | None = None,
+    ) -> list[Entry]:
+        """Entries to store after the cache reached position ``end`` (= its offset).
+
+        Every block ending in ``(start, end]`` that no tier holds with everything it can
+        carry, and, when ``end_kind`` is given and ``end`` is not a block end, an entry of
+        that kind for ``[floor(end / bs) * bs, end)``. Only entries ending at ``end`` get
+        state snapshots. The arrays are lazy: evaluate them with the chunk (one eval), then
+        :meth:`commit`.
+        """
+        bs = self.block_size
         live = L.leaf_map(caches)
+        out = []
+        for j in range(start // bs, end // bs):
+            at_end = (j + 1) * bs == end
+            h = self._held(ids[j])
+            if (
+                h is not None
+                and (h.window or not self.window)
+                and (h.snapshot or not (at_end and self.state))
+            ):
+                held = self.hot.peek(ids[j])
+                if held is not None:
+                    self._persist(held)
+                continue
+            role = role_at(boundaries, (j + 1) * bs)
+            out.append(
+                self._entry(
+                    live, ids[j], ids[j - 1] if j else self.root, KIND_BLOCK, j * bs,
+                    tokens[j * bs : (j + 1) * bs], role, at_end,
+                )
+            )  # fmt: skip
+        j = end // bs
+        if end_kind is not None and end % bs:
+            parent = ids[j - 1] if j else self.root
+            seg = tuple(tokens[j * bs : end])
+            tid = tail_id(parent, seg)
+            held = self.hot.get(tid)
+            if held is not None:
+                self._persist(held)
+            else:
+                role = "assistant" if end_kind == KIND_SEQ else role_at(boundaries, end)
+                out.append(self._entry(live, tid, parent, end_kind, j * bs, seg, role, True))
+        return out
+
+    def _entry(self, live, eid, parent, kind, start, tokens, role, at_end) -> Entry:
         arrays, window_ok = {}, True
+        end = start + len(tokens)
         for leaf in self.kv + self.window:
-            got = L.capture_slice(leaf, live[leaf.name], start, end)
+            got = leaf.capture(live[leaf.name], start, end)
             if got is None:
                 window_ok = False
                 continue
             arrays.update({f"{leaf.name}.{k}": a for k, a in got.items()})
-        if snapshot:
+        snap = at_end and bool(self.state)
+        if snap:
             for leaf in self.state:
                 arrays.update(
-                    {f"{leaf.name}.{k}": a for k, a in L.snapshot(leaf, live[leaf.name]).items()}
+                    {f"{leaf.name}.{k}": a for k, a in leaf.snapshot(live[leaf.name]).items()}
                 )
-        return arrays, window_ok, snapshot and bool(self.state)
+        return Entry(
+            id=eid,
+            parent=parent,
+            kind=kind,
+            start=start,
+            tokens=tuple(tokens),
+            role=role,
+            window=window_ok or not self.window,
+            snapshot=snap,
+            arrays=arrays,
+        )
+
+    def commit(self, entries: list[Entry]) -> None:
+        """Put evaluated entries into the hot tier and queue them for the SSD tier."""
+        for e in entries:
+            e.nbytes = sum(a.nbytes for a in e.arrays.values())
+            e.snapshot_nbytes = self._snapshot_nbytes(e.arrays)
+            self.hot.put(e, pin=self.pin_system and e.kind == KIND_BLOCK and e.role == "system")
+            if self.ssd is not None:
+                self.ssd.put(e)
+            if e.kind != KIND_BLOCK and e.id in self.hot:
+                self.tail_stashes += 1
+        self._flush_evictions()
 
     def _persist(self, e: Entry) -> None:
         """Write-through repair: queue a hot entry the SSD tier does not hold (after an
@@ -387,119 +602,33 @@ class PrefixCache:
         if self.ssd is not None:
             self.ssd.put(e)
 
-    def _put(self, e: Entry, pin: bool = False) -> None:
-        mx.eval(list(e.arrays.values()))
-        e.nbytes = sum(a.nbytes for a in e.arrays.values())
-        e.snapshot_nbytes = self._snapshot_nbytes(e.arrays)
-        self.hot.put(e, pin=pin)
-        if self.ssd is not None:
-            self.ssd.put(e)
-        self._flush_evictions()
-
-    def store_block(
-        self, caches, tokens: Sequence[int], j: int, boundaries=(), at_end: bool = True
-    ) -> bool:
-        """Store block ``j`` of ``tokens`` from the live cache unless already held.
-
-        ``at_end``: the cache's offset is exactly this block's end, so state leaves can be
-        snapshotted. Returns True when something was stored.
-        """
-        bs = self.block_size
-        bid = self._chain.ids(tokens, j + 1)[j]
-        have = self._flags(bid)
-        want_snapshot = at_end and bool(self.state)
-        if have is not None and (have[1] or not self.window) and (have[2] or not want_snapshot):
-            held = self.hot.peek(bid)
-            if held is not None:
-                self._persist(held)
-            return False
-        arrays, window_ok, snap = self._capture(caches, j * bs, (j + 1) * bs, want_snapshot)
-        parent = self._chain.ids(tokens, j)[-1] if j else self.root
-        role = role_at(boundaries, (j + 1) * bs)
-        e = Entry(
-            id=bid,
-            parent=parent,
-            kind=KIND_BLOCK,
-            start=j * bs,
-            tokens=tuple(tokens[j * bs : (j + 1) * bs]),
-            role=role,
-            window=window_ok or not self.window,
-            snapshot=snap,
-            arrays=arrays,
-        )
-        pin = self.pin_system and role == "system"
-        self._put(e, pin=pin)
-        return True
-
-    def store_tail(
-        self, caches, tokens: Sequence[int], position: int, kind: str, role: str
-    ) -> bool:
-        """Store the tail ``tokens[floor(position / bs) * bs : position]`` as ``kind``.
-
-        The cache's offset must equal ``position``. Skipped at block ends (the block
-        serves) and when the tail store is disabled.
-        """
-        bs = self.block_size
-        j = position // bs
-        if position % bs == 0 or position <= 0:
-            return False
-        parent = self._chain.ids(tokens, j)[-1] if j else self.root
-        seg = tuple(tokens[j * bs : position])
-        tid = tail_id(parent, seg)
-        held = self.hot.get(tid)
-        if held is not None:
-            self._persist(held)
-            return False
-        arrays, window_ok, snap = self._capture(caches, j * bs, position, True)
-        e = Entry(
-            id=tid,
-            parent=parent,
-            kind=kind,
-            start=j * bs,
-            tokens=seg,
-            role=role,
-            window=window_ok or not self.window,
-            snapshot=snap,
-            arrays=arrays,
-        )
-        self._put(e)
-        if tid in self.hot:
-            self.tail_stashes += 1
-        return True
-
-    def store_sequence(self, caches, sequence: Sequence[int], boundaries=()) -> None:
-        """After decoding: store new full blocks of ``sequence`` and its end as a tail.
-
-        ``sequence`` is prompt + every generated token; the cache's offset equals its
-        length. Blocks in the middle get no state snapshot (decode does not stop there).
-        """
-        bs = self.block_size
-        n = len(sequence)
-        for j in range(n // bs):
-            self.store_block(caches, sequence, j, boundaries, at_end=(j + 1) * bs == n)
-        self.store_tail(caches, sequence, n, KIND_SEQ, "assistant")
-
     # ------------------------------------------------------------------ admin
     def clear(self, tier: str) -> str:
-        """Clear ``hot``, ``ssd``, ``tails`` or ``all``; returns a one-line report."""
-        if tier == "hot":
-            n = self.hot.clear()
-            msg = f"cleared hot tier ({n} entries)"
-        elif tier == "tails":
-            n = self.hot.clear(tails_only=True)
+        """Clear ``hot``, ``ssd``, ``tails``, ``all`` or ``resident``; returns a one-line
+        report of what was removed from each tier. Clearing RAM (``hot``, ``all``) also
+        drops the resident cache."""
+        parts = []
+        if tier == "resident":
+            parts.append(f"resident cache of {self.drop_resident()} tokens")
+        if tier in ("hot", "all"):
+            nbytes = self.hot.nbytes
+            parts.append(f"hot {self.hot.clear()} entries ({nbytes / 2**20:.1f} MiB)")
+            dropped = self.drop_resident()
+            if dropped:
+                parts.append(f"resident cache of {dropped} tokens")
+        if tier == "tails":
+            parts.append(f"hot {self.hot.clear(tails_only=True)} tails and checkpoints")
+            files = 0
             if self.ssd is not None:
                 for entry_id in self.ssd.tail_ids():
                     self.ssd.remove(entry_id)
-            msg = f"cleared tails and checkpoints ({n} in RAM)"
-        elif tier == "ssd":
-            n = self.ssd.clear() if self.ssd is not None else 0
-            msg = f"cleared SSD tier ({n} files)"
-        elif tier == "all":
-            a = self.hot.clear()
-            b = self.ssd.clear() if self.ssd is not None else 0
-            msg = f"cleared all tiers ({a} in RAM, {b} files)"
-        else:
+                    files += 1
+            parts.append(f"SSD {files} tail and checkpoint files")
+        if tier in ("ssd", "all"):
+            parts.append(f"SSD {self.ssd.clear() if self.ssd is not None else 0} files")
+        if not parts:
             raise ValueError(f"unknown tier {tier!r}: expected hot, ssd, tails or all")
+        msg = f"cleared {tier}: " + ", ".join(parts)
         self.log(msg)
         return msg
 
@@ -508,7 +637,9 @@ class PrefixCache:
             self.ssd.close()
 
     # ------------------------------------------------------------------ stats
-    def tier_stats(self) -> tuple[TierStats, TierStats, TailStats, SnapshotStats]:
+    def tier_stats(
+        self,
+    ) -> tuple[TierStats, TierStats, TailStats, SnapshotStats, ResidentStats]:
         hot = self.hot
         hot_stats = TierStats(
             entries=len(hot),
@@ -553,4 +684,8 @@ class PrefixCache:
             supported=True,
         )
         snaps = SnapshotStats(count=hot.snapshot_count, nbytes=hot.snapshot_nbytes)
-        return hot_stats, ssd_stats, tails, snaps
+        r = self.resident
+        resident = ResidentStats(
+            tokens=len(r.tokens) if r else 0, nbytes=r.nbytes if r else 0, hits=self.resident_hits
+        )
+        return hot_stats, ssd_stats, tails, snaps, resident

@@ -1,94 +1,416 @@
 """The SSD tier: one safetensors file per entry, written by one writer thread.
 
 Layout: ``<cache_dir>/<fingerprint[:16]>/<id[:2]>/<id>.safetensors``, directories 0700 and
-files 0600. The header's ``__metadata__`` holds the format version, model fingerprint,
-entry id, parent id, kind, start, token ids, role, flags and a sha256 over the tensors'
-bytes (in name order). A file is written to ``<id>.<pid>.tmp`` and renamed, so a killed
-writer leaves only temp files, which the next start removes.
+files 0600. A file is written to ``<id>.<pid>.<n>.tmp`` and renamed into place.
 
-At start the index is rebuilt from headers alone. A file whose header is unreadable, of
-another format version or model, or whose size does not match its header, is counted as
-corrupt and removed; on load the tensor hash and shapes are checked again, and a mismatch
-is a miss (counted, file removed), never a restore.
+File format ``tierchat-kv/2`` is a plain safetensors file (other tools open it; bf16 is
+stored as ``BF16``)::
+
+    u64 little-endian N | N bytes of JSON header, space padded to 8 | tensor data
+
+The header must begin with ``{"__metadata__":{"hcrc":"XXXXXXXX","dcrc":"XXXXXXXX",`` where
+``hcrc`` is the CRC-32 (zlib) of the 8 length bytes and the header with hcrc's own 8 hex
+digits left out, and ``dcrc`` the CRC-32 of the data bytes: every byte of the file is
+covered (CRC-32 catches every 1-bit error and every burst of up to 32 bits). The rest of
+the metadata holds the format, model fingerprint, entry id, parent id, kind, start, token
+ids, role and flags; a block's tokens must hash to its id (a tail's to its tail id).
+Tensors are contiguous, in name order.
+
+At start the index is rebuilt from headers (length, hcrc, fields, id hash), and a
+background verifier then reads every file once and checks ``dcrc``; a load checks both
+CRCs again. Any failure to read, parse, validate or map an entry makes it *corrupt*:
+counted, logged with the reason, removed when possible, never loaded. The scan takes
+regular files only (``lstat``), never follows a symbolic link, never opens a FIFO or a
+device, counts a failed ``unlink`` instead of raising, and removes a ``.tmp`` file only
+when its writer is gone (PID in the name) or it is older than :data:`STALE_TMP_S`.
+
+Determinism: an entry is in the index (``meta``, ``children_of``, ``in``) from the moment
+``put`` accepts it; until the writer has moved it to disk, ``load`` returns its arrays from
+memory (the same dtype, shape and bits a load from disk gives). The byte cap and LRU
+eviction are applied in ``put``, on the engine thread. When more than ``queue_size``
+entries or ``max_pending_bytes`` wait for the writer, ``put`` blocks the engine thread
+until the writer catches up (backpressure) instead of dropping: so what a lookup sees is
+a function of the calls made, not of the writer's progress. Only a disk error (ENOSPC,
+EIO...) or a writer stuck for ``backpressure_timeout_s`` loses an entry, counted.
 
 Threads: the engine thread calls ``put`` (already evaluated arrays), ``load`` and the
-queries; the writer thread turns arrays into numpy views and writes. The index is guarded
-by one lock. No MLX graph is built off the engine thread.
+queries; the writer and verifier threads handle numpy views and bytes only and never build
+an MLX graph. The index is guarded by one lock.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
+import itertools
 import json
+import math
 import os
-import queue
+import random
+import stat
+import struct
 import threading
 import time
+import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
-from safetensors import safe_open
-from safetensors.numpy import save as st_save
 
-from .blocks import FORMAT_VERSION, KIND_BLOCK, Entry, EntryMeta
+from .blocks import FORMAT_VERSION, KIND_BLOCK, TAIL_KINDS, Entry, EntryMeta, chain_ids
+from .blocks import root_id as _root_id
+from .blocks import tail_id as _tail_id
 
 FORMAT = f"tierchat-kv/{FORMAT_VERSION}"
+PREFIX = b'{"__metadata__":{"hcrc":"'
+HCRC_AT = 8 + len(PREFIX)  # byte offset of hcrc's 8 hex digits in the file
+DCRC_AT = HCRC_AT + 8 + len(b'","dcrc":"')
+CHUNK = 1 << 20  # bytes read (and checksummed while in cache) at a time
+MAX_HEADER = 16 << 20
+STALE_TMP_S = 600.0  # a .tmp file this old is removed even when its writer may live
+
+# safetensors dtype name -> (MLX dtype, numpy dtype of the stored bits)
+DTYPES: dict[str, tuple[mx.Dtype, type]] = {
+    "BOOL": (mx.bool_, np.bool_),
+    "U8": (mx.uint8, np.uint8),
+    "I8": (mx.int8, np.int8),
+    "U16": (mx.uint16, np.uint16),
+    "I16": (mx.int16, np.int16),
+    "U32": (mx.uint32, np.uint32),
+    "I32": (mx.int32, np.int32),
+    "U64": (mx.uint64, np.uint64),
+    "I64": (mx.int64, np.int64),
+    "F16": (mx.float16, np.float16),
+    "BF16": (mx.bfloat16, np.uint16),  # numpy has no bfloat16: the bits as uint16
+    "F32": (mx.float32, np.float32),
+    "F64": (mx.float64, np.float64),
+}
+_NAME_OF = {mxd: name for name, (mxd, _) in DTYPES.items()}
+_HEX = frozenset("0123456789abcdef")
 
 
 @dataclass
 class FileMeta(EntryMeta):
     """An index row: the entry's description plus its file's size and last access."""
 
-    nbytes: int = 0  # file size
+    nbytes: int = 0  # file size (reserved at ``put``, before the file exists)
     atime: float = 0.0
 
 
 class CorruptEntry(Exception):
-    pass
+    """An SSD entry (or arrays) that cannot be proven valid; the message says why."""
 
 
-def _tensor_hash(arrays: dict[str, np.ndarray]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(arrays):
-        a = np.ascontiguousarray(arrays[name])
-        h.update(name.encode())
-        h.update(memoryview(a).cast("B"))
-    return h.hexdigest()
+class Layout(NamedTuple):
+    """A verified header: metadata strings, tensors ``(name, dtype, shape, begin, end)``
+    with offsets relative to ``data_start``, and the data CRC the header promises."""
+
+    meta: dict[str, str]
+    tensors: list[tuple[str, str, tuple[int, ...], int, int]]
+    data_start: int
+    dcrc: int
 
 
-def read_header(path: Path) -> tuple[dict, dict[str, str], int]:
-    """Parse a safetensors header without reading tensors: ``(tensors, metadata, data_end)``.
+class ReadBandwidth(NamedTuple):
+    """Result of :func:`measure_read_bandwidth`: bytes read, seconds, GB/s (1e9 B/s)."""
+
+    nbytes: int
+    seconds: float
+    gb_per_s: float
+
+
+# ---------------------------------------------------------------------- file format
+
+
+def _hex8(value: int) -> bytes:
+    return f"{value & 0xFFFFFFFF:08x}".encode()
+
+
+def encode_header(meta: dict[str, str], tensors: list[tuple[str, str, tuple, int]]) -> bytes:
+    """The length prefix and header of a file, CRC fields zeroed (:func:`seal_header`).
+
+    ``tensors``: ``(name, dtype name, shape, nbytes)`` in file order.
+    """
+    body: dict = {"__metadata__": {"hcrc": "0" * 8, "dcrc": "0" * 8, **meta}}
+    off = 0
+    for name, dtype, shape, nbytes in tensors:
+        body[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + nbytes]}
+        off += nbytes
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)  # data starts 8-aligned, as safetensors pads
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def seal_header(head: bytes, dcrc: int) -> bytes:
+    """``head`` (from :func:`encode_header`) with the data CRC and its own CRC filled in."""
+    out = bytearray(head)
+    out[DCRC_AT : DCRC_AT + 8] = _hex8(dcrc)
+    out[HCRC_AT : HCRC_AT + 8] = _hex8(_header_crc(out))
+    return bytes(out)
+
+
+def _header_crc(head) -> int:
+    mv = memoryview(head)
+    return zlib.crc32(mv[HCRC_AT + 8 :], zlib.crc32(mv[:HCRC_AT]))
+
+
+def parse_header(head, size: int) -> Layout:
+    """Verify and parse the first ``8 + N`` bytes of a file of ``size`` bytes.
 
     Raises:
-        CorruptEntry: short file, absurd header length, bad JSON or bad offsets.
+        CorruptEntry: not this format, bad hcrc, bad JSON, bad dtypes, shapes or offsets,
+            or a size other than the header says (truncated or padded).
     """
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise CorruptEntry("short file")
-        (n,) = np.frombuffer(head, dtype="<u8")
-        if n > 16 << 20:
-            raise CorruptEntry("header too large")
-        raw = f.read(int(n))
+    if bytes(head[8:HCRC_AT]) != PREFIX:
+        raise CorruptEntry(f"not a {FORMAT} file")
     try:
-        header = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+        want = int(bytes(head[HCRC_AT : HCRC_AT + 8]), 16)
+    except ValueError:
+        raise CorruptEntry("bad header checksum field") from None
+    if _header_crc(head) != want:
+        raise CorruptEntry("header checksum mismatch")
+    try:
+        body = json.loads(bytes(head[8:]))
+        meta = body.pop("__metadata__")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+            raise ValueError("metadata values must be strings")
+        tensors, off = [], 0
+        for name, t in sorted(body.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            dtype, shape, (begin, end) = t["dtype"], tuple(t["shape"]), t["data_offsets"]
+            if dtype not in DTYPES or not all(isinstance(s, int) and s >= 0 for s in shape):
+                raise ValueError(f"tensor {name}: bad dtype or shape")
+            itemsize = np.dtype(DTYPES[dtype][1]).itemsize
+            if begin != off or end - begin != math.prod(shape) * itemsize:
+                raise ValueError(f"tensor {name}: bad offsets")
+            tensors.append((name, dtype, shape, begin, end))
+            off = end
+        dcrc = int(meta["dcrc"], 16)
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError) as exc:
         raise CorruptEntry(f"bad header: {exc}") from None
-    if not isinstance(header, dict):
-        raise CorruptEntry("bad header")
-    meta = header.pop("__metadata__", None) or {}
+    if len(head) + off != size:
+        raise CorruptEntry(f"size {size} != {len(head) + off} (truncated or padded)")
+    return Layout(meta, tensors, len(head), dcrc)
+
+
+def _open_regular(path: Path):
+    """Open ``path`` for reading without following a link or blocking on a FIFO.
+
+    Raises CorruptEntry unless it is a regular file; OSError as the system raises it.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CorruptEntry("not a regular file")
+    return open(fd, "rb", buffering=0), st  # noqa: SIM115 (closed by the caller)
+
+
+def _fill(f, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise CorruptEntry("file shrank while read")
+        got += n
+
+
+def _read_head(f, size: int) -> bytes:
+    if size < HCRC_AT + 8:
+        raise CorruptEntry("short file")
+    first = bytearray(8)
+    _fill(f, memoryview(first))
+    (n,) = struct.unpack("<Q", first)
+    if n > MAX_HEADER or 8 + n > size:
+        raise CorruptEntry("bad header length")
+    head = bytearray(8 + n)
+    head[:8] = first
+    _fill(f, memoryview(head)[8:])
+    return bytes(head)
+
+
+def read_file(path: Path, keep: bool = True) -> tuple[Layout, bytearray | None, int]:
+    """Read and verify a whole entry file: ``(layout, file bytes or None, inode)``.
+
+    Reads in :data:`CHUNK` pieces into one preallocated buffer, checksumming each piece
+    while it is in cache. With ``keep=False`` only verifies (one reused buffer).
+
+    Raises:
+        CorruptEntry: not a regular file, or any check of :func:`parse_header` or the data
+            CRC fails.
+        OSError: the file cannot be opened or read.
+    """
+    f, st = _open_regular(path)
+    with f:
+        if keep and hasattr(os, "posix_fadvise"):  # the kernel reads ahead while we check
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
+        head = _read_head(f, st.st_size)
+        layout = parse_header(head, st.st_size)
+        n = st.st_size - len(head)
+        if keep:
+            buf = bytearray(st.st_size)
+            buf[: len(head)] = head
+            views = (memoryview(buf)[o : o + CHUNK] for o in range(len(head), st.st_size, CHUNK))
+        else:
+            buf, scratch = None, memoryview(bytearray(min(CHUNK, max(n, 1))))
+            views = (scratch[: min(CHUNK, n - o)] for o in range(0, n, CHUNK))
+        crc = 0
+        for view in views:
+            _fill(f, view)
+            crc = zlib.crc32(view, crc)
+    if crc != layout.dcrc:
+        raise CorruptEntry("data checksum mismatch")
+    return layout, buf, st.st_ino
+
+
+def arrays_from(layout: Layout, buf: bytearray) -> dict[str, mx.array]:
+    """MLX arrays of a verified file: one copy per tensor from the buffer, bf16 bits viewed
+    back as ``bfloat16``; evaluated. Engine thread only."""
+    arrays = {}
+    for name, dtype, shape, begin, end in layout.tensors:
+        mxd, npd = DTYPES[dtype]
+        count = (end - begin) // np.dtype(npd).itemsize
+        if count:
+            a = np.frombuffer(buf, npd, count, layout.data_start + begin).reshape(shape)
+        else:
+            a = np.zeros(shape, npd)
+        m = mx.array(a)
+        arrays[name] = m.view(mxd) if dtype == "BF16" else m
+    mx.eval(list(arrays.values()))
+    return arrays
+
+
+def drop_page_cache(paths) -> None:
+    """Ask the kernel to forget cached pages of ``paths`` (fsync first; Linux and others
+    with ``posix_fadvise``; a no-op elsewhere), so the next read comes from the disk."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def measure_read_bandwidth(paths, drop_cache: bool = True) -> ReadBandwidth:
+    """Sequential read bandwidth of ``paths``, read whole one after another in 8 MiB
+    pieces into one reused buffer (the disk's speed when ``drop_cache`` empties the page
+    cache first). The yardstick for SSD restores (issue 10 part 4)."""
+    paths = list(paths)
+    if drop_cache:
+        drop_page_cache(paths)
+    buf = memoryview(bytearray(8 << 20))
+    total = 0
+    t0 = time.perf_counter()
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
+    dt = max(time.perf_counter() - t0, 1e-9)
+    return ReadBandwidth(total, dt, total / dt / 1e9)
+
+
+def _is_hex_id(value) -> bool:
+    return isinstance(value, str) and len(value) == 64 and set(value) <= _HEX
+
+
+def entry_meta(meta: dict[str, str], fingerprint: str) -> EntryMeta:
+    """The entry a verified header describes, after checking it belongs to this model and
+    that its tokens hash to its id. Raises CorruptEntry saying what does not hold."""
+    if meta.get("format") != FORMAT:
+        raise CorruptEntry(f"format {meta.get('format')!r}, expected {FORMAT}")
+    if meta.get("fingerprint") != fingerprint:
+        raise CorruptEntry("entry of another model")
     try:
-        end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
-    except (KeyError, TypeError, ValueError, IndexError):
-        raise CorruptEntry("bad tensor offsets") from None
-    return header, meta, 8 + int(n) + end
+        tokens = tuple(json.loads(meta["tokens"]))
+        m = EntryMeta(
+            id=meta["id"],
+            parent=meta["parent"],
+            kind=meta["kind"],
+            start=int(meta["start"]),
+            tokens=tokens,
+            role=meta["role"],
+            window={"1": True, "0": False}[meta["window"]],
+            snapshot={"1": True, "0": False}[meta["snapshot"]],
+        )
+    except (KeyError, ValueError, TypeError) as exc:
+        raise CorruptEntry(f"bad metadata: {exc}") from None
+    if not (_is_hex_id(m.id) and _is_hex_id(m.parent)):
+        raise CorruptEntry("bad id or parent")
+    if not tokens or not all(type(t) is int and 0 <= t < 1 << 32 for t in tokens):
+        raise CorruptEntry("bad tokens")
+    if m.kind == KIND_BLOCK:
+        want = chain_ids(m.parent, tokens, len(tokens), 1)[0]
+    elif m.kind in TAIL_KINDS:
+        want = _tail_id(m.parent, tokens)
+    else:
+        raise CorruptEntry(f"unknown kind {m.kind!r}")
+    if want != m.id:
+        raise CorruptEntry("tokens do not hash to the entry id")
+    if m.start < 0 or (m.parent == _root_id(fingerprint) and m.start != 0):
+        raise CorruptEntry("bad start")
+    return m
+
+
+def _meta_strings(e: EntryMeta, fingerprint: str) -> dict[str, str]:
+    return {
+        "format": FORMAT,
+        "fingerprint": fingerprint,
+        "id": e.id,
+        "parent": e.parent,
+        "kind": e.kind,
+        "start": str(e.start),
+        "tokens": json.dumps(list(e.tokens), separators=(",", ":")),
+        "role": e.role,
+        "window": "1" if e.window else "0",
+        "snapshot": "1" if e.snapshot else "0",
+    }
+
+
+def _raw_bytes(a) -> np.ndarray:
+    """The bytes of an evaluated, row-contiguous MLX array (any dtype, bf16 included) as
+    uint8, through the buffer protocol: no MLX graph is built (writer thread)."""
+    try:
+        return np.frombuffer(memoryview(a).cast("B"), dtype=np.uint8)
+    except (TypeError, ValueError, BufferError):  # not contiguous: numpy copies it
+        return np.ascontiguousarray(np.asarray(a)).view(np.uint8).reshape(-1)
+
+
+@dataclass(eq=False)
+class _Pending:
+    """An entry accepted by ``put`` and not yet on disk."""
+
+    entry: Entry  # the arrays as given (what a load returns meanwhile)
+    bits: dict[str, mx.array]  # the arrays to write, in file order
+    head: bytes  # encode_header(...), CRCs not yet filled
+    nbytes: int  # the file's size
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, someone else's
+        return True
+    return True
 
 
 class SSDTier:
-    """Persistent entries of one model under a byte cap, LRU by last access."""
+    """Persistent entries of one model under a byte cap, LRU by last access.
+
+    Test hooks: ``write_delay_s`` (every write sleeps this long first) and
+    ``write_jitter_s`` (plus a random ``[0, write_jitter_s)``), as instance or class
+    attributes; ``verify_at_start`` turns the background verifier off.
+    """
+
+    write_delay_s: float = 0.0
+    write_jitter_s: float = 0.0
+    verify_at_start: bool = True
+    backpressure_timeout_s: float = 120.0
 
     def __init__(
         self,
@@ -97,89 +419,156 @@ class SSDTier:
         max_bytes: int,
         queue_size: int = 64,
         on_event=None,
+        max_pending_bytes: int = 1 << 30,
     ) -> None:
         self.fingerprint = fingerprint
         self.max_bytes = max_bytes
+        self.queue_size = max(1, queue_size)
+        self.max_pending_bytes = max_pending_bytes
         self.dir = Path(cache_dir) / fingerprint[:16]
+        self.root = _root_id(fingerprint)
         self._on_event = on_event or (lambda text: None)
         self._lock = threading.Lock()
-        self._index: dict[str, FileMeta] = {}
+        self._cond = threading.Condition(self._lock)
+        self._index: dict[str, FileMeta] = {}  # in LRU order, least recent first
         self.children: dict[str, set[str]] = {}  # parent id -> ids of entries after it
-        self._pending: set[str] = set()  # ids queued and not yet written
+        self._pending: dict[str, _Pending] = {}
+        self._paused = False
+        self._pending_bytes = 0
+        self._queue: list[_Pending | None] = []
+        self._tmp_seq = itertools.count()
+        self._stop = False
         self.nbytes = 0
         self.hits = self.misses = self.evictions = 0
+        self.memory_hits = 0  # loads served from a pending entry's arrays
         self.saves_queued = self.saves_persisted = self.write_drops = 0
+        self.backpressure_waits = 0
+        self.backpressure_s = 0.0
         self.errors = self.corrupt = 0
         self.enabled = True
         self.reason = ""
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
-        self.write_delay_s = 0.0  # tests: a slow disk
+        self._verified = threading.Event()
         try:
-            self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            _private_dirs(Path(cache_dir))
+            if self.dir.is_symlink():
+                raise OSError(errno.ELOOP, "is a symbolic link")
+            _private_dirs(self.dir)
             probe = self.dir / f".probe.{os.getpid()}"
             probe.write_bytes(b"")
             probe.unlink()
+            self._scan()
         except OSError as exc:
             self.enabled = False
             self.reason = (
                 f"cache dir {self.dir} is not writable ({exc.strerror or exc}); SSD tier off"
             )
             self._on_event(f"warning: {self.reason}")
+            self._verified.set()
             return
-        self._scan()
         self._writer = threading.Thread(
             target=self._write_loop, name="tierchat-ssd-writer", daemon=True
         )
         self._writer.start()
+        todo = list(self._index) if self.verify_at_start else []
+        self._verifier = threading.Thread(
+            target=self._verify_loop, args=(todo,), name="tierchat-ssd-verifier", daemon=True
+        )
+        self._verifier.start()
 
     # ------------------------------------------------------------------ index
     def _path(self, entry_id: str) -> Path:
         return self.dir / entry_id[:2] / f"{entry_id}.safetensors"
 
+    def _event(self, text: str) -> None:
+        try:
+            self._on_event(text)
+        except Exception:  # a logging callback never breaks the tier
+            pass
+
     def _scan(self) -> None:
-        for path in self.dir.glob("*/*"):
-            if path.name.endswith(".tmp"):
-                path.unlink(missing_ok=True)
-                continue
-            if not path.name.endswith(".safetensors"):
-                continue
+        """Rebuild the index from headers. Raises OSError only if ``self.dir`` cannot be
+        listed; any single bad path is counted and skipped."""
+        found: list[FileMeta] = []
+        with os.scandir(self.dir) as it:
+            shards = list(it)
+        for shard in shards:
             try:
-                meta = self._check_header(path)
-            except (CorruptEntry, OSError) as exc:
-                self.corrupt += 1
-                self._on_event(f"corrupt SSD entry {path.name[:12]} removed: {exc}")
-                path.unlink(missing_ok=True)
+                if shard.is_symlink():
+                    self._bad(Path(shard.path), "symbolic link in the cache dir", remove=True)
+                    continue
+                if not shard.is_dir(follow_symlinks=False):
+                    continue
+                with os.scandir(shard.path) as it:
+                    entries = list(it)
+            except OSError as exc:
+                self._count_error(f"cannot read {shard.path}: {exc.strerror or exc}")
                 continue
+            for ent in entries:
+                try:
+                    meta = self._scan_one(ent)
+                except Exception as exc:  # the scan survives any single bad path
+                    self._bad(Path(ent.path), str(exc) or type(exc).__name__, remove=False)
+                    continue
+                if meta is not None:
+                    found.append(meta)
+        for meta in sorted(found, key=lambda m: (m.atime, m.id)):
             self._add(meta)
 
-    def _check_header(self, path: Path) -> FileMeta:
-        _, meta, end = read_header(path)
-        size = path.stat().st_size
-        if meta.get("format") != FORMAT:
-            raise CorruptEntry(f"format {meta.get('format')!r}, expected {FORMAT}")
-        if meta.get("fingerprint") != self.fingerprint:
-            raise CorruptEntry("entry of another model")
-        if meta.get("id") + ".safetensors" != path.name:
-            raise CorruptEntry("id does not match file name")
-        if size != end:
-            raise CorruptEntry(f"size {size} != {end} (truncated or padded)")
+    def _scan_one(self, ent: os.DirEntry) -> FileMeta | None:
+        path = Path(ent.path)
+        st = ent.stat(follow_symlinks=False)
+        if ent.name.endswith(".tmp"):
+            self._sweep_tmp(path, st)
+            return None
+        if not ent.name.endswith(".safetensors"):
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            # a link, FIFO, socket or device is removed (unlink never follows); a
+            # directory is left alone; nothing is opened
+            self._bad(path, "not a regular file", remove=not stat.S_ISDIR(st.st_mode))
+            return None
         try:
-            return FileMeta(
-                id=meta["id"],
-                parent=meta["parent"],
-                kind=meta["kind"],
-                start=int(meta["start"]),
-                tokens=tuple(json.loads(meta["tokens"])),
-                role=meta["role"],
-                window=meta["window"] == "1",
-                snapshot=meta["snapshot"] == "1",
-                nbytes=size,
-                atime=path.stat().st_mtime,
-            )
-        except (KeyError, ValueError, TypeError) as exc:
-            raise CorruptEntry(f"bad metadata: {exc}") from None
+            f, st = _open_regular(path)
+            with f:
+                layout = parse_header(_read_head(f, st.st_size), st.st_size)
+            m = entry_meta(layout.meta, self.fingerprint)
+            if m.id + ".safetensors" != ent.name or m.id[:2] != path.parent.name:
+                raise CorruptEntry("id does not match file name")
+        except (CorruptEntry, OSError) as exc:
+            self._bad(path, str(exc), remove=True)
+            return None
+        return FileMeta(**m.meta(), nbytes=st.st_size, atime=st.st_mtime)
+
+    def _sweep_tmp(self, path: Path, st: os.stat_result) -> None:
+        """Remove a temp file whose writer is gone or that is older than STALE_TMP_S."""
+        if stat.S_ISDIR(st.st_mode):
+            return
+        parts = path.name.split(".")
+        pid = int(parts[1]) if len(parts) >= 3 and parts[1].isdigit() else None
+        stale = time.time() - st.st_mtime > STALE_TMP_S
+        if stale or (pid is not None and pid != os.getpid() and not _pid_alive(pid)):
+            self._unlink(path)
+
+    def _unlink(self, path: Path) -> None:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            self._count_error(f"cannot remove {path.name}: {exc.strerror or exc}")
+
+    def _count_error(self, text: str) -> None:
+        with self._lock:
+            self.errors += 1
+        self._event(f"SSD: {text}")
+
+    def _bad(self, path: Path, reason: str, remove: bool) -> None:
+        with self._lock:
+            self.corrupt += 1
+        self._event(f"corrupt SSD entry {path.name[:12]} skipped: {reason}")
+        if remove:
+            self._unlink(path)
 
     def _add(self, meta: FileMeta) -> None:
+        # caller holds the lock (or is the constructor)
         old = self._index.pop(meta.id, None)
         if old is not None:
             self.nbytes -= old.nbytes
@@ -188,6 +577,7 @@ class SSDTier:
         self.children.setdefault(meta.parent, set()).add(meta.id)
 
     def _drop(self, entry_id: str) -> FileMeta | None:
+        # caller holds the lock; a pending write of the entry is abandoned
         meta = self._index.pop(entry_id, None)
         if meta is None:
             return None
@@ -197,8 +587,34 @@ class SSDTier:
             ids.discard(entry_id)
             if not ids:
                 del self.children[meta.parent]
-        self._path(entry_id).unlink(missing_ok=True)
+        item = self._pending.pop(entry_id, None)
+        if item is not None:
+            self._pending_bytes -= item.nbytes
+            self._cond.notify_all()
+        else:
+            try:
+                self._path(entry_id).unlink(missing_ok=True)
+            except OSError as exc:
+                self.errors += 1
+                self._event(f"SSD: cannot remove {entry_id[:12]}: {exc.strerror or exc}")
         return meta
+
+    def _condemn(self, entry_id: str, reason: str, ino: int | None = None) -> None:
+        """Count and drop a corrupt entry, unless it changed since it was read (``ino``)."""
+        with self._lock:
+            if entry_id not in self._index:
+                return
+            if ino is not None:
+                if entry_id in self._pending:
+                    return
+                try:
+                    if os.lstat(self._path(entry_id)).st_ino != ino:
+                        return
+                except OSError:
+                    pass
+            self.corrupt += 1
+            self._drop(entry_id)
+        self._event(f"corrupt SSD entry {entry_id[:12]} removed: {reason}")
 
     def meta(self, entry_id: str) -> FileMeta | None:
         with self._lock:
@@ -212,9 +628,9 @@ class SSDTier:
         return len(self._index)
 
     def children_of(self, parent: str) -> list[FileMeta]:
-        """Entries (blocks and tails) whose parent is ``parent``."""
+        """Entries (blocks and tails) whose parent is ``parent``, in id order."""
         with self._lock:
-            return [self._index[i] for i in self.children.get(parent, ())]
+            return [self._index[i] for i in sorted(self.children.get(parent, ()))]
 
     def tail_ids(self) -> list[str]:
         with self._lock:
@@ -222,183 +638,278 @@ class SSDTier:
 
     @property
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        """Entries accepted and not yet on disk."""
+        return len(self._pending)
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._pending_bytes
 
     # ------------------------------------------------------------------ writes
     def put(self, e: Entry) -> bool:
-        """Queue an entry (arrays already evaluated) for writing. Never blocks.
+        """Accept an entry (arrays already evaluated): indexed at once, written later.
 
-        Returns False when the tier is off, the entry is already on disk with at least as
-        much, or the queue is full (counted in ``write_drops``; the entry stays hot).
+        Evicts least recently used entries to stay under ``max_bytes``. Blocks while the
+        writer is more than ``queue_size`` entries or ``max_pending_bytes`` behind.
+        Returns False when the tier is off, the entry is already held with at least as
+        much, it is larger than the cap or has an unstorable dtype, or the writer stayed
+        stuck for ``backpressure_timeout_s`` (the last three counted in ``write_drops``).
         """
         if not self.enabled:
             return False
         with self._lock:
             old = self._index.get(e.id)
-            if e.id in self._pending or (
+            if (
                 old is not None
                 and (old.window or not e.window)
                 and (old.snapshot or not e.snapshot)
             ):
                 return False
-        arrays = {}
-        bf16 = []
-        for name, a in e.arrays.items():
-            if a.dtype == mx.bfloat16:  # numpy has no bfloat16: store the bits
-                a = a.view(mx.uint16)
-                bf16.append(name)
-            arrays[name] = a
-        if bf16:
-            mx.eval(list(arrays.values()))
-        item = (replace(e, arrays=arrays), bf16)
-        with self._lock:  # before queueing: the writer may finish it at once
-            self._pending.add(e.id)
-        try:
-            self._queue.put_nowait(item)
-        except queue.Full:
-            with self._lock:
-                self._pending.discard(e.id)
-            self.write_drops += 1
-            return False
-        self.saves_queued += 1
+        names = sorted(e.arrays)
+        bits, specs = {}, []
+        for name in names:
+            a = e.arrays[name]
+            dtype = _NAME_OF.get(a.dtype)
+            if dtype is None:
+                return self._refuse(f"dtype {a.dtype} of {name} cannot be stored")
+            bits[name] = a  # the writer takes the raw bytes (bf16 included): no MLX op here
+            specs.append((name, dtype, tuple(a.shape), a.nbytes))
+        head = encode_header(_meta_strings(e, self.fingerprint), specs)
+        size = len(head) + sum(s[3] for s in specs)
+        if size > self.max_bytes:
+            return self._refuse(f"entry of {size} bytes exceeds the cap")
+        item = _Pending(replace(e, arrays=dict(e.arrays)), bits, head, size)
+        with self._cond:
+            if not self._wait_for_room(size):
+                self.write_drops += 1
+                self._event("SSD writer stuck: entry not saved")
+                return False
+            if e.id in self._index:
+                self._drop(e.id)  # replaced by an entry with more parts
+            self._evict_for(size)
+            self._add(FileMeta(**e.meta(), nbytes=size, atime=time.time()))
+            self._pending[e.id] = item
+            self._pending_bytes += size
+            self.saves_queued += 1
+            self._queue.append(item)
+            self._cond.notify_all()
         return True
 
-    def _write_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                if self.write_delay_s:
-                    time.sleep(self.write_delay_s)
-                self._write(*item)
-            except Exception as exc:  # never let the writer die: count and go on
-                self.errors += 1
-                self._on_event(f"SSD write failed: {exc}")
-            finally:
-                if item is not None:
-                    with self._lock:
-                        self._pending.discard(item[0].id)
-                self._queue.task_done()
+    def _refuse(self, text: str) -> bool:
+        with self._lock:
+            self.write_drops += 1
+        self._event(f"SSD: {text}; not saved")
+        return False
 
-    def _write(self, e: Entry, bf16: list[str]) -> None:
-        tensors = {name: np.ascontiguousarray(a) for name, a in e.arrays.items()}
-        meta = {
-            "format": FORMAT,
-            "fingerprint": self.fingerprint,
-            "id": e.id,
-            "parent": e.parent,
-            "kind": e.kind,
-            "start": str(e.start),
-            "tokens": json.dumps(list(e.tokens)),
-            "role": e.role,
-            "window": "1" if e.window else "0",
-            "snapshot": "1" if e.snapshot else "0",
-            "bf16": json.dumps(bf16),
-            "sha256": _tensor_hash(tensors),
-        }
-        data = st_save(tensors, metadata=meta)
-        with self._lock:
-            if self.nbytes + len(data) > self.max_bytes:
-                self._evict_for(len(data))
-            if len(data) > self.max_bytes:
-                self.write_drops += 1
+    def _wait_for_room(self, size: int) -> bool:
+        # caller holds the lock; backpressure on the engine thread
+        def full() -> bool:
+            return bool(self._pending) and (
+                len(self._pending) >= self.queue_size
+                or self._pending_bytes + size > self.max_pending_bytes
+            )
+
+        if not full():
+            return True
+        if self._paused:  # backpressure wins over a pause: let the writer run
+            self._paused = False
+            self._cond.notify_all()
+        self.backpressure_waits += 1
+        t0 = time.monotonic()
+        ok = self._cond.wait_for(lambda: not full(), self.backpressure_timeout_s)
+        self.backpressure_s += time.monotonic() - t0
+        return ok
+
+    def _write_loop(self) -> None:
+        rng = random.Random()
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue and not self._paused)
+                item = self._queue.pop(0)
+            if item is None:
                 return
-        path = self._path(e.id)
-        tmp = path.with_name(f"{e.id}.{os.getpid()}.tmp")
-        try:
-            path.parent.mkdir(exist_ok=True, mode=0o700)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            self.errors += 1
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                with self._lock:
-                    self.max_bytes = max(0, min(self.max_bytes, self.nbytes))
-                    self._evict_for(0)
-                self._on_event(f"disk full: SSD cap shrunk to {self.max_bytes} bytes")
-            else:
-                self._on_event(f"SSD write failed: {exc.strerror or exc}")
-            return
+            delay = self.write_delay_s + rng.uniform(0, self.write_jitter_s)
+            if delay > 0:
+                time.sleep(delay)
+            try:
+                self._write(item)
+            except Exception as exc:  # never let the writer die: count and go on
+                with self._cond:
+                    self.errors += 1
+                    if self._pending.get(item.entry.id) is item:
+                        self._drop(item.entry.id)
+                self._event(f"SSD write failed: {exc}")
+
+    def _write(self, item: _Pending) -> None:
+        eid = item.entry.id
         with self._lock:
-            self._add(FileMeta(**e.meta(), nbytes=len(data), atime=time.time()))
-            self.saves_persisted += 1
+            if self._pending.get(eid) is not item:
+                return  # evicted, removed or replaced since
+        data = [_raw_bytes(item.bits[n]) for n in sorted(item.bits)]
+        crc = 0
+        for a in data:
+            crc = zlib.crc32(a, crc)
+        head = seal_header(item.head, crc)
+        path = self._path(eid)
+        tmp = path.with_name(f"{eid}.{os.getpid()}.{next(self._tmp_seq)}.tmp")
+        try:
+            _real_dir(path.parent)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+            fd = os.open(tmp, flags, 0o600)
+            with open(fd, "wb") as f:
+                f.write(head)
+                for a in data:
+                    f.write(memoryview(a.reshape(-1).view(np.uint8)))
+            with self._cond:
+                if self._pending.get(eid) is item:
+                    os.replace(tmp, path)
+                    del self._pending[eid]
+                    self._pending_bytes -= item.nbytes
+                    self.saves_persisted += 1
+                    self._cond.notify_all()
+                    return
+            tmp.unlink(missing_ok=True)  # dropped while written
+        except OSError as exc:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            with self._cond:
+                self.errors += 1
+                if self._pending.get(eid) is item:
+                    self._drop(eid)
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    on_disk = self.nbytes - self._pending_bytes
+                    self.max_bytes = max(0, min(self.max_bytes, on_disk))
+                    self._evict_for(0)
+                    text = f"disk full: SSD cap shrunk to {self.max_bytes} bytes"
+                else:
+                    text = f"SSD write failed: {exc.strerror or exc}"
+            self._event(text)
 
     def _evict_for(self, incoming: int) -> None:
-        # caller holds the lock
-        for meta in sorted(self._index.values(), key=lambda m: m.atime):
-            if self.nbytes + incoming <= self.max_bytes:
-                return
-            self._drop(meta.id)
+        # caller holds the lock; the index is in LRU order
+        while self._index and self.nbytes + incoming > self.max_bytes:
+            self._drop(next(iter(self._index)))
             self.evictions += 1
 
-    def flush(self, timeout: float = 60.0) -> None:
-        """Wait until every queued entry is written (used before a restart and in tests)."""
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Wait until every accepted entry is on disk (or dropped); False on timeout."""
         if not self.enabled:
-            return
-        deadline = time.monotonic() + timeout
-        while self._queue.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.005)
+            return True
+        self.resume()
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending, timeout)
+
+    def pause(self) -> None:
+        """Hold the writer and the start-up verifier (between files) while the engine
+        prefills and produces a first token, so disk work never competes with TTFT.
+        Entries stay indexed and loadable; backpressure lifts the pause."""
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def wait_verified(self, timeout: float | None = None) -> bool:
+        """Wait for the start-up verifier to have read every file found at start."""
+        return self._verified.wait(timeout)
 
     def close(self) -> None:
         if self.enabled:
             self.flush()
-            self._queue.put(None)
+            with self._cond:
+                self._paused = False
+                self._stop = True
+                self._queue.append(None)
+                self._cond.notify_all()
             self._writer.join(timeout=5)
+            self._verifier.join(timeout=5)
+
+    # ------------------------------------------------------------------ verifier
+    def _verify_loop(self, ids: list[str]) -> None:
+        try:
+            for entry_id in ids:
+                with self._cond:
+                    self._cond.wait_for(lambda: not self._paused or self._stop)
+                if self._stop:
+                    return
+                with self._lock:
+                    if entry_id not in self._index or entry_id in self._pending:
+                        continue
+                try:
+                    read_file(self._path(entry_id), keep=False)
+                except FileNotFoundError:
+                    self._condemn(entry_id, "file missing")
+                except (CorruptEntry, OSError) as exc:
+                    ino = _inode(self._path(entry_id))
+                    if ino is not None:
+                        self._condemn(entry_id, str(exc), ino)
+        finally:
+            self._verified.set()
 
     # ------------------------------------------------------------------ reads
     def load(self, entry_id: str, expected: dict[str, tuple] | None = None) -> Entry | None:
-        """Read and verify one entry into MLX arrays (engine thread). None on any problem.
+        """One entry's arrays as MLX arrays (engine thread), or None.
 
-        ``expected`` maps array names to ``(shape, dtype)`` with ``-1`` for the token axis;
-        every array must match and be present.
+        A pending entry comes from memory (the arrays ``put`` was given); otherwise the
+        file is read whole, both CRCs checked, its header compared with the index, and
+        one copy per tensor made. ``expected`` maps names to ``(shape, dtype)`` with
+        ``-1`` for the token axis (:func:`check_arrays`). Any failure: counted corrupt,
+        logged, removed, None.
         """
-        meta = self.meta(entry_id)
-        if meta is None:
-            return None
-        path = self._path(entry_id)
-        try:
-            arrays = self._read(path, meta, expected)
-        except (CorruptEntry, OSError, ValueError) as exc:
-            self.corrupt += 1
-            self._on_event(f"corrupt SSD entry {entry_id[:12]} removed: {exc}")
-            with self._lock:
-                self._drop(entry_id)
-            return None
-        now = time.time()
         with self._lock:
-            if entry_id in self._index:
-                self._index[entry_id] = replace(meta, atime=now)
+            meta = self._index.get(entry_id)
+            if meta is None:
+                return None
+            item = self._pending.get(entry_id)
+            meta = replace(meta, atime=time.time())
+            del self._index[entry_id]
+            self._index[entry_id] = meta  # most recently used
+        ino = None
         try:
-            os.utime(path, (now, now))
-        except OSError:
-            pass
-        self.hits += 1
+            if item is not None:
+                arrays = dict(item.entry.arrays)
+            else:
+                path = self._path(entry_id)
+                layout, buf, ino = read_file(path)
+                if EntryMeta.meta(entry_meta(layout.meta, self.fingerprint)) != meta.meta():
+                    raise CorruptEntry("file changed since indexed")
+                arrays = arrays_from(layout, buf)
+            if expected is not None:
+                check_arrays(arrays, expected, len(meta.tokens))
+        except Exception as exc:  # anything at all: a miss, never a restore
+            self._condemn(entry_id, str(exc) or type(exc).__name__)
+            return None
+        if item is None:
+            try:
+                os.utime(self._path(entry_id), (meta.atime, meta.atime))
+            except OSError:
+                pass
+        with self._lock:
+            self.hits += 1
+            self.memory_hits += item is not None
         entry = Entry(**EntryMeta.meta(meta), arrays=arrays)
         entry.nbytes = sum(a.nbytes for a in arrays.values())
         return entry
 
-    def _read(self, path: Path, meta: FileMeta, expected) -> dict[str, mx.array]:
-        header, fmeta, end = read_header(path)
-        if path.stat().st_size != end or fmeta.get("id") != meta.id:
-            raise CorruptEntry("file changed since indexed")
-        tensors = {}
-        with safe_open(str(path), framework="numpy") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
-        if _tensor_hash(tensors) != fmeta.get("sha256"):
-            raise CorruptEntry("tensor checksum mismatch")
-        bf16 = set(json.loads(fmeta.get("bf16", "[]")))
-        arrays = {}
-        for name, t in tensors.items():
-            a = mx.array(t)
-            arrays[name] = a.view(mx.bfloat16) if name in bf16 else a
-        if expected is not None:
-            check_arrays(arrays, expected, len(meta.tokens))
-        return arrays
+    def prefetch(self, entry_ids) -> None:
+        """Ask the kernel to start reading these entries' files now (``POSIX_FADV_WILLNEED``,
+        asynchronous; a no-op where unsupported or for pending entries), so the loads of a
+        long restore overlap their reads with each other's checks and copies."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        for entry_id in entry_ids:
+            if entry_id in self._pending or entry_id not in self._index:
+                continue
+            try:
+                f, _ = _open_regular(self._path(entry_id))
+                with f:
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
+            except (OSError, CorruptEntry):
+                pass  # the load will find out and count it
 
     # ------------------------------------------------------------------ admin
     def remove(self, entry_id: str) -> None:
@@ -406,12 +917,39 @@ class SSDTier:
             self._drop(entry_id)
 
     def clear(self) -> int:
-        self.flush()
+        """Remove every entry, pending ones included; returns how many."""
         with self._lock:
             ids = list(self._index)
             for i in ids:
                 self._drop(i)
         return len(ids)
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return os.lstat(path).st_ino
+    except OSError:
+        return None
+
+
+def _real_dir(path: Path) -> None:
+    """Make ``path`` a real 0700 directory: a symbolic link there is removed, never
+    followed."""
+    if path.is_symlink():
+        path.unlink()
+    path.mkdir(exist_ok=True, mode=0o700)
+
+
+def _private_dirs(path: Path) -> None:
+    """Create ``path`` and its missing parents, each 0700 (``mkdir(parents=True)`` would
+    make the parents 0777 minus the umask)."""
+    missing = []
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        d.mkdir(mode=0o700, exist_ok=True)
 
 
 def check_arrays(arrays: dict, expected: dict[str, tuple], ntokens: int) -> None:

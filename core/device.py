@@ -1,0 +1,79 @@
+"""Which device MLX computes on, and in which dtype (DESIGN.md §3, device policy).
+
+The dtype policy lives here so that the model loader, ``tierchat config``, ``tierchat bench``
+and the TUI header all name the same thing: on a GPU (Metal or CUDA) floating weights are
+bf16 (fp16 where a model's config asks for it); on the CPU float32, because MLX's CPU
+backend runs half-precision matmuls ~15x slower than float32 through BLAS.
+
+Importing this module imports MLX (after ``tierchat.core`` preloaded OpenBLAS).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import mlx.core as mx
+
+Backend = Literal["cuda", "metal", "cpu"]
+
+
+class DeviceInfo(NamedTuple):
+    """The default MLX device: ``kind`` "gpu" or "cpu", ``backend`` "cuda", "metal" or
+    "cpu", ``name`` as ``mx.device_info()`` reports it ("" if it does not), and the
+    compute ``dtype`` name ("bfloat16", "float16", "float32")."""
+
+    kind: Literal["gpu", "cpu"]
+    backend: Backend
+    name: str
+    dtype: str
+
+
+def compute_dtype(config: dict | None = None) -> mx.Dtype:
+    """The dtype floating weights are cast to on the default device.
+
+    CPU: float32. GPU: float16 when ``config`` (a model's ``config.json``) says
+    ``torch_dtype``/``dtype`` "float16", else bfloat16.
+    """
+    if mx.default_device().type == mx.cpu:
+        return mx.float32
+    config = config or {}
+    wanted = str(config.get("torch_dtype") or config.get("dtype") or "")
+    return mx.float16 if wanted == "float16" else mx.bfloat16
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    """``mx.bfloat16`` -> "bfloat16"."""
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def _gpu_backend() -> Backend:
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    metal = getattr(mx, "metal", None)
+    if metal is not None and metal.is_available():
+        return "metal"
+    return "cuda"  # a GPU device without Metal is MLX's CUDA backend
+
+
+def device_info(dtype: str | None = None) -> DeviceInfo:
+    """The default device and compute dtype (``dtype`` overrides the policy's, e.g. a
+    loaded model's ``LoadedModel.dtype``)."""
+    device = mx.default_device()
+    kind: Literal["gpu", "cpu"] = "cpu" if device.type == mx.cpu else "gpu"
+    backend: Backend = "cpu" if kind == "cpu" else _gpu_backend()
+    try:
+        name = str(mx.device_info(device).get("device_name", ""))
+    except (AttributeError, RuntimeError, ValueError):  # older MLX, or no info on this device
+        name = ""
+    return DeviceInfo(kind, backend, name, dtype or dtype_name(compute_dtype()))
+
+
+def describe_device(dtype: str | None = None) -> str:
+    """One line naming the device and compute dtype, for headers and logs:
+    "gpu (NVIDIA H100 80GB HBM3, cuda), bfloat16", "gpu (Apple M3 Max, metal), bfloat16",
+    "cpu (AMD EPYC), float32"."""
+    info = device_info(dtype)
+    inside = ", ".join(p for p in (info.name, info.backend if info.kind == "gpu" else "") if p)
+    where = f"{info.kind} ({inside})" if inside else info.kind
+    return f"{where}, {info.dtype}"

@@ -1,0 +1,18 @@
+"""Text from a model or a file made safe to print on a terminal.
+
+A reply may contain terminal control sequences (``ESC ] 0 ; title BEL`` retitles the
+window, ``ESC [ 31 m`` recolours it, C1 ``CSI`` 0x9B does the same in one byte). Printed
+raw, the model drives the user's terminal. :func:`printable` removes every C0 control
+character but newline and tab, DEL, and every C1 control character (ECMA-48), which
+leaves each sequence's introducer out and its remainder as harmless visible text.
+"""
+
+from __future__ import annotations
+
+_CONTROL = {c: None for c in (*range(0x00, 0x20), 0x7F, *range(0x80, 0xA0))}
+del _CONTROL[ord("\n")], _CONTROL[ord("\t")]
+
+
+def printable(text: str) -> str:
+    """``text`` without C0/C1 control characters (``\\n`` and ``\\t`` kept)."""
+    return text.translate(_CONTROL)
