@@ -217,13 +217,15 @@ class ChatScreen(Screen):
             self.set_class(self.panels_visible, "-panels")
 
     def _device(self) -> str:
-        # describe_device() (device + dtype) lands in core/models.py; the TUI never
-        # imports MLX, so it reads it through the engine when the engine offers it.
+        # core.device.describe_device() imports MLX, which the TUI never does: the CLI
+        # passes its line in; an engine that knows its loaded model's dtype wins.
         describe = getattr(self.tierchat.engine, "describe_device", None)
         try:
-            return str(describe()) if callable(describe) else ""
+            if callable(describe):
+                return str(describe())
         except Exception:  # noqa: BLE001 - a header detail, never a crash
-            return ""
+            pass
+        return str(getattr(self.tierchat, "device", "") or "")
 
     def _update_titles(self) -> None:
         app = self.tierchat
