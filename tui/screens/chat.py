@@ -529,7 +529,15 @@ class ChatScreen(Screen):
                 self.selected = len(views) - 1  # the cursor starts on the newest message
                 return
         current = len(views) - 1 if self.selected is None else self.selected
+        if current + delta < 0 and transcript.hidden:
+            self.run_worker(self._show_earlier(current + delta), group="earlier", exclusive=True)
+            return
         self.selected = max(0, min(len(views) - 1, current + delta))
+
+    async def _show_earlier(self, selected: int) -> None:
+        """Mount older messages and keep the cursor on the message above the old top."""
+        added = await self.query_one(Transcript).show_earlier()
+        self.selected = max(0, selected + added)
 
     def action_select_edge(self, last: int) -> None:
         views = self._views()

@@ -115,6 +115,8 @@ class TierPanel(Panel):
         yield self.gauge(f"{self.tier}-gauge")
         yield Static("", classes="line when-on", id=f"{self.tier}-size", markup=False)
         yield Static("", classes="line when-on", id=f"{self.tier}-counters", markup=False)
+        if self.tier == "hot":
+            yield Static("", classes="line when-on", id="hot-resident", markup=False)
 
     def show(self, stats: CacheStats) -> None:
         t: TierStats = getattr(stats, self.tier)
@@ -127,8 +129,15 @@ class TierPanel(Panel):
             f"{fmt_bytes(t.nbytes)} / {fmt_bytes(t.max_bytes)} · {fmt_count(t.entries)} {noun}"
         )
         if self.tier == "hot":
-            # hits count every hot entry used: blocks and MRU tails (core/api.py)
+            # hits count every hot entry used: blocks and MRU tails (core/api.py); the
+            # resident cache (the last request's, reused in place) is RAM too, counted apart
             counters = f"hits {t.hits} · misses {t.misses} · evicted {t.evictions}"
+            r = getattr(stats, "resident", None)
+            if r is not None:
+                self.query_one("#hot-resident", Static).update(
+                    f"resident {fmt_count(r.tokens)} tokens · {fmt_bytes(r.nbytes)} · "
+                    f"reused {r.hits}×"
+                )
         else:
             counters = (
                 f"hits {t.hits} · queue {t.queue_depth} · errors {t.errors} · drops {t.write_drops}"
