@@ -150,8 +150,8 @@ def main() -> None:
                 return [(i.node_id, i.index, i.count) for i in infos if i.role == "assistant"]
 
             assert replies(old_infos(session)) == replies(new_infos(session))
-            old = median_ms(lambda: old_infos(session), max(1, args.repeat // 3))
-            new = median_ms(lambda: new_infos(session), args.repeat)
+            old = median_ms(lambda s=session: old_infos(s), max(1, args.repeat // 3))
+            new = median_ms(lambda s=session: new_infos(s), args.repeat)
             mount, sync = asyncio.run(sync_ms(session, args.repeat))
             n = len(new_infos(session))
             print(
