@@ -227,10 +227,10 @@ def test_summary_line_and_rates_for_tiny_prefills():
     from tierchat.core.api import CacheStats, LastTurn
     from tierchat.tui.format import fmt_rate
 
-    assert cache_summary(None).startswith("cache: waiting")
+    assert cache_summary(None).startswith("cache (F2): waiting")
     stats = CacheStats(last_turn=LastTurn(prompt_tokens=100, cached_tokens=99, prefill_tokens=1))
-    assert "last 99/100 cached" in cache_summary(stats)
-    assert fmt_rate(1.2, 1) == "— (1 tok)" and fmt_rate(412.34, 400) == "412.3"
+    assert "last turn 99/100 cached" in cache_summary(stats)
+    assert fmt_rate(1.2, 1) == "— (1 token)" and fmt_rate(412.34, 400) == "412.3 tok/s"
 
 
 async def test_a_long_conversation_mounts_a_window_and_shows_earlier_on_demand(make_app, store):
@@ -260,7 +260,7 @@ async def test_narrow_summary_shows_the_last_turn(make_app):
     async with app.run_test(size=SIZE) as pilot:
         await send(pilot, "hello")
         summary = chat_screen(app).query_one(CacheSummary)
-        assert "cached" in str(summary.content) and "F2 panels" in str(summary.content)
+        assert "cached" in str(summary.content) and "(F2)" in str(summary.content)
 
 
 def test_conversation_settings_from_saved_values():

@@ -105,8 +105,8 @@ class ChatScreen(Screen):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "stop", "Stop", id="stop", priority=True),
         Binding("ctrl+r", "regenerate", "Regenerate", id="regenerate"),
-        Binding("alt+left", "swipe(-1)", "◀ Branch", id="swipe_prev"),
-        Binding("alt+right", "swipe(1)", "Branch ▶", id="swipe_next"),
+        Binding("alt+left", "swipe(-1)", "Prev branch", id="swipe_prev"),
+        Binding("alt+right", "swipe(1)", "Next branch", id="swipe_next"),
         Binding("alt+up", "select(-1)", "Messages", id="select_prev"),
         Binding("alt+down", "select(1)", "Select next", id="select_next", show=False),
         Binding("ctrl+n", "new_conversation", "New", id="new_conversation"),
@@ -461,7 +461,10 @@ class ChatScreen(Screen):
             self.notify(f"Saved for this conversation.{extra}", title="Settings")
 
         screen = ConversationSettingsScreen(
-            current, title, reuse_note=lambda system: self._reuse_note(system, current)
+            current,
+            title,
+            reuse_note=lambda system: self._reuse_note(system, current),
+            default_temperature=session.defaults.temperature,
         )
         self.app.push_screen(screen, done)
 

@@ -40,9 +40,11 @@ class ConversationSettingsScreen(ModalScreen[ConversationSettings | None]):
         settings: ConversationSettings,
         title: str,
         reuse_note: Callable[[str], str] | None = None,
+        default_temperature: float | None = None,
     ) -> None:
         super().__init__()
         self.settings = settings
+        self.default_temperature = default_temperature
         self.title_text = title
         self.reuse_note = reuse_note
 
@@ -63,9 +65,15 @@ class ConversationSettingsScreen(ModalScreen[ConversationSettings | None]):
                 yield Label("Seed (empty = unseeded)")
                 yield Input("" if s.seed is None else str(s.seed), id="seed", type="integer")
             yield Static("", id="error", markup=False)
+            default = (
+                f" · new conversations start at temperature {self.default_temperature:g} "
+                "(`temperature` in config.toml)"
+                if self.default_temperature is not None
+                else ""
+            )
             yield Static(
                 "Ctrl+S save · Esc cancel · at temperature > 0 each regenerate samples anew "
-                "(seed + reply number)",
+                f"(seed + reply number){default}",
                 classes="hint",
                 markup=False,
             )

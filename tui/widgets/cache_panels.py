@@ -264,7 +264,7 @@ class LastTurnPanel(Panel):
             "kind": fmt_cached_kind(lt.cached_kind),
             "prefilled": fmt_count(lt.prefill_tokens),
             "ttft": fmt_seconds(lt.ttft_s),
-            "prefill_tps": fmt_rate(lt.prefill_tps, lt.prefill_tokens) + " tok/s",
+            "prefill_tps": fmt_rate(lt.prefill_tps, lt.prefill_tokens),
             "decode_tps": f"{lt.generation_tps:.1f} tok/s",
         }
         if not lt.prompt_tokens:
@@ -311,23 +311,23 @@ class EventsPanel(Panel):
 
 
 def cache_summary(stats: CacheStats | None) -> str:
-    """The panels in one line, for narrow terminals: model state, hot and SSD use, tail
-    hit rate and the last turn's reuse."""
+    """The panels in one line, for narrow terminals: hot and SSD use, tail hit rate, the
+    last turn's reuse and TTFT, memory pressure."""
     if stats is None:
-        return "cache: waiting for the engine…"
+        return "cache (F2): waiting for the engine…"
     if stats.supported is False or not stats.enabled:
-        return f"cache off · {stats.reason or 'caching disabled'} · F2 details"
+        return f"cache (F2): off · {stats.reason or 'caching disabled'}"
     lt = stats.last_turn
     last = (
-        f"last {fmt_count(lt.cached_tokens)}/{fmt_count(lt.prompt_tokens)} cached "
-        f"· TTFT {fmt_seconds(lt.ttft_s)}"
+        f"last turn {fmt_count(lt.cached_tokens)}/{fmt_count(lt.prompt_tokens)} cached, "
+        f"TTFT {fmt_seconds(lt.ttft_s)}"
         if lt.prompt_tokens
         else "no turn yet"
     )
     return (
-        f"hot {fmt_bytes(stats.hot.nbytes)} ({stats.hot.entries}) · "
-        f"SSD {fmt_bytes(stats.ssd.nbytes)} ({stats.ssd.entries}) · "
-        f"tails {stats.tails.hit_rate:.0%} · {last} · mem {stats.memory.level} · F2 panels"
+        f"cache (F2): {last} · hot {fmt_bytes(stats.hot.nbytes)}/{stats.hot.entries} · "
+        f"SSD {fmt_bytes(stats.ssd.nbytes)}/{stats.ssd.entries} · "
+        f"tails {stats.tails.hit_rate:.0%} hit · memory {stats.memory.level}"
     )
 
 

@@ -337,12 +337,12 @@ class Transcript(VerticalScroll):
     """
 
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("up,k", "screen.select(-1)", "↑ Message", id="msg_up"),
-        Binding("down,j", "screen.select(1)", "↓ Message", id="msg_down"),
+        Binding("up,k", "screen.select(-1)", "Up", id="msg_up"),
+        Binding("down,j", "screen.select(1)", "Down", id="msg_down"),
         Binding("home", "screen.select_edge(0)", "First", id="msg_first", show=False),
         Binding("end", "screen.select_edge(1)", "Last", id="msg_last", show=False),
-        Binding("left,h", "screen.swipe(-1)", "◀ Branch", id="msg_prev_branch"),
-        Binding("right,l", "screen.swipe(1)", "Branch ▶", id="msg_next_branch"),
+        Binding("left,h", "screen.swipe(-1)", "Prev branch", id="msg_prev_branch"),
+        Binding("right,l", "screen.swipe(1)", "Next branch", id="msg_next_branch"),
         Binding("e", "screen.edit", "Edit", id="edit"),
         Binding("r", "screen.regenerate", "Regenerate", id="msg_regenerate", show=False),
         Binding("f", "screen.fork", "Fork", id="fork"),
