@@ -210,7 +210,7 @@ def run_tui(settings: Any) -> int:
     store = open_store(settings.db_path)
     engine = Engine(settings)
     try:
-        run_app(engine, store, settings, device=_device_line())
+        run_app(engine, store, settings)
     finally:
         engine.close()
         store.close()

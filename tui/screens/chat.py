@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, TypeVar
@@ -217,15 +218,24 @@ class ChatScreen(Screen):
             self.set_class(self.panels_visible, "-panels")
 
     def _device(self) -> str:
-        # core.device.describe_device() imports MLX, which the TUI never does: the CLI
-        # passes its line in; an engine that knows its loaded model's dtype wins.
+        """The device and compute dtype for the header ("gpu (…, metal), bfloat16").
+
+        ``core.device`` imports MLX, which the TUI never does itself: the line is read
+        only when MLX is already loaded (by the real engine); the app's ``device`` (given
+        by a caller) or an engine's own ``describe_device()`` take precedence."""
         describe = getattr(self.tierchat.engine, "describe_device", None)
+        given = str(getattr(self.tierchat, "device", "") or "")
         try:
             if callable(describe):
                 return str(describe())
+            real = type(self.tierchat.engine).__module__.startswith("tierchat.core")
+            if not given and real and "mlx.core" in sys.modules:
+                from tierchat.core.device import describe_device
+
+                given = describe_device()
         except Exception:  # noqa: BLE001 - a header detail, never a crash
             pass
-        return str(getattr(self.tierchat, "device", "") or "")
+        return given
 
     def _update_titles(self) -> None:
         app = self.tierchat
