@@ -1,50 +1,102 @@
 """``tierchat cache stats [--json]`` and ``tierchat cache clear hot|ssd|tails|all``.
 
-Both load the model (``--model``, default from the settings): block ids and the SSD
-directory are salted with the model's fingerprint, so the cache of one model is only
+When a tierchat TUI runs on the same cache directory, both talk to it (its status file
+and request folder, ``tierchat.tui.live_status``): ``stats`` shows the running app's
+figures -- its hot tier, tails and counters live only in its process -- and says so;
+``clear`` asks the app to clear the tier through its own engine, so its panels stay
+right, and prints what it removed.
+
+Otherwise both load the model (``--model``, default from the settings): block ids and the
+SSD directory are salted with the model's fingerprint, so the cache of one model is only
 reachable through that model. ``stats`` of a fresh process shows the SSD tier (its index
 is rebuilt from file headers at start); the hot tier and tails live in one process only.
+
+Sizes print in binary units (KiB, MiB, GiB: ``tierchat.tui.format.fmt_bytes``, the one
+byte formatter); ``--json`` keeps raw byte counts.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import fields, is_dataclass
 from typing import Any
 
-from .common import EXIT_OK, plain, start_engine, table
+from tierchat.tui.format import fmt_bytes
+from tierchat.tui.live_status import read_status, request_clear, wait_cleared
+
+from .common import EXIT_FAILED, EXIT_OK, CLIError, plain, start_engine, table
+
+BYTE_FIELDS = ("nbytes", "max_bytes", "peak_memory_bytes", "restore_bytes")
+MEMORY_BYTE_FIELDS = ("active", "peak", "cache", "limit", "device_total", "system_total")
+MEMORY_BYTE_FIELDS += ("system_available",)
+CLEAR_TIMEOUT_S = 10.0
 
 
 def flatten(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    """``(dotted.name, value)`` for every leaf field of a (nested) dataclass snapshot."""
+    """``(dotted.name, value)`` for every leaf of a (nested) dataclass snapshot or of its
+    plain-JSON form (dicts)."""
+    if is_dataclass(obj) and not isinstance(obj, type):
+        items = [(f.name, getattr(obj, f.name)) for f in fields(obj)]
+    else:
+        items = list(obj.items())
     rows: list[tuple[str, Any]] = []
-    for f in fields(obj):
-        value = getattr(obj, f.name)
-        name = f"{prefix}{f.name}"
-        if is_dataclass(value):
+    for key, value in items:
+        name = f"{prefix}{key}"
+        if key == "events":
+            rows.append((name, len(value)))
+        elif (is_dataclass(value) and not isinstance(value, type)) or (
+            isinstance(value, dict) and key not in ("cached_by", "cached_kind")
+        ):
             rows.extend(flatten(value, name + "."))
         elif isinstance(value, dict):
             rows.extend((f"{name}.{k}", v) for k, v in value.items())
-        elif f.name == "events":
-            rows.append((name, len(value)))
-        elif isinstance(value, tuple):
+        elif isinstance(value, (tuple, list)):
             rows.append((name, ", ".join(map(str, value)) or "-"))
         else:
             rows.append((name, value))
     return rows
 
 
+def is_bytes(name: str) -> bool:
+    leaf = name.rsplit(".", 1)[-1]
+    return leaf in BYTE_FIELDS or (name.startswith("memory.") and leaf in MEMORY_BYTE_FIELDS)
+
+
+def stats_rows(stats: Any) -> list[tuple[str, Any]]:
+    """The table of ``cache stats``: byte fields in binary units, "" as "-"."""
+    out = []
+    for name, value in flatten(stats):
+        if isinstance(value, int) and not isinstance(value, bool) and is_bytes(name):
+            value = fmt_bytes(value)
+        out.append((name, "-" if value == "" else value))
+    return out
+
+
+def _events(stats: Any) -> list[str]:
+    events = stats["events"] if isinstance(stats, dict) else stats.events
+    return [text for _, text in events]
+
+
+def _print_stats(stats: Any, as_json: bool, source: dict[str, Any]) -> None:
+    if as_json:
+        data = plain(stats)
+        data["source"] = source
+        print(json.dumps(data, indent=2))
+        return
+    print(table(stats_rows(stats)))
+    for text in _events(stats):
+        print(f"event: {text}")
+
+
 def run_cache(settings: Any, action: str, args: Any) -> int:
+    live = read_status(settings.cache_dir)
+    if live is not None:
+        return _run_live(settings, action, args, live)
     engine = start_engine(settings)
     try:
         if action == "stats":
-            stats = engine.stats()
-            if getattr(args, "json", False):
-                print(json.dumps(plain(stats), indent=2))
-            else:
-                print(table([(k, "-" if v == "" else v) for k, v in flatten(stats)]))
-                for _, text in stats.events:
-                    print(f"event: {text}")
+            _print_stats(engine.stats(), getattr(args, "json", False), {"process": "this"})
             return EXIT_OK
         before = engine.stats()
         engine.clear(args.tier)
@@ -58,3 +110,26 @@ def run_cache(settings: Any, action: str, args: Any) -> int:
         return EXIT_OK
     finally:
         engine.close()
+
+
+def _run_live(settings: Any, action: str, args: Any, live: dict[str, Any]) -> int:
+    pid, model = live.get("pid"), live.get("model") or "no model"
+    age = max(0.0, time.time() - float(live.get("written_at", 0)))
+    where = f"the running tierchat TUI (pid {pid}, model {model})"
+    if action == "stats":
+        as_json = getattr(args, "json", False)
+        if not as_json:
+            print(f"live figures from {where}, updated {age:.1f} s ago")
+        source = {"process": "tui", "pid": pid, "written_at": live.get("written_at")}
+        _print_stats(live["stats"], as_json, source)
+        return EXIT_OK
+    rid = request_clear(settings.cache_dir, args.tier)
+    served = wait_cleared(settings.cache_dir, rid, timeout_s=CLEAR_TIMEOUT_S)
+    if served is None:
+        raise CLIError(
+            f"{where} did not answer the clear request in {CLEAR_TIMEOUT_S:.0f} s; "
+            "nothing was cleared (quit it, or clear from its F5-F8 keys)",
+            EXIT_FAILED,
+        )
+    print(f"cleared {args.tier} in {where}: {served['report']}")
+    return EXIT_FAILED if str(served["report"]).startswith("failed") else EXIT_OK

@@ -549,10 +549,19 @@ class ConversationStore:
             FROM path WHERE path.id IS NOT NULL
         )
         SELECT {", ".join("n." + c.strip() for c in _NODE_COLUMNS.split(","))},
-            (SELECT count(*) FROM nodes s WHERE s.conversation_id = n.conversation_id
-               AND s.parent_id IS n.parent_id AND s.role = n.role AND s.id < n.id),
-            (SELECT count(*) FROM nodes s WHERE s.conversation_id = n.conversation_id
-               AND s.parent_id IS n.parent_id AND s.role = n.role)
+            CASE WHEN n.parent_id IS NULL THEN
+                (SELECT count(*) FROM nodes s WHERE s.conversation_id = n.conversation_id
+                   AND s.parent_id IS NULL AND s.role = n.role AND s.id < n.id)
+            ELSE
+                (SELECT count(*) FROM nodes s
+                 WHERE s.parent_id = n.parent_id AND s.role = n.role AND s.id < n.id)
+            END,
+            CASE WHEN n.parent_id IS NULL THEN
+                (SELECT count(*) FROM nodes s WHERE s.conversation_id = n.conversation_id
+                   AND s.parent_id IS NULL AND s.role = n.role)
+            ELSE
+                (SELECT count(*) FROM nodes s WHERE s.parent_id = n.parent_id AND s.role = n.role)
+            END
         FROM path JOIN nodes n ON n.id = path.id
         ORDER BY path.depth
         """

@@ -184,9 +184,9 @@ class ChatSession:
         saved = self.store.conversation_settings(cid)
         defaults = self.defaults
         if "system" not in saved:
-            roots = self.store.active_path_entries(cid)[:1]
-            if roots and roots[0].node.role == "system":
-                defaults = dataclasses.replace(defaults, system=roots[0].node.content)
+            root = self.store.selected_child(None, cid)
+            if root is not None and root.role == "system":
+                defaults = dataclasses.replace(defaults, system=root.content)
         return ConversationSettings.from_dict(saved, defaults)
 
     def save_settings(self, settings: ConversationSettings) -> None:

@@ -8,7 +8,11 @@ The store and the KV cache live in a temporary directory, so every run starts co
 your conversations are untouched; converted models are reused from the user cache dir.
 PNGs are written with ``cairosvg`` when importable, else ``rsvg-convert`` when on PATH.
 
-States: the empty app; a three-way swipe; the panels after cache hits; the clear-confirm
+Every state is shot at 200×50 (``<state>.svg``: panels beside the chat) and at 100×30
+(``<state>-100x30.svg``: the panels fold into a one-line summary; F2 shows them).
+
+States: the empty app; a three-way swipe; the panels after cache hits; an edited message
+with its branches under the message cursor; the conversation settings; the clear-confirm
 modal; the command palette; the panels of a model the cache cannot handle (always the
 fake engine with ``supported=False``: every real model family is supported); an error
 notification (a failed model load).
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SIZE = (140, 44)
+SIZES: dict[str, tuple[int, int]] = {"": (200, 50), "-100x30": (100, 30)}
 FIXED_EPOCH = 1_767_225_600.0  # 2026-01-01 00:00 UTC: stable timestamps in the list
 
 
@@ -100,6 +104,32 @@ async def panels_after_hits(pilot, t):
     await pilot.press("ctrl+r")
 
 
+async def branches(pilot, t):
+    await send(pilot, "What is a KV cache? One line.", t)
+    await send(pilot, "And a prefix cache?", t)
+    await pilot.press("escape", "up", "e")  # the message cursor: edit the last question
+    await pilot.pause(0.2)
+    pilot.app.screen.query_one("#edit-area").load_text("And a radix tree, as in SGLang?")
+    await pilot.press("ctrl+s")
+    await settle(pilot, t)
+    await pilot.press("escape", "up")  # the cursor on the edited message: ◀ 2/2 ▶
+
+
+async def settings_dialog(pilot, t):
+    await send(pilot, "Hello", t)
+    await pilot.press("f9")
+    await pilot.pause(0.2)
+    pilot.app.screen.query_one("#system").load_text("Answer in one short line.")
+    pilot.app.screen.query_one("#temperature").value = "0.7"
+
+
+async def panels_narrow(pilot, t):
+    await panels_after_hits(pilot, t)
+    await settle(pilot, t)
+    if pilot.app.size.width < 140:
+        await pilot.press("f2")  # narrow: the panels in place of the conversation list
+
+
 async def clear_confirm(pilot, t):
     await send(pilot, "Fill the cache a little.", t)
     await settle(pilot, t)
@@ -136,12 +166,16 @@ class State:
     supported: bool = True
     modal: bool = False
     toasts: bool = False
+    sizes: tuple[str, ...] = tuple(SIZES)
 
 
 STATES: tuple[State, ...] = (
     State("empty", empty),
     State("three-way-swipe", three_way_swipe),
     State("panels-after-hits", panels_after_hits),
+    State("panels-shown", panels_narrow, sizes=("-100x30",)),
+    State("branches", branches),
+    State("settings", settings_dialog, modal=True),
     State("clear-confirm", clear_confirm, modal=True),
     State("command-palette", command_palette, modal=True),
     State("unsupported-model", unsupported_model, supported=False),
@@ -149,7 +183,7 @@ STATES: tuple[State, ...] = (
 )
 
 
-async def shoot(state: State, args, out: Path) -> Path:
+async def shoot(state: State, args, out: Path, suffix: str) -> Path:
     from tierchat.core.conversation import ConversationStore
     from tierchat.tui.app import TierchatApp
 
@@ -160,7 +194,7 @@ async def shoot(state: State, args, out: Path) -> Path:
         app = TierchatApp(engine, store, settings, clock=lambda: 0.0)
         app.animation_level = "none"
         try:
-            async with app.run_test(size=SIZE, notifications=True) as pilot:
+            async with app.run_test(size=SIZES[suffix], notifications=True) as pilot:
                 await settle(pilot, args.timeout)
                 app.clear_notifications()
                 await state.steps(pilot, args.timeout)
@@ -173,7 +207,7 @@ async def shoot(state: State, args, out: Path) -> Path:
         finally:
             engine.close()
             store.close()
-    path = out / f"{state.name}.svg"
+    path = out / f"{state.name}{suffix}.svg"
     path.write_text(svg, encoding="utf-8")
     return path
 
@@ -206,10 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     for state in STATES:
         if args.only and state.name not in args.only:
             continue
-        svg = asyncio.run(shoot(state, args, args.out))
-        png = to_png(svg) if converter else None
-        converter = converter and png is not None
-        print(svg, png.name if png else "")
+        for suffix in state.sizes:
+            svg = asyncio.run(shoot(state, args, args.out, suffix))
+            png = to_png(svg) if converter else None
+            converter = converter and png is not None
+            print(svg, png.name if png else "")
     if not converter:
         print("no SVG -> PNG converter (pip install cairosvg, or apt install librsvg2-bin)")
     return 0

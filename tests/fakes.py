@@ -157,6 +157,11 @@ class FakeEngine:
             and rates are measured with it; a fixed clock gives 0.0 everywhere.
         token_delay_s: sleep between token batches (for watching a stream in the TUI).
         batch_size: tokens per ``TokenBatch``.
+        reasoning: when set, every reply starts with ``<think>reasoning</think>`` (a
+            reasoning model's shape).
+
+    A cancel seen before the first token (during "prefill") ends the request with
+    ``Failed(kind="cancelled")``, as the real engine does.
 
     Test switches: ``fail_next`` (a message: the next submit or load emits ``Failed``),
     ``gate`` (a ``threading.Event``; clear it to hold decode after the first batch),
@@ -177,6 +182,7 @@ class FakeEngine:
         generation_tps: float = 40.0,
         token_delay_s: float = 0.0,
         batch_size: int = 4,
+        reasoning: str | None = None,
     ) -> None:
         self.model_name = model_name
         self.supported = supported
@@ -189,6 +195,7 @@ class FakeEngine:
         self.generation_tps = generation_tps
         self.token_delay_s = token_delay_s
         self.batch_size = batch_size
+        self.reasoning = reasoning
         self.block_nbytes = block_size * 4096  # modelled KV bytes per block
         self.fail_next: str | None = None
         self.gate = threading.Event()
@@ -429,7 +436,8 @@ class FakeEngine:
     def _reply_text(self, prompt: tuple[int, ...]) -> str:
         text = self._tokenizer.decode(prompt)
         users = _LAST_USER_RE.findall(text)
-        return f"Reply {self._submits} to: {users[-1] if users else ''}"
+        reply = f"Reply {self._submits} to: {users[-1] if users else ''}"
+        return f"<think>{self.reasoning}</think>{reply}" if self.reasoning else reply
 
     def _generate(self, request: GenerateRequest, handle: RequestHandle) -> None:
         prompt = tuple(request.prompt_ids)
@@ -447,6 +455,9 @@ class FakeEngine:
         cached = sum(cached_by.values())
         prefill = len(prompt) - cached
         handle.emit(PrefillProgress(0, prefill, 0.0))
+        if handle.cancelled:
+            handle.emit(Failed("cancelled during prefill", "cancelled"))
+            return
         handle.emit(PrefillProgress(prefill, prefill, self.prefill_tps))
         t1 = self.clock() if self.clock else 0.0
 

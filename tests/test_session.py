@@ -202,7 +202,8 @@ def test_cancel_before_any_token_stores_nothing(session, engine):
     engine.gate.set()
     blocker.wait(TIMEOUT)
     result = turn.wait(TIMEOUT)
-    assert result.metrics.finish_reason == "cancelled" and result.token_ids == ()
+    # cancelled before the first token: the engine says so (as the real one does)
+    assert isinstance(result, Failed) and result.kind == "cancelled"
     assert turn.reply_node is None
     assert session.active_path() == before
 

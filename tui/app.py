@@ -7,6 +7,7 @@ engine. Nothing here imports MLX: the engine arrives as an ``EngineLike``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, ClassVar
 
 from textual.app import App
@@ -24,6 +25,8 @@ from tierchat.tui.widgets.chat_input import ChatInput
 from tierchat.tui.widgets.conversation_list import ConversationList
 from tierchat.tui.widgets.transcript import Transcript
 
+HERE = Path(__file__).resolve().parent
+
 
 class TierchatApp(App[None]):
     """Chat with a local model and watch its prefix KV cache.
@@ -35,11 +38,14 @@ class TierchatApp(App[None]):
         clock: a ``textual.clock.Clock`` or a ``() -> seconds`` callable for the progress
             bars; tests pass a fixed one so frames do not depend on wall time.
         session: a ready ``ChatSession``; by default one is built from the settings.
+        device: the device and compute dtype for the header ("gpu (…, metal), bfloat16");
+            the CLI passes ``core.device.describe_device()`` (the TUI never imports MLX).
     """
 
     # The default screen's CSS_PATH is not read for a screen from get_default_screen()
     # (Textual 8 loads screen CSS on push/install only), so the app reads it.
-    CSS_PATH: ClassVar = ["app.tcss", "screens/chat.tcss"]
+    # Absolute: a relative CSS_PATH resolves against a *subclass's* file.
+    CSS_PATH: ClassVar = [HERE / "app.tcss", HERE / "screens" / "chat.tcss"]
     TITLE = "tierchat"
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("ctrl+q", "quit", "Quit", id="quit", priority=True),
@@ -54,8 +60,10 @@ class TierchatApp(App[None]):
         clock: Clock | Callable[[], float] | None = None,
         *,
         session: Any = None,
+        device: str = "",
     ) -> None:
         super().__init__()
+        self.device = device
         self.engine = engine
         self.store = store
         self.settings = settings
@@ -133,10 +141,10 @@ def binding_ids() -> list[str]:
     return [b.id for _, owner in BINDING_OWNERS for b in _bindings(owner) if b.id]
 
 
-def run_app(engine: EngineLike, store: Any, settings: Any) -> None:
+def run_app(engine: EngineLike, store: Any, settings: Any, *, device: str = "") -> None:
     """Run the TUI until the user quits. The caller owns (and closes) engine and store.
 
     When ``engine.model_name`` is empty the app loads ``settings.model`` itself, showing
-    the engine's ``ModelLoading`` progress.
+    the engine's ``ModelLoading`` progress. ``device`` is shown in the header.
     """
-    TierchatApp(engine, store, settings).run()
+    TierchatApp(engine, store, settings, device=device).run()

@@ -99,10 +99,10 @@ MIN_RATE_TOKENS = 16
 
 
 def fmt_rate(tps: float, tokens: int) -> str:
-    """``"412.3"`` (tok/s), or ``"— (1 tok)"`` when too few tokens were timed."""
+    """``"412.3 tok/s"``, or ``"— (1 token)"`` when too few tokens were timed."""
     if tokens < MIN_RATE_TOKENS:
-        return f"— ({tokens} tok)"
-    return f"{tps:.1f}"
+        return f"— ({tokens} token{'' if tokens == 1 else 's'})"
+    return f"{tps:.1f} tok/s"
 
 
 def fmt_metrics(m: TurnMetrics) -> str:

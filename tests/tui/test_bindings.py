@@ -72,6 +72,23 @@ async def test_send_streams_a_reply_and_stores_it(make_app, store):
         assert chat_screen(app).query_one(ChatInput).text == ""
 
 
+async def test_send_waits_for_keys_already_queued_for_the_input(make_app, engine):
+    """Text + Enter in one terminal read: the app reads Enter (a priority binding) while
+    the characters before it still wait in the input's queue. Send must see them."""
+    from textual import events
+
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        box = chat_screen(app).query_one(ChatInput)
+        for ch in "hi":
+            box.post_message(events.Key(ch, ch))  # forwarded to the input, not yet handled
+        box.action_send()  # what the Enter binding runs, before the input got to them
+        await settle(pilot)
+        assert shown(app)[0] == ("user", "hi")
+        assert [r.prompt_ids for r in engine.requests]
+
+
 async def test_enter_on_empty_input_sends_nothing(make_app, engine):
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:

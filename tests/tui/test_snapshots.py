@@ -95,3 +95,32 @@ def test_error_notification(snap_compare, make_app, engine):
         await pilot.pause()
 
     assert snap_compare(make_app(), terminal_size=SNAP_SIZE, run_before=run_before)
+
+
+NARROW = (100, 30)
+
+
+def test_narrow_terminal_summary_and_user_branches(snap_compare, make_app):
+    """100×30: the panels fold into a summary line; an edited message shows ◀ 2/2 ▶."""
+
+    async def run_before(pilot):
+        await send(pilot, "What is a KV cache?")
+        await pilot.press("escape", "up", "e")
+        pilot.app.screen.query_one("#edit-area").load_text("What is a prefix cache?")
+        await pilot.press("ctrl+s")
+        await settle(pilot)
+        await pilot.press("escape", "home")
+        await quiet(pilot)
+
+    assert snap_compare(make_app(), terminal_size=NARROW, run_before=run_before)
+
+
+def test_conversation_settings_dialog(snap_compare, make_app):
+    async def run_before(pilot):
+        await send(pilot, "Hello")
+        await pilot.press("f9")
+        await pilot.pause()
+        pilot.app.screen.query_one("#system").load_text("Answer in one short line.")
+        await pilot.pause()
+
+    assert snap_compare(make_app(), terminal_size=SNAP_SIZE, run_before=run_before)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, TypeVar
@@ -105,8 +106,8 @@ class ChatScreen(Screen):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "stop", "Stop", id="stop", priority=True),
         Binding("ctrl+r", "regenerate", "Regenerate", id="regenerate"),
-        Binding("alt+left", "swipe(-1)", "◀ Branch", id="swipe_prev"),
-        Binding("alt+right", "swipe(1)", "Branch ▶", id="swipe_next"),
+        Binding("alt+left", "swipe(-1)", "Prev branch", id="swipe_prev"),
+        Binding("alt+right", "swipe(1)", "Next branch", id="swipe_next"),
         Binding("alt+up", "select(-1)", "Messages", id="select_prev"),
         Binding("alt+down", "select(1)", "Select next", id="select_next", show=False),
         Binding("ctrl+n", "new_conversation", "New", id="new_conversation"),
@@ -217,13 +218,24 @@ class ChatScreen(Screen):
             self.set_class(self.panels_visible, "-panels")
 
     def _device(self) -> str:
-        # describe_device() (device + dtype) lands in core/models.py; the TUI never
-        # imports MLX, so it reads it through the engine when the engine offers it.
+        """The device and compute dtype for the header ("gpu (…, metal), bfloat16").
+
+        ``core.device`` imports MLX, which the TUI never does itself: the line is read
+        only when MLX is already loaded (by the real engine); the app's ``device`` (given
+        by a caller) or an engine's own ``describe_device()`` take precedence."""
         describe = getattr(self.tierchat.engine, "describe_device", None)
+        given = str(getattr(self.tierchat, "device", "") or "")
         try:
-            return str(describe()) if callable(describe) else ""
+            if callable(describe):
+                return str(describe())
+            real = type(self.tierchat.engine).__module__.startswith("tierchat.core")
+            if not given and real and "mlx.core" in sys.modules:
+                from tierchat.core.device import describe_device
+
+                given = describe_device()
         except Exception:  # noqa: BLE001 - a header detail, never a crash
-            return ""
+            pass
+        return given
 
     def _update_titles(self) -> None:
         app = self.tierchat
@@ -459,7 +471,10 @@ class ChatScreen(Screen):
             self.notify(f"Saved for this conversation.{extra}", title="Settings")
 
         screen = ConversationSettingsScreen(
-            current, title, reuse_note=lambda system: self._reuse_note(system, current)
+            current,
+            title,
+            reuse_note=lambda system: self._reuse_note(system, current),
+            default_temperature=session.defaults.temperature,
         )
         self.app.push_screen(screen, done)
 
@@ -524,10 +539,18 @@ class ChatScreen(Screen):
         if not transcript.has_focus:
             transcript.focus()
             if self.selected is None:
-                self.selected = len(views) - 1 if delta < 0 else 0
+                self.selected = len(views) - 1  # the cursor starts on the newest message
                 return
         current = len(views) - 1 if self.selected is None else self.selected
+        if current + delta < 0 and transcript.hidden:
+            self.run_worker(self._show_earlier(current + delta), group="earlier", exclusive=True)
+            return
         self.selected = max(0, min(len(views) - 1, current + delta))
+
+    async def _show_earlier(self, selected: int) -> None:
+        """Mount older messages and keep the cursor on the message above the old top."""
+        added = await self.query_one(Transcript).show_earlier()
+        self.selected = max(0, selected + added)
 
     def action_select_edge(self, last: int) -> None:
         views = self._views()

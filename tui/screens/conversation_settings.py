@@ -10,12 +10,14 @@ system prompt is a new prefix, so the next turn prefills the whole conversation 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar
 
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Grid, Vertical
+from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Static, TextArea
 from tierchat.core.session import ConversationSettings
@@ -38,9 +40,11 @@ class ConversationSettingsScreen(ModalScreen[ConversationSettings | None]):
         settings: ConversationSettings,
         title: str,
         reuse_note: Callable[[str], str] | None = None,
+        default_temperature: float | None = None,
     ) -> None:
         super().__init__()
         self.settings = settings
+        self.default_temperature = default_temperature
         self.title_text = title
         self.reuse_note = reuse_note
 
@@ -61,9 +65,15 @@ class ConversationSettingsScreen(ModalScreen[ConversationSettings | None]):
                 yield Label("Seed (empty = unseeded)")
                 yield Input("" if s.seed is None else str(s.seed), id="seed", type="integer")
             yield Static("", id="error", markup=False)
+            default = (
+                f" · new conversations start at temperature {self.default_temperature:g} "
+                "(`temperature` in config.toml)"
+                if self.default_temperature is not None
+                else ""
+            )
             yield Static(
                 "Ctrl+S save · Esc cancel · at temperature > 0 each regenerate samples anew "
-                "(seed + reply number)",
+                f"(seed + reply number){default}",
                 classes="hint",
                 markup=False,
             )
@@ -110,7 +120,17 @@ class ConversationSettingsScreen(ModalScreen[ConversationSettings | None]):
         system = self.query_one("#system", TextArea).text.strip()
         return ConversationSettings(system, temperature, top_p, max_tokens, seed).checked()
 
+    @dataclass
+    class SaveRequest(Message):
+        """Queued behind the keys the focused widget has not handled yet."""
+
     def action_save(self) -> None:
+        # a priority key runs as it is read: let typed characters land first
+        (self.focused or self).post_message(self.SaveRequest())
+
+    @on(SaveRequest)
+    def _save(self, event: SaveRequest) -> None:
+        event.stop()
         try:
             settings = self.read()
         except ValueError as e:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical
+from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import Input, Static, TextArea
 
@@ -69,7 +71,18 @@ class EditMessageScreen(ModalScreen[str | None]):
         area.cursor_blink = not self.app.is_headless
         area.focus()
 
+    @dataclass
+    class SaveRequest(Message):
+        """Queued behind the keys the focused widget has not handled yet."""
+
     def action_save(self) -> None:
+        # Ctrl+S is a priority binding, run as the key is read; characters typed just
+        # before it are still in the TextArea's queue. Save once they are in.
+        (self.focused or self).post_message(self.SaveRequest())
+
+    @on(SaveRequest)
+    def _save(self, event: SaveRequest) -> None:
+        event.stop()
         text = self.query_one(TextArea).text.strip()
         self.dismiss(text or None)
 

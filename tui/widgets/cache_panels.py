@@ -115,6 +115,8 @@ class TierPanel(Panel):
         yield self.gauge(f"{self.tier}-gauge")
         yield Static("", classes="line when-on", id=f"{self.tier}-size", markup=False)
         yield Static("", classes="line when-on", id=f"{self.tier}-counters", markup=False)
+        if self.tier == "hot":
+            yield Static("", classes="line when-on", id="hot-resident", markup=False)
 
     def show(self, stats: CacheStats) -> None:
         t: TierStats = getattr(stats, self.tier)
@@ -127,8 +129,15 @@ class TierPanel(Panel):
             f"{fmt_bytes(t.nbytes)} / {fmt_bytes(t.max_bytes)} · {fmt_count(t.entries)} {noun}"
         )
         if self.tier == "hot":
-            # hits count every hot entry used: blocks and MRU tails (core/api.py)
+            # hits count every hot entry used: blocks and MRU tails (core/api.py); the
+            # resident cache (the last request's, reused in place) is RAM too, counted apart
             counters = f"hits {t.hits} · misses {t.misses} · evicted {t.evictions}"
+            r = getattr(stats, "resident", None)
+            if r is not None:
+                self.query_one("#hot-resident", Static).update(
+                    f"resident {fmt_count(r.tokens)} tokens · {fmt_bytes(r.nbytes)} · "
+                    f"reused {r.hits}×"
+                )
         else:
             counters = (
                 f"hits {t.hits} · queue {t.queue_depth} · errors {t.errors} · drops {t.write_drops}"
@@ -255,7 +264,7 @@ class LastTurnPanel(Panel):
             "kind": fmt_cached_kind(lt.cached_kind),
             "prefilled": fmt_count(lt.prefill_tokens),
             "ttft": fmt_seconds(lt.ttft_s),
-            "prefill_tps": fmt_rate(lt.prefill_tps, lt.prefill_tokens) + " tok/s",
+            "prefill_tps": fmt_rate(lt.prefill_tps, lt.prefill_tokens),
             "decode_tps": f"{lt.generation_tps:.1f} tok/s",
         }
         if not lt.prompt_tokens:
@@ -302,23 +311,23 @@ class EventsPanel(Panel):
 
 
 def cache_summary(stats: CacheStats | None) -> str:
-    """The panels in one line, for narrow terminals: model state, hot and SSD use, tail
-    hit rate and the last turn's reuse."""
+    """The panels in one line, for narrow terminals: hot and SSD use, tail hit rate, the
+    last turn's reuse and TTFT, memory pressure."""
     if stats is None:
-        return "cache: waiting for the engine…"
+        return "cache (F2): waiting for the engine…"
     if stats.supported is False or not stats.enabled:
-        return f"cache off · {stats.reason or 'caching disabled'} · F2 details"
+        return f"cache (F2): off · {stats.reason or 'caching disabled'}"
     lt = stats.last_turn
     last = (
-        f"last {fmt_count(lt.cached_tokens)}/{fmt_count(lt.prompt_tokens)} cached "
-        f"· TTFT {fmt_seconds(lt.ttft_s)}"
+        f"last turn {fmt_count(lt.cached_tokens)}/{fmt_count(lt.prompt_tokens)} cached, "
+        f"TTFT {fmt_seconds(lt.ttft_s)}"
         if lt.prompt_tokens
         else "no turn yet"
     )
     return (
-        f"hot {fmt_bytes(stats.hot.nbytes)} ({stats.hot.entries}) · "
-        f"SSD {fmt_bytes(stats.ssd.nbytes)} ({stats.ssd.entries}) · "
-        f"tails {stats.tails.hit_rate:.0%} · {last} · mem {stats.memory.level} · F2 panels"
+        f"cache (F2): {last} · hot {fmt_bytes(stats.hot.nbytes)}/{stats.hot.entries} · "
+        f"SSD {fmt_bytes(stats.ssd.nbytes)}/{stats.ssd.entries} · "
+        f"tails {stats.tails.hit_rate:.0%} hit · memory {stats.memory.level}"
     )
 
 

@@ -16,10 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from textual import events
+from textual import events, on
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical, VerticalScroll
+from textual.events import Click
 from textual.widgets import Collapsible, Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 from tierchat.core.api import TurnMetrics
@@ -138,7 +139,7 @@ class MessageView(Vertical):
     MessageView.-streaming { border-left: outer $accent; }
     MessageView > .role { height: 1; color: $text-muted; text-style: bold; }
     MessageView > Markdown { margin: 0; padding: 0; background: transparent; }
-    MessageView > Markdown > *:last-child { margin-bottom: 0; }
+    .message-body > MarkdownBlock:last-child { margin-bottom: 0; }
     MessageView > .metrics { height: auto; color: $text-muted; }
     MessageView > Collapsible {
         background: transparent; border: none; padding: 0; margin: 0;
@@ -167,7 +168,9 @@ class MessageView(Vertical):
         reasoning, answer, closed = self._parts(self.info.content)
         if reasoning is not None:
             yield self._think_box(reasoning, closed)
-        yield Markdown(answer or ("…" if self.has_class("-streaming") else ""))
+        yield Markdown(
+            answer or ("…" if self.has_class("-streaming") else ""), classes="message-body"
+        )
         if self.info.role in ("user", "assistant"):
             yield BranchBar(self.info.node_id, classes="branch-bar")
         if self.info.role == "assistant":
@@ -303,6 +306,21 @@ class MessageView(Vertical):
         self._refresh_bars(last_turn=True)
 
 
+class EarlierMessages(Static):
+    """ "▲ 160 earlier messages · click, or ↑ at the top" above the mounted window."""
+
+    DEFAULT_CSS = """
+    EarlierMessages { color: $text-muted; text-style: italic; padding: 0 1; display: none; }
+    EarlierMessages.-some { display: block; }
+    EarlierMessages:hover { color: $text; }
+    """
+
+    def show(self, hidden: int) -> None:
+        self.set_class(hidden > 0, "-some")
+        if hidden:
+            self.update(f"▲ {hidden} earlier messages · click, or ↑ at the top, to show more")
+
+
 class Transcript(VerticalScroll):
     """The messages of the active path, with a welcome note while empty.
 
@@ -319,12 +337,12 @@ class Transcript(VerticalScroll):
     """
 
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("up,k", "screen.select(-1)", "↑ Message", id="msg_up"),
-        Binding("down,j", "screen.select(1)", "↓ Message", id="msg_down"),
+        Binding("up,k", "screen.select(-1)", "Up", id="msg_up"),
+        Binding("down,j", "screen.select(1)", "Down", id="msg_down"),
         Binding("home", "screen.select_edge(0)", "First", id="msg_first", show=False),
         Binding("end", "screen.select_edge(1)", "Last", id="msg_last", show=False),
-        Binding("left,h", "screen.swipe(-1)", "◀ Branch", id="msg_prev_branch"),
-        Binding("right,l", "screen.swipe(1)", "Branch ▶", id="msg_next_branch"),
+        Binding("left,h", "screen.swipe(-1)", "Prev branch", id="msg_prev_branch"),
+        Binding("right,l", "screen.swipe(1)", "Next branch", id="msg_next_branch"),
         Binding("e", "screen.edit", "Edit", id="edit"),
         Binding("r", "screen.regenerate", "Regenerate", id="msg_regenerate", show=False),
         Binding("f", "screen.fork", "Fork", id="fork"),
@@ -333,12 +351,24 @@ class Transcript(VerticalScroll):
         Binding("escape,enter,i", "screen.focus_input", "Type", id="msg_done"),
     ]
 
+    WINDOW = 40
+    """Messages mounted at most (the newest); older ones wait behind a "show earlier" line.
+
+    Textual lays out every mounted widget of a scroll view on each refresh, so a
+    transcript of n mounted messages costs O(n) per reply; a window keeps the per-reply
+    refresh flat (scripts/transcript_bench.py)."""
+
     def __init__(self, *, welcome: str = "", id: str | None = None) -> None:
         super().__init__(id=id)
         self._welcome = welcome
         self._lock = asyncio.Lock()  # one sync / mount at a time
+        self.window = self.WINDOW
+        self.hidden = 0
+        """Messages of the path not mounted (older than the window)."""
+        self._infos: list[MessageInfo] = []
 
     def compose(self) -> ComposeResult:
+        yield EarlierMessages("", id="earlier")
         yield Static(self._welcome, id="welcome")
 
     def on_mount(self) -> None:
@@ -365,8 +395,44 @@ class Transcript(VerticalScroll):
         async with self._lock:
             await self._sync(infos)
 
+    async def show_earlier(self, count: int | None = None) -> int:
+        """Mount ``count`` (default :attr:`WINDOW`) more of the older messages; returns
+        how many were added (at the top)."""
+        async with self._lock:
+            before = len(self.views)
+            self.window += count or self.WINDOW
+            await self._sync(self._infos)
+            return len(self.views) - before
+
+    @on(Click, "#earlier")
+    async def _earlier_clicked(self) -> None:
+        await self.show_earlier()
+
+    async def _align_front(self, views: list[MessageView], visible: list[MessageInfo]):
+        """Drop views older than the window, mount window messages older than the views."""
+        if not views or not visible:
+            return views
+        ids = [v.info.node_id for v in views]
+        first = visible[0].node_id
+        if first is not None and first in ids and ids.index(first) > 0:
+            cut = ids.index(first)
+            await self.remove_children(views[:cut])
+            return views[cut:]
+        wanted = [i.node_id for i in visible]
+        if ids[0] is not None and ids[0] in wanted and wanted.index(ids[0]) > 0:
+            older = [MessageView(i) for i in visible[: wanted.index(ids[0])]]
+            await self.mount_all(older, before=views[0])
+            return older + views
+        return views
+
     async def _sync(self, infos: list[MessageInfo]) -> None:
-        views = self.views
+        self._infos = list(infos)
+        visible = infos[-self.window :] if len(infos) > self.window else list(infos)
+        self.hidden = len(infos) - len(visible)
+        earlier = self.query_one("#earlier", EarlierMessages)
+        earlier.show(self.hidden)
+        infos = visible
+        views = await self._align_front(self.views, visible)
         keep = 0
         while (
             keep < len(views)
