@@ -218,19 +218,23 @@ class PrefixCache:
         self.tail_stashes = self.tail_hits = self.tail_misses = self.tail_tokens_saved = 0
         self.checkpoint_hits = 0
         self.restore_errors = 0
-        self._evicted_batch = 0
+        self._evicted_batch = [0, 0]  # [tails and checkpoints, blocks]
 
     # ------------------------------------------------------------------ events
     def log(self, text: str) -> None:
         self.events.append((next(self._seq), text))
 
     def _evicted(self, e: Entry, why: str) -> None:
-        self._evicted_batch += 1
+        # named as the counters are: hot.evictions (blocks), tails.evictions (the rest)
+        self._evicted_batch[e.kind == KIND_BLOCK] += 1
 
     def _flush_evictions(self) -> None:
-        if self._evicted_batch:
-            self.log(f"hot: evicted {self._evicted_batch} entries")
-            self._evicted_batch = 0
+        tails, blocks = self._evicted_batch
+        if blocks or tails:
+            parts = [f"{blocks} blocks"] if blocks else []
+            parts += [f"{tails} tails/checkpoints"] if tails else []
+            self.log("hot: evicted " + ", ".join(parts))
+            self._evicted_batch = [0, 0]
 
     def ids(self, tokens: Sequence[int]) -> list[str]:
         """Chain ids of every full block of ``tokens`` (hashed once per block, incrementally
