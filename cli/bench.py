@@ -44,6 +44,8 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from ..core.cache.ssd import ReadBandwidth, measure_read_bandwidth
+from ..core.cache.ssd import drop_page_cache as _drop_files
 from .common import EXIT_OK, EXIT_USAGE, CLIError, start_engine, table
 
 SENTENCES = (
@@ -109,73 +111,18 @@ def extension(tokenizer: Any, n_tokens: int) -> list[int]:
 
 
 def drop_page_cache(directory: Path) -> tuple[bool, str]:
-    """``fsync`` + ``posix_fadvise(POSIX_FADV_DONTNEED)`` every file under ``directory``.
-
-    Returns ``(dropped, note)``. DONTNEED is advice: Linux drops clean pages not mapped
-    elsewhere; macOS has no ``posix_fadvise`` (``dropped`` is False then).
-    """
+    """Drop the page cache of every file under ``directory`` (:func:`~tierchat.core.cache.
+    ssd.drop_page_cache`). Returns ``(dropped, note)``: ``dropped`` only if it was done for
+    every file (never on macOS, which has no ``posix_fadvise``)."""
     if not hasattr(os, "posix_fadvise"):
         return False, "page cache not dropped: posix_fadvise is not available on this OS"
     files = [p for p in directory.rglob("*") if p.is_file()]
-    failed = sum(not _drop_file(path) for path in files)
     if not files:
         return False, f"page cache not dropped: no files under {directory}"
-    if failed:
-        return False, f"page cache dropped for {len(files) - failed} of {len(files)} files"
+    done = _drop_files(files)
+    if done < len(files):
+        return False, f"page cache dropped for {done} of {len(files)} files"
     return True, f"page cache dropped for {len(files)} files (fsync + posix_fadvise DONTNEED)"
-
-
-class ReadBandwidth(NamedTuple):
-    """One sequential read of a set of files: ``nbytes`` in ``seconds``; ``gbps`` is
-    ``nbytes / seconds / 1e9``; ``dropped`` says whether their page cache was dropped
-    first (else the figure may be the page cache's, not the disk's)."""
-
-    files: int
-    nbytes: int
-    seconds: float
-    gbps: float
-    dropped: bool
-
-
-def measure_read_bandwidth(paths: list[Path], buffer_bytes: int = 16 << 20) -> ReadBandwidth:
-    """Drop the page cache of ``paths`` (``fsync`` + ``POSIX_FADV_DONTNEED``), then read
-    each file start to end with ``buffer_bytes`` reads into one reused buffer, one file
-    after another, and time it: the disk's sequential read bandwidth as the SSD tier sees
-    it (same files, same file system). The page cache is left holding the files: drop it
-    again before a cold restore.
-    """
-    dropped = True
-    for path in paths:
-        dropped &= _drop_file(path)
-    buf = bytearray(buffer_bytes)
-    view = memoryview(buf)
-    nbytes = 0
-    t0 = time.perf_counter()
-    for path in paths:
-        with open(path, "rb", buffering=0) as f:
-            while n := f.readinto(view):
-                nbytes += n
-    seconds = time.perf_counter() - t0
-    gbps = nbytes / seconds / 1e9 if seconds > 0 else 0.0
-    return ReadBandwidth(len(paths), nbytes, seconds, gbps, dropped and bool(paths))
-
-
-def _drop_file(path: Path) -> bool:
-    """``fsync`` + ``posix_fadvise(DONTNEED)`` one file; False where that is not possible."""
-    if not hasattr(os, "posix_fadvise"):
-        return False
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    return True
 
 
 def _state_nbytes(caches: list[Any]) -> int:

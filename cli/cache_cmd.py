@@ -25,7 +25,8 @@ from typing import Any
 from tierchat.tui.format import fmt_bytes
 from tierchat.tui.live_status import read_status, request_clear, wait_cleared
 
-from .common import EXIT_FAILED, EXIT_OK, CLIError, plain, start_engine, table
+from ..core.api import plain
+from .common import EXIT_FAILED, EXIT_OK, CLIError, start_engine, table
 
 BYTE_FIELDS = ("nbytes", "max_bytes", "peak_memory_bytes", "restore_bytes")
 MEMORY_BYTE_FIELDS = ("active", "peak", "cache", "limit", "device_total", "system_total")

@@ -7,7 +7,6 @@ stay light. :func:`start_engine` imports the engine (and so MLX) when first call
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict, is_dataclass
 from typing import Any
 
 EXIT_OK = 0
@@ -116,19 +115,6 @@ def start_engine(settings: Any, model: str | None = None, *, quiet: bool = False
     if result.warning and not quiet:
         warn(result.warning)
     return engine
-
-
-def plain(value: Any) -> Any:
-    """``value`` as JSON-ready data: dataclasses to dicts, tuples to lists, paths to str."""
-    if is_dataclass(value) and not isinstance(value, type):
-        value = asdict(value)
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
 
 
 def table(rows: list[tuple], headers: tuple[str, ...] | None = None) -> str:

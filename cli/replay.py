@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from ..core.api import CACHE_KINDS, CACHE_SOURCES
+from ..core.api import CACHE_KINDS, CACHE_SOURCES, plain
 from .common import (
     EXIT_FAILED,
     EXIT_OK,
@@ -52,7 +52,6 @@ from .common import (
     SSDWatch,
     new_session,
     open_store,
-    plain,
     start_engine,
 )
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from dataclasses import asdict, dataclass, field, is_dataclass
+from typing import Any, Literal, Protocol
 
 Role = Literal["system", "user", "assistant"]
 CacheTier = Literal["hot", "ssd", "tails", "all"]
@@ -335,3 +335,17 @@ class EngineLike(Protocol):
     def clear(self, tier: str) -> None: ...
 
     def close(self) -> None: ...
+
+
+def plain(value: Any) -> Any:
+    """``value`` as JSON-ready data (a stats snapshot, metrics): dataclasses to dicts,
+    tuples to lists, anything else that JSON lacks (paths) to ``str``."""
+    if is_dataclass(value) and not isinstance(value, type):
+        value = asdict(value)
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)

@@ -329,16 +329,13 @@ class Engine:
         # state models keep a checkpoint at every chunk end (message ends included)
         checkpoint_kind = KIND_BOUNDARY if cache is not None and cache.state else None
 
-        # prefill [start, n - 1) in the schedule's chunks: one eval per chunk, covering the
-        # cache and the entries captured from it
-        # KV slices are taken once, after the first token (the live cache keeps them);
-        # window slices and state snapshots per chunk, before the next chunk moves them
+        # prefill [start, n - 1) in the schedule's chunks, one eval per chunk. Window slices
+        # and state snapshots are captured per chunk, before the next chunk moves them; KV
+        # slices once, after the first token, from the live cache that keeps them anyway
         total = n - 1 - start
         pos = start
         deferred: list = []
         for end in ends:
-            if end == n - 1 and end == pos:
-                break
             self._drain_control()
             if handle.cancelled:
                 if cache is not None:  # keep the blocks finished before the cancel

@@ -19,7 +19,6 @@ Printed per operation and system, against the cold run over the same tokens:
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 import tempfile
@@ -31,9 +30,6 @@ import tierchat.core  # noqa: F401  (OpenBLAS before mlx)
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import (
     LRUPromptCache,
-    can_trim_prompt_cache,
-    make_prompt_cache,
-    trim_prompt_cache,
 )
 from tierchat.config.settings import Settings
 from tierchat.core.api import Finished, GenerateRequest
@@ -41,13 +37,9 @@ from tierchat.core.conversation import ConversationStore
 from tierchat.core.engine import Engine
 from tierchat.core.session import ChatSession
 
-SYSTEM = "You are a careful assistant. Answer briefly, and keep every answer short please."
-USERS = [
-    "Describe the tides, the moon and the wind over the harbour at dusk, in detail.",
-    "Now compare that with a mountain lake in winter, in two or three sentences.",
-    "Which of the two would a painter choose, and why would they choose it?",
-    "Summarise everything so far as a short list of three items, one line each.",
-]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hybrid_table import SYSTEM, USERS, mlx_lm_prefill  # noqa: E402  (one script dir)
+
 SCRIPT = [
     ("user", USERS[0]),
     ("append", USERS[1]),
@@ -139,33 +131,7 @@ def run_mlx_lm(args, rows: list[dict]) -> None:
         if row["op"].startswith(("restart", "clear hot")):
             lru = LRUPromptCache(max_size=10)
         prompt, boundaries = list(row["prompt"]), row["boundaries"]
-        cache, rest = lru.fetch_nearest_cache("m", prompt)
-        start = len(prompt) - len(rest)
-        if cache is None:
-            cache, start = make_prompt_cache(model), 0
-        if start == len(prompt):
-            if can_trim_prompt_cache(cache):
-                trim_prompt_cache(cache, 1)
-                start -= 1
-            else:
-                cache, start = make_prompt_cache(model), 0
-        ends = sorted(
-            {
-                e
-                for e, role in boundaries
-                if role in ("system", "user") and start < e < len(prompt) - 1
-            }
-        )
-        pos = start
-        for end in ends + [len(prompt) - 1]:
-            while end > pos:  # prefill_step_size 2048, as generate_step does
-                step = min(2048, end - pos)
-                model(mx.array(prompt[pos : pos + step])[None], cache=cache)
-                mx.eval([c.state for c in cache])
-                pos += step
-            if end in ends:
-                role = dict(boundaries)[end]
-                lru.insert_cache("m", prompt[:end], copy.deepcopy(cache), cache_type=role)
+        cache, start = mlx_lm_prefill(lru, model, prompt, boundaries)
         forced = iter(row["reply"])
         got = []
         for _tok, lp in generate_step(

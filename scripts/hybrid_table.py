@@ -122,6 +122,37 @@ def run_ours(model: str, tmp: Path, block_size: int, max_tokens: int, repeat: in
     return rows, model_dir
 
 
+def mlx_lm_prefill(lru, model, prompt: list[int], boundaries) -> tuple[list, int]:
+    """``mlx_lm/server.py``'s flow up to decode: the nearest cached prefix (an exact entry is
+    trimmed by one token, or dropped when it cannot be), then a prefill up to the last
+    token in steps of 2048 (its ``prefill_step_size``), inserting a checkpoint at the end
+    of every system/user segment. Returns the cache and the number of tokens reused."""
+    cache, rest = lru.fetch_nearest_cache("m", prompt)
+    start = len(prompt) - len(rest)
+    if cache is None:
+        cache, start = make_prompt_cache(model), 0
+    if start == len(prompt):  # exact entry: the last token must be fed again
+        if can_trim_prompt_cache(cache):
+            trim_prompt_cache(cache, 1)
+            start -= 1
+        else:
+            cache, start = make_prompt_cache(model), 0
+    roles = dict(boundaries)
+    ends = sorted(
+        e for e, role in roles.items() if role in ("system", "user") and start < e < len(prompt) - 1
+    )
+    pos = start
+    for end in ends + [len(prompt) - 1]:
+        while end > pos:
+            step = min(2048, end - pos)
+            model(mx.array(prompt[pos : pos + step])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+            pos += step
+        if end in ends:
+            lru.insert_cache("m", prompt[:end], copy.deepcopy(cache), cache_type=roles[end])
+    return cache, start
+
+
 def run_mlx_lm(rows, model_dir: Path):
     """mlx-lm's server flow over the same prompts (main thread, its own model copy)."""
     from tierchat.core.models import load_model
@@ -134,33 +165,7 @@ def run_mlx_lm(rows, model_dir: Path):
             lru = LRUPromptCache(max_size=10)
         prompt, boundaries = list(row["prompt"]), row["boundaries"]
         t0 = time.perf_counter()
-        cache, rest = lru.fetch_nearest_cache("m", prompt)
-        start = len(prompt) - len(rest)
-        if cache is None:
-            cache, start = make_prompt_cache(model), 0
-        if start == len(prompt):  # exact entry: the last token must be fed again
-            if can_trim_prompt_cache(cache):
-                trim_prompt_cache(cache, 1)
-                start -= 1
-            else:
-                cache, start = make_prompt_cache(model), 0
-        # prefill up to the last token, inserting a checkpoint at each segment end
-        ends = sorted(
-            {
-                e
-                for e, role in boundaries
-                if role in ("system", "user") and start < e < len(prompt) - 1
-            }
-        )
-        pos = start
-        for end in ends + [len(prompt) - 1]:
-            if end > pos:
-                model(mx.array(prompt[pos:end])[None], cache=cache)
-                mx.eval([c.state for c in cache])
-                pos = end
-            if end in ends:
-                role = dict((e, r) for e, r in boundaries)[end]
-                lru.insert_cache("m", prompt[:end], copy.deepcopy(cache), cache_type=role)
+        cache, start = mlx_lm_prefill(lru, model, prompt, boundaries)
         ttft = None
         gen = []
         for tok, _ in generate_step(

@@ -109,10 +109,10 @@ def main() -> None:
             dt_pre = time.perf_counter() - t0
             fresh.close()
             load_gbps, pre_gbps = total / dt / 1e9, total / dt_pre / 1e9
-            ratios.append(load_gbps / disk.gb_per_s)
-            pre_ratios.append(pre_gbps / disk.gb_per_s)
+            ratios.append(load_gbps / disk.gbps)
+            pre_ratios.append(pre_gbps / disk.gbps)
             print(
-                f"round {r + 1}: disk read {disk.gb_per_s:.2f} GB/s, "
+                f"round {r + 1}: disk read {disk.gbps:.2f} GB/s, "
                 f"SSDTier.load {load_gbps:.2f} GB/s ({n / 2**20:.0f} MiB of arrays), "
                 f"ratio {ratios[-1]:.2f}; after prefetch {pre_gbps:.2f} GB/s, "
                 f"ratio {pre_ratios[-1]:.2f}"

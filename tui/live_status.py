@@ -23,25 +23,15 @@ import os
 import tempfile
 import time
 import uuid
-from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
+
+from tierchat.core.api import plain
 
 STATUS_FILE = "tui-status.json"
 REQUESTS_DIR = "tui-requests"
 FORMAT_VERSION = 1
 KEEP_CLEARS = 8
-
-
-def plain(value: Any) -> Any:
-    """A dataclass snapshot as JSON-ready dicts/lists."""
-    if is_dataclass(value) and not isinstance(value, type):
-        value = asdict(value)
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    return value
 
 
 def write_atomic(path: Path, data: dict[str, Any]) -> None:
