@@ -33,7 +33,7 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Header
 from tierchat.core.api import CACHE_TIERS, CacheStats, Event, Failed, ModelLoaded, ModelLoading
-from tierchat.tui.cache_report import CLEAR_TEXT, alerts, clear_report
+from tierchat.tui.cache_report import alerts, clear_report
 from tierchat.tui.commands import (
     BranchCommands,
     CacheCommands,
@@ -56,7 +56,7 @@ from tierchat.tui.messages import (
     TypedInTranscript,
 )
 from tierchat.tui.models import model_choices
-from tierchat.tui.screens.confirm import ConfirmScreen
+from tierchat.tui.screens.confirm import ConfirmScreen, confirm_clear
 from tierchat.tui.screens.conversation_settings import ConversationSettingsScreen
 from tierchat.tui.screens.model_picker import ModelPickerScreen
 from tierchat.tui.screens.prompt import EditMessageScreen, PromptScreen
@@ -816,13 +816,7 @@ class ChatScreen(Screen):
     # ------------------------------------------------------------------ cache
 
     def action_clear(self, tier: str) -> None:
-        title, body = CLEAR_TEXT[tier]
-
-        def done(confirmed: bool | None) -> None:
-            if confirmed:
-                self.clear_tier(tier)
-
-        self.app.push_screen(ConfirmScreen(title, body, confirm_label="Clear"), done)
+        confirm_clear(self, tier, self.clear_tier)
 
     @work(thread=True, group="clear")
     def clear_tier(self, tier: str, request: dict | None = None) -> None:

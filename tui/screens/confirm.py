@@ -47,3 +47,17 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def action_cancel(self) -> None:
         self.dismiss(False)
+
+
+def confirm_clear(screen, tier: str, clear) -> None:
+    """Ask before clearing ``tier`` (texts from :data:`~tierchat.tui.cache_report.
+    CLEAR_TEXT`); call ``clear(tier)`` once the user confirms."""
+    from tierchat.tui.cache_report import CLEAR_TEXT
+
+    title, body = CLEAR_TEXT[tier]
+
+    def done(confirmed: bool | None) -> None:
+        if confirmed:
+            clear(tier)
+
+    screen.app.push_screen(ConfirmScreen(title, body, confirm_label="Clear"), done)

@@ -28,10 +28,10 @@ from tierchat.core.api import CacheStats, EngineLike
 from tierchat.core.serve_log import RequestLog
 from tierchat.tui import app as app_module
 from tierchat.tui.app import TierchatApp
-from tierchat.tui.cache_report import CLEAR_TEXT, clear_report
+from tierchat.tui.cache_report import clear_report
 from tierchat.tui.commands import CacheCommands
 from tierchat.tui.screens.chat import ChatScreen
-from tierchat.tui.screens.confirm import ConfirmScreen
+from tierchat.tui.screens.confirm import confirm_clear
 from tierchat.tui.widgets.cache_panels import CachePanels
 from tierchat.tui.widgets.request_log import RequestLogView
 
@@ -112,13 +112,7 @@ class ServeConsoleScreen(Screen):
         self.poll()
 
     def action_clear(self, tier: str) -> None:
-        title, body = CLEAR_TEXT[tier]
-
-        def done(confirmed: bool | None) -> None:
-            if confirmed:
-                self.clear_tier(tier)
-
-        self.app.push_screen(ConfirmScreen(title, body, confirm_label="Clear"), done)
+        confirm_clear(self, tier, self.clear_tier)
 
     @work(thread=True, group="clear")
     def clear_tier(self, tier: str) -> None:
