@@ -1,8 +1,9 @@
 """``tierchat bench``: TTFT of the prefix cache's paths, side by side with mlx-lm's
 ``LRUPromptCache`` in the same run (STYLE.md: ratios measured together, never asserted).
 
-For each prompt length N (tokens; deterministic text, a distinct first sentence per length
-so lengths never share a prefix), with one generated token per request:
+For each prompt length N (tokens; deterministic text) and each of ``--repeat`` prompts
+(default 3; every measured prompt has its own first word, so no two share a prefix), with
+one generated token per request; each row shows the run with the median TTFT:
 
 tierchat rows (through the :class:`~tierchat.core.engine.Engine`):
   cold           a fresh cache: prefill N
@@ -137,6 +138,31 @@ def _state_nbytes(caches: list[Any]) -> int:
     return total
 
 
+def measured_prompts(tokenizer: Any, lengths: list[int], repeat: int) -> dict[int, list]:
+    """``repeat`` prompts per length, each with its own first word (salts 0, 1, ... below
+    the warm-up's), so no two measured prompts share a prefix."""
+    salts = iter(range(len(lengths) * repeat))
+    return {n: [make_prompt(tokenizer, n, next(salts)) for _ in range(repeat)] for n in lengths}
+
+
+def max_repeat(n_lengths: int) -> int:
+    """The most prompts per length that keep every first word distinct: the warm-up
+    prompts take the last ``n_lengths + 1`` of :data:`CODEWORDS`."""
+    return max(0, (len(CODEWORDS) - n_lengths - 1) // n_lengths)
+
+
+def _median_row(system: str, case: str, length: int, runs: list[tuple[dict, tuple]]) -> dict:
+    """One table row from ``runs`` (``(counts, (restore_s, restore_bytes))`` per prompt):
+    the run with the median TTFT (the lower middle one for an even count), whose counts
+    and restore figures it shows, plus every run's TTFT (``ttft_runs_s``) and cached
+    tokens (``cached_runs``)."""
+    ordered = sorted(runs, key=lambda r: r[0]["ttft_s"])
+    row = _row(system, case, length, *ordered[(len(ordered) - 1) // 2])
+    row["ttft_runs_s"] = [m["ttft_s"] for m, _ in runs]
+    row["cached_runs"] = [m["cached_tokens"] for m, _ in runs]
+    return row
+
+
 def _row(system: str, case: str, length: int, m: Any, restore: tuple[float, int]) -> dict:
     seconds, nbytes = restore
     return {
@@ -164,8 +190,9 @@ class EngineBench(NamedTuple):
     dtype: str
 
 
-def bench_engine(settings: Any, lengths: list[int], extend: int, log) -> EngineBench:
-    """tierchat rows for every length, the disk read bandwidth of the SSD files written."""
+def bench_engine(settings: Any, lengths: list[int], extend: int, repeat: int, log) -> EngineBench:
+    """tierchat rows for every length (medians over ``repeat`` prompts), the disk read
+    bandwidth of the SSD files written."""
     from tierchat.core.api import Failed, GenerateRequest
 
     def run(engine: Any, prompt: list[int], use_cache: bool = True) -> tuple[dict, tuple]:
@@ -187,7 +214,7 @@ def bench_engine(settings: Any, lengths: list[int], extend: int, log) -> EngineB
     engine = start_engine(settings)
     try:
         tok = engine.tokenizer
-        prompts = {n: make_prompt(tok, n, salt=i) for i, n in enumerate(lengths)}
+        prompts = measured_prompts(tok, lengths, repeat)
         ext = extension(tok, extend)
         run(engine, make_prompt(tok, 64, salt=WARMUP_SALT), use_cache=False)  # warm-up
         # warm-up at every length (GPU kernels are compiled per shape on first use), on
@@ -199,10 +226,13 @@ def bench_engine(settings: Any, lengths: list[int], extend: int, log) -> EngineB
                 run(engine, p)
         engine.clear("all")
         for n in lengths:
-            log(f"tierchat {n} tokens: cold, exact hot, nearest hot")
-            rows.append(_row("tierchat", "cold", n, *run(engine, prompts[n])))
-            rows.append(_row("tierchat", "exact hot", n, *run(engine, prompts[n])))
-            rows.append(_row("tierchat", "nearest hot", n, *run(engine, prompts[n] + ext)))
+            log(f"tierchat {n} tokens: cold, exact hot, nearest hot ({repeat} prompts)")
+            runs: dict[str, list] = {"cold": [], "exact hot": [], "nearest hot": []}
+            for p in prompts[n]:
+                runs["cold"].append(run(engine, p))
+                runs["exact hot"].append(run(engine, p))
+                runs["nearest hot"].append(run(engine, p + ext))
+            rows += [_median_row("tierchat", case, n, got) for case, got in runs.items()]
         ssd_dir = engine.cache.ssd.dir if engine.cache and engine.cache.ssd else None
         dtype = engine.loaded.dtype
     finally:
@@ -217,16 +247,18 @@ def bench_engine(settings: Any, lengths: list[int], extend: int, log) -> EngineB
     engine = start_engine(settings, quiet=True)
     try:
         run(engine, make_prompt(engine.tokenizer, 64, salt=WARMUP_SALT), use_cache=False)
-        for n in lengths:
-            log(f"tierchat {n} tokens: exact ssd")
-            rows.append(_row("tierchat", "exact ssd", n, *run(engine, prompts[n])))
+        for n in lengths:  # the prompts share no prefix: each restore reads its own files
+            log(f"tierchat {n} tokens: exact ssd ({repeat} prompts)")
+            got = [run(engine, p) for p in prompts[n]]
+            rows.append(_median_row("tierchat", "exact ssd", n, got))
     finally:
         engine.close()
     return EngineBench(rows, note, disk, dtype)
 
 
-def bench_lru(settings: Any, lengths: list[int], extend: int, log) -> list[dict]:
-    """mlx-lm ``LRUPromptCache`` rows, on this thread, with a fresh copy of the model."""
+def bench_lru(settings: Any, lengths: list[int], extend: int, repeat: int, log) -> list[dict]:
+    """mlx-lm ``LRUPromptCache`` rows (medians over ``repeat`` prompts, the same prompts as
+    tierchat's), on this thread, with a fresh copy of the model."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
@@ -272,12 +304,15 @@ def bench_lru(settings: Any, lengths: list[int], extend: int, log) -> list[dict]
         for p in (warm, warm, warm + ext):
             run(p)
     lru.trim_to(n_sequences=0)
-    for i, n in enumerate(lengths):
-        log(f"mlx-lm LRUPromptCache {n} tokens: cold, exact hot, nearest hot")
-        prompt = make_prompt(tok, n, salt=i)
-        rows.append(_row("mlx-lm LRU", "cold", n, *run(prompt)))
-        rows.append(_row("mlx-lm LRU", "exact hot", n, *run(prompt)))
-        rows.append(_row("mlx-lm LRU", "nearest hot", n, *run(prompt + ext)))
+    prompts = measured_prompts(tok, lengths, repeat)
+    for n in lengths:
+        log(f"mlx-lm LRUPromptCache {n} tokens: cold, exact hot, nearest hot ({repeat} prompts)")
+        runs: dict[str, list] = {"cold": [], "exact hot": [], "nearest hot": []}
+        for p in prompts[n]:
+            runs["cold"].append(run(p))
+            runs["exact hot"].append(run(p))
+            runs["nearest hot"].append(run(p + ext))
+        rows += [_median_row("mlx-lm LRU", case, n, got) for case, got in runs.items()]
     return rows
 
 
@@ -370,6 +405,13 @@ def run_bench(settings: Any, args: Any) -> int:
     lengths = parse_lengths(args.lengths)
     if args.extend < 1:
         raise CLIError("--extend must be >= 1", EXIT_USAGE)
+    repeat = getattr(args, "repeat", 3)
+    if not 1 <= repeat <= max_repeat(len(lengths)):
+        raise CLIError(
+            f"--repeat {repeat}: expected 1 to {max_repeat(len(lengths))} for "
+            f"{len(lengths)} lengths (every measured prompt needs its own first word)",
+            EXIT_USAGE,
+        )
     if settings.no_cache:
         raise CLIError("bench measures the cache: drop --no-cache", EXIT_USAGE)
 
@@ -380,10 +422,10 @@ def run_bench(settings: Any, args: Any) -> int:
         settings.cache_dir = tmp
         log(f"model {settings.model}, block size {settings.block_size}, SSD dir {tmp}")
         t0 = time.perf_counter()
-        measured = bench_engine(settings, lengths, args.extend, log)
+        measured = bench_engine(settings, lengths, args.extend, repeat, log)
         rows, note, disk = measured.rows, measured.page_cache, measured.disk
         if not args.no_baseline:
-            rows += bench_lru(settings, lengths, args.extend, log)
+            rows += bench_lru(settings, lengths, args.extend, repeat, log)
         wall = time.perf_counter() - t0
     add_speedups(rows)
     add_ratios(rows, disk)
@@ -410,6 +452,7 @@ def run_bench(settings: Any, args: Any) -> int:
             "disk_read": None if disk is None else disk._asdict(),
             "lengths": lengths,
             "extend_tokens": args.extend,
+            "repeat": repeat,
             "rows": rows,
         }
         try:

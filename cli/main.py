@@ -144,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-baseline", action="store_true", help="skip the mlx-lm LRUPromptCache rows")
     p.add_argument("--extend", type=int, default=32, metavar="N", help="nearest-prefix: new tokens")
     p.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        metavar="R",
+        help="prompts per length and case; the table shows the median (default 3)",
+    )
+    p.add_argument(
         "--serve",
         action="store_true",
         help="instead: replay a chat through `tierchat serve` and `mlx_lm.server` (serve_bench)",

@@ -335,26 +335,27 @@ class Engine:
         total = n - 1 - start
         pos = start
         deferred: list = []
-        for end in ends:
-            self._drain_control()
-            if handle.cancelled:
-                if cache is not None:  # keep the blocks finished before the cancel
-                    cache.complete(caches, deferred)
-                handle.emit(Failed("cancelled during prefill", kind="cancelled"))
-                return
-            model(mx.array(prompt[pos:end])[None], cache=caches)
-            entries = []
-            if cache is not None:
-                kind = KIND_TAIL if end == n - 1 else checkpoint_kind
-                entries = cache.capture(
-                    caches, prompt, ids, pos, end, boundaries, kind, defer_kv=True
-                )
-                deferred.extend(entries)
-            mx.eval([c.state for c in caches] + [a for e in entries for a in e.arrays.values()])
-            pos = end
-            dt = time.perf_counter() - t0
-            done = pos - start
-            handle.emit(PrefillProgress(done, total, done / dt if dt > 0 else 0.0))
+        with mx.stream(generation_stream):  # the stream generate_step decodes on
+            for end in ends:
+                self._drain_control()
+                if handle.cancelled:
+                    if cache is not None:  # keep the blocks finished before the cancel
+                        cache.complete(caches, deferred)
+                    handle.emit(Failed("cancelled during prefill", kind="cancelled"))
+                    return
+                model(mx.array(prompt[pos:end])[None], cache=caches)
+                entries = []
+                if cache is not None:
+                    kind = KIND_TAIL if end == n - 1 else checkpoint_kind
+                    entries = cache.capture(
+                        caches, prompt, ids, pos, end, boundaries, kind, defer_kv=True
+                    )
+                    deferred.extend(entries)
+                mx.eval([c.state for c in caches] + [a for e in entries for a in e.arrays.values()])
+                pos = end
+                dt = time.perf_counter() - t0
+                done = pos - start
+                handle.emit(PrefillProgress(done, total, done / dt if dt > 0 else 0.0))
 
         # decode from the last prompt token
         if req.temperature > 0 and req.seed is not None:

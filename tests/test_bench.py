@@ -27,6 +27,38 @@ def test_make_prompt_is_exact_deterministic_and_salted(n):
     assert a[0] != bench.make_prompt(tok, n, salt=1)[0]
 
 
+def test_measured_prompts_never_share_a_first_word_with_each_other_or_the_warm_up():
+    tok = CharTokenizer()
+    lengths = [50, 60, 70]
+    r = bench.max_repeat(len(lengths))
+    assert r >= 3
+    prompts = bench.measured_prompts(tok, lengths, r)
+    firsts = [bytes(p[:3]) for n in lengths for p in prompts[n]]
+    assert [len(p) for n in lengths for p in prompts[n]] == [n for n in lengths for _ in range(r)]
+    warm = [bench.make_prompt(tok, 50, salt=bench.WARMUP_SALT - k)[:3] for k in range(4)]
+    assert len(set(firsts)) == len(firsts) and not set(firsts) & {bytes(w) for w in warm}
+
+
+def test_median_row_shows_the_middle_run_and_keeps_every_run():
+    def got(ttft, cached, restore_s):
+        counts = {"prompt_tokens": 64, "cached_tokens": cached, "prefill_tokens": 64 - cached}
+        return {**counts, "ttft_s": ttft}, (restore_s, 1000)
+
+    runs = [got(0.3, 63, 0.03), got(0.1, 63, 0.01), got(0.2, 62, 0.02)]
+    row = bench._median_row("tierchat", "exact hot", 64, runs)
+    assert (row["ttft_s"], row["cached_tokens"], row["restore_s"]) == (0.2, 62, 0.02)
+    assert row["ttft_runs_s"] == [0.3, 0.1, 0.2] and row["cached_runs"] == [63, 63, 62]
+    even = bench._median_row("tierchat", "cold", 64, runs[:2])
+    assert even["ttft_s"] == 0.1  # the lower middle one
+
+
+def test_repeat_out_of_range_is_a_usage_error(capsys, tmp_path):
+    argv = ["bench", "--model", "tiny:llama", "--lengths", "40,50", "--repeat", "30"]
+    argv += ["--cache-dir", str(tmp_path / "kv"), "--data-dir", str(tmp_path / "data")]
+    assert main(argv) == 2
+    assert "--repeat 30: expected 1 to 11" in capsys.readouterr().err
+
+
 def test_measure_read_bandwidth_reads_every_byte(tmp_path):
     sizes = [0, 1, (1 << 20) + 3, 5 << 20]
     paths = []
@@ -75,7 +107,7 @@ def test_bench_runs_on_a_shape_model(capsys, tmp_path, models_dir, monkeypatch):
     monkeypatch.setitem(shapes.SHAPES, "qwen2.5-0.5b", small)
     out_json = tmp_path / "bench.json"
     argv = ["bench", "--model", "shape:qwen2.5-0.5b", "--block-size", "16"]
-    argv += ["--lengths", "40", "--extend", "8", "--json", str(out_json)]
+    argv += ["--lengths", "40", "--extend", "8", "--repeat", "2", "--json", str(out_json)]
     argv += ["--cache-dir", str(tmp_path / "kv"), "--data-dir", str(tmp_path / "data")]
     argv += ["--models-dir", str(models_dir)]
     code = main(argv)
@@ -86,6 +118,14 @@ def test_bench_runs_on_a_shape_model(capsys, tmp_path, models_dir, monkeypatch):
     assert doc["device_info"]["dtype"] in doc["device"]
     assert doc["disk_read"]["nbytes"] > 0 and "disk sequential read" in out
     rows = {(r["system"], r["case"]): r for r in doc["rows"]}
+    assert doc["repeat"] == 2 and all(len(r["ttft_runs_s"]) == 2 for r in doc["rows"])
+    # every cold run was cold, every hit a hit; tierchat's nearest restore lands on the
+    # first prompt's N-1 (a schedule point): the exact common prefix saves under a block
+    for system, nearest in (("tierchat", 39), ("mlx-lm LRU", 40)):
+        assert rows[(system, "cold")]["cached_runs"] == [0, 0]
+        assert rows[(system, "exact hot")]["cached_runs"] == [39, 39]
+        assert rows[(system, "nearest hot")]["cached_runs"] == [nearest, nearest]
+    assert rows[("tierchat", "exact ssd")]["cached_runs"] == [39, 39]
     assert rows[("tierchat", "exact ssd")]["prefill_tokens"] == 1
     assert rows[("tierchat", "exact ssd")]["of_disk"] > 0
     assert rows[("tierchat", "exact hot")]["vs_mlx_lm"] > 0
