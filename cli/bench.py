@@ -20,6 +20,10 @@ entries, the server's ``--prompt-cache-size``): cold, exact hot, nearest hot. It
 disk tier. On a hybrid model (``shape:qwen3.5-0.8b``) its rows still run: it reuses only
 exact or shorter checkpoints there, which is the point of the comparison.
 
+Before each tierchat request the bench waits until the SSD writer has written what the
+earlier ones stored, as it has between the turns of a chat (the writer is paused while a
+request prefills and makes its first token, and resumes after).
+
 Disk: before the SSD rows, the files the bench's own SSD tier wrote are read once with
 large sequential reads after their page cache is dropped (:func:`measure_read_bandwidth`);
 the table shows each SSD restore's GB/s as a fraction of that bandwidth. Each tierchat row
@@ -196,6 +200,8 @@ def bench_engine(settings: Any, lengths: list[int], extend: int, repeat: int, lo
     from tierchat.core.api import Failed, GenerateRequest
 
     def run(engine: Any, prompt: list[int], use_cache: bool = True) -> tuple[dict, tuple]:
+        if engine.cache is not None and engine.cache.ssd is not None:
+            engine.cache.ssd.flush()  # the writer idle, as between the turns of a chat
         result = engine.submit(
             GenerateRequest(prompt_ids=tuple(prompt), max_tokens=1, use_cache=use_cache)
         ).wait()

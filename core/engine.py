@@ -282,7 +282,10 @@ class Engine:
         if ssd is not None:
             ssd.pause()
         try:
-            self._generate_one(req, handle)
+            # restore, prefill, decode and capture on the one stream generate_step decodes
+            # on: no cross-stream waits between them
+            with mx.stream(generation_stream):
+                self._generate_one(req, handle)
         finally:
             if self.cache is not None:
                 self.cache.persist()
@@ -335,27 +338,26 @@ class Engine:
         total = n - 1 - start
         pos = start
         deferred: list = []
-        with mx.stream(generation_stream):  # the stream generate_step decodes on
-            for end in ends:
-                self._drain_control()
-                if handle.cancelled:
-                    if cache is not None:  # keep the blocks finished before the cancel
-                        cache.complete(caches, deferred)
-                    handle.emit(Failed("cancelled during prefill", kind="cancelled"))
-                    return
-                model(mx.array(prompt[pos:end])[None], cache=caches)
-                entries = []
-                if cache is not None:
-                    kind = KIND_TAIL if end == n - 1 else checkpoint_kind
-                    entries = cache.capture(
-                        caches, prompt, ids, pos, end, boundaries, kind, defer_kv=True
-                    )
-                    deferred.extend(entries)
-                mx.eval([c.state for c in caches] + [a for e in entries for a in e.arrays.values()])
-                pos = end
-                dt = time.perf_counter() - t0
-                done = pos - start
-                handle.emit(PrefillProgress(done, total, done / dt if dt > 0 else 0.0))
+        for end in ends:
+            self._drain_control()
+            if handle.cancelled:
+                if cache is not None:  # keep the blocks finished before the cancel
+                    cache.complete(caches, deferred)
+                handle.emit(Failed("cancelled during prefill", kind="cancelled"))
+                return
+            model(mx.array(prompt[pos:end])[None], cache=caches)
+            entries = []
+            if cache is not None:
+                kind = KIND_TAIL if end == n - 1 else checkpoint_kind
+                entries = cache.capture(
+                    caches, prompt, ids, pos, end, boundaries, kind, defer_kv=True
+                )
+                deferred.extend(entries)
+            mx.eval([c.state for c in caches] + [a for e in entries for a in e.arrays.values()])
+            pos = end
+            dt = time.perf_counter() - t0
+            done = pos - start
+            handle.emit(PrefillProgress(done, total, done / dt if dt > 0 else 0.0))
 
         # decode from the last prompt token
         if req.temperature > 0 and req.seed is not None:
