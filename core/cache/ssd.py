@@ -456,7 +456,7 @@ class SSDTier:
         self._paused = False
         # files being read ahead of their load by worker threads (pure I/O and CRC)
         self._reads: dict[str, Future] = {}
-        self._readers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tierchat-ssd-read")
+        self._readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tierchat-ssd-read")
         self._pending_bytes = 0
         self._queue: list[_Pending | None] = []
         self._tmp_seq = itertools.count()
