@@ -167,6 +167,18 @@ def _median_row(system: str, case: str, length: int, runs: list[tuple[dict, tupl
     return row
 
 
+def _hot_rows(system: str, length: int, prompts: list, ext: list[int], run) -> list[dict]:
+    """The cold, exact hot and nearest hot rows of one length: ``run`` (a prompt -> the
+    ``(counts, restore)`` of one request) on each prompt, then on it again, then on it
+    extended by ``ext``, prompt after prompt."""
+    runs: dict[str, list] = {"cold": [], "exact hot": [], "nearest hot": []}
+    for p in prompts:
+        runs["cold"].append(run(p))
+        runs["exact hot"].append(run(p))
+        runs["nearest hot"].append(run(p + ext))
+    return [_median_row(system, case, length, got) for case, got in runs.items()]
+
+
 def _row(system: str, case: str, length: int, m: Any, restore: tuple[float, int]) -> dict:
     seconds, nbytes = restore
     return {
@@ -233,12 +245,7 @@ def bench_engine(settings: Any, lengths: list[int], extend: int, repeat: int, lo
         engine.clear("all")
         for n in lengths:
             log(f"tierchat {n} tokens: cold, exact hot, nearest hot ({repeat} prompts)")
-            runs: dict[str, list] = {"cold": [], "exact hot": [], "nearest hot": []}
-            for p in prompts[n]:
-                runs["cold"].append(run(engine, p))
-                runs["exact hot"].append(run(engine, p))
-                runs["nearest hot"].append(run(engine, p + ext))
-            rows += [_median_row("tierchat", case, n, got) for case, got in runs.items()]
+            rows += _hot_rows("tierchat", n, prompts[n], ext, lambda p: run(engine, p))
         ssd_dir = engine.cache.ssd.dir if engine.cache and engine.cache.ssd else None
         dtype = engine.loaded.dtype
     finally:
@@ -313,12 +320,7 @@ def bench_lru(settings: Any, lengths: list[int], extend: int, repeat: int, log) 
     prompts = measured_prompts(tok, lengths, repeat)
     for n in lengths:
         log(f"mlx-lm LRUPromptCache {n} tokens: cold, exact hot, nearest hot ({repeat} prompts)")
-        runs: dict[str, list] = {"cold": [], "exact hot": [], "nearest hot": []}
-        for p in prompts[n]:
-            runs["cold"].append(run(p))
-            runs["exact hot"].append(run(p))
-            runs["nearest hot"].append(run(p + ext))
-        rows += [_median_row("mlx-lm LRU", case, n, got) for case, got in runs.items()]
+        rows += _hot_rows("mlx-lm LRU", n, prompts[n], ext, run)
     return rows
 
 
