@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import struct
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .files import staged_dir
 
 Progress = Callable[[int, int, str], None]
 
@@ -368,10 +368,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = Non
     entries = [(n, t) for t in reader.tensors if (n := hf_tensor_name(t.name, arch)) is not None]
     total = len(entries) + 2
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it 0700
-    try:
+    def complete(d: Path) -> bool:  # else another process finished the same conversion
+        return (d / "config.json").exists() and (d / "model.safetensors").exists()
+
+    with staged_dir(out_dir, complete) as tmp:
         report(0, total, "building tokenizer")
         tok, tok_cfg, eos_ids = _tokenizer_files(reader, arch)
         tok.save(str(tmp / "tokenizer.json"))
@@ -389,11 +389,5 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = Non
         except (ValueError, NotImplementedError) as e:
             raise GGUFError(f"{gguf_path}: cannot dequantize ({e})") from e
         report(total - 1, total, "finishing")
-        done = (out_dir / "config.json").exists() and (out_dir / "model.safetensors").exists()
-        if not done:  # else another process finished the same conversion first: keep it
-            shutil.rmtree(out_dir, ignore_errors=True)
-            os.rename(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     report(total, total, "done")
     return out_dir

@@ -37,15 +37,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 from mlx import nn
+
+from .files import staged_dir
 
 Progress = Callable[[int, int, str], None]
 
@@ -293,10 +293,7 @@ def tokenizer_dir(models_dir: Path, progress: Progress | None = None) -> Path:
     target = models_dir / TOKENIZER_DIR
     if (target / "config.json").exists():
         return target
-    models_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{TOKENIZER_DIR}-", dir=models_dir))
-    tmp.chmod(0o755)
-    try:
+    with staged_dir(target, lambda d: (d / "config.json").exists()) as tmp:
         demo = models_dir / "demo"
         if (demo / "tokenizer.json").exists() and (demo / "config.json").exists():
             for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -309,13 +306,6 @@ def tokenizer_dir(models_dir: Path, progress: Progress | None = None) -> Path:
             eos_ids = _write_tokenizer_from_gguf(tmp)
         config = {"model_type": "qwen2", "eos_token_id": eos_ids}
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process won the race
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

@@ -28,15 +28,14 @@ the EOS token.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
+
+from .files import staged_dir
 
 TINY_ARCHS: tuple[str, ...] = (
     "llama",
@@ -305,21 +304,11 @@ def materialize_tiny(arch: str, models_dir: Path, seed: int = DEFAULT_SEED) -> P
     if (target / "model.safetensors").exists():
         return target
     config, weights = build_tiny_weights(arch, seed)
-    models_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tiny-{arch}-", dir=models_dir))
-    tmp.chmod(0o755)  # mkdtemp makes it 0700
-    try:
+    with staged_dir(target, lambda d: (d / "model.safetensors").exists()) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         (tmp / "tokenizer.json").write_text(char_tokenizer_json())
         (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(), indent=2))
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process won the race
-            if not (target / "model.safetensors").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
