@@ -20,17 +20,22 @@ entries, the server's ``--prompt-cache-size``): cold, exact hot, nearest hot. It
 disk tier. On a hybrid model (``shape:qwen3.5-0.8b``) its rows still run: it reuses only
 exact or shorter checkpoints there, which is the point of the comparison.
 
-Before each tierchat request the bench waits until the SSD writer has written what the
-earlier ones stored, as it has between the turns of a chat (the writer is paused while a
-request prefills and makes its first token, and resumes after).
+The two systems take turns, request by request: each prompt's cold, exact hot and nearest
+hot request runs on tierchat and on mlx-lm one after the other (who goes first alternates
+from prompt to prompt). mlx-lm runs on the engine thread (:meth:`Engine.call
+<tierchat.core.engine.Engine.call>`) with the engine's model, so no two threads touch MLX
+at once (DESIGN.md §2) and both systems meet the same GPU state: clocks, memory in use,
+other load. A GPU's speed drifts by up to 2x over minutes, so rows measured minutes apart
+would compare the machine with itself, not the systems.
+
+Before each request of either system the bench waits until the SSD writer has written what
+the earlier ones stored, as it has between the turns of a chat (the writer is paused while
+a request prefills and makes its first token, and resumes after).
 
 Disk: before the SSD rows, the files the bench's own SSD tier wrote are read once with
 large sequential reads after their page cache is dropped (:func:`measure_read_bandwidth`);
 the table shows each SSD restore's GB/s as a fraction of that bandwidth. Each tierchat row
 also shows its TTFT over mlx-lm's for the same length and case (< 1: tierchat is faster).
-
-The baseline runs on this (main) thread after the engine is closed, with its own copy of
-the model, so no two threads ever touch MLX at once (DESIGN.md §2).
 
 Restore time and bytes: for tierchat the engine's ``TurnMetrics.restore_s`` (finding,
 loading and splicing cached entries) and ``restore_bytes``; for mlx-lm the time of
@@ -167,16 +172,27 @@ def _median_row(system: str, case: str, length: int, runs: list[tuple[dict, tupl
     return row
 
 
-def _hot_rows(system: str, length: int, prompts: list, ext: list[int], run) -> list[dict]:
-    """The cold, exact hot and nearest hot rows of one length: ``run`` (a prompt -> the
-    ``(counts, restore)`` of one request) on each prompt, then on it again, then on it
-    extended by ``ext``, prompt after prompt."""
-    runs: dict[str, list] = {"cold": [], "exact hot": [], "nearest hot": []}
+HOT_CASES = ("cold", "exact hot", "nearest hot")
+
+
+def _hot_rows(length: int, prompts: list, ext: list[int], runners: dict) -> list[dict]:
+    """The cold, exact hot and nearest hot rows of one length for every system in
+    ``runners`` (system name -> a function from a prompt to the ``(counts, restore)`` of
+    one request): for each prompt, the prompt, the prompt again, then the prompt extended
+    by ``ext``, each run on every system in turn; the first system alternates from prompt
+    to prompt, so neither always runs right after the other's request."""
+    runs: dict[str, dict[str, list]] = {s: {c: [] for c in HOT_CASES} for s in runners}
+    order = list(runners.items())
     for p in prompts:
-        runs["cold"].append(run(p))
-        runs["exact hot"].append(run(p))
-        runs["nearest hot"].append(run(p + ext))
-    return [_median_row(system, case, length, got) for case, got in runs.items()]
+        for case, q in zip(HOT_CASES, (p, p, p + ext), strict=True):
+            for system, run in order:
+                runs[system][case].append(run(q))
+        order.reverse()
+    return [
+        _median_row(system, case, length, got)
+        for system, cases in runs.items()
+        for case, got in cases.items()
+    ]
 
 
 def _row(system: str, case: str, length: int, m: Any, restore: tuple[float, int]) -> dict:
@@ -206,14 +222,20 @@ class EngineBench(NamedTuple):
     dtype: str
 
 
-def bench_engine(settings: Any, lengths: list[int], extend: int, repeat: int, log) -> EngineBench:
-    """tierchat rows for every length (medians over ``repeat`` prompts), the disk read
-    bandwidth of the SSD files written."""
+def bench_engine(
+    settings: Any, lengths: list[int], extend: int, repeat: int, log, baseline: bool = True
+) -> EngineBench:
+    """tierchat rows for every length (medians over ``repeat`` prompts), taking turns with
+    mlx-lm's rows when ``baseline``; then the disk read bandwidth of the SSD files written
+    and the exact SSD rows from a restarted engine."""
     from tierchat.core.api import Failed, GenerateRequest
 
-    def run(engine: Any, prompt: list[int], use_cache: bool = True) -> tuple[dict, tuple]:
+    def quiet(engine: Any) -> None:
         if engine.cache is not None and engine.cache.ssd is not None:
             engine.cache.ssd.flush()  # the writer idle, as between the turns of a chat
+
+    def run(engine: Any, prompt: list[int], use_cache: bool = True) -> tuple[dict, tuple]:
+        quiet(engine)
         result = engine.submit(
             GenerateRequest(prompt_ids=tuple(prompt), max_tokens=1, use_cache=use_cache)
         ).wait()
@@ -234,18 +256,31 @@ def bench_engine(settings: Any, lengths: list[int], extend: int, repeat: int, lo
         tok = engine.tokenizer
         prompts = measured_prompts(tok, lengths, repeat)
         ext = extension(tok, extend)
+        runners = {"tierchat": lambda p: run(engine, p)}
+        lru = LRUBaseline(engine, settings.model) if baseline else None
+        if lru is not None:
+
+            def run_lru(prompt: list[int]) -> tuple[dict, tuple]:
+                quiet(engine)
+                return lru.run(prompt)
+
+            runners["mlx-lm LRU"] = run_lru
         run(engine, make_prompt(tok, 64, salt=WARMUP_SALT), use_cache=False)  # warm-up
         # warm-up at every length (GPU kernels are compiled per shape on first use), on
-        # prompts sharing nothing with the measured ones; then every tier is emptied
-        log("tierchat warm-up at every length")
+        # prompts sharing nothing with the measured ones; then every cache is emptied
+        log("warm-up at every length")
         for i, n in enumerate(lengths):
             warm = make_prompt(tok, n, salt=WARMUP_SALT - 1 - i)
             for p in (warm, warm, warm + ext):
-                run(engine, p)
+                for measure in runners.values():
+                    measure(p)
         engine.clear("all")
+        if lru is not None:
+            lru.clear()
         for n in lengths:
-            log(f"tierchat {n} tokens: cold, exact hot, nearest hot ({repeat} prompts)")
-            rows += _hot_rows("tierchat", n, prompts[n], ext, lambda p: run(engine, p))
+            systems = " and ".join(runners)
+            log(f"{n} tokens: cold, exact hot, nearest hot ({repeat} prompts; {systems})")
+            rows += _hot_rows(n, prompts[n], ext, runners)
         ssd_dir = engine.cache.ssd.dir if engine.cache and engine.cache.ssd else None
         dtype = engine.loaded.dtype
     finally:
@@ -269,24 +304,36 @@ def bench_engine(settings: Any, lengths: list[int], extend: int, repeat: int, lo
     return EngineBench(rows, note, disk, dtype)
 
 
-def bench_lru(settings: Any, lengths: list[int], extend: int, repeat: int, log) -> list[dict]:
-    """mlx-lm ``LRUPromptCache`` rows (medians over ``repeat`` prompts, the same prompts as
-    tierchat's), on this thread, with a fresh copy of the model."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
-    from mlx_lm.sample_utils import make_sampler
-    from tierchat.core.models import load_model
+class LRUBaseline:
+    """mlx-lm's ``LRUPromptCache`` as ``mlx_lm/server.py`` uses it, on the engine thread
+    (:meth:`Engine.call <tierchat.core.engine.Engine.call>`) with the engine's model: its
+    own cache, never the engine's."""
 
-    loaded = load_model(settings.model, models_dir=Path(settings.models_dir))
-    model, tok = loaded.model, loaded.tokenizer
-    lru = LRUPromptCache(max_size=10)
-    sampler = make_sampler(temp=0.0)
-    key = settings.model
+    def __init__(self, engine: Any, key: str) -> None:
+        from mlx_lm.models.cache import LRUPromptCache
+        from mlx_lm.sample_utils import make_sampler
 
-    def run(prompt: list[int]) -> tuple[dict, tuple[float, int]]:
+        self.engine, self.key = engine, key
+        self.lru = LRUPromptCache(max_size=10)
+        self.sampler = make_sampler(temp=0.0)
+
+    def run(self, prompt: list[int]) -> tuple[dict, tuple[float, int]]:
+        """One request (one generated token): ``(counts, (restore_s, restore_bytes))``,
+        restore being ``fetch_nearest_cache`` (deep copy + trim) plus an ``mx.eval`` of the
+        copied state."""
+        return self.engine.call(lambda: self._run(prompt))
+
+    def clear(self) -> None:
+        self.engine.call(lambda: self.lru.trim_to(n_sequences=0))
+
+    def _run(self, prompt: list[int]) -> tuple[dict, tuple[float, int]]:
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step
+        from mlx_lm.models.cache import make_prompt_cache
+
+        model = self.engine.loaded.model
         t0 = time.perf_counter()
-        cache, rest = lru.fetch_nearest_cache(key, prompt)
+        cache, rest = self.lru.fetch_nearest_cache(self.key, prompt)
         cached = len(prompt) - len(rest)
         if cache is None:
             cache = make_prompt_cache(model)
@@ -296,32 +343,18 @@ def bench_lru(settings: Any, lengths: list[int], extend: int, repeat: int, log) 
             restore = (time.perf_counter() - t0, _state_nbytes(cache))
         ttft, tokens = 0.0, []
         for token, _ in generate_step(
-            mx.array(rest), model, prompt_cache=cache, max_tokens=1, sampler=sampler
+            mx.array(rest), model, prompt_cache=cache, max_tokens=1, sampler=self.sampler
         ):
             ttft = time.perf_counter() - t0
             tokens.append(token)
-        lru.insert_cache(key, prompt + tokens, cache)
-        m = {
+        self.lru.insert_cache(self.key, prompt + tokens, cache)
+        counts = {
             "prompt_tokens": len(prompt),
             "cached_tokens": cached,
             "prefill_tokens": len(prompt) - cached,
             "ttft_s": ttft,
         }
-        return m, restore
-
-    rows = []
-    run(make_prompt(tok, 64, salt=WARMUP_SALT))  # warm-up
-    ext = extension(tok, extend)
-    for i, n in enumerate(lengths):  # the same warm-up at every length as tierchat's
-        warm = make_prompt(tok, n, salt=WARMUP_SALT - 1 - i)
-        for p in (warm, warm, warm + ext):
-            run(p)
-    lru.trim_to(n_sequences=0)
-    prompts = measured_prompts(tok, lengths, repeat)
-    for n in lengths:
-        log(f"mlx-lm LRUPromptCache {n} tokens: cold, exact hot, nearest hot ({repeat} prompts)")
-        rows += _hot_rows("mlx-lm LRU", n, prompts[n], ext, run)
-    return rows
+        return counts, restore
 
 
 def add_speedups(rows: list[dict]) -> None:
@@ -430,10 +463,10 @@ def run_bench(settings: Any, args: Any) -> int:
         settings.cache_dir = tmp
         log(f"model {settings.model}, block size {settings.block_size}, SSD dir {tmp}")
         t0 = time.perf_counter()
-        measured = bench_engine(settings, lengths, args.extend, repeat, log)
+        measured = bench_engine(
+            settings, lengths, args.extend, repeat, log, baseline=not args.no_baseline
+        )
         rows, note, disk = measured.rows, measured.page_cache, measured.disk
-        if not args.no_baseline:
-            rows += bench_lru(settings, lengths, args.extend, repeat, log)
         wall = time.perf_counter() - t0
     add_speedups(rows)
     add_ratios(rows, disk)

@@ -129,6 +129,33 @@ class Engine:
         if box and isinstance(box[0], Exception):
             raise box[0]
 
+    def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        """Run ``fn()`` on the engine thread, after the jobs queued before it, and return
+        what it returns (or raise what it raised). For MLX work that must not run beside
+        the engine's: ``tierchat bench`` runs mlx-lm's baseline this way (DESIGN.md §2).
+
+        Raises:
+            TimeoutError: ``fn`` did not finish within ``timeout`` seconds.
+        """
+        done = threading.Event()
+        box: list = []
+
+        def job(_arg=None, _handle=None) -> None:
+            try:
+                box.append((True, fn()))
+            except Exception as exc:
+                box.append((False, exc))
+            finally:
+                done.set()
+
+        self._jobs.put((job, None, None))
+        if not done.wait(timeout):
+            raise TimeoutError("engine call did not finish in time")
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
     def close(self) -> None:
         if self._thread.is_alive():
             self._jobs.put(_STOP)

@@ -52,6 +52,33 @@ def test_median_row_shows_the_middle_run_and_keeps_every_run():
     assert even["ttft_s"] == 0.1  # the lower middle one
 
 
+def test_hot_rows_take_turns_request_by_request():
+    calls = []
+
+    def runner(system):
+        def run(prompt):
+            calls.append((system, prompt))
+            cached = {1: 0, 2: 1}.get(sum(1 for s, q in calls if s == system and q == prompt))
+            counts = {"prompt_tokens": len(prompt), "cached_tokens": cached or 0}
+            return {**counts, "prefill_tokens": 1, "ttft_s": 0.01 * len(calls)}, (0.0, 0)
+
+        return run
+
+    prompts, ext = [[1, 2], [3, 4]], [9]
+    rows = bench._hot_rows(2, prompts, ext, {"a": runner("a"), "b": runner("b")})
+    assert calls == [
+        ("a", [1, 2]), ("b", [1, 2]), ("a", [1, 2]), ("b", [1, 2]),
+        ("a", [1, 2, 9]), ("b", [1, 2, 9]),
+        ("b", [3, 4]), ("a", [3, 4]), ("b", [3, 4]), ("a", [3, 4]),
+        ("b", [3, 4, 9]), ("a", [3, 4, 9]),
+    ]  # fmt: skip
+    assert [(r["system"], r["case"]) for r in rows] == [
+        (s, c) for s in "ab" for c in ("cold", "exact hot", "nearest hot")
+    ]
+    exact_a = rows[1]
+    assert exact_a["cached_runs"] == [1, 1] and exact_a["ttft_runs_s"] == [0.03, 0.10]
+
+
 def test_repeat_out_of_range_is_a_usage_error(capsys, tmp_path):
     argv = ["bench", "--model", "tiny:llama", "--lengths", "40,50", "--repeat", "30"]
     argv += ["--cache-dir", str(tmp_path / "kv"), "--data-dir", str(tmp_path / "data")]

@@ -109,6 +109,21 @@ def test_empty_prompt_and_unknown_tier_are_errors(engine):
         engine.clear("warm")
 
 
+def test_call_runs_on_the_engine_thread_after_queued_jobs(engine):
+    import threading
+
+    import mlx.core as mx
+
+    handle = engine.submit(GenerateRequest(prompt_ids=tuple(random_prompt(40)), max_tokens=2))
+    # queued behind the generation: by the time it runs, the generation has finished
+    name, done = engine.call(lambda: (threading.current_thread().name, handle.done))
+    assert name == "tierchat-engine" and done
+    assert engine.call(lambda: (mx.array([1, 2]) * 3).tolist()) == [3, 6]
+    with pytest.raises(ZeroDivisionError):
+        engine.call(lambda: 1 / 0)
+    assert engine.call(lambda: "still alive") == "still alive"
+
+
 def test_core_never_imports_textual():
     import subprocess
     import sys
