@@ -89,6 +89,8 @@ class Engine:
         self._control: queue.Queue = queue.Queue()
         self._last = LastTurn()
         self._kv_profile = None
+        self._release_queued = threading.Event()
+        self._read_ssd = False
         self.monitor = memory_mod.MemoryMonitor(
             limit_bytes=getattr(settings, "memory_limit", None),
             soft_fraction=getattr(settings, "memory_soft_fraction", 0.80),
@@ -214,6 +216,25 @@ class Engine:
                 if handle is not None and not handle.done:
                     handle.emit(Failed(f"{type(exc).__name__}: {exc}"))
 
+    def release_host_buffers(self) -> None:
+        """Queue one clear of MLX's buffer cache on the engine thread, after the jobs
+        queued before it (any thread; at most one waits at a time).
+
+        On CUDA, MLX moves any buffer the host reads or fills to managed memory and
+        keeps it so (``allocator::Buffer::raw_ptr``, ``allocator::malloc`` without a
+        stream); once freed, its buffer cache hands such buffers to later GPU kernels by
+        size alone, and they fault pages over the bus. The SSD tier's writer (host reads
+        of its copies) and SSD restores (arrays filled from file bytes) free such buffers:
+        the writer calls this when its queue empties, the engine after a request that
+        read from SSD. Between requests, so no TTFT pays for it."""
+        if not self._release_queued.is_set():
+            self._release_queued.set()
+            self._jobs.put((self._clear_buffer_cache, None, None))
+
+    def _clear_buffer_cache(self, _arg=None, _handle=None) -> None:
+        self._release_queued.clear()
+        mx.clear_cache()
+
     def _drain_control(self, _arg=None, _handle=None) -> None:
         while True:
             try:
@@ -280,6 +301,8 @@ class Engine:
             )
             if self.cache.ssd is not None and not self.cache.ssd.enabled:
                 warning = self.cache.ssd.reason
+            if self.cache.ssd is not None:
+                self.cache.ssd.on_idle = self.release_host_buffers
         handle.emit(ModelLoaded(spec, warning=warning))
 
     def _make_cache(self) -> list[Any]:
@@ -306,6 +329,7 @@ class Engine:
     def _generate(self, req: GenerateRequest, handle: RequestHandle) -> None:
         # the SSD writer waits while this request prefills and makes its first token
         ssd = self.cache.ssd if self.cache is not None else None
+        self._read_ssd = False  # set by the restore
         if ssd is not None:
             ssd.pause()
         try:
@@ -318,6 +342,8 @@ class Engine:
                 self.cache.persist()
             if ssd is not None:
                 ssd.resume()
+                if self._read_ssd:
+                    self.release_host_buffers()
 
     def _generate_one(self, req: GenerateRequest, handle: RequestHandle) -> None:
         if self.loaded is None:
@@ -352,6 +378,7 @@ class Engine:
         else:
             ids, restored = [], Restored(caches=self._make_cache())
         caches = restored.caches
+        self._read_ssd = bool(restored.cached_by.get("ssd"))
         restore_s = time.perf_counter() - t_restore
         start = restored.position
         ends = chunk_ends(start, points)

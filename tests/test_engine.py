@@ -124,6 +124,36 @@ def test_call_runs_on_the_engine_thread_after_queued_jobs(engine):
     assert engine.call(lambda: "still alive") == "still alive"
 
 
+def test_buffer_cache_is_cleared_on_the_engine_thread_after_ssd_work(engine, monkeypatch):
+    import threading
+
+    from tierchat.core import engine as engine_mod
+
+    cleared = []
+    real = engine_mod.mx.clear_cache
+
+    def clear_cache():
+        cleared.append(threading.current_thread().name)
+        real()
+
+    monkeypatch.setattr(engine_mod.mx, "clear_cache", clear_cache)
+    prompt = random_prompt(40)
+    generate(engine, prompt)
+    engine.cache.ssd.flush()  # the writer emptied its queue: a clear queued
+    engine.call(lambda: None)  # runs after it
+    assert cleared and set(cleared) == {"tierchat-engine"}
+    engine.clear("hot")
+    engine.clear("resident")
+    engine.cache.ssd.on_idle = None  # from here, only the SSD restore queues a clear
+    engine.call(lambda: None)
+    before = len(cleared)
+    res, _ = generate(engine, prompt)
+    assert res.metrics.cached_by.get("ssd")
+    engine.cache.ssd.flush()
+    engine.call(lambda: None)
+    assert len(cleared) > before and set(cleared) == {"tierchat-engine"}
+
+
 def test_core_never_imports_textual():
     import subprocess
     import sys

@@ -78,6 +78,40 @@ def test_ssd_restore_equals_hot_bit_for_bit(tier, dtype):
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
 
 
+def test_a_batch_writes_each_entry_once_from_one_copy_and_reports_idle(tier):
+    ssd = tier()
+    idle = threading.Event()
+    ssd.on_idle = idle.set
+    mixed = [entry(i, dtype) for i, dtype in enumerate(DTYPES)]
+    a, b = entry(7), entry(7)
+    b.window = False  # the same id with fewer parts: the batch keeps a
+    assert ssd.put_many([*mixed, b, a]) == [True, True, True, False, True]
+    blobs = {id(p.blob) for p in ssd._pending.values() if p.blob is not None}
+    assert len(blobs) <= 1  # one flat copy for the batch (none left if all written)
+    assert ssd.flush() and idle.wait(5)
+    assert ssd.saves_persisted == 4 and ssd.meta(a.id).window
+    fresh = tier()
+    for e in [*mixed, a]:
+        assert_bitwise(fresh.load(e.id).arrays, e.arrays)
+
+
+def test_flat_copy_is_the_bytes_in_order_and_never_the_input():
+    a = mx.arange(6, dtype=mx.float32).reshape(2, 3)
+    b = mx.array([1.5, -2.0], dtype=mx.bfloat16)
+    flat = ssd_mod._flat_copy([a, b])
+    assert flat.dtype == mx.uint8 and flat.size == a.nbytes + b.nbytes
+    assert bytes(np.array(flat)) == np.array(a).tobytes() + bits(b).tobytes()
+    lone = ssd_mod._flat_copy([a])
+    mx.eval(lone)
+    assert bytes(np.array(lone)) == np.array(a).tobytes()
+
+    def address(x):
+        return np.frombuffer(memoryview(x).cast("B"), np.uint8).ctypes.data
+
+    view = a.reshape(-1).view(mx.uint8)  # what concatenate alone would hand back
+    assert address(view) == address(a) and address(lone) != address(a)
+
+
 def test_files_open_in_other_tools(tier):
     ssd = tier()
     e = entry(1, mx.bfloat16)

@@ -699,15 +699,15 @@ class PrefixCache:
         """Hand the entries committed since the last call to the SSD tier (write-through),
         in commit order."""
         unsaved, self._unsaved = self._unsaved, []
-        if self.ssd is not None:
-            for e in unsaved:
-                self.ssd.put(e)
+        if self.ssd is not None and unsaved:
+            self.ssd.put_many(unsaved)
 
     def _persist(self, e: Entry) -> None:
-        """Write-through repair: queue a hot entry the SSD tier does not hold (after an
-        SSD clear, a dropped write or a full disk), so a restart still finds it."""
+        """Write-through repair: a hot entry the SSD tier does not hold (after an SSD
+        clear, a dropped write or a full disk) goes to it at the next :meth:`persist`, so
+        a restart still finds it."""
         if self.ssd is not None:
-            self.ssd.put(e)
+            self._unsaved.append(e)
 
     # ------------------------------------------------------------------ admin
     def clear(self, tier: str) -> str:

@@ -51,6 +51,7 @@ import struct
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -399,14 +400,27 @@ def _raw_bytes(a) -> np.ndarray:
         return np.ascontiguousarray(np.asarray(a)).view(np.uint8).reshape(-1)
 
 
+def _flat_copy(arrays: list[mx.array]) -> mx.array:
+    """A new flat ``uint8`` array of ``arrays``' bytes, one after the other, each in row
+    order (bf16 bits included; lazy, one concatenate). Never a view of an input: the SSD
+    writer reads it from the host, and on CUDA MLX moves a buffer the host reads to
+    managed memory for good (``allocator::Buffer::raw_ptr``), where later GPU reads of it
+    fault pages back. The hot tier's arrays so stay in device memory."""
+    flat = [a.reshape(-1).view(mx.uint8) for a in arrays]
+    # concatenate returns a lone input as it is: an empty second one makes it copy
+    return mx.concatenate(flat + [mx.zeros((0,), dtype=mx.uint8)])
+
+
 @dataclass(eq=False)
 class _Pending:
     """An entry accepted by ``put`` and not yet on disk."""
 
     entry: Entry  # the arrays as given (what a load returns meanwhile)
-    bits: dict[str, mx.array]  # the arrays to write, in file order
     head: bytes  # encode_header(...), CRCs not yet filled
     nbytes: int  # the file's size
+    blob: mx.array | None = None  # the tensor bytes, shared with the batch's other entries
+    begin: int = 0  # this entry's bytes are blob[begin:end]
+    end: int = 0
 
 
 def _pid_alive(pid: int) -> bool:
@@ -422,6 +436,10 @@ def _pid_alive(pid: int) -> bool:
 class SSDTier:
     """Persistent entries of one model under a byte cap, LRU by last access.
 
+    ``on_idle``, when set, is called on the writer thread each time the writer has emptied
+    its queue: the copies it read from the host are free by then (the engine then clears
+    MLX's buffer cache, see :meth:`~tierchat.core.engine.Engine.release_host_buffers`).
+
     Test hooks: ``write_delay_s`` (every write sleeps this long first) and
     ``write_jitter_s`` (plus a random ``[0, write_jitter_s)``), as instance or class
     attributes; ``verify_at_start`` turns the background verifier off.
@@ -429,6 +447,7 @@ class SSDTier:
 
     write_delay_s: float = 0.0
     write_jitter_s: float = 0.0
+    on_idle: Callable[[], None] | None = None
     verify_at_start: bool = True
     backpressure_timeout_s: float = 120.0
 
@@ -670,38 +689,74 @@ class SSDTier:
 
     # ------------------------------------------------------------------ writes
     def put(self, e: Entry) -> bool:
-        """Accept an entry (arrays already evaluated): indexed at once, written later.
+        """:meth:`put_many` of one entry."""
+        return self.put_many([e])[0]
 
-        Evicts least recently used entries to stay under ``max_bytes``. Blocks while the
-        writer is more than ``queue_size`` entries or ``max_pending_bytes`` behind.
-        Returns False when the tier is off, the entry is already held with at least as
-        much, it is larger than the cap or has an unstorable dtype, or the writer stayed
-        stuck for ``backpressure_timeout_s`` (the last three counted in ``write_drops``).
+    def put_many(self, entries: list[Entry]) -> list[bool]:
+        """Accept entries (arrays already evaluated): indexed at once, written later.
+
+        The writer gets a copy of the accepted entries' bytes in one flat array
+        (:func:`_flat_copy`; one concatenate and one eval on the engine thread), never the
+        entries' own arrays. Evicts least recently used entries to stay under
+        ``max_bytes``. Blocks while the writer is more than ``queue_size`` entries or
+        ``max_pending_bytes`` behind. Per entry, False when the tier is off, the entry is
+        already held with at least as much, it is larger than the cap or has an
+        unstorable dtype, or the writer stayed stuck for ``backpressure_timeout_s`` (the
+        last three counted in ``write_drops``).
         """
         if not self.enabled:
-            return False
-        with self._lock:
-            old = self._index.get(e.id)
-            if (
-                old is not None
-                and (old.window or not e.window)
-                and (old.snapshot or not e.snapshot)
-            ):
-                return False
-        names = sorted(e.arrays)
-        bits, specs = {}, []
-        for name in names:
-            a = e.arrays[name]
-            dtype = _NAME_OF.get(a.dtype)
-            if dtype is None:
-                return self._refuse(f"dtype {a.dtype} of {name} cannot be stored")
-            bits[name] = a  # the writer takes the raw bytes (bf16 included): no MLX op here
-            specs.append((name, dtype, tuple(a.shape), a.nbytes))
-        head = encode_header(_meta_strings(e, self.fingerprint), specs)
-        size = len(head) + sum(s[3] for s in specs)
-        if size > self.max_bytes:
-            return self._refuse(f"entry of {size} bytes exceeds the cap")
-        item = _Pending(replace(e, arrays=dict(e.arrays)), bits, head, size)
+            return [False] * len(entries)
+        # one entry per id: the one carrying the most parts (a put of each in turn would
+        # keep that one too)
+        best: dict[str, int] = {}
+        for i, e in enumerate(entries):
+            j = best.get(e.id)
+            if j is None or (e.window, e.snapshot) > (entries[j].window, entries[j].snapshot):
+                best[e.id] = i
+        accepted, flat, offset = [], [], 0
+        results = [False] * len(entries)
+        for i, e in enumerate(entries):
+            if best[e.id] != i:
+                continue
+            with self._lock:
+                old = self._index.get(e.id)
+                if (
+                    old is not None
+                    and (old.window or not e.window)
+                    and (old.snapshot or not e.snapshot)
+                ):
+                    continue
+            names = sorted(e.arrays)
+            specs = []
+            for name in names:
+                a = e.arrays[name]
+                dtype = _NAME_OF.get(a.dtype)
+                if dtype is None:
+                    self._refuse(f"dtype {a.dtype} of {name} cannot be stored")
+                    break
+                specs.append((name, dtype, tuple(a.shape), a.nbytes))
+            else:
+                head = encode_header(_meta_strings(e, self.fingerprint), specs)
+                data = sum(s[3] for s in specs)
+                if len(head) + data > self.max_bytes:
+                    self._refuse(f"entry of {len(head) + data} bytes exceeds the cap")
+                    continue
+                item = _Pending(replace(e, arrays=dict(e.arrays)), head, len(head) + data)
+                item.begin, item.end = offset, offset + data
+                offset += data
+                flat += [e.arrays[name] for name in names]
+                accepted.append((i, item))
+        if not accepted:
+            return results
+        blob = _flat_copy(flat)
+        mx.eval(blob)
+        for i, item in accepted:
+            item.blob = blob
+            results[i] = self._enqueue(item)
+        return results
+
+    def _enqueue(self, item: _Pending) -> bool:
+        e, size = item.entry, item.nbytes
         with self._cond:
             if not self._wait_for_room(size):
                 self.write_drops += 1
@@ -762,17 +817,20 @@ class SSDTier:
                     if self._pending.get(item.entry.id) is item:
                         self._drop(item.entry.id)
                 self._event(f"SSD write failed: {exc}")
+            finally:
+                item.blob = None  # the batch's copy goes when its last entry is written
+            with self._cond:
+                idle = not self._queue
+            if idle and self.on_idle is not None:
+                self.on_idle()
 
     def _write(self, item: _Pending) -> None:
         eid = item.entry.id
         with self._lock:
             if self._pending.get(eid) is not item:
                 return  # evicted, removed or replaced since
-        data = [_raw_bytes(item.bits[n]) for n in sorted(item.bits)]
-        crc = 0
-        for a in data:
-            crc = zlib.crc32(a, crc)
-        head = seal_header(item.head, crc)
+        data = _raw_bytes(item.blob)[item.begin : item.end]
+        head = seal_header(item.head, zlib.crc32(data))
         path = self._path(eid)
         tmp = path.with_name(f"{eid}.{os.getpid()}.{next(self._tmp_seq)}.tmp")
         try:
@@ -781,8 +839,7 @@ class SSDTier:
             fd = os.open(tmp, flags, 0o600)
             with open(fd, "wb") as f:
                 f.write(head)
-                for a in data:
-                    f.write(memoryview(a.reshape(-1).view(np.uint8)))
+                f.write(memoryview(data))
             with self._cond:
                 if self._pending.get(eid) is item:
                     os.replace(tmp, path)
