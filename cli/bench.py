@@ -7,7 +7,10 @@ one generated token per request; each row shows the run with the median TTFT:
 
 tierchat rows (through the :class:`~tierchat.core.engine.Engine`):
   cold           a fresh cache: prefill N
-  exact hot      the same prompt again: restore N-1 from the hot tier + tail, prefill 1
+  exact hot      the same prompt again (a regenerate): the resident cache cut back to N
+                 and the first token sampled from the logprobs kept from the request
+                 before, no forward (where every layer can be cut back in place; else
+                 N-1 restored and 1 token prefilled, as on hybrid models)
   nearest hot    prompt + ``--extend`` new tokens: restore the cached prefix, prefill the rest
   exact ssd      after a restart (new Engine: hot tier and tails gone) with the page cache
                  of the SSD files dropped where the OS allows (``posix_fadvise`` DONTNEED

@@ -12,6 +12,11 @@ blocks and checkpoints captured from it, then decode from the last prompt token 
 mlx-lm's ``generate_step``, store the prompt + reply and keep that cache resident. A cold
 run (``use_cache=False``) computes the same chunks, so a restore at a schedule point gives
 the cold run's tokens bit for bit.
+
+The same prompt again (regenerate, or a retry) is the one case with no new token: the
+resident cache is cut back to the whole prompt and the first token is sampled from the
+logprobs kept from the request before (the output of the same forward a cold run makes),
+so its TTFT has no forward at all (:meth:`~.cache.prefix.PrefixCache.restore_repeat`).
 """
 
 from __future__ import annotations
@@ -65,6 +70,19 @@ def _close_live_engines() -> None:
     # runs before the handler above (atexit is last in, first out)
     for engine in list(_live_engines):
         engine.close()
+
+
+def _from_kept(logprobs: mx.array, model, caches, max_tokens: int, sampler):
+    """What ``generate_step`` yields for a prompt whose every token is in ``caches``, given
+    the logprobs (shape ``(vocab,)``) its last token's forward gave before: the first
+    token sampled from them, then ``generate_step`` from that token. The sampler is called
+    in the same order as in ``generate_step``, so a seeded sampler draws the same."""
+    y = sampler(logprobs[None])
+    yield y.item(), logprobs
+    if max_tokens > 1:
+        yield from generate_step(
+            y, model, prompt_cache=caches, max_tokens=max_tokens - 1, sampler=sampler
+        )
 
 
 class Engine:
@@ -374,7 +392,9 @@ class Engine:
         t_restore = time.perf_counter()
         if cache is not None:
             ids = cache.ids(prompt)
-            restored = cache.restore(prompt, ids, points, self._make_cache)
+            restored = cache.restore_repeat(prompt) or cache.restore(
+                prompt, ids, points, self._make_cache
+            )
         else:
             ids, restored = [], Restored(caches=self._make_cache())
         caches = restored.caches
@@ -431,14 +451,21 @@ class Engine:
         logprobs: list[np.ndarray] = []
         ttft = t_first = None
         reason = "length"
-        for tok, lp in generate_step(
-            mx.array(prompt[n - 1 :]),
-            model,
-            prompt_cache=caches,
-            max_tokens=max_tokens,
-            sampler=sampler,
-        ):
+        kept = restored.first_logprobs if start == n else None
+        if kept is not None:  # the prompt is all in the cache: sample from kept logprobs
+            steps = _from_kept(kept, model, caches, max_tokens, sampler)
+        else:
+            steps = generate_step(
+                mx.array(prompt[n - 1 :]),
+                model,
+                prompt_cache=caches,
+                max_tokens=max_tokens,
+                sampler=sampler,
+            )
+        first_lp = None
+        for tok, lp in steps:
             if ttft is None:
+                first_lp = lp
                 t_first = time.perf_counter()
                 ttft = t_first - t0
                 if cache is not None:
@@ -459,6 +486,13 @@ class Engine:
             if handle.cancelled:
                 reason = "cancelled"
                 break
+        if kept is not None and len(tokens) == 1:
+            # generate_step computes one step ahead, so a cold run's cache also holds the
+            # first token when the reply stops there: forward it here, as that step would
+            for _ in generate_step(
+                mx.array(tokens), model, prompt_cache=caches, max_tokens=0, sampler=sampler
+            ):
+                pass
         # generate_step evaluates one step ahead: wait for that step, or the thread-local
         # stream still has work when the thread ends and the process aborts at exit
         mx.synchronize(generation_stream)
@@ -477,7 +511,7 @@ class Engine:
             mx.eval([c.state for c in caches] + [a for e in entries for a in e.arrays.values()])
             cache.commit(entries)
             cache.persist()
-            cache.set_resident(sequence, caches)
+            cache.set_resident(sequence, caches, n, first_lp)
         handle.logprobs = logprobs
         handle.restored_position = start
         ttft = ttft if ttft is not None else t_end - t0

@@ -36,6 +36,7 @@ from tierchat.core.api import (
     ModelLoading,
     PrefillProgress,
     RequestHandle,
+    ResidentStats,
     TailStats,
     TierStats,
     TokenBatch,
@@ -210,6 +211,10 @@ class FakeEngine:
         self._ssd: set[tuple[int, ...]] = set()
         self._tails: list[tuple[int, ...]] = []  # whole sequences, MRU last
         self._checkpoints: dict[tuple[int, ...], None] = {}  # prompts, LRU order
+        # the last cached request's prompt: the resident cache and its first-token logprobs
+        self._resident: tuple[int, ...] | None = None
+        self._resident_hits = 0
+        self._resident_tokens = 0  # prompt + reply
         self._hot_counts = {"hits": 0, "misses": 0, "evictions": 0, "saves_queued": 0}
         self._ssd_counts = {"hits": 0, "misses": 0, "evictions": 0, "saves_persisted": 0}
         self._tail_counts = {
@@ -309,16 +314,23 @@ class FakeEngine:
                     system_total=16 << 30,
                     system_available=8 << 30,
                 ),
+                resident=ResidentStats(
+                    tokens=self._resident_tokens if self._resident else 0,
+                    nbytes=self._resident_tokens * 4096 if self._resident else 0,
+                    hits=self._resident_hits,
+                ),
                 last_turn=self._last_turn,
                 events=tuple(self._events[-50:]),
             )
 
     def clear(self, tier: str) -> None:
-        """Empty ``tier`` ("hot", "ssd", "tails" or "all") and log an event. Raises
-        ``ValueError`` for another name."""
-        if tier not in CACHE_TIERS:
+        """Empty ``tier`` ("hot", "ssd", "tails", "all" or, as the real engine,
+        "resident") and log an event. Raises ``ValueError`` for another name."""
+        if tier not in (*CACHE_TIERS, "resident"):
             raise ValueError(f"unknown cache tier {tier!r}; expected one of {CACHE_TIERS}")
         with self._lock:
+            if tier in ("hot", "all", "resident"):
+                self._resident = None
             if tier in ("hot", "all"):
                 self._log(f"cleared hot tier ({len(self._hot)} blocks)")
                 self._hot.clear()
@@ -369,10 +381,16 @@ class FakeEngine:
         handle.emit(ModelLoaded(model, warning))
 
     def _lookup(self, prompt: tuple[int, ...]) -> tuple[dict[str, int], dict[str, int]]:
-        """Cached tokens of ``prompt`` by tier and by entry kind; never the whole prompt
-        (one token is fed)."""
+        """Cached tokens of ``prompt`` by tier and by entry kind: the whole prompt when it is
+        the last request's (the resident cache with its first-token logprobs, as the real
+        engine on a plain attention model), else at most all but the last token (fed to
+        get logits)."""
         cached_by = dict.fromkeys(CACHE_SOURCES, 0)
         cached_kind = dict.fromkeys(CACHE_KINDS, 0)
+        if prompt == self._resident:
+            cached_by["hot"] = cached_kind["resident"] = len(prompt)
+            self._resident_hits += 1
+            return cached_by, cached_kind
         limit = len(prompt) - 1
         bs = self.block_size
         n_blocks = 0
@@ -410,6 +428,7 @@ class FakeEngine:
 
     def _store(self, prompt: tuple[int, ...], seq: tuple[int, ...]) -> None:
         bs = self.block_size
+        self._resident, self._resident_tokens = prompt, len(seq)
         self._checkpoints.pop(prompt, None)
         self._checkpoints[prompt] = None
         if len(self._checkpoints) > 32:
@@ -452,6 +471,8 @@ class FakeEngine:
             )
             if caching and sum(cached_by.values()):
                 self._log(f"hit {sum(cached_by.values())}/{len(prompt)} tokens")
+            if caching:  # the request takes the resident cache; stored again at its end
+                self._resident = None
         cached = sum(cached_by.values())
         prefill = len(prompt) - cached
         handle.emit(PrefillProgress(0, prefill, 0.0))

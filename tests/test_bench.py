@@ -146,14 +146,16 @@ def test_bench_runs_on_a_shape_model(capsys, tmp_path, models_dir, monkeypatch):
     assert doc["disk_read"]["nbytes"] > 0 and "disk sequential read" in out
     rows = {(r["system"], r["case"]): r for r in doc["rows"]}
     assert doc["repeat"] == 2 and all(len(r["ttft_runs_s"]) == 2 for r in doc["rows"])
-    # every cold run was cold, every hit a hit; tierchat's nearest restore lands on the
-    # first prompt's N-1 (a schedule point): the exact common prefix saves under a block
-    for system, nearest in (("tierchat", 39), ("mlx-lm LRU", 40)):
+    # every cold run was cold, every hit a hit. tierchat's exact hit is the whole prompt
+    # (the resident cache and its kept logprobs); its nearest restore lands on the first
+    # prompt's N-1 (a schedule point): the exact common prefix saves under a block
+    for system, exact, nearest in (("tierchat", 40, 39), ("mlx-lm LRU", 39, 40)):
         assert rows[(system, "cold")]["cached_runs"] == [0, 0]
-        assert rows[(system, "exact hot")]["cached_runs"] == [39, 39]
+        assert rows[(system, "exact hot")]["cached_runs"] == [exact, exact]
         assert rows[(system, "nearest hot")]["cached_runs"] == [nearest, nearest]
     assert rows[("tierchat", "exact ssd")]["cached_runs"] == [39, 39]
     assert rows[("tierchat", "exact ssd")]["prefill_tokens"] == 1
     assert rows[("tierchat", "exact ssd")]["of_disk"] > 0
     assert rows[("tierchat", "exact hot")]["vs_mlx_lm"] > 0
     assert rows[("mlx-lm LRU", "exact hot")]["prefill_tokens"] == 1
+    assert rows[("tierchat", "exact hot")]["prefill_tokens"] == 0

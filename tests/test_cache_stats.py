@@ -48,11 +48,14 @@ def test_hot_and_ssd_counters(engine):
 
     assert s.resident.tokens == 100 + 8 and s.resident.nbytes > 0 and s.resident.hits == 0
 
-    # the same prompt again: the resident cache is cut back in place
+    # the same prompt again: the resident cache is cut back in place to the whole prompt
+    # and the first token comes from its kept logprobs
     generate(e, p)
     s1 = e.stats()
     assert s1.resident.hits == 1 and s1.hot.hits == 0
-    assert s1.last_turn.cached_kind["resident"] == 99 and s1.last_turn.cached_by["hot"] == 99
+    assert s1.last_turn.cached_kind["resident"] == 100 and s1.last_turn.cached_by["hot"] == 100
+    assert s1.last_turn.prefill_tokens == 0
+    assert any("first token from its kept logprobs" in text for _, text in s1.events)
 
     e.clear("resident")  # from the hot tier's entries now
     generate(e, p)
@@ -163,4 +166,4 @@ def test_failed_model_load_keeps_the_current_model_and_cache(engine):
     assert after.model == before.model and after.enabled and after.supported is True
     assert after.hot.entries == before.hot.entries
     r, _ = generate(e, random_prompt(40), max_tokens=2)
-    assert r.metrics.cached_tokens == 39
+    assert r.metrics.cached_tokens == 40  # the resident cache survived, kept logprobs too

@@ -208,7 +208,8 @@ def test_chat(capsys, tiny, monkeypatch):
     metrics = [line for line in out.splitlines() if line.startswith("[cached ")]
     assert len(metrics) == 4  # hello, /regen, /edit, again
     assert metrics[0].startswith("[cached 0/")
-    assert " · prefilled 1 · " in metrics[1]  # regenerate: only the last token
+    # regenerate: nothing new (tiny:llama's resident cache and its kept logprobs)
+    assert " · prefilled 0 · " in metrics[1] and "resident " in metrics[1]
     assert "[turn 0: reply 1 of 2]" in out
     assert "unknown command /bogus" in out
     assert "[hot " in out and "[new conversation]" in out
@@ -247,7 +248,7 @@ def test_bench_tiny(capsys, tiny, tmp_path):
     for n in (48, 80):
         cold = rows[("tierchat", "cold", n)]
         assert cold["cached_tokens"] == 0 and cold["prefill_tokens"] == n
-        assert rows[("tierchat", "exact hot", n)]["prefill_tokens"] == 1
+        assert rows[("tierchat", "exact hot", n)]["prefill_tokens"] == 0  # kept logprobs
         assert rows[("tierchat", "exact ssd", n)]["prefill_tokens"] == 1
         near = rows[("tierchat", "nearest hot", n)]
         assert near["prompt_tokens"] == n + 8 and near["cached_tokens"] >= n - 1

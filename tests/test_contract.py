@@ -121,7 +121,9 @@ def test_regenerate_is_a_full_hit(session):
     again, _ = turn(lambda cb: session.regenerate(on_event=cb))
     check_metrics(again)
     m = again.metrics
-    assert m.cached_tokens == m.prompt_tokens - 1  # the last token is fed to get logits
+    # the resident cache holds the whole prompt and the logprobs of its first token
+    assert m.cached_tokens == m.prompt_tokens and m.prefill_tokens == 0
+    assert m.cached_kind["resident"] == m.prompt_tokens
     assert len(session.replies(0)) == 2
 
 

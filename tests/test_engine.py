@@ -109,6 +109,34 @@ def test_empty_prompt_and_unknown_tier_are_errors(engine):
         engine.clear("warm")
 
 
+@pytest.mark.parametrize("max_tokens", [1, 5])
+def test_same_prompt_again_samples_from_kept_logprobs_as_a_cold_run(engine, cold, max_tokens):
+    prompt = random_prompt(45, seed=3)
+    generate(engine, prompt, max_tokens=max_tokens)
+    a, ha = generate(cold, prompt, max_tokens=max_tokens)
+    b, hb = generate(engine, prompt, max_tokens=max_tokens)
+    assert_same(a, ha, b, hb)
+    m = b.metrics
+    assert (m.cached_tokens, m.prefill_tokens, m.cached_kind["resident"]) == (45, 0, 45)
+    # the cache went on holding prompt + reply: the next turn continues from it exactly
+    longer = prompt + b.token_ids + random_prompt(20, seed=4)
+    c, hc = generate(cold, longer)
+    d, hd = generate(engine, longer)
+    assert_same(c, hc, d, hd)
+    assert d.metrics.cached_tokens >= len(prompt) + max_tokens - 1
+
+
+def test_same_prompt_again_draws_what_a_seeded_cold_run_draws(engine, cold):
+    prompt = random_prompt(30, seed=5)
+    sampled = dict(max_tokens=6, temperature=1.5, seed=11)
+    a, _ = generate(cold, prompt, **sampled)
+    generate(engine, prompt, **sampled)
+    b, _ = generate(engine, prompt, **sampled)
+    assert b.metrics.prefill_tokens == 0 and b.token_ids == a.token_ids
+    c, _ = generate(engine, prompt, **{**sampled, "seed": 12})
+    assert c.metrics.prefill_tokens == 0 and c.token_ids != a.token_ids
+
+
 def test_call_runs_on_the_engine_thread_after_queued_jobs(engine):
     import threading
 

@@ -160,10 +160,10 @@ def test_2_any_load_failure_is_a_counted_miss(tmp_path, monkeypatch):
     again = SSDTier(tmp_path, FP, 1 << 30)
     again.wait_verified()
 
-    def boom(layout, buf):
+    def boom(layout, stage):
         raise RuntimeError("cannot map")
 
-    monkeypatch.setattr(ssd_mod, "arrays_from", boom)
+    monkeypatch.setattr(ssd_mod, "arrays_in", boom)
     assert again.load(es[0].id) is None
     assert again.corrupt == 1 and es[0].id not in again
     again.close()

@@ -121,7 +121,8 @@ def test_regenerate_and_swipe(session, engine):
     second = turn.wait(TIMEOUT)
     assert turn.kind == "regenerate"
     assert engine.requests[-1].prompt_ids == engine.requests[-2].prompt_ids
-    assert second.metrics.cached_kind["checkpoint"] > 0
+    # the resident cache holds the whole prompt and its first token's logprobs
+    assert second.metrics.cached_kind["resident"] == second.metrics.prompt_tokens
     assert [r.content for r in session.replies(0)] == [first.text, second.text]
     assert session.active_path()[-1].content == second.text
     assert session.selected_reply(0) == (1, 2)
@@ -269,7 +270,10 @@ def test_fake_engine_stats_and_clear(engine):
     assert s.hot.entries > 0 and s.hot.nbytes > 0 and s.ssd.saves_persisted > 0
     assert s.tails.stashes == 1 and s.supported is True
     r = engine.submit(GenerateRequest(prompt)).wait(TIMEOUT)
-    assert r.metrics.cached_tokens == len(prompt) - 1  # never the whole prompt
+    assert r.metrics.cached_kind["resident"] == len(prompt)  # the same prompt again
+    engine.clear("resident")
+    r = engine.submit(GenerateRequest(prompt)).wait(TIMEOUT)
+    assert r.metrics.cached_tokens == len(prompt) - 1  # else never the whole prompt
     assert r.metrics.cached_tokens + r.metrics.prefill_tokens == r.metrics.prompt_tokens
     engine.clear("hot")
     s = engine.stats()

@@ -91,6 +91,10 @@ class Resident:
     tokens: tuple[int, ...]
     caches: list[Any]
     nbytes: int = 0
+    # the request's prompt length and the logprobs its first token was sampled from
+    # (shape (vocab,)): what a forward of the prompt's last token gives again
+    prompt_tokens: int = 0
+    first_logprobs: Any = None
 
 
 @dataclass
@@ -103,6 +107,7 @@ class Restored:
     cached_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CACHE_KINDS, 0))
     nbytes: int = 0  # bytes copied into the cache (0 when the resident cache was cut)
     caches: list[Any] | None = None
+    first_logprobs: Any = None  # set when position == the whole prompt (restore_repeat)
 
 
 @dataclass
@@ -242,11 +247,19 @@ class PrefixCache:
         return self._chain.ids(tokens, len(tokens) // self.block_size)
 
     # ------------------------------------------------------------------ resident
-    def set_resident(self, tokens: Sequence[int], caches: list[Any]) -> None:
+    def set_resident(
+        self,
+        tokens: Sequence[int],
+        caches: list[Any],
+        prompt_tokens: int = 0,
+        first_logprobs: Any = None,
+    ) -> None:
         """Keep ``caches`` (holding exactly ``tokens``) live for the next request; its bytes
-        count against the hot budget."""
+        count against the hot budget. ``first_logprobs`` (shape ``(vocab,)``): the
+        logprobs the first reply token was sampled from, after the first
+        ``prompt_tokens`` of ``tokens`` (:meth:`restore_repeat`)."""
         nbytes = sum(c.nbytes for c in caches)
-        self.resident = Resident(tuple(tokens), caches, nbytes)
+        self.resident = Resident(tuple(tokens), caches, nbytes, prompt_tokens, first_logprobs)
         self.hot.reserve(nbytes)
         self._flush_evictions()
 
@@ -409,6 +422,31 @@ class PrefixCache:
     def _snapshot_nbytes(self, arrays) -> int:
         names = tuple(f"{lf.name}." for lf in self.state)
         return sum(a.nbytes for k, a in arrays.items() if names and k.startswith(names))
+
+    def restore_repeat(self, prompt: Sequence[int]) -> Restored | None:
+        """The resident cache cut back to the whole ``prompt``, with the logprobs of its
+        first token, when ``prompt`` is the prompt the resident's request answered (a
+        regenerate, or the same question again): the first token then needs no forward,
+        and the logprobs are the very ones a cold run samples it from. None (the resident
+        stays) when the prompt differs, no logprobs were kept, or a leaf cannot be cut
+        there in place (a state layer, a window that rotated)."""
+        r, n = self.resident, len(prompt)
+        if r is None or r.first_logprobs is None or r.prompt_tokens != n:
+            return None
+        if r.tokens[:n] != tuple(prompt):
+            return None
+        live = L.leaf_map(r.caches)
+        if not all(lf.can_cut(live[lf.name], len(r.tokens), n) for lf in self.leaves):
+            return None
+        self.take_resident()
+        for lf in self.leaves:
+            lf.cut(live[lf.name], len(r.tokens), n)
+        self.resident_hits += 1
+        out = Restored(n, caches=r.caches, first_logprobs=r.first_logprobs)
+        out.cached_kind["resident"] = n
+        out.cached_by["hot"] = n
+        self.log(f"hit {n} tokens: resident, first token from its kept logprobs")
+        return out
 
     def restore(
         self, prompt: Sequence[int], ids: Sequence[str], points: Sequence[int], fresh

@@ -35,7 +35,9 @@ EIO...) or a writer stuck for ``backpressure_timeout_s`` loses an entry, counted
 
 Threads: the engine thread calls ``put`` (already evaluated arrays), ``load`` and the
 queries; the writer and verifier threads handle numpy views and bytes only and never build
-an MLX graph. The index is guarded by one lock.
+an MLX graph; the reader threads of a restore write file bytes into the memory of staging
+arrays the engine made (:func:`staging`, :func:`read_into`). The index is guarded by one
+lock.
 """
 
 from __future__ import annotations
@@ -271,19 +273,60 @@ def read_file(path: Path, keep: bool = True) -> tuple[Layout, bytearray | None, 
     return layout, buf, st.st_ino
 
 
-def arrays_from(layout: Layout, buf: bytearray) -> dict[str, mx.array]:
-    """MLX arrays of a verified file: one copy per tensor from the buffer, bf16 bits viewed
-    back as ``bfloat16``; evaluated. Engine thread only."""
+def staging(size: int) -> mx.array:
+    """A new evaluated ``uint8`` array of ``size`` bytes in host-written memory, for
+    :func:`read_into` (engine thread). Made on the CPU stream: on CUDA, MLX gives an array
+    made without a GPU stream managed memory, here first touched by MLX's CPU thread
+    while the GIL is free, so readers write into resident pages and no copy follows."""
+    stage = mx.zeros((size,), dtype=mx.uint8, stream=mx.cpu)
+    mx.eval(stage)
+    return stage
+
+
+def read_into(path: Path, view: memoryview) -> tuple[Layout, int]:
+    """Read and verify a whole entry file into ``view`` (the bytes of a :func:`staging`
+    array of the file's size, as indexed): ``(layout, inode)``. Plain file I/O and CRC-32
+    into the array's memory (a reader thread; no MLX call).
+
+    Raises:
+        CorruptEntry: not a regular file, not the indexed size, or any check of
+            :func:`parse_header` or the data CRC fails.
+        OSError: the file cannot be opened or read.
+    """
+    f, st = _open_regular(path)
+    with f:
+        if st.st_size != len(view):
+            raise CorruptEntry("file size changed since indexed")
+        if hasattr(os, "posix_fadvise"):  # the kernel reads ahead while we copy
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
+        for o in range(0, st.st_size, CHUNK):
+            _fill(f, view[o : o + CHUNK])
+    if st.st_size < 8:
+        raise CorruptEntry("short file")
+    (n,) = struct.unpack("<Q", view[:8])
+    if n > MAX_HEADER or 8 + n > st.st_size:
+        raise CorruptEntry("bad header length")
+    layout = parse_header(bytes(view[: 8 + n]), st.st_size)
+    if zlib.crc32(view[layout.data_start :]) != layout.dcrc:
+        raise CorruptEntry("data checksum mismatch")
+    return layout, st.st_ino
+
+
+def arrays_in(layout: Layout, stage: mx.array) -> dict[str, mx.array]:
+    """The tensors of a verified file read into ``stage`` (:func:`read_into`), as views of
+    it (no copy; a tensor whose offset is not a multiple of its item size is copied out);
+    evaluated. Engine thread only."""
     arrays = {}
     for name, dtype, shape, begin, end in layout.tensors:
         mxd, npd = DTYPES[dtype]
-        count = (end - begin) // np.dtype(npd).itemsize
-        if count:
-            a = np.frombuffer(buf, npd, count, layout.data_start + begin).reshape(shape)
+        lo, hi = layout.data_start + begin, layout.data_start + end
+        if hi == lo:
+            arrays[name] = mx.zeros(shape, dtype=mxd)
+        elif lo % mxd.size == 0:
+            arrays[name] = stage[lo:hi].view(mxd).reshape(shape)
         else:
-            a = np.zeros(shape, npd)
-        m = mx.array(a)
-        arrays[name] = m.view(mxd) if dtype == "BF16" else m
+            bits = np.frombuffer(memoryview(stage).cast("B")[lo:hi], npd).reshape(shape)
+            arrays[name] = mx.array(bits).view(mxd) if dtype == "BF16" else mx.array(bits)
     mx.eval(list(arrays.values()))
     return arrays
 
@@ -474,7 +517,7 @@ class SSDTier:
         self._pending: dict[str, _Pending] = {}
         self._paused = False
         # files being read ahead of their load by worker threads (pure I/O and CRC)
-        self._reads: dict[str, Future] = {}
+        self._reads: dict[str, tuple[mx.array, Future]] = {}
         self._readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tierchat-ssd-read")
         self._pending_bytes = 0
         self._queue: list[_Pending | None] = []
@@ -937,8 +980,9 @@ class SSDTier:
         """One entry's arrays as MLX arrays (engine thread), or None.
 
         A pending entry comes from memory (the arrays ``put`` was given); otherwise the
-        file is read whole, both CRCs checked, its header compared with the index, and
-        one copy per tensor made. ``expected`` maps names to ``(shape, dtype)`` with
+        file is read whole into a staging array (:func:`read_into`), both CRCs checked,
+        its header compared with the index, and its tensors viewed in place
+        (:func:`arrays_in`). ``expected`` maps names to ``(shape, dtype)`` with
         ``-1`` for the token axis (:func:`check_arrays`). Any failure: counted corrupt,
         logged, removed, None.
         """
@@ -955,12 +999,16 @@ class SSDTier:
             if item is not None:
                 arrays = dict(item.entry.arrays)
             else:
-                path = self._path(entry_id)
                 ahead = self._reads.pop(entry_id, None)
-                layout, buf, ino = ahead.result() if ahead is not None else read_file(path)
+                if ahead is None:
+                    stage = staging(meta.nbytes)
+                    layout, ino = read_into(self._path(entry_id), memoryview(stage).cast("B"))
+                else:
+                    stage, read = ahead
+                    layout, ino = read.result()
                 if EntryMeta.meta(entry_meta(layout.meta, self.fingerprint)) != meta.meta():
                     raise CorruptEntry("file changed since indexed")
-                arrays = arrays_from(layout, buf)
+                arrays = arrays_in(layout, stage)
             if expected is not None:
                 check_arrays(arrays, expected, len(meta.tokens))
         except Exception as exc:  # anything at all: a miss, never a restore
@@ -980,22 +1028,25 @@ class SSDTier:
 
     def read_ahead(self, entry_ids) -> None:
         """Start reading and verifying these entries' files on worker threads (plain file
-        I/O and CRC-32, which release the GIL; no MLX), so a long restore reads several
-        files at once while the engine thread turns finished ones into arrays. ``load``
+        I/O and CRC-32, which release the GIL; no MLX), each straight into a
+        :func:`staging` array made here, one after the other, so the disk reads several
+        files at once while the next staging array is made (engine thread). ``load``
         takes the result; a failed read raises there and is handled as any bad file."""
         for entry_id in entry_ids:
             with self._lock:
-                if entry_id in self._pending or entry_id not in self._index:
+                meta = self._index.get(entry_id)
+                if entry_id in self._pending or meta is None or entry_id in self._reads:
                     continue
-                if entry_id in self._reads:
-                    continue
-            self._reads[entry_id] = self._readers.submit(read_file, self._path(entry_id))
+            stage = staging(meta.nbytes)
+            view = memoryview(stage).cast("B")
+            read = self._readers.submit(read_into, self._path(entry_id), view)
+            self._reads[entry_id] = (stage, read)
 
     def drop_reads(self) -> None:
         """Forget reads ahead that no load took (the restore changed its plan)."""
         reads, self._reads = self._reads, {}
-        for f in reads.values():
-            f.cancel()
+        for _, read in reads.values():
+            read.cancel()
 
     def prefetch(self, entry_ids) -> None:
         """Ask the kernel to start reading these entries' files now (``POSIX_FADV_WILLNEED``,

@@ -135,8 +135,7 @@ class TierPanel(Panel):
             r = getattr(stats, "resident", None)
             if r is not None:
                 self.query_one("#hot-resident", Static).update(
-                    f"resident {fmt_count(r.tokens)} tokens · {fmt_bytes(r.nbytes)} · "
-                    f"reused {r.hits}×"
+                    f"resident {fmt_count(r.tokens)} tok · {fmt_bytes(r.nbytes)} · hits {r.hits}"
                 )
         else:
             counters = (
