@@ -406,7 +406,8 @@ class Engine:
         # state models keep a checkpoint at every chunk end (message ends included)
         checkpoint_kind = KIND_BOUNDARY if cache is not None and cache.state else None
 
-        # prefill [start, n - 1) in the schedule's chunks, one eval per chunk. Window slices
+        # prefill [start, n - 1) in the schedule's chunks, one eval per chunk (the last one
+        # asynchronous, overlapping the first decode step's graph building). Window slices
         # and state snapshots are captured per chunk, before the next chunk moves them; KV
         # slices once, after the first token, from the live cache that keeps them anyway
         total = n - 1 - start
@@ -427,7 +428,13 @@ class Engine:
                     caches, prompt, ids, pos, end, boundaries, kind, defer_kv=True
                 )
                 deferred.extend(entries)
-            mx.eval([c.state for c in caches] + [a for e in entries for a in e.arrays.values()])
+            computed = [c.state for c in caches] + [a for e in entries for a in e.arrays.values()]
+            if end == ends[-1]:
+                # the last chunk runs on the GPU while generate_step builds the first decode
+                # step behind it on the same stream (its progress event is sent at launch)
+                mx.async_eval(computed)
+            else:
+                mx.eval(computed)
             pos = end
             dt = time.perf_counter() - t0
             done = pos - start
