@@ -288,6 +288,8 @@ def bench_engine(
             systems = " and ".join(runners)
             log(f"{n} tokens: cold, exact hot, nearest hot ({repeat} prompts; {systems})")
             rows += _hot_rows(n, prompts[n], ext, runners)
+        if lru is not None:
+            lru.clear()  # its caches hold no memory while the restarted engine measures
         ssd_dir = engine.cache.ssd.dir if engine.cache and engine.cache.ssd else None
         dtype = engine.loaded.dtype
     finally:
