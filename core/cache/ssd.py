@@ -36,7 +36,7 @@ EIO...) or a writer stuck for ``backpressure_timeout_s`` loses an entry, counted
 Threads: the engine thread calls ``put`` (already evaluated arrays), ``load`` and the
 queries; the writer and verifier threads handle numpy views and bytes only and never build
 an MLX graph; the reader threads of a restore write file bytes into the memory of staging
-arrays the engine made (:func:`staging`, :func:`read_into`). The index is guarded by one
+arrays the engine made (:func:`staging`, :func:`read_file`). The index is guarded by one
 lock.
 """
 
@@ -239,28 +239,35 @@ def _read_head(f, size: int) -> bytes:
     return bytes(head)
 
 
-def read_file(path: Path, keep: bool = True) -> tuple[Layout, bytearray | None, int]:
+def read_file(
+    path: Path, keep: bool = True, into: memoryview | None = None
+) -> tuple[Layout, bytearray | memoryview | None, int]:
     """Read and verify a whole entry file: ``(layout, file bytes or None, inode)``.
 
-    Reads in :data:`CHUNK` pieces into one preallocated buffer, checksumming each piece
-    while it is in cache. With ``keep=False`` only verifies (one reused buffer).
+    Reads in :data:`CHUNK` pieces into one buffer, checksumming each piece while it is in
+    cache: ``into`` when given (the bytes of a :func:`staging` array of the file's size,
+    as indexed; plain file I/O into its memory, no MLX call, so a reader thread may do
+    it), else a new ``bytearray``. With ``keep=False`` only verifies (one reused buffer).
 
     Raises:
-        CorruptEntry: not a regular file, or any check of :func:`parse_header` or the data
-            CRC fails.
+        CorruptEntry: not a regular file, not the size of ``into``, or any check of
+            :func:`parse_header` or the data CRC fails.
         OSError: the file cannot be opened or read.
     """
     f, st = _open_regular(path)
     with f:
+        if into is not None and st.st_size != len(into):
+            raise CorruptEntry("file size changed since indexed")
         if keep and hasattr(os, "posix_fadvise"):  # the kernel reads ahead while we check
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
         head = _read_head(f, st.st_size)
         layout = parse_header(head, st.st_size)
         n = st.st_size - len(head)
         if keep:
-            buf = bytearray(st.st_size)
-            buf[: len(head)] = head
-            views = (memoryview(buf)[o : o + CHUNK] for o in range(len(head), st.st_size, CHUNK))
+            buf = into if into is not None else bytearray(st.st_size)
+            whole = memoryview(buf)
+            whole[: len(head)] = head
+            views = (whole[o : o + CHUNK] for o in range(len(head), st.st_size, CHUNK))
         else:
             buf, scratch = None, memoryview(bytearray(min(CHUNK, max(n, 1))))
             views = (scratch[: min(CHUNK, n - o)] for o in range(0, n, CHUNK))
@@ -275,7 +282,7 @@ def read_file(path: Path, keep: bool = True) -> tuple[Layout, bytearray | None, 
 
 def staging(size: int) -> mx.array:
     """A new evaluated ``uint8`` array of ``size`` bytes in host-written memory, for
-    :func:`read_into` (engine thread). Made on the CPU stream: on CUDA, MLX gives an array
+    :func:`read_file` to read into (engine thread). Made on the CPU stream: on CUDA, MLX gives an array
     made without a GPU stream managed memory, here first touched by MLX's CPU thread
     while the GIL is free, so readers write into resident pages and no copy follows."""
     stage = mx.zeros((size,), dtype=mx.uint8, stream=mx.cpu)
@@ -283,37 +290,8 @@ def staging(size: int) -> mx.array:
     return stage
 
 
-def read_into(path: Path, view: memoryview) -> tuple[Layout, int]:
-    """Read and verify a whole entry file into ``view`` (the bytes of a :func:`staging`
-    array of the file's size, as indexed): ``(layout, inode)``. Plain file I/O and CRC-32
-    into the array's memory (a reader thread; no MLX call).
-
-    Raises:
-        CorruptEntry: not a regular file, not the indexed size, or any check of
-            :func:`parse_header` or the data CRC fails.
-        OSError: the file cannot be opened or read.
-    """
-    f, st = _open_regular(path)
-    with f:
-        if st.st_size != len(view):
-            raise CorruptEntry("file size changed since indexed")
-        if hasattr(os, "posix_fadvise"):  # the kernel reads ahead while we copy
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
-        for o in range(0, st.st_size, CHUNK):
-            _fill(f, view[o : o + CHUNK])
-    if st.st_size < 8:
-        raise CorruptEntry("short file")
-    (n,) = struct.unpack("<Q", view[:8])
-    if n > MAX_HEADER or 8 + n > st.st_size:
-        raise CorruptEntry("bad header length")
-    layout = parse_header(bytes(view[: 8 + n]), st.st_size)
-    if zlib.crc32(view[layout.data_start :]) != layout.dcrc:
-        raise CorruptEntry("data checksum mismatch")
-    return layout, st.st_ino
-
-
 def arrays_in(layout: Layout, stage: mx.array) -> dict[str, mx.array]:
-    """The tensors of a verified file read into ``stage`` (:func:`read_into`), as views of
+    """The tensors of a verified file read into ``stage`` (:func:`read_file`), as views of
     it (no copy; a tensor whose offset is not a multiple of its item size is copied out);
     evaluated. Engine thread only."""
     arrays = {}
@@ -980,7 +958,7 @@ class SSDTier:
         """One entry's arrays as MLX arrays (engine thread), or None.
 
         A pending entry comes from memory (the arrays ``put`` was given); otherwise the
-        file is read whole into a staging array (:func:`read_into`), both CRCs checked,
+        file is read whole into a staging array (:func:`read_file`), both CRCs checked,
         its header compared with the index, and its tensors viewed in place
         (:func:`arrays_in`). ``expected`` maps names to ``(shape, dtype)`` with
         ``-1`` for the token axis (:func:`check_arrays`). Any failure: counted corrupt,
@@ -1002,10 +980,11 @@ class SSDTier:
                 ahead = self._reads.pop(entry_id, None)
                 if ahead is None:
                     stage = staging(meta.nbytes)
-                    layout, ino = read_into(self._path(entry_id), memoryview(stage).cast("B"))
+                    view = memoryview(stage).cast("B")
+                    layout, _, ino = read_file(self._path(entry_id), into=view)
                 else:
                     stage, read = ahead
-                    layout, ino = read.result()
+                    layout, _, ino = read.result()
                 if EntryMeta.meta(entry_meta(layout.meta, self.fingerprint)) != meta.meta():
                     raise CorruptEntry("file changed since indexed")
                 arrays = arrays_in(layout, stage)
@@ -1039,7 +1018,7 @@ class SSDTier:
                     continue
             stage = staging(meta.nbytes)
             view = memoryview(stage).cast("B")
-            read = self._readers.submit(read_into, self._path(entry_id), view)
+            read = self._readers.submit(read_file, self._path(entry_id), into=view)
             self._reads[entry_id] = (stage, read)
 
     def drop_reads(self) -> None:
