@@ -103,10 +103,12 @@ class Finished:
 class Failed:
     """A request that did not complete, of one of the :data:`FailureKind` kinds: "error",
     "refused" (over the memory limit), "unsupported", "load" (a model load failed) or
-    "cancelled" (the caller cancelled during prefill)."""
+    "cancelled" (the caller cancelled during prefill). ``kept_tokens``: prompt tokens a
+    cancelled prefill kept in the cache (a retry restores them)."""
 
     message: str
     kind: FailureKind = "error"
+    kept_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -267,18 +269,6 @@ class MemoryStats:
 
 
 @dataclass(frozen=True)
-class LastTurn:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    cached_by: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CACHE_SOURCES, 0))
-    cached_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CACHE_KINDS, 0))
-    prefill_tokens: int = 0
-    ttft_s: float = 0.0
-    prefill_tps: float = 0.0
-    generation_tps: float = 0.0
-
-
-@dataclass(frozen=True)
 class CacheStats:
     """One immutable snapshot of the whole cache, taken by ``Engine.stats()``.
 
@@ -299,7 +289,7 @@ class CacheStats:
     snapshots: SnapshotStats = SnapshotStats()
     resident: ResidentStats = ResidentStats()
     memory: MemoryStats = MemoryStats()
-    last_turn: LastTurn = LastTurn()
+    last_turn: TurnMetrics = TurnMetrics()
     events: tuple[tuple[int, str], ...] = ()
 
 

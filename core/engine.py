@@ -37,6 +37,7 @@ from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 from mlx_lm.sample_utils import make_sampler
 
+from ..config.settings import Settings
 from . import memory as memory_mod
 from .api import (
     CacheStats,
@@ -44,7 +45,6 @@ from .api import (
     Failed,
     Finished,
     GenerateRequest,
-    LastTurn,
     ModelLoaded,
     ModelLoading,
     PrefillProgress,
@@ -53,8 +53,8 @@ from .api import (
     TurnMetrics,
 )
 from .cache import layers as L
-from .cache.blocks import KIND_BOUNDARY, KIND_SEQ, KIND_TAIL
-from .cache.prefix import PrefixCache, Restored, chunk_ends, probe_specs, schedule_points
+from .cache.prefix import PrefixCache, chunk_ends, probe_specs, schedule_points
+from .cache.request import CacheRequest, ColdRequest
 
 _STOP = object()
 _live_engines: weakref.WeakSet = weakref.WeakSet()
@@ -88,12 +88,12 @@ def _from_kept(logprobs: mx.array, model, caches, max_tokens: int, sampler):
 class Engine:
     """Owns the model, the prefix cache and the MLX thread.
 
-    ``settings`` is a :class:`tierchat.config.settings.Settings`. Construct, then
+    Construct with the :class:`~tierchat.config.settings.Settings` in force, then
     ``load_model(spec).wait()``; ``submit`` generations; ``stats`` and ``clear`` at will;
     ``close`` at the end (flushes the SSD writer).
     """
 
-    def __init__(self, settings: Any, on_log: Callable[[str], None] | None = None) -> None:
+    def __init__(self, settings: Settings, on_log: Callable[[str], None] | None = None) -> None:
         self.settings = settings
         self.model_name = ""
         self.loaded = None
@@ -105,14 +105,13 @@ class Engine:
         self._on_log = on_log or (lambda text: None)
         self._jobs: queue.Queue = queue.Queue()
         self._control: queue.Queue = queue.Queue()
-        self._last = LastTurn()
+        self._last = TurnMetrics()
         self._kv_profile = None
         self._release_queued = threading.Event()
-        self._read_ssd = False
         self.monitor = memory_mod.MemoryMonitor(
-            limit_bytes=getattr(settings, "memory_limit", None),
-            soft_fraction=getattr(settings, "memory_soft_fraction", 0.80),
-            hard_fraction=getattr(settings, "memory_hard_fraction", 0.92),
+            limit_bytes=settings.memory_limit,
+            soft_fraction=settings.memory_soft_fraction,
+            hard_fraction=settings.memory_hard_fraction,
         )
         self._thread = threading.Thread(target=self._run, name="tierchat-engine", daemon=True)
         self._thread.start()
@@ -345,90 +344,74 @@ class Engine:
 
     # ------------------------------------------------------------------ generate
     def _generate(self, req: GenerateRequest, handle: RequestHandle) -> None:
-        # the SSD writer waits while this request prefills and makes its first token
-        ssd = self.cache.ssd if self.cache is not None else None
-        self._read_ssd = False  # set by the restore
-        if ssd is not None:
-            ssd.pause()
-        try:
-            # restore, prefill, decode and capture on the one stream generate_step decodes
-            # on: no cross-stream waits between them
-            with mx.stream(generation_stream):
-                self._generate_one(req, handle)
-        finally:
-            if self.cache is not None:
-                self.cache.persist()
-            if ssd is not None:
-                ssd.resume()
-                if self._read_ssd:
-                    self.release_host_buffers()
-
-    def _generate_one(self, req: GenerateRequest, handle: RequestHandle) -> None:
         if self.loaded is None:
             handle.emit(Failed("no model loaded", kind="error"))
             return
-        t0 = time.perf_counter()
-        mx.reset_peak_memory()
-        prompt = list(req.prompt_ids)
-        n = len(prompt)
-        if n == 0:
+        if not req.prompt_ids:
             handle.emit(Failed("empty prompt"))
             return
         if handle.cancelled:  # cancelled while queued: no restore, no token
             handle.emit(Failed("cancelled before it started", kind="cancelled"))
             return
-        model = self.loaded.model
-        cache = self.cache if (req.use_cache and not self.settings.no_cache) else None
+        n = len(req.prompt_ids)
         self._apply_memory_pressure()
         try:
             chunk = self._plan_chunk(n)
         except memory_mod.PrefillRefused as exc:
             handle.emit(Failed(str(exc), kind="refused"))
-            if cache is not None:
-                cache.log(f"refused a {n}-token prefill: over the memory limit")
+            if self.cache is not None:
+                self.cache.log(f"refused a {n}-token prefill: over the memory limit")
             return
-        boundaries = tuple(req.boundaries)
-        points = schedule_points(n, chunk, boundaries)
-        t_restore = time.perf_counter()
-        if cache is not None:
-            ids = cache.ids(prompt)
-            restored = cache.restore_repeat(prompt) or cache.restore(
-                prompt, ids, points, self._make_cache
-            )
+        points = schedule_points(n, chunk, req.boundaries)
+        cache = self.cache
+        if cache is not None and req.use_cache:
+            turn = cache.begin(req.prompt_ids, points, req.boundaries, self._make_cache)
         else:
-            ids, restored = [], Restored(caches=self._make_cache())
+            turn = ColdRequest(self._make_cache, cache.ssd if cache is not None else None)
+        try:
+            # restore, prefill, decode and capture on the one stream generate_step decodes
+            # on: no cross-stream waits between them
+            with mx.stream(generation_stream):
+                self._generate_one(req, handle, points, turn)
+        finally:
+            turn.close()
+            if turn.read_ssd:
+                self.release_host_buffers()
+
+    def _generate_one(
+        self,
+        req: GenerateRequest,
+        handle: RequestHandle,
+        points: list[int],
+        turn: CacheRequest | ColdRequest,
+    ) -> None:
+        t0 = time.perf_counter()
+        mx.reset_peak_memory()
+        prompt = list(req.prompt_ids)
+        n = len(prompt)
+        model = self.loaded.model
+        restored = turn.restore()
+        restore_s = time.perf_counter() - t0
         caches = restored.caches
-        self._read_ssd = bool(restored.cached_by.get("ssd"))
-        restore_s = time.perf_counter() - t_restore
         start = restored.position
         ends = chunk_ends(start, points)
         handle.chunk_ends = tuple(ends)
-        # state models keep a checkpoint at every chunk end (message ends included)
-        checkpoint_kind = KIND_BOUNDARY if cache is not None and cache.state else None
 
         # prefill [start, n - 1) in the schedule's chunks, one eval per chunk (the last one
-        # asynchronous, overlapping the first decode step's graph building). Window slices
-        # and state snapshots are captured per chunk, before the next chunk moves them; KV
-        # slices once, after the first token, from the live cache that keeps them anyway
-        total = n - 1 - start
+        # asynchronous, overlapping the first decode step's graph building); the last
+        # prompt token goes through the first decode step. The request object captures
+        # window slices and state snapshots per chunk, before the next chunk moves them
+        total = n - start
         pos = start
-        deferred: list = []
         for end in ends:
             self._drain_control()
             if handle.cancelled:
-                if cache is not None:  # keep the blocks finished before the cancel
-                    cache.complete(caches, deferred)
-                handle.emit(Failed("cancelled during prefill", kind="cancelled"))
+                kept = turn.cancel(caches, pos)
+                why = f"cancelled during prefill; kept {kept} of {n} tokens"
+                handle.emit(Failed(why, kind="cancelled", kept_tokens=kept))
                 return
             model(mx.array(prompt[pos:end])[None], cache=caches)
-            entries = []
-            if cache is not None:
-                kind = KIND_TAIL if end == n - 1 else checkpoint_kind
-                entries = cache.capture(
-                    caches, prompt, ids, pos, end, boundaries, kind, defer_kv=True
-                )
-                deferred.extend(entries)
-            computed = [c.state for c in caches] + [a for e in entries for a in e.arrays.values()]
+            computed = [c.state for c in caches] + turn.chunk(caches, pos, end)
             if end == ends[-1]:
                 # the last chunk runs on the GPU while generate_step builds the first decode
                 # step behind it on the same stream (its progress event is sent at launch)
@@ -437,8 +420,7 @@ class Engine:
                 mx.eval(computed)
             pos = end
             dt = time.perf_counter() - t0
-            done = pos - start
-            handle.emit(PrefillProgress(done, total, done / dt if dt > 0 else 0.0))
+            handle.emit(PrefillProgress(pos - start, total, (pos - start) / dt if dt > 0 else 0.0))
 
         # decode from the last prompt token
         if req.temperature > 0 and req.seed is not None:
@@ -475,12 +457,9 @@ class Engine:
                 first_lp = lp
                 t_first = time.perf_counter()
                 ttft = t_first - t0
-                if cache is not None:
-                    cache.complete(caches, deferred)
-                    deferred = []
-                    cache.persist()
-                    if cache.ssd is not None:
-                        cache.ssd.resume()
+                turn.first_token(caches)
+                if total:
+                    handle.emit(PrefillProgress(total, total, total / ttft if ttft else 0.0))
             tokens.append(tok)
             if len(logprobs) < record:
                 logprobs.append(np.array(lp.astype(mx.float32)))
@@ -508,17 +487,9 @@ class Engine:
         if tail_text:
             handle.emit(TokenBatch((), tail_text))
         t_end = time.perf_counter()
-        sequence = prompt + tokens
-        if cache is not None:
-            cache.complete(caches, deferred)
-            # the cache holds prompt + every yielded token: store its new blocks and its
-            # end, then keep it resident for the next request
-            seq_ids = cache.ids(sequence)
-            entries = cache.capture(caches, sequence, seq_ids, 0, len(sequence), (), KIND_SEQ)
-            mx.eval([c.state for c in caches] + [a for e in entries for a in e.arrays.values()])
-            cache.commit(entries)
-            cache.persist()
-            cache.set_resident(sequence, caches, n, first_lp)
+        # the cache holds prompt + every yielded token: store its new blocks and its end,
+        # then keep it resident for the next request
+        turn.finish(caches, prompt + tokens, first_lp)
         handle.logprobs = logprobs
         handle.restored_position = start
         ttft = ttft if ttft is not None else t_end - t0
@@ -538,16 +509,7 @@ class Engine:
             restore_s=restore_s,
             restore_bytes=restored.nbytes,
         )
-        self._last = LastTurn(
-            prompt_tokens=n,
-            cached_tokens=start,
-            cached_by=dict(restored.cached_by),
-            cached_kind=dict(restored.cached_kind),
-            prefill_tokens=n - start,
-            ttft_s=ttft,
-            prefill_tps=metrics.prefill_tps,
-            generation_tps=metrics.generation_tps,
-        )
+        self._last = metrics
         handle.emit(Finished(tuple(tokens), detok.text, metrics))
         self._apply_memory_pressure()
 
@@ -598,7 +560,7 @@ class Engine:
         Raises:
             memory_mod.PrefillRefused: no chunk down to 16 tokens fits.
         """
-        chunk = max(1, int(getattr(self.settings, "prefill_chunk", 2048)))
+        chunk = max(1, self.settings.prefill_chunk)
         if n <= 1 or self._kv_profile is None:
             return chunk
         model = self.loaded.model

@@ -30,7 +30,6 @@ from tierchat.core.api import (
     Failed,
     Finished,
     GenerateRequest,
-    LastTurn,
     MemoryStats,
     ModelLoaded,
     ModelLoading,
@@ -225,7 +224,7 @@ class FakeEngine:
             "tokens_saved": 0,
             "checkpoint_hits": 0,
         }
-        self._last_turn = LastTurn()
+        self._last_turn = TurnMetrics()
         self._events: list[tuple[int, str]] = []
         self._seq = 0
         self._queue: queue.Queue = queue.Queue()
@@ -477,7 +476,8 @@ class FakeEngine:
         prefill = len(prompt) - cached
         handle.emit(PrefillProgress(0, prefill, 0.0))
         if handle.cancelled:
-            handle.emit(Failed("cancelled during prefill", "cancelled"))
+            why = f"cancelled during prefill; kept {cached} of {len(prompt)} tokens"
+            handle.emit(Failed(why, "cancelled", kept_tokens=cached))
             return
         handle.emit(PrefillProgress(prefill, prefill, self.prefill_tps))
         t1 = self.clock() if self.clock else 0.0
@@ -529,15 +529,6 @@ class FakeEngine:
         with self._lock:
             if caching:
                 self._store(prompt, prompt + tuple(out))
-            self._last_turn = LastTurn(
-                prompt_tokens=len(prompt),
-                cached_tokens=cached,
-                cached_by=dict(cached_by),
-                cached_kind=dict(cached_kind),
-                prefill_tokens=prefill,
-                ttft_s=ttft,
-                prefill_tps=prefill_tps,
-                generation_tps=gen_tps,
-            )
+            self._last_turn = metrics
         shown = [i for i in out if i != END_ID]
         handle.emit(Finished(tuple(out), self._tokenizer.decode(shown), metrics))

@@ -57,9 +57,12 @@ def test_prefill_progress_counts_up_to_the_tokens_prefilled(engine):
     handle = engine.submit(GenerateRequest(prompt_ids=random_prompt(100), max_tokens=3))
     events = list(handle.events())
     progress = [e for e in events if isinstance(e, PrefillProgress)]
-    assert [p.done for p in progress] == [16, 32, 48, 64, 80, 96, 99]
-    assert all(p.total == 99 for p in progress)
+    # chunk by chunk, then the last prompt token with the first decode step: the count
+    # ends at the tokens the turn's metrics say were prefilled
+    assert [p.done for p in progress] == [16, 32, 48, 64, 80, 96, 99, 100]
+    assert all(p.total == 100 for p in progress)
     assert isinstance(events[-1], Finished)
+    assert events[-1].metrics.prefill_tokens == progress[-1].done
     assert sum(len(e.token_ids) for e in events if isinstance(e, TokenBatch)) <= 3
 
 
@@ -95,11 +98,42 @@ def test_cancel_during_prefill_keeps_finished_blocks(engine, cold):
     handle = engine.submit(GenerateRequest(prompt_ids=prompt, max_tokens=4), on_event)
     res = handle.wait(60)
     assert isinstance(res, Failed) and res.kind == "cancelled"
+    assert res.kept_tokens == 48 and "kept 48 of 200" in res.message
     assert engine.stats().hot.entries == 3  # the blocks prefilled before the cancel
     a, ha = generate(cold, prompt)
     b, hb = generate(engine, prompt)
     assert_same(a, ha, b, hb)
     assert b.metrics.cached_by["hot"] == 48
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "gemma3"])
+def test_cancel_during_prefill_keeps_every_finished_chunk(arch, tmp_path, models_dir):
+    """Esc during a prefill keeps what the finished chunks computed, on state and window
+    models too (the live cache stays resident): the retry's cached tokens are the tokens
+    done before the cancel, and its output equals a cold run."""
+    engine = make_engine(f"tiny:{arch}", tmp_path / "on", models_dir, prefill_chunk=16)
+    cold = make_engine(f"tiny:{arch}", tmp_path / "off", models_dir, prefill_chunk=16, no_cache=True)
+    try:
+        prompt = random_prompt(120, seed=5)
+        seen = []
+
+        def on_event(event):
+            if isinstance(event, PrefillProgress):
+                seen.append(event.done)
+                if event.done >= 40:
+                    handle.cancel()
+
+        handle = engine.submit(GenerateRequest(prompt_ids=prompt, max_tokens=4), on_event)
+        res = handle.wait(60)
+        assert isinstance(res, Failed) and res.kind == "cancelled"
+        assert res.kept_tokens == seen[-1] == 48
+        a, ha = generate(cold, prompt)
+        b, hb = generate(engine, prompt)
+        assert b.metrics.cached_tokens == 48
+        assert_same(a, ha, b, hb)
+    finally:
+        engine.close()
+        cold.close()
 
 
 def test_empty_prompt_and_unknown_tier_are_errors(engine):

@@ -52,11 +52,13 @@ class ReplyFinished(Message):
 
 @dataclass
 class ReplyFailed(Message):
-    """Generation ``turn_key`` did not complete. ``kind``: "error", "refused", "unsupported"."""
+    """Generation ``turn_key`` did not complete. ``kind``: "error", "refused", "unsupported",
+    "cancelled"; ``kept_tokens``: prompt tokens a cancelled prefill kept in the cache."""
 
     turn_key: int
     message: str
     kind: str
+    kept_tokens: int = 0
 
 
 @dataclass

@@ -74,7 +74,7 @@ class TurnRunner:
             elif isinstance(event, Finished):
                 post(ReplyFinished(key, event.text, event.metrics))
             elif isinstance(event, Failed):
-                post(ReplyFailed(key, event.message, event.kind))
+                post(ReplyFailed(key, event.message, event.kind, event.kept_tokens))
 
         return on_event
 
@@ -173,7 +173,9 @@ class TurnRunner:
         self._restore_unsent(handle, infos)
         title = FAILURE_TITLES.get(event.kind, "Engine error")
         if event.kind == "cancelled":
-            screen.notify("Stopped during prefill; nothing was kept.", title=title, timeout=4)
+            kept = event.kept_tokens
+            what = f"{kept:,} tokens kept for a retry" if kept else "nothing was kept"
+            screen.notify(f"Stopped during prefill; {what}.", title=title, timeout=4)
         else:
             screen.notify(event.message, title=title, severity="error", timeout=8)
         screen.turn_ended()

@@ -298,12 +298,16 @@ class PrefixCache:
         ids: Sequence[str],
         points: Sequence[int],
         resident: Resident | None = None,
+        max_position: int | None = None,
     ) -> Plan | None:
         """The furthest allowed position at which every leaf can be rebuilt, or None.
 
-        ``ids``: the prompt's chain ids; ``points``: its schedule (:func:`schedule_points`).
+        ``ids``: the prompt's chain ids; ``points``: its schedule (:func:`schedule_points`);
+        ``max_position``: no plan beyond this many tokens (None: up to ``N - 1``).
         """
         limit = len(prompt) - 1
+        if max_position is not None:
+            limit = min(limit, max_position)
         if limit <= 0:
             return None
         bs = self.block_size
@@ -448,10 +452,31 @@ class PrefixCache:
         self.log(f"hit {n} tokens: resident, first token from its kept logprobs")
         return out
 
+    def begin(
+        self,
+        prompt: Sequence[int],
+        points: Sequence[int],
+        boundaries: Sequence[tuple[int, str]],
+        fresh,
+        max_position: int | None = None,
+    ):
+        """One request's cache protocol: a :class:`~.request.CacheRequest` over this cache
+        (restore, per-chunk capture, first token, finish); the SSD writer waits from here
+        to the first token."""
+        from .request import CacheRequest
+
+        return CacheRequest(self, prompt, points, boundaries, fresh, max_position)
+
     def restore(
-        self, prompt: Sequence[int], ids: Sequence[str], points: Sequence[int], fresh
+        self,
+        prompt: Sequence[int],
+        ids: Sequence[str],
+        points: Sequence[int],
+        fresh,
+        max_position: int | None = None,
     ) -> Restored:
-        """Restore the furthest allowed prefix of ``prompt`` (see the module doc).
+        """Restore the furthest allowed prefix of ``prompt`` (see the module doc), at most
+        ``max_position`` tokens when given.
 
         ``ids``: the prompt's chain ids (:meth:`ids`); ``points``: its schedule; ``fresh``:
         makes a new cache list (``model.make_cache``). Takes the resident cache: the
@@ -467,7 +492,7 @@ class PrefixCache:
                 if self.ssd is not None and self.ssd.meta(i) is None:
                     self.ssd.misses += 1
         for _ in range(4):
-            plan = self.plan(prompt, ids, points, resident)
+            plan = self.plan(prompt, ids, points, resident, max_position)
             if plan is None:
                 break
             loaded: list[tuple[int, Entry, str]] = []

@@ -224,11 +224,11 @@ async def test_clear_report_names_every_tier_that_changed(make_app, engine):
 
 
 def test_summary_line_and_rates_for_tiny_prefills():
-    from tierchat.core.api import CacheStats, LastTurn
+    from tierchat.core.api import CacheStats, TurnMetrics
     from tierchat.tui.format import fmt_rate
 
     assert cache_summary(None).startswith("cache (F2): waiting")
-    stats = CacheStats(last_turn=LastTurn(prompt_tokens=100, cached_tokens=99, prefill_tokens=1))
+    stats = CacheStats(last_turn=TurnMetrics(prompt_tokens=100, cached_tokens=99, prefill_tokens=1))
     assert "last turn 99/100 cached" in cache_summary(stats)
     assert fmt_rate(1.2, 1) == "— (1 token)" and fmt_rate(412.34, 400) == "412.3 tok/s"
 

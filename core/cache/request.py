@@ -1,0 +1,172 @@
+"""One request's use of the prefix cache: the per-request cache protocol.
+
+The engine does the model work (forwards, sampling); a :class:`CacheRequest` does all the
+cache needs around it, in the order a request meets it (docs/DESIGN.md §6)::
+
+    req = prefix_cache.begin(prompt, points, boundaries, fresh)  # the SSD writer waits
+    restored = req.restore()                   # resident cut, hot / SSD entries, or fresh
+    for end in chunk_ends(restored.position, points):
+        model(prompt[pos:end], cache=caches)
+        mx.eval(states + req.chunk(caches, pos, end))  # window slices, state snapshots
+    req.first_token(caches)                    # the KV slices, then the writer resumes
+    req.finish(caches, prompt + reply, first_logprobs)  # store the end, keep it resident
+    req.close()                                # always (``finally``); or req.cancel(...)
+
+as mlx-lm's server uses its ``LRUPromptCache`` through two calls (``fetch_nearest_cache``,
+``insert_cache``). :class:`ColdRequest` has the same methods and keeps nothing: a request
+with the cache off runs the same code.
+
+Everything here runs on the engine thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from .blocks import KIND_BOUNDARY, KIND_SEQ, KIND_TAIL
+from .prefix import PrefixCache, Restored
+
+
+class CacheRequest:
+    """A prompt's restore, per-chunk capture and store in one :class:`PrefixCache`.
+
+    ``prompt``: token ids (``N`` of them); ``points``: its prefill schedule
+    (:func:`~.prefix.schedule_points`); ``boundaries``: message ends ``(offset, role)``;
+    ``fresh``: makes a new cache list (``model.make_cache``); ``max_position``: restore no
+    further than this many tokens (ranks that must agree on one position; None: no limit).
+    The SSD writer is paused from construction to :meth:`first_token` (or :meth:`close`),
+    so disk writes never compete with the time to first token.
+    """
+
+    def __init__(
+        self,
+        cache: PrefixCache,
+        prompt: Sequence[int],
+        points: Sequence[int],
+        boundaries: Sequence[tuple[int, str]],
+        fresh: Callable[[], list[Any]],
+        max_position: int | None = None,
+    ) -> None:
+        self.cache = cache
+        self.prompt = list(prompt)
+        self.points = list(points)
+        self.boundaries = tuple(boundaries)
+        self.fresh = fresh
+        self.max_position = max_position
+        self.ids = cache.ids(self.prompt)
+        self.read_ssd = False  # the restore read from the SSD tier
+        # state models keep a checkpoint at every chunk end (message ends included)
+        self._checkpoint_kind = KIND_BOUNDARY if cache.state else None
+        self._deferred: list = []  # entries whose KV slices are added after the first token
+        self._writer_paused = cache.ssd is not None
+        if self._writer_paused:
+            cache.ssd.pause()
+
+    def restore(self) -> Restored:
+        """Restore the furthest allowed cached prefix (the same prompt again: the whole of
+        it, with the kept logprobs of its first token; see
+        :meth:`PrefixCache.restore_repeat <.prefix.PrefixCache.restore_repeat>`)."""
+        n, limit = len(self.prompt), self.max_position
+        restored = None
+        if limit is None or limit >= n:
+            restored = self.cache.restore_repeat(self.prompt)
+        if restored is None:
+            restored = self.cache.restore(
+                self.prompt, self.ids, self.points, self.fresh, max_position=limit
+            )
+        self.read_ssd = bool(restored.cached_by.get("ssd"))
+        return restored
+
+    def chunk(self, caches: list[Any], start: int, end: int) -> list[mx.array]:
+        """Capture what the chunk ``[start, end)`` just computed into ``caches`` (lazy):
+        window slices and state snapshots, which a later chunk would overwrite, and the
+        prompt's tail entry at ``N - 1``. Returns the arrays to evaluate with the chunk
+        (one eval). KV slices wait for :meth:`first_token` (the live cache keeps them)."""
+        kind = KIND_TAIL if end == len(self.prompt) - 1 else self._checkpoint_kind
+        entries = self.cache.capture(
+            caches, self.prompt, self.ids, start, end, self.boundaries, kind, defer_kv=True
+        )
+        self._deferred.extend(entries)
+        return [a for e in entries for a in e.arrays.values()]
+
+    def first_token(self, caches: list[Any]) -> None:
+        """The first token is out: complete the entries the chunks captured (their KV
+        slices), hand them to the SSD tier and let its writer run."""
+        self._complete(caches)
+        self.cache.persist()
+        self._resume_writer()
+
+    def cancel(self, caches: list[Any], position: int) -> int:
+        """The request stopped during prefill with ``caches`` at ``position`` (a chunk end):
+        keep what the finished chunks computed (their entries, and the live cache as the
+        resident one, so a retry restores all ``position`` tokens in place). Returns the
+        number of prompt tokens kept."""
+        self._complete(caches)
+        if position > 0:
+            self.cache.set_resident(self.prompt[:position], caches)
+            self.cache.log(f"cancelled during prefill: kept {position} tokens")
+        return position
+
+    def finish(self, caches: list[Any], sequence: Sequence[int], first_logprobs: Any) -> None:
+        """The reply ended with ``caches`` holding ``sequence`` (prompt + every yielded
+        token): store its new blocks and its end, and keep it resident with the logprobs
+        the first token was sampled from (shape ``(vocab,)``)."""
+        self._complete(caches)
+        cache = self.cache
+        seq_ids = cache.ids(sequence)
+        entries = cache.capture(caches, sequence, seq_ids, 0, len(sequence), (), KIND_SEQ)
+        mx.eval([c.state for c in caches] + [a for e in entries for a in e.arrays.values()])
+        cache.commit(entries)
+        cache.persist()
+        cache.set_resident(sequence, caches, len(self.prompt), first_logprobs)
+
+    def close(self) -> None:
+        """Hand anything committed to the SSD tier and let its writer run (idempotent)."""
+        self.cache.persist()
+        self._resume_writer()
+
+    def _complete(self, caches: list[Any]) -> None:
+        deferred, self._deferred = self._deferred, []
+        self.cache.complete(caches, deferred)
+
+    def _resume_writer(self) -> None:
+        if self._writer_paused:
+            self._writer_paused = False
+            self.cache.ssd.resume()
+
+
+class ColdRequest:
+    """A request with the cache off: a fresh cache list, nothing captured or kept. Pauses
+    the SSD writer (``ssd``, when a cache exists) like :class:`CacheRequest`, so a cold
+    request's TTFT meets the same disk."""
+
+    read_ssd = False
+
+    def __init__(self, fresh: Callable[[], list[Any]], ssd: Any = None) -> None:
+        self.fresh = fresh
+        self._ssd = ssd
+        if ssd is not None:
+            ssd.pause()
+
+    def restore(self) -> Restored:
+        return Restored(caches=self.fresh())
+
+    def chunk(self, caches: list[Any], start: int, end: int) -> list[mx.array]:
+        return []
+
+    def first_token(self, caches: list[Any]) -> None:
+        self.close()
+
+    def cancel(self, caches: list[Any], position: int) -> int:
+        return 0
+
+    def finish(self, caches: list[Any], sequence: Sequence[int], first_logprobs: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        if self._ssd is not None:
+            self._ssd, ssd = None, self._ssd
+            ssd.resume()
