@@ -112,7 +112,9 @@ def test_cancel_during_prefill_keeps_every_finished_chunk(arch, tmp_path, models
     models too (the live cache stays resident): the retry's cached tokens are the tokens
     done before the cancel, and its output equals a cold run."""
     engine = make_engine(f"tiny:{arch}", tmp_path / "on", models_dir, prefill_chunk=16)
-    cold = make_engine(f"tiny:{arch}", tmp_path / "off", models_dir, prefill_chunk=16, no_cache=True)
+    cold = make_engine(
+        f"tiny:{arch}", tmp_path / "off", models_dir, prefill_chunk=16, no_cache=True
+    )
     try:
         prompt = random_prompt(120, seed=5)
         seen = []
