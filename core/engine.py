@@ -52,9 +52,11 @@ from .api import (
     TokenBatch,
     TurnMetrics,
 )
+from .attention import chunk_attention, default_max_query
 from .cache import layers as L
 from .cache.prefix import PrefixCache, chunk_ends, probe_specs, schedule_points
 from .cache.request import CacheRequest, ColdRequest
+from .forward import last_logits_fn, logprobs_of, verify_last_logits
 
 _STOP = object()
 _live_engines: weakref.WeakSet = weakref.WeakSet()
@@ -108,6 +110,8 @@ class Engine:
         self._last = TurnMetrics()
         self._kv_profile = None
         self._release_queued = threading.Event()
+        self._chunk_attention = 0  # max query tokens of the plain-ops attention path
+        self._last_logits = None  # set when this model's prompts use the folded schedule
         self.monitor = memory_mod.MemoryMonitor(
             limit_bytes=settings.memory_limit,
             soft_fraction=settings.memory_soft_fraction,
@@ -276,6 +280,9 @@ class Engine:
             handle.emit(ModelLoading(spec, done, total, message))
 
         s = self.settings
+        self._chunk_attention = (
+            default_max_query() if s.chunk_attention is None else s.chunk_attention
+        )
         try:
             loaded = load_model(spec, models_dir=Path(s.models_dir), progress=progress)
         except Exception as exc:  # the current model and its cache stay as they were
@@ -285,6 +292,7 @@ class Engine:
             self.cache.close()
         self.cache, self.supported = None, None
         self.loaded, self.model_name = loaded, spec
+        self._last_logits = None
         warning = None
         self._kv_profile = memory_mod.kv_profile(loaded.model, lambda m: self._make_cache())
         caches = self._make_cache()
@@ -297,6 +305,11 @@ class Engine:
             return
         self.supported, self.reason = True, ""
         self.layer_kinds = tuple(f"{lf.name}:{lf.kind}" for lf in leaves)
+        if not s.bitwise and not any(lf.snapshots for lf in leaves):
+            # models without recurrent state: the last chunk gives the first token
+            fn = last_logits_fn(loaded.model)
+            if fn is not None and verify_last_logits(loaded.model, fn, self._make_cache):
+                self._last_logits = fn
         # probe: two tokens through a throwaway cache give every cached array's shape
         loaded.model(mx.array([[0, 0]]), cache=caches)
         mx.eval([c.state for c in caches])
@@ -315,6 +328,7 @@ class Engine:
                 max_checkpoints=s.checkpoint_entries,
                 writer_queue=s.writer_queue,
                 pin_system=s.pin_system,
+                exact_prefix=self._last_logits is not None,
             )
             if self.cache.ssd is not None and not self.cache.ssd.enabled:
                 warning = self.cache.ssd.reason
@@ -362,7 +376,8 @@ class Engine:
             if self.cache is not None:
                 self.cache.log(f"refused a {n}-token prefill: over the memory limit")
             return
-        points = schedule_points(n, chunk, req.boundaries)
+        fold = self._last_logits is not None
+        points = schedule_points(n, chunk, req.boundaries, fold=fold)
         cache = self.cache
         if cache is not None and req.use_cache:
             turn = cache.begin(req.prompt_ids, points, req.boundaries, self._make_cache)
@@ -371,8 +386,8 @@ class Engine:
         try:
             # restore, prefill, decode and capture on the one stream generate_step decodes
             # on: no cross-stream waits between them
-            with mx.stream(generation_stream):
-                self._generate_one(req, handle, points, turn)
+            with mx.stream(generation_stream), chunk_attention(self._chunk_attention):
+                self._generate_one(req, handle, points, chunk if fold else 0, turn)
         finally:
             turn.close()
             if turn.read_ssd:
@@ -383,6 +398,7 @@ class Engine:
         req: GenerateRequest,
         handle: RequestHandle,
         points: list[int],
+        fold_chunk: int,
         turn: CacheRequest | ColdRequest,
     ) -> None:
         t0 = time.perf_counter()
@@ -394,15 +410,18 @@ class Engine:
         restore_s = time.perf_counter() - t0
         caches = restored.caches
         start = restored.position
-        ends = chunk_ends(start, points)
+        ends = chunk_ends(start, points, fold_chunk)
         handle.chunk_ends = tuple(ends)
 
         # prefill [start, n - 1) in the schedule's chunks, one eval per chunk (the last one
-        # asynchronous, overlapping the first decode step's graph building); the last
-        # prompt token goes through the first decode step. The request object captures
-        # window slices and state snapshots per chunk, before the next chunk moves them
+        # asynchronous, overlapping the first decode step's graph building), and the last
+        # prompt token through the first decode step; on the folded schedule the last
+        # chunk ends at n and gives the first token's logprobs itself (core/forward.py).
+        # The request object captures window slices and state snapshots per chunk,
+        # before the next chunk moves them
         total = n - start
         pos = start
+        first_logprobs = restored.first_logprobs if start == n else None
         for end in ends:
             self._drain_control()
             if handle.cancelled:
@@ -410,8 +429,14 @@ class Engine:
                 why = f"cancelled during prefill; kept {kept} of {n} tokens"
                 handle.emit(Failed(why, kind="cancelled", kept_tokens=kept))
                 return
-            model(mx.array(prompt[pos:end])[None], cache=caches)
-            computed = [c.state for c in caches] + turn.chunk(caches, pos, end)
+            tokens_in = mx.array(prompt[pos:end])[None]
+            computed = []
+            if end == n:  # folded: this chunk gives the first token's logits
+                first_logprobs = logprobs_of(self._last_logits(tokens_in, caches)).squeeze(0)
+                computed.append(first_logprobs)
+            else:
+                model(tokens_in, cache=caches)
+            computed += [c.state for c in caches] + turn.chunk(caches, pos, end)
             if end == ends[-1]:
                 # the last chunk runs on the GPU while generate_step builds the first decode
                 # step behind it on the same stream (its progress event is sent at launch)
@@ -440,9 +465,8 @@ class Engine:
         logprobs: list[np.ndarray] = []
         ttft = t_first = None
         reason = "length"
-        kept = restored.first_logprobs if start == n else None
-        if kept is not None:  # the prompt is all in the cache: sample from kept logprobs
-            steps = _from_kept(kept, model, caches, max_tokens, sampler)
+        if first_logprobs is not None:  # kept from before, or the folded last chunk's
+            steps = _from_kept(first_logprobs, model, caches, max_tokens, sampler)
         else:
             steps = generate_step(
                 mx.array(prompt[n - 1 :]),
@@ -458,7 +482,7 @@ class Engine:
                 t_first = time.perf_counter()
                 ttft = t_first - t0
                 turn.first_token(caches)
-                if total:
+                if pos < n:  # the last prompt token went through the first decode step
                     handle.emit(PrefillProgress(total, total, total / ttft if ttft else 0.0))
             tokens.append(tok)
             if len(logprobs) < record:
@@ -472,7 +496,7 @@ class Engine:
             if handle.cancelled:
                 reason = "cancelled"
                 break
-        if kept is not None and len(tokens) == 1:
+        if first_logprobs is not None and len(tokens) == 1:
             # generate_step computes one step ahead, so a cold run's cache also holds the
             # first token when the reply stops there: forward it here, as that step would
             for _ in generate_step(

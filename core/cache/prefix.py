@@ -53,14 +53,22 @@ from .ssd import SSDTier
 Spec = dict[str, tuple[tuple[int, ...], Any]]
 
 
-def schedule_points(n: int, chunk: int, boundaries=()) -> list[int]:
-    """The prefill schedule of a prompt of ``n`` tokens: sorted chunk ends in ``(0, n - 1]``.
+def schedule_points(n: int, chunk: int, boundaries=(), fold: bool = False) -> list[int]:
+    """The prefill schedule of a prompt of ``n`` tokens: sorted chunk ends.
 
-    Every multiple of ``chunk`` below ``n - 1``, every message end (``boundaries``:
-    ``(end_offset, role)``) below ``n - 1``, and ``n - 1`` itself (the last token is fed to
-    decode). A fixed function of the prompt: a cold run and a run restored at one of these
-    points compute the same chunks after it.
+    Bitwise schedule (``fold`` False), in ``(0, n - 1]``: every multiple of ``chunk`` below
+    ``n - 1``, every message end (``boundaries``: ``(end_offset, role)``) below ``n - 1``,
+    and ``n - 1`` itself (the last token is fed to decode, as mlx-lm's ``generate_step``
+    does). A fixed function of the prompt: a cold run and a run restored at one of these
+    points compute the same chunks after it, so their outputs are bit-identical.
+
+    Folded schedule (``fold`` True, models without recurrent state), in ``(0, n]``: every
+    multiple of ``chunk`` below ``n``, then ``n``: the last chunk includes the last prompt
+    token and gives the first token's logits, one forward fewer per request; message ends
+    are no chunk ends (a KV cache can be cut back anywhere, so a restore needs none).
     """
+    if fold:
+        return sorted({*range(chunk, n, chunk), n}) if n > 0 else []
     last = n - 1
     if last <= 0:
         return []
@@ -70,8 +78,16 @@ def schedule_points(n: int, chunk: int, boundaries=()) -> list[int]:
     return sorted(points)
 
 
-def chunk_ends(start: int, points: Sequence[int]) -> list[int]:
-    """The schedule points after ``start``: the ends of the chunks that prefill from it."""
+def chunk_ends(start: int, points: Sequence[int], chunk: int = 0) -> list[int]:
+    """The ends of the chunks that prefill from ``start``: the schedule points after it.
+
+    ``chunk`` > 0 (the folded schedule, whose restores land anywhere): chunks of ``chunk``
+    tokens counted from ``start`` up to the last point, so a turn of up to ``chunk`` new
+    tokens is one forward, as mlx-lm's prefill steps count from its restore point.
+    """
+    if chunk > 0 and points:
+        end = points[-1]
+        return [*range(start + chunk, end, chunk), end] if start < end else []
     return [p for p in points if p > start]
 
 
@@ -185,8 +201,12 @@ class PrefixCache:
         max_checkpoints: int = 32,
         writer_queue: int = 4096,
         pin_system: bool = True,
+        exact_prefix: bool = False,
     ) -> None:
         self.fingerprint = fingerprint
+        # restores of models without state layers land on the exact common prefix
+        # whenever it is further than the last schedule point (the folded schedule)
+        self.exact_prefix = exact_prefix
         self.root = root_id(fingerprint)
         self._chain = ChainHasher(self.root, block_size)
         self.leaves = tuple(leaves)
@@ -350,14 +370,16 @@ class PrefixCache:
         if self.state:
             return best
         # Models without state layers can also stop at the exact common prefix (as a trie
-        # of trimmable caches would). Taken only when it saves more than a block over the
-        # last schedule point: the tokens between would be computed in a chunk the cold
-        # run does not have, so the schedule point is preferred at equal speed.
+        # of trimmable caches would). With the bitwise schedule, only when it saves more
+        # than a block over the last schedule point: the tokens between would be computed
+        # in a chunk the cold run does not have, so the schedule point is preferred at
+        # equal speed. With the folded schedule (``exact_prefix``), whenever it is further.
         n_chain = next((j for j, h in enumerate(held) if h is None), len(held))
         extent = n_chain * bs + max((n for n, _ in after.get(n_chain, ())), default=0)
         floor = best.position if best is not None else 0
+        margin = 0 if self.exact_prefix else bs
         for P in sorted({min(limit, extent), min(limit, common)}, reverse=True):
-            if P - floor > bs:
+            if P - floor > margin:
                 plan = self._plan_at(P, prompt, held, after, resident, common, live)
                 if plan is not None:
                     return plan

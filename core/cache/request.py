@@ -83,9 +83,9 @@ class CacheRequest:
     def chunk(self, caches: list[Any], start: int, end: int) -> list[mx.array]:
         """Capture what the chunk ``[start, end)`` just computed into ``caches`` (lazy):
         window slices and state snapshots, which a later chunk would overwrite, and the
-        prompt's tail entry at ``N - 1``. Returns the arrays to evaluate with the chunk
+        prompt's tail entry at ``N - 1`` (at ``N`` on the folded schedule). Returns the arrays to evaluate with the chunk
         (one eval). KV slices wait for :meth:`first_token` (the live cache keeps them)."""
-        kind = KIND_TAIL if end == len(self.prompt) - 1 else self._checkpoint_kind
+        kind = KIND_TAIL if end >= len(self.prompt) - 1 else self._checkpoint_kind
         entries = self.cache.capture(
             caches, self.prompt, self.ids, start, end, self.boundaries, kind, defer_kv=True
         )
