@@ -58,9 +58,9 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..core.cache.ssd import ReadBandwidth, measure_read_bandwidth
-from ..core.cache.ssd import drop_page_cache as _drop_files
-from .common import EXIT_OK, EXIT_USAGE, CLIError, start_engine, table
+from tierchat.cli.common import EXIT_OK, EXIT_USAGE, CLIError, start_engine, table
+from tierchat.core.cache.ssd import ReadBandwidth, measure_read_bandwidth
+from tierchat.core.cache.ssd import drop_page_cache as _drop_files
 
 SENTENCES = (
     "The quick brown fox jumps over the lazy dog near the riverbank.",

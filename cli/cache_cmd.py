@@ -22,11 +22,10 @@ import time
 from dataclasses import fields, is_dataclass
 from typing import Any
 
+from tierchat.cli.common import EXIT_FAILED, EXIT_OK, CLIError, start_engine, table
+from tierchat.core.api import plain
 from tierchat.core.units import fmt_bytes, fmt_seconds
 from tierchat.tui.live_status import read_status, request_clear, wait_cleared
-
-from ..core.api import plain
-from .common import EXIT_FAILED, EXIT_OK, CLIError, start_engine, table
 
 BYTE_FIELDS = ("nbytes", "max_bytes", "peak_memory_bytes", "restore_bytes")
 MEMORY_BYTE_FIELDS = ("active", "peak", "cache", "limit", "device_total", "system_total")

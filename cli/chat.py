@@ -20,10 +20,9 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
+from tierchat.cli.common import EXIT_OK, SSDWatch, new_session, open_store, start_engine
 from tierchat.core.text import printable
 from tierchat.core.units import fmt_bytes, fmt_seconds
-
-from .common import EXIT_OK, SSDWatch, new_session, open_store, start_engine
 
 HELP = __doc__.split("::", 1)[1].split("\n\nCtrl-C", 1)[0].strip("\n")
 

@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from .common import (
+from tierchat.cli.common import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -214,31 +214,31 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
     if command is None:
         return run_tui(settings)
     if command == "chat":
-        from .chat import run_chat
+        from tierchat.cli.chat import run_chat
 
         return run_chat(settings, system=args.system)
     if command == "replay":
-        from .replay import run_replay
+        from tierchat.cli.replay import run_replay
 
         return run_replay(settings, args.script, data_dir_given="data_dir" in args)
     if command == "models":
         return run_models(settings)
     if command == "cache":
-        from .cache_cmd import run_cache
+        from tierchat.cli.cache_cmd import run_cache
 
         return run_cache(settings, args.cache_command, args)
     if command == "config":
         return run_config(settings)
     if command == "serve":
-        from .serve import run_serve
+        from tierchat.cli.serve import run_serve
 
         return run_serve(settings, args)
     if command == "bench" and args.serve:
-        from .serve_bench import run_serve_bench
+        from tierchat.cli.serve_bench import run_serve_bench
 
         return run_serve_bench(settings, args)
     if command == "bench":
-        from .bench import run_bench
+        from tierchat.cli.bench import run_bench
 
         return run_bench(settings, args)
     raise CLIError(f"unknown command {command!r}", EXIT_USAGE)

@@ -43,8 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from ..core.api import CACHE_KINDS, CACHE_SOURCES, plain
-from .common import (
+from tierchat.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
@@ -54,6 +53,7 @@ from .common import (
     open_store,
     start_engine,
 )
+from tierchat.core.api import CACHE_KINDS, CACHE_SOURCES, plain
 
 RESULT_FIELDS: tuple[str, ...] = (
     "op_index",

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .common import EXIT_OK, CLIError, start_engine, table
+from tierchat.cli.common import EXIT_OK, CLIError, start_engine, table
 
 SYSTEM = "You are a concise assistant. Answer in two or three sentences."
 FOLLOW_UP = "Thanks. Now summarize everything above in one sentence."
@@ -189,9 +189,8 @@ class Ours:
         self.settings = settings
 
     def start(self):
+        from tierchat.cli.serve import ServerThread, ServeState, create_app, reply_memory_path
         from tierchat.core.serve_log import RequestLog, TrackedEngine
-
-        from .serve import ServerThread, ServeState, create_app, reply_memory_path
 
         engine = start_engine(self.settings, quiet=True)
         tracked = TrackedEngine(engine, RequestLog())
