@@ -1,5 +1,5 @@
 """``tierchat bench``: TTFT of the prefix cache's paths, side by side with mlx-lm's
-``LRUPromptCache`` in the same run (STYLE.md: ratios measured together, never asserted).
+``LRUPromptCache`` in the same run (docs/DESIGN.md §17: ratios measured together, never asserted).
 
 For each prompt length N (tokens; deterministic text) and each of ``--repeat`` prompts
 (default 3; every measured prompt has its own first word, so no two share a prefix), with
@@ -28,7 +28,7 @@ The two systems take turns, request by request: each prompt's cold, exact hot an
 hot request runs on tierchat and on mlx-lm one after the other (who goes first alternates
 from prompt to prompt). mlx-lm runs on the engine thread (:meth:`Engine.call
 <tierchat.core.engine.Engine.call>`) with the engine's model, so no two threads touch MLX
-at once (DESIGN.md §2) and both systems meet the same GPU state: clocks, memory in use,
+at once (docs/DESIGN.md §2) and both systems meet the same GPU state: clocks, memory in use,
 other load. A GPU's speed drifts by up to 2x over minutes, so rows measured minutes apart
 would compare the machine with itself, not the systems.
 

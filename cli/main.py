@@ -1,4 +1,4 @@
-"""``tierchat``: the command line (DESIGN.md §8).
+"""``tierchat``: the command line (docs/DESIGN.md §13).
 
 Subcommands: none (the TUI), ``chat``, ``replay``, ``models``, ``cache stats|clear``,
 ``config``, ``serve``, ``bench``. The settings flags are accepted before or after the subcommand and
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         "replay",
         parents=[common],
         help="run a scripted session (JSON lines), print one JSON line per generation",
-        description="Run a replay script (DESIGN.md §9). Ops: new, user, regenerate, edit, "
+        description="Run a replay script (docs/DESIGN.md §14). Ops: new, user, regenerate, edit, "
         "swipe, restart, clear. Prints one JSON object per generating op, then a summary. "
         "A failed op prints an error line and the script goes on; the exit code is then 1. "
         "Conversations go to a throwaway store unless --data-dir is given.",

@@ -1,4 +1,4 @@
-"""``tierchat replay SCRIPT.jsonl``: a scripted session (DESIGN.md §9, a public contract).
+"""``tierchat replay SCRIPT.jsonl``: a scripted session (docs/DESIGN.md §14, a public contract).
 
 Input: one JSON object per line (blank lines are skipped)::
 

@@ -16,7 +16,7 @@ cold), so the SSD tier survives; mlx-lm's prompt cache lives in its process.
 The servers run one after the other, never together (2-core machines); ours in this
 process on a thread, mlx-lm as a subprocess (``python -m mlx_lm server``), with the system
 OpenBLAS preloaded for it as for us (``LD_PRELOAD``). mlx-lm computes in the model
-directory's dtype, tierchat in float32 on a CPU (DESIGN.md §3): the same for ``demo``, whose
+directory's dtype, tierchat in float32 on a CPU (docs/DESIGN.md §3): the same for ``demo``, whose
 converted directory is float32; the prefilled-token columns do not depend on it.
 """
 

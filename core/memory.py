@@ -1,4 +1,6 @@
-"""Memory readings, pressure levels, the cache byte budget and the prefill guard (DESIGN.md §6).
+"""Memory readings, pressure levels, the cache byte budget and the prefill guard.
+
+The design: docs/DESIGN.md §11.
 
 Every size here is in bytes.
 
@@ -255,7 +257,7 @@ def pressure_level(
 
 
 def should_clear_mlx_cache(level: str) -> bool:
-    """Whether to call ``mx.clear_cache()``: at "soft" and "hard" (DESIGN.md §6). MLX keeps
+    """Whether to call ``mx.clear_cache()``: at "soft" and "hard" (docs/DESIGN.md §11). MLX keeps
     freed buffers for reuse; under pressure they are the cheapest memory to give back."""
     return level != "ok"
 
