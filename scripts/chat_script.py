@@ -1,5 +1,5 @@
-"""The scripted chat that ``exactness.py`` and ``hybrid_table.py`` replay, and mlx-lm's
-server flow they compare with.
+"""The scripted chat that ``exactness.py`` and ``hybrid_table.py`` replay (:data:`SCRIPT`,
+:func:`play`), and mlx-lm's server flow they compare with (:func:`mlx_lm_prefill`).
 
 An operation is a tuple; its first item names it (a ``restart+`` or ``clear_hot+`` prefix
 restarts the engine or clears its hot tier first)::
@@ -31,6 +31,20 @@ USERS = [
     "Now compare that with a mountain lake in winter, in two or three sentences.",
     "Which of the two would a painter choose, and why would they choose it?",
     "Summarise everything so far as a short list of three items, one line each.",
+]
+
+SCRIPT = [
+    ("user", USERS[0]),
+    ("user", USERS[1]),
+    ("regenerate",),
+    ("regenerate",),
+    ("swipe+user", 1, 0, USERS[2]),
+    ("edit", 0, USERS[3]),
+    ("user", USERS[1]),
+    ("edit_last", USERS[2]),
+    ("restart+user", USERS[0]),
+    ("clear_hot+user", USERS[3]),
+    ("regenerate",),
 ]
 
 

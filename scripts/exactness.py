@@ -1,8 +1,9 @@
 """How far each cached chat operation is from a cold run, by teacher forcing.
 
-One scripted conversation (append, regenerate, swipe + append, edit the first turn, edit the
-last turn, restart + append, clear hot + append) runs through tierchat's engine with its
-cache on (``ChatSession``, greedy, ``--tokens`` per reply). For every operation, the reply's
+One scripted conversation (``chat_script.SCRIPT``: append, regenerate twice, swipe + append,
+edit the first turn, append, edit the last turn, restart + append, clear hot + append,
+regenerate) runs through tierchat's engine with its cache on (``ChatSession``, greedy,
+``--tokens`` per reply). For every operation, the reply's
 tokens are then fed, one decode step each, to a cold run of the same prompt (a no-cache
 engine, ``GenerateRequest.teacher_ids``) and to mlx-lm's ``LRUPromptCache`` used as
 ``mlx_lm/server.py`` uses it (nearest cache, checkpoints at system/user ends, prompt + reply
@@ -36,20 +37,7 @@ from tierchat.core.engine import Engine
 from tierchat.core.session import ChatSession
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from chat_script import SYSTEM, USERS, mlx_lm_prefill, play  # noqa: E402  (one script dir)
-
-SCRIPT = [
-    ("user", USERS[0]),
-    ("user", USERS[1]),
-    ("regenerate",),
-    ("swipe+user", 1, 0, USERS[2]),
-    ("edit", 0, USERS[3]),
-    ("user", USERS[1]),
-    ("edit_last", USERS[2]),
-    ("restart+user", USERS[0]),
-    ("clear_hot+user", USERS[3]),
-    ("regenerate",),
-]
+from chat_script import SCRIPT, SYSTEM, mlx_lm_prefill, play  # noqa: E402  (one script dir)
 
 
 def compare(ref: list[np.ndarray], got: list[np.ndarray]) -> dict:

@@ -35,21 +35,7 @@ from tierchat.core.session import ChatSession
 from tierchat.core.tiny import TINY_ARCHS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from chat_script import SYSTEM, USERS, mlx_lm_prefill, play  # noqa: E402  (one script dir)
-
-SCRIPT = [
-    ("user", USERS[0]),
-    ("user", USERS[1]),
-    ("regenerate",),
-    ("regenerate",),
-    ("swipe+user", 1, 0, USERS[2]),
-    ("edit", 0, USERS[3]),
-    ("user", USERS[1]),
-    ("edit_last", USERS[2]),
-    ("restart+user", USERS[0]),
-    ("clear_hot+user", USERS[3]),
-    ("regenerate",),
-]
+from chat_script import SCRIPT, SYSTEM, USERS, mlx_lm_prefill, play  # noqa: E402  (one script dir)
 
 
 def run_ours(model: str, tmp: Path, block_size: int, max_tokens: int, repeat: int = 1):
