@@ -16,7 +16,7 @@ from textual.reactive import reactive
 from textual.widgets import DataTable, Static
 from tierchat.core.serve_log import LogSnapshot, RequestRecord
 from tierchat.core.units import fmt_count, fmt_seconds
-from tierchat.tui.format import SOURCE_LABELS, fmt_cached_by
+from tierchat.tui.format import fmt_cached_by, fmt_cached_kind
 
 COLUMNS: tuple[tuple[str, str], ...] = (
     ("seq", "#"),
@@ -42,18 +42,12 @@ STATUS_LABELS = {
 }
 
 
-def fmt_kinds(cached_kind: dict[str, int]) -> str:
-    """``{"block": 512, "tail": 40}`` -> ``"block 512 · tail 40"`` (zeros left out)."""
-    parts = [f"{SOURCE_LABELS.get(k, k)} {fmt_count(v)}" for k, v in cached_kind.items() if v]
-    return " · ".join(parts)
-
-
 def record_cells(record: RequestRecord, clock_time=time.localtime) -> tuple[str, ...]:
     """The row of one request, in :data:`COLUMNS` order."""
     finished = record.status in ("done", "cancelled") and record.prompt_tokens > 0
     source = ""
     if finished and record.cached_tokens:
-        source = f"{fmt_cached_by(record.cached_by)} | {fmt_kinds(record.cached_kind)}"
+        source = f"{fmt_cached_by(record.cached_by)} | {fmt_cached_kind(record.cached_kind)}"
     elif record.status == "failed":
         source = record.error[:60]
     return (
