@@ -61,6 +61,7 @@ from typing import Any, NamedTuple
 from tierchat.cli.common import EXIT_OK, EXIT_USAGE, CLIError, start_engine, table
 from tierchat.core.cache.ssd import ReadBandwidth, measure_read_bandwidth
 from tierchat.core.cache.ssd import drop_page_cache as _drop_files
+from tierchat.core.units import fmt_bytes
 
 SENTENCES = (
     "The quick brown fox jumps over the lazy dog near the riverbank.",
@@ -440,7 +441,7 @@ def disk_line(disk: ReadBandwidth | None) -> str:
         return "disk read: not measured (no SSD files)"
     cache = "page cache dropped" if disk.dropped else "page cache NOT dropped: may be RAM speed"
     return (
-        f"disk sequential read: {disk.gbps:.2f} GB/s ({disk.nbytes / 1e6:.1f} MB in "
+        f"disk sequential read: {disk.gbps:.2f} GB/s ({fmt_bytes(disk.nbytes)} in "
         f"{disk.files} SSD files, {disk.seconds:.3f} s; {cache})"
     )
 
