@@ -65,3 +65,17 @@ def test_cli_modules_import_absolutely():
             if isinstance(node, ast.ImportFrom) and node.level:
                 relative.append(f"{path.name}:{node.lineno}")
     assert not relative, relative
+
+
+def test_one_home_for_size_count_and_duration_formatters():
+    """No module but core/units.py defines a byte, count or duration formatter."""
+    name = re.compile(r"^_?(fmt|format|human)_(bytes|size|count|seconds|ms|duration)\w*$")
+    found = []
+    for d in ("core", "cli", "tui", "config"):
+        for path in sorted((ROOT / d).rglob("*.py")):
+            if path == ROOT / "core" / "units.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.FunctionDef) and name.match(node.name):
+                    found.append(f"{path.relative_to(ROOT)}: {node.name}")
+    assert not found, found
