@@ -1,5 +1,5 @@
 """``tierchat bench``: TTFT of the prefix cache's paths, side by side with mlx-lm's
-``LRUPromptCache`` in the same run (STYLE.md: ratios measured together, never asserted).
+``LRUPromptCache`` in the same run (docs/DESIGN.md §17: ratios measured together, never asserted).
 
 For each prompt length N (tokens; deterministic text) and each of ``--repeat`` prompts
 (default 3; every measured prompt has its own first word, so no two share a prefix), with
@@ -28,7 +28,7 @@ The two systems take turns, request by request: each prompt's cold, exact hot an
 hot request runs on tierchat and on mlx-lm one after the other (who goes first alternates
 from prompt to prompt). mlx-lm runs on the engine thread (:meth:`Engine.call
 <tierchat.core.engine.Engine.call>`) with the engine's model, so no two threads touch MLX
-at once (DESIGN.md §2) and both systems meet the same GPU state: clocks, memory in use,
+at once (docs/DESIGN.md §2) and both systems meet the same GPU state: clocks, memory in use,
 other load. A GPU's speed drifts by up to 2x over minutes, so rows measured minutes apart
 would compare the machine with itself, not the systems.
 
@@ -58,9 +58,10 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..core.cache.ssd import ReadBandwidth, measure_read_bandwidth
-from ..core.cache.ssd import drop_page_cache as _drop_files
-from .common import EXIT_OK, EXIT_USAGE, CLIError, start_engine, table
+from tierchat.cli.common import EXIT_OK, EXIT_USAGE, CLIError, start_engine, table
+from tierchat.core.cache.ssd import ReadBandwidth, measure_read_bandwidth
+from tierchat.core.cache.ssd import drop_page_cache as _drop_files
+from tierchat.core.units import fmt_bytes
 
 SENTENCES = (
     "The quick brown fox jumps over the lazy dog near the riverbank.",
@@ -440,7 +441,7 @@ def disk_line(disk: ReadBandwidth | None) -> str:
         return "disk read: not measured (no SSD files)"
     cache = "page cache dropped" if disk.dropped else "page cache NOT dropped: may be RAM speed"
     return (
-        f"disk sequential read: {disk.gbps:.2f} GB/s ({disk.nbytes / 1e6:.1f} MB in "
+        f"disk sequential read: {disk.gbps:.2f} GB/s ({fmt_bytes(disk.nbytes)} in "
         f"{disk.files} SSD files, {disk.seconds:.3f} s; {cache})"
     )
 

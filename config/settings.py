@@ -152,16 +152,6 @@ def parse_size(text: str | int) -> int:
     return int(number) * mult
 
 
-def format_size(nbytes: int) -> str:
-    """``nbytes`` in the largest binary unit that keeps it >= 1 (``"16.0 GiB"``)."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
-
-
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 _NONE = {"", "none", "null", "off"}

@@ -2,7 +2,7 @@
 
 MLX streams belong to the thread that made them (mlx >= 0.31), so loading, prefill,
 decode and every cache slice, snapshot and restore happen on the engine thread. Other
-threads send jobs through a queue and get events back (DESIGN.md §2).
+threads send jobs through a queue and get events back (docs/DESIGN.md §2).
 
 A generation: restore the longest allowed cached prefix (the resident cache of the last
 request cut back in place, or entries from the hot and SSD tiers), prefill the rest in the
@@ -155,7 +155,7 @@ class Engine:
     def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
         """Run ``fn()`` on the engine thread, after the jobs queued before it, and return
         what it returns (or raise what it raised). For MLX work that must not run beside
-        the engine's: ``tierchat bench`` runs mlx-lm's baseline this way (DESIGN.md §2).
+        the engine's: ``tierchat bench`` runs mlx-lm's baseline this way (docs/DESIGN.md §2).
 
         Raises:
             TimeoutError: ``fn`` did not finish within ``timeout`` seconds.

@@ -1,7 +1,7 @@
 """The prefix cache: lookup, all-or-nothing restore, and store, over the resident cache,
 the hot tier and the SSD tier.
 
-A restore for a prompt of ``N`` tokens lands on one position ``P <= N - 1`` (DESIGN.md §5):
+A restore for a prompt of ``N`` tokens lands on one position ``P <= N - 1`` (docs/DESIGN.md §9):
 
 - **Allowed positions.** ``P`` is a point of the prompt's prefill schedule
   (:func:`schedule_points`: multiples of the chunk size, message ends, ``N - 1``), or the
