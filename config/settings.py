@@ -73,7 +73,7 @@ class Settings:
     # bit-identical to a cold run on every model: chunks end at message ends and N-1,
     # restores only there. Off: models without recurrent state fold the last prompt token
     # into the last chunk (one forward fewer a turn) and restore the exact common prefix;
-    # outputs equal a cold run's within float rounding (docs/DESIGN.md)
+    # outputs equal a cold run's within float rounding (docs/DESIGN.md §7)
     bitwise: bool = False
     hot_bytes: int = field(default_factory=default_hot_bytes)
     ssd_bytes: int = 16 * GiB

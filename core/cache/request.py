@@ -1,7 +1,7 @@
 """One request's use of the prefix cache: the per-request cache protocol.
 
 The engine does the model work (forwards, sampling); a :class:`CacheRequest` does all the
-cache needs around it, in the order a request meets it (docs/DESIGN.md §6)::
+cache needs around it, in the order a request meets it (docs/DESIGN.md §9)::
 
     req = prefix_cache.begin(prompt, points, boundaries, fresh)  # the SSD writer waits
     restored = req.restore()                   # resident cut, hot / SSD entries, or fresh
