@@ -388,6 +388,13 @@ def summarize(rows: Sequence[dict]) -> list[dict]:
     return out
 
 
+def ratio_text(ratio: float | None) -> str:
+    """``0.42x``; three decimals below 0.1 (a regenerate's ratio is often ~0.003)."""
+    if ratio is None:
+        return "-"
+    return f"{ratio:.3f}x" if ratio < 0.1 else f"{ratio:.2f}x"
+
+
 def format_summary(summary: Sequence[dict]) -> str:
     def cells(entry: dict, system: str) -> tuple:
         s = entry.get(system)
@@ -402,7 +409,7 @@ def format_summary(summary: Sequence[dict]) -> str:
             e["count"],
             *cells(e, TIERCHAT),
             *cells(e, MLX_LM),
-            "-" if e["ratio"] is None else f"{e['ratio']:.2f}x",
+            ratio_text(e["ratio"]),
         )
         for e in summary
     ]
