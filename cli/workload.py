@@ -223,6 +223,7 @@ class WorkloadRun:
                     self.other(op)
             except SessionError as e:
                 raise CLIError(f"{self.name}:{op.index + 1}: {op.op}: {e}") from None
+            self.replay.ssd_watch.check(sys.stderr)  # the SSD tier failing or turning off
         self.result.wall_s = time.perf_counter() - t0
         return self.result
 
