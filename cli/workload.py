@@ -3,8 +3,9 @@ mlx-lm's ``LRUPromptCache``, request by request in turn (issue 19).
 
 The script is a replay script (cli/replay.py: ``new`` with a system prompt, ``user``,
 ``regenerate``, ``edit``, ``swipe``, ``restart``, ``clear``), read and checked by the same
-parser; every generating op must be greedy (no ``temperature``). ``--workload chat`` and
-``--workload chat-ci`` name the scripts shipped in ``cli/workloads/`` (see its README).
+parser (a ``.gz`` file is gunzipped first); every generating op must be greedy (no
+``temperature``). ``--workload chat`` and ``--workload chat-ci`` name the scripts shipped
+in ``cli/workloads/`` (see its README).
 
 tierchat runs the script as ``tierchat replay`` does (:class:`~tierchat.cli.replay.Replay`:
 a :class:`~tierchat.core.session.ChatSession` over the engine and a throwaway store).
@@ -42,6 +43,7 @@ mlx-lm; < 1: tierchat is faster).
 from __future__ import annotations
 
 import gc
+import gzip
 import io
 import json
 import math
@@ -56,10 +58,18 @@ from typing import Any
 
 from .bench import WARMUP_SALT, LRUBaseline, _fresh_cache_dir, make_prompt, writer_idle
 from .common import EXIT_OK, EXIT_USAGE, CLIError, open_store, table
-from .replay import GENERATING, Op, Replay, read_script, token_ids_sha256
+from .replay import (
+    GENERATING,
+    Op,
+    Replay,
+    ScriptError,
+    parse_script,
+    read_script,
+    token_ids_sha256,
+)
 
 WORKLOADS_DIR = Path(__file__).resolve().parent / "workloads"
-NAMED: dict[str, str] = {"chat": "chat.jsonl", "chat-ci": "chat-ci.jsonl"}
+NAMED: dict[str, str] = {"chat": "chat.jsonl.gz", "chat-ci": "chat-ci.jsonl"}
 KINDS: tuple[str, ...] = (
     "new conversation",
     "next user turn",
@@ -82,15 +92,27 @@ def workload_path(spec: str) -> Path:
 
 
 def read_workload(spec: str) -> tuple[str, list[Op]]:
-    """``(path, ops)`` of a workload: read and checked by the replay parser, then every
-    generating op checked to be greedy.
+    """``(path, ops)`` of a workload: read (gunzipped when it ends in ``.gz``) and checked
+    by the replay parser, then every generating op checked to be greedy.
 
     Raises:
         CLIError: (exit 2) a missing or malformed script, a ``temperature`` field, or no
             generating op.
     """
     path = workload_path(spec)
-    ops = read_script(str(path))
+    if path.suffix == ".gz":  # the shipped chat: 8 copies of its system prompt, gzipped
+        try:
+            text = gzip.decompress(path.read_bytes()).decode("utf-8")
+        except FileNotFoundError:
+            raise CLIError(f"{path}: no such file", EXIT_USAGE) from None
+        except (OSError, EOFError, UnicodeDecodeError) as e:
+            raise CLIError(f"{path}: not a gzipped UTF-8 script ({e})", EXIT_USAGE) from None
+        try:
+            ops = parse_script(text.splitlines(), str(path))
+        except ScriptError as e:
+            raise CLIError(str(e), EXIT_USAGE) from None
+    else:
+        ops = read_script(str(path))
     for op in ops:
         if op.args.get("temperature", 0) != 0:
             raise CLIError(

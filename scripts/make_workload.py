@@ -1,12 +1,14 @@
 """Write the shipped chat workloads of ``tierchat bench --workload`` (cli/workloads/).
 
-    python scripts/make_workload.py            # rewrites cli/workloads/chat.jsonl, chat-ci.jsonl
+    python scripts/make_workload.py     # rewrites cli/workloads/chat.jsonl.gz, chat-ci.jsonl
 
 The system prompt is ``Lib/json/encoder.py`` of the Python that runs this script (CPython's
 standard library, Python Software Foundation License Version 2: a permissive license that
 allows copying and redistribution), wrapped in a short instruction: ~3.6K tokens on the
 Qwen2.5 tokenizer. The shipped files were written from CPython 3.11.7; the bench reads the
-JSONL, never this script, so every machine replays the same bytes.
+JSONL, never this script, so every machine replays the same bytes. ``chat`` holds its system
+prompt eight times (the replay format has one per ``new``), so it is gzipped (7 KB, not
+140 KB); ``gunzip -k`` gives the plain script for ``tierchat replay``.
 
 Each conversation (8 in ``chat``, 2 in ``chat-ci``) has the op mix of issue 19: a new
 conversation with the shared system prompt, two user turns, a regenerate, an edit of the
@@ -17,6 +19,7 @@ The user turns were written for this workload: coding-assistant questions about 
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 import sysconfig
@@ -117,7 +120,10 @@ def conversation(system: str, turns: tuple[str, ...], max_tokens: int) -> list[d
 
 
 def write(path: Path, ops: list[dict]) -> None:
-    path.write_text("".join(json.dumps(op, ensure_ascii=False) + "\n" for op in ops))
+    data = "".join(json.dumps(op, ensure_ascii=False) + "\n" for op in ops).encode("utf-8")
+    if path.suffix == ".gz":  # mtime 0: the same bytes every time
+        data = gzip.compress(data, compresslevel=9, mtime=0)
+    path.write_bytes(data)
     print(f"{path.relative_to(ROOT)}: {len(ops)} ops, {path.stat().st_size} bytes")
 
 
@@ -126,7 +132,7 @@ def main() -> int:
     version = ".".join(map(str, sys.version_info[:3]))
     OUT.mkdir(parents=True, exist_ok=True)
     system = system_prompt(source, version)
-    write(OUT / "chat.jsonl", [op for c in CONVERSATIONS for op in conversation(system, c, 40)])
+    write(OUT / "chat.jsonl.gz", [op for c in CONVERSATIONS for op in conversation(system, c, 40)])
     # the CI-sized one: the two string encoders of the same file as its system prompt
     start = source.find("def py_encode_basestring(s):")
     end = source.find("class JSONEncoder")

@@ -75,6 +75,22 @@ def test_a_sampled_op_is_refused(tmp_path):
         workload.read_workload(str(path))
 
 
+def test_gzipped_scripts_are_checked_like_plain_ones(tmp_path):
+    import gzip
+
+    path = tmp_path / "w.jsonl.gz"
+    path.write_bytes(gzip.compress(b'{"op": "new"}\n{"op": "user", "text": "hi"}\n'))
+    assert [op.op for op in workload.read_workload(str(path))[1]] == ["new", "user"]
+    path.write_bytes(gzip.compress(b'{"op": "new"}\n{"op": "usr"}\n'))
+    with pytest.raises(CLIError, match=r"w.jsonl.gz:2: unknown op 'usr'"):
+        workload.read_workload(str(path))
+    path.write_bytes(b"not gzip")
+    with pytest.raises(CLIError, match="not a gzipped UTF-8 script"):
+        workload.read_workload(str(path))
+    with pytest.raises(CLIError, match="no such file"):
+        workload.read_workload(str(tmp_path / "none.jsonl.gz"))
+
+
 def test_op_kinds():
     ops = ops_of(
         {"op": "user", "text": "a"},  # no "new": the session opens a conversation
