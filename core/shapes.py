@@ -14,28 +14,28 @@ exists, else built from the demo GGUF's metadata alone (the header in the first 
 (11 MB); a machine without the demo package (a GPU box with no network) uses a copy of that
 folder put into its models dir.
 
-==================  ===============================================================
-``qwen2.5-0.5b``    Qwen2.5-0.5B(-Instruct) ``config.json``: 24 layers, hidden 896, 14
-                    heads / 2 KV heads, MLP 4864, vocab 151936, tied embeddings
-                    (494M parameters). KVCache on every layer.
-``qwen3.5-0.8b``    Qwen3.5-0.8B's text model (mlx-lm ``qwen3_5``): 24 layers, 18
-                    GatedDeltaNet + 6 full attention (every 4th), hidden 1024, MLP 3584,
-                    8 heads / 2 KV heads of 256, linear attention 16 x 128 key and value
-                    heads. Vocab 151936 (the real one is 248320; ours must fit the Qwen2.5
-                    tokenizer): 0.65B parameters instead of 0.75B. ArraysCache + KVCache.
-``gemma3-270m``     gemma-3-270m (``gemma3_text``): 18 layers, hidden 640, 4 heads / 1 KV
-                    head of 256, MLP 2048, sliding window 512 on 5 of every 6 layers.
-                    Vocab 151936 (real: 262144), tied: 0.20B parameters instead of 0.27B.
-                    RotatingKVCache + KVCache.
-``qwen3-8b``        Qwen3-8B ``config.json`` (mlx-lm ``qwen3``): 36 layers, hidden 4096,
-                    32 heads / 8 KV heads of 128 with q/k RMSNorm, MLP 12288, vocab
-                    151936, untied, rope theta 1e6 (8.19B parameters). KVCache.
-``qwen3-8b-4bit``   the same, 4-bit as mlx-community ships it (see below; ~4.6 GB).
+======================  =============================================================
+``qwen2.5-0.5b``        Qwen2.5-0.5B(-Instruct) ``config.json``: 24 layers, hidden 896, 14
+                        heads / 2 KV heads, MLP 4864, vocab 151936, tied embeddings
+                        (494M parameters). KVCache on every layer.
+``qwen3.5-0.8b``        Qwen3.5-0.8B's text model (mlx-lm ``qwen3_5``): 24 layers, 18
+                        GatedDeltaNet + 6 full attention (every 4th), hidden 1024, MLP 3584,
+                        8 heads / 2 KV heads of 256, linear attention 16 x 128 key and value
+                        heads. Vocab 151936 (the real one is 248320; ours must fit the Qwen2.5
+                        tokenizer): 0.65B parameters instead of 0.75B. ArraysCache + KVCache.
+``gemma3-270m``         gemma-3-270m (``gemma3_text``): 18 layers, hidden 640, 4 heads / 1 KV
+                        head of 256, MLP 2048, sliding window 512 on 5 of every 6 layers.
+                        Vocab 151936 (real: 262144), tied: 0.20B parameters instead of 0.27B.
+                        RotatingKVCache + KVCache.
+``qwen3-8b``            Qwen3-8B ``config.json`` (mlx-lm ``qwen3``): 36 layers, hidden 4096,
+                        32 heads / 8 KV heads of 128 with q/k RMSNorm, MLP 12288, vocab
+                        151936, untied, rope theta 1e6 (8.19B parameters). KVCache.
+``qwen3-8b-4bit``       the same, 4-bit as mlx-community ships it (see below; ~4.6 GB).
 ``qwen3-30b-a3b-4bit``  Qwen3-30B-A3B (``qwen3_moe``), 4-bit: 48 layers, hidden 2048, 32
-                    heads / 4 KV heads of 128, 128 experts of 768 with 8 per token, vocab
-                    151936, untied (30.5B parameters, 3.3B active; ~17 GB). KVCache.
-``qwen2.5-0.5b-4bit``  ``qwen2.5-0.5b``, 4-bit.
-==================  ===============================================================
+                        heads / 4 KV heads of 128, 128 experts of 768 with 8 per token, vocab
+                        151936, untied (30.5B parameters, 3.3B active; ~17 GB). KVCache.
+``qwen2.5-0.5b-4bit``   ``qwen2.5-0.5b``, 4-bit.
+======================  =============================================================
 
 4-bit shapes carry mlx-community's ``"quantization": {"group_size": 64, "bits": 4, "mode":
 "affine"}`` and are quantized as ``mlx_lm.convert -q`` does (``mlx_lm.utils.quantize_model``:
