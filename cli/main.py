@@ -151,6 +151,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompts per length and case; the table shows the median (default 3)",
     )
     p.add_argument(
+        "--workload",
+        metavar="SCRIPT.jsonl",
+        help="instead: replay a chat script (replay ops; 'chat' or 'chat-ci': the shipped "
+        "ones) on tierchat and mlx-lm in turn, TTFT and prefilled tokens per op kind",
+    )
+    p.add_argument(
+        "--warmup",
+        choices=("none", "unrelated"),
+        default="none",
+        help="--workload: warm both systems up at unrelated lengths first (default none)",
+    )
+    p.add_argument(
         "--serve",
         action="store_true",
         help="instead: replay a chat through `tierchat serve` and `mlx_lm.server` (serve_bench)",
@@ -237,6 +249,10 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
         from tierchat.cli.serve_bench import run_serve_bench
 
         return run_serve_bench(settings, args)
+    if command == "bench" and args.workload:
+        from .workload import run_workload_bench
+
+        return run_workload_bench(settings, args)
     if command == "bench":
         from tierchat.cli.bench import run_bench
 
