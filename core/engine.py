@@ -55,6 +55,7 @@ from .api import (
 from .attention import chunk_attention, default_max_query
 from .cache import layers as L
 from .cache.prefix import PrefixCache, chunk_ends, probe_specs, schedule_points
+from .cache.rates import Rates
 from .cache.request import CacheRequest, ColdRequest
 from .forward import last_logits_fn, logprobs_of, verify_last_logits
 
@@ -316,8 +317,9 @@ class Engine:
         spec_shapes = probe_specs(leaves, caches)
         if not s.no_cache:
             kv = f"{loaded.fingerprint}/kv{s.kv_bits}g{s.kv_group_size}"
+            fingerprint = hashlib.sha256(kv.encode()).hexdigest()
             self.cache = PrefixCache(
-                fingerprint=hashlib.sha256(kv.encode()).hexdigest(),
+                fingerprint=fingerprint,
                 leaves=leaves,
                 spec=spec_shapes,
                 block_size=s.block_size,
@@ -329,6 +331,7 @@ class Engine:
                 writer_queue=s.writer_queue,
                 pin_system=s.pin_system,
                 exact_prefix=self._last_logits is not None,
+                rates=Rates(Path(s.cache_dir) / f"rates-{fingerprint[:16]}.json"),
             )
             if self.cache.ssd is not None and not self.cache.ssd.enabled:
                 warning = self.cache.ssd.reason
@@ -532,6 +535,7 @@ class Engine:
             finish_reason=reason,
             restore_s=restore_s,
             restore_bytes=restored.nbytes,
+            restore_choice=restored.choice.describe() if restored.choice else "",
         )
         self._last = metrics
         handle.emit(Finished(tuple(tokens), detok.text, metrics))

@@ -95,6 +95,8 @@ def fmt_metrics(m: TurnMetrics) -> str:
         f"TTFT {fmt_seconds(m.ttft_s)}",
         f"{m.generation_tps:.1f} tok/s",
     ]
+    if m.restore_choice:  # e.g. "ssd 3.8K tok, 48 MiB, est 0.06 s < recompute 0.09 s"
+        parts.append(m.restore_choice)
     if m.finish_reason == "cancelled":
         parts.append("stopped")
     elif m.finish_reason == "length":
