@@ -588,6 +588,19 @@ class ConversationStore:
             self._touch(node.conversation_id)
         return self.get_node(child.id) if child is not None else None
 
+    def subtree_size(self, node_id: int) -> int:
+        """Messages in the subtree of ``node_id``, itself included (what
+        :meth:`delete_subtree` would delete). Raises :class:`ConversationError`."""
+        sql = """
+        WITH RECURSIVE below(id) AS (
+            SELECT ? UNION ALL SELECT n.id FROM nodes n JOIN below ON n.parent_id = below.id
+        )
+        SELECT count(*) FROM below
+        """
+        with self._lock:
+            self.get_node(node_id)
+            return self._conn.execute(sql, (node_id,)).fetchone()[0]
+
     def select_path(self, node_id: int) -> list[Node]:
         """Make the path root..``node_id`` the selected one at every level (so the active
         path passes through ``node_id``); returns that path. Raises

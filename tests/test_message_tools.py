@@ -69,6 +69,14 @@ def test_delete_message_with_branches_after_it_is_refused(store):
     assert contents(store.active_path(cid)) == ["q", "b"]
 
 
+def test_subtree_size_counts_every_branch_below(store):
+    cid, (u0, a0, u1, a1) = chain(store, "q0", "a0", "q1", "a1")
+    store.add_node(cid, u0.id, "assistant", "a0 again")
+    assert store.subtree_size(u0.id) == 5 and store.subtree_size(a1.id) == 1
+    with pytest.raises(ConversationError):
+        store.subtree_size(999)
+
+
 def test_select_path_makes_a_node_part_of_the_active_path(store):
     cid, (u0, a0, u1, a1) = chain(store, "q0", "a0", "q1", "a1")
     edited = store.add_node(cid, None, "user", "q0 edited")
