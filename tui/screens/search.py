@@ -117,7 +117,8 @@ class SearchScreen(ModalScreen[int | None]):
             status.update(f"In {where}: no message holds “{text.strip()}”.")
         else:
             more = "+" if len(self.hits) >= self.limit else ""
-            status.update(f"In {where}: {len(self.hits)}{more} messages.")
+            n = len(self.hits)
+            status.update(f"In {where}: {n}{more} message{'s' if n != 1 or more else ''}.")
 
     @on(Input.Changed, "#search-input")
     def _changed(self) -> None:
