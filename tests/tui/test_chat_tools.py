@@ -337,3 +337,24 @@ async def test_every_tool_command_runs_from_the_palette(make_app, tmp_path, monk
         box = screen.query_one(ChatInput)
         assert box.text == ""  # "!" from the editor, then cleared
         assert app.screen is screen
+
+
+async def test_search_in_this_conversation_moves_the_cursor(make_app, store):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "first about lighthouses")
+        await send(pilot, "second about bridges")
+        await send(pilot, "third about tunnels")
+        screen = chat_screen(app)
+        cid = screen.conversation_id
+        await pilot.press("ctrl+f")
+        await pilot.press(*"lighthouse")
+        assert app.screen.scope == "here"
+        hits = app.screen.hits
+        assert len(hits) == 2  # the question and its reply ("Reply 1 to: …")
+        await pilot.press("down", "enter")  # the second hit
+        await settle(pilot)
+        assert screen.conversation_id == cid and not notes(app, "warning")
+        views = screen.query_one(Transcript).views
+        assert views[screen.selected].info.node_id == hits[1].node_id
+        assert screen.selected in (0, 1) and screen.query_one(Transcript).has_focus

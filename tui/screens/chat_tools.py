@@ -278,7 +278,6 @@ class ChatTools(Screen):
         if self._draft_meter is None:
             self._draft_meter = DraftMeter(self.chat, self.query_one(ChatInput))
         self._draft_meter.changed()
-        self.refresh_bindings()
 
     @property
     def draft_meter(self) -> DraftMeter:
@@ -301,8 +300,10 @@ class ChatTools(Screen):
             try:
                 with self.app.suspend():
                     text = edit_text(box.text)
-            except SuspendNotSupported:  # headless (tests): no terminal to hand over
-                text = edit_text(box.text)
+            except SuspendNotSupported:
+                if not self.app.is_headless:  # Textual Web: no terminal to hand over
+                    raise EditorError("this terminal cannot be handed to an editor") from None
+                text = edit_text(box.text)  # headless (tests): the editor needs no terminal
         except EditorError as e:
             self.notify(str(e), title="Editor", severity="error", timeout=6)
             return
