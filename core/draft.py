@@ -48,8 +48,10 @@ def count_draft(session: Any, text: str) -> DraftCount | None:
     if tokenizer is None or not engine.model_name:
         return None
     path = session.active_path()
-    messages = session.prompt_messages(path) if path else session.prompt_messages([])
-    messages = [*messages, {"role": "user", "content": text, "token_ids": None}]
+    messages = [
+        *session.prompt_messages(path),
+        {"role": "user", "content": text, "token_ids": None},
+    ]
     prompt = session.build_prompt(messages)
     context = getattr(engine, "context_length", None)
     context = context if isinstance(context, int) and context > 0 else None

@@ -358,3 +358,25 @@ async def test_search_in_this_conversation_moves_the_cursor(make_app, store):
         views = screen.query_one(Transcript).views
         assert views[screen.selected].info.node_id == hits[1].node_id
         assert screen.selected in (0, 1) and screen.query_one(Transcript).has_focus
+
+
+async def test_the_count_waits_for_a_pause_in_typing(make_app, monkeypatch):
+    from tierchat.tui import draft_meter
+
+    calls: list[str] = []
+    real = draft_meter.count_draft
+
+    def counting(session, text):
+        calls.append(text)
+        return real(session, text)
+
+    monkeypatch.setattr(draft_meter, "count_draft", counting)
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        chat_screen(app).query_one(ChatInput).focus()
+        await pilot.press(*"a burst of keys")
+        assert calls == []  # nothing counted while typing
+        await pilot.pause(DEBOUNCE_S + 0.2)
+        await settle(pilot)
+        assert calls == ["a burst of keys"]  # one count, of the whole draft
