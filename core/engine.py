@@ -344,19 +344,20 @@ class Engine:
 
     def _calibrate_prefill(self, tokens: int = 1536) -> None:
         """Measure the prefill rate once, at load, for the restore-or-recompute choice
-        (:mod:`.cache.rates`): a prefill of ``tokens`` tokens of a length no request has
-        had yet (so it pays the per-shape graph builds a recompute pays) after a short
-        warm-up. On CUDA only, where computing can beat reading the disk and the
-        measurement costs well under a second; elsewhere the rates come from requests."""
+        (:mod:`.cache.rates`): after a warm-up prefill of ``tokens`` tokens (the first
+        use of each kernel compiles it), a prefill of a length no request has had yet, so
+        it pays the per-shape graph builds a recompute pays. On CUDA only, where computing
+        can beat reading the disk and the two prefills cost well under a second (8B
+        shapes on an H100); elsewhere the rates come from requests."""
         model, vocab = self.loaded.model, max(2, self.vocab_size or 2)
         with mx.stream(generation_stream):
-            for n in (64, tokens):
+            for n in (tokens, tokens + 67):
                 ids = mx.arange(n)[None] % vocab
                 t0 = time.perf_counter()
                 model(ids, cache=(caches := self._make_cache()))
                 mx.eval([c.state for c in caches])
                 dt = time.perf_counter() - t0
-        self.cache.rates.observe_prefill(tokens, dt)
+        self.cache.rates.observe_prefill(tokens + 67, dt)
 
     @property
     def vocab_size(self) -> int | None:
