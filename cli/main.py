@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-queue", type=int, default=64, metavar="N", help="refuse requests past N queued (503)"
     )
+    from tierchat.core.serve_limits import add_limit_flags
+
+    add_limit_flags(p)
 
     p = sub.add_parser(
         "bench",

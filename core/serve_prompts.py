@@ -223,10 +223,11 @@ def chat_messages(body: Mapping[str, Any], memory: ReplyMemory) -> tuple[list[di
     for i, m in enumerate(raw):
         if not isinstance(m, Mapping):
             raise APIError(f"messages[{i}] must be an object", param=f"messages.{i}")
-        role = ROLES.get(m.get("role"))  # type: ignore[arg-type]
+        given = m.get("role")
+        role = ROLES.get(given) if isinstance(given, str) else None
         if role is None:
             raise APIError(
-                f"messages[{i}].role {m.get('role')!r} is not supported "
+                f"messages[{i}].role {str(given)[:40]!r} is not supported "
                 "(system, developer, user, assistant)",
                 param=f"messages.{i}.role",
             )
