@@ -175,9 +175,7 @@ def failure(event: Failed) -> APIError:
 
 
 def shutting_down() -> APIError:
-    return APIError(
-        "the server is shutting down", 503, "server_error", code="server_shutting_down"
-    )
+    return APIError("the server is shutting down", 503, "server_error", code="server_shutting_down")
 
 
 def sse(data: Any) -> str:
@@ -549,9 +547,7 @@ def guarded_protocol(limits: ServeLimits) -> type:
             if len(self.connections) > limits.max_connections:
                 transport.close()
                 return
-            self._header_timer = self.loop.call_later(
-                limits.header_timeout_s, self._header_timeout
-            )
+            self._header_timer = self.loop.call_later(limits.header_timeout_s, self._header_timeout)
 
         def _header_timeout(self) -> None:
             if self.cycle is None and not self.transport.is_closing():
