@@ -22,7 +22,14 @@ from typing import Any, TextIO
 
 from tierchat.core.text import printable
 
-from .common import EXIT_OK, SSDWatch, new_session, open_store, start_engine
+from .common import (
+    EXIT_OK,
+    SSDWatch,
+    check_cache_owner,
+    new_session,
+    open_store,
+    start_engine,
+)
 
 HELP = __doc__.split("::", 1)[1].split("\n\nCtrl-C", 1)[0].strip("\n")
 
@@ -184,6 +191,9 @@ def run_chat(
     inp, out, err = inp or sys.stdin, out or sys.stdout, err or sys.stderr
     if hasattr(inp, "reconfigure"):  # bytes that are not UTF-8 become U+FFFD, not an exit
         inp.reconfigure(errors="replace")
+    from tierchat.core.live_status import StatusService
+
+    check_cache_owner(settings)
     store = open_store(settings.db_path)
     try:
         engine = start_engine(settings)
@@ -196,7 +206,9 @@ def run_chat(
                     file=out,
                     flush=True,
                 )
-            LineChat(session, inp, out, err).loop()
+            # `tierchat cache stats|clear` in another shell talk to this engine
+            with StatusService(engine, settings.cache_dir, "chat"):
+                LineChat(session, inp, out, err).loop()
         finally:
             engine.close()
     finally:

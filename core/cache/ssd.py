@@ -76,6 +76,7 @@ import numpy as np
 from .blocks import FORMAT_VERSION, KIND_BLOCK, TAIL_KINDS, Entry, EntryMeta, chain_ids
 from .blocks import root_id as _root_id
 from .blocks import tail_id as _tail_id
+from .dir_lock import LOCK_FILE, CacheDirBusy, acquire_dir, release_dir, relock_dir
 
 FORMAT = f"tierchat-kv/{FORMAT_VERSION}"
 PREFIX = b'{"__metadata__":{"hcrc":"'
@@ -85,7 +86,6 @@ CHUNK = 1 << 20  # bytes read (and checksummed while in cache) at a time
 MAX_HEADER = 16 << 20
 STALE_TMP_S = 600.0  # a .tmp file this old is removed even when its writer may live
 RETRY_AFTER_S = 30.0  # after a full disk, writes at the configured cap are tried again
-LOCK_FILE = "lock"  # <cache_dir>/lock: flock'ed by the process that owns the dir
 
 # safetensors dtype name -> (MLX dtype, numpy dtype of the stored bits)
 DTYPES: dict[str, tuple[mx.Dtype, type]] = {
@@ -455,118 +455,6 @@ class _Pending:
     blob: mx.array | None = None  # the tensor bytes, shared with the batch's other entries
     begin: int = 0  # this entry's bytes are blob[begin:end]
     end: int = 0
-
-
-class CacheDirBusy(Exception):
-    """Another process holds a cache dir's lock; ``owner`` is what it wrote there
-    (``{"pid", "command"}``, possibly empty)."""
-
-    def __init__(self, cache_dir: Path, owner: dict) -> None:
-        self.cache_dir = Path(cache_dir)
-        self.owner = owner
-        pid, command = owner.get("pid", "?"), owner.get("command") or "tierchat"
-        super().__init__(f"cache dir {cache_dir} is in use by {command} (pid {pid})")
-
-
-_held: dict[str, list[int]] = {}  # realpath of a cache dir -> [lock fd, engines using it]
-_held_lock = threading.Lock()
-
-
-def _lock_key(cache_dir: Path) -> str:
-    return os.path.realpath(cache_dir)
-
-
-def _read_owner(fd: int) -> dict:
-    try:
-        raw = os.pread(fd, 4096, 0)
-        owner = json.loads(raw.decode() or "{}")
-        return owner if isinstance(owner, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def acquire_dir(cache_dir: Path, command: str = "") -> None:
-    """Take ``<cache_dir>/lock`` for this process (``flock(LOCK_EX | LOCK_NB)``, the file
-    0600, holding this pid and ``command``). Engines of one process share it: each
-    :func:`acquire_dir` needs one :func:`release_dir`. Where ``fcntl`` does not exist
-    (Windows) nothing is locked.
-
-    Raises:
-        CacheDirBusy: another process holds it.
-        OSError: the lock file cannot be created.
-    """
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX
-        return
-    key = _lock_key(cache_dir)
-    with _held_lock:
-        held = _held.get(key)
-        if held is not None:
-            held[1] += 1
-            return
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC
-        fd = os.open(Path(cache_dir) / LOCK_FILE, flags, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            owner = _read_owner(fd)
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise CacheDirBusy(Path(cache_dir), owner) from None
-            raise
-        info = json.dumps({"pid": os.getpid(), "command": command or _command()}).encode()
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, info, 0)
-        _held[key] = [fd, 1]
-
-
-def release_dir(cache_dir: Path) -> None:
-    """Give back one :func:`acquire_dir`; the last one unlocks and closes the file."""
-    key = _lock_key(cache_dir)
-    with _held_lock:
-        held = _held.get(key)
-        if held is None:
-            return
-        held[1] -= 1
-        if held[1] <= 0:
-            del _held[key]
-            try:
-                os.ftruncate(held[0], 0)
-            except OSError:
-                pass
-            os.close(held[0])  # closing the last descriptor releases the flock
-
-
-def dir_owner(cache_dir: Path) -> dict | None:
-    """Who holds ``<cache_dir>/lock``: ``{"pid", "command"}`` of another process, or None
-    (nobody, this process, no lock file, or no ``fcntl``)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX
-        return None
-    with _held_lock:
-        if _lock_key(cache_dir) in _held:
-            return None
-    try:
-        fd = os.open(Path(cache_dir) / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
-        return _read_owner(fd) or {"pid": "?"}
-    finally:
-        os.close(fd)  # also drops the shared lock if it was taken
-    return None
-
-
-def _command() -> str:
-    import sys
-
-    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
-    verb = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else ""
-    return f"{name} {verb}".strip()
 
 
 def _pid_alive(pid: int) -> bool:
@@ -1075,16 +963,12 @@ class SSDTier:
             f"SSD write failed: cache dir {self.dir} was missing; recreated ({gone} "
             "entries lost with it)"
         )
-        if self._locked:  # the lock file went with the dir: take a new one
-            with _held_lock:
-                held = _held.pop(_lock_key(self.cache_root), None)
-            if held is not None:
-                os.close(held[0])
-                try:
-                    for _ in range(held[1]):
-                        acquire_dir(self.cache_root)
-                except (OSError, CacheDirBusy) as exc:
-                    self._event(f"SSD: cannot lock {self.cache_root} again: {exc}")
+        if self._locked and not (self.cache_root / LOCK_FILE).exists():
+            # the lock file went with the dir: take a new one
+            try:
+                relock_dir(self.cache_root)
+            except (OSError, CacheDirBusy) as exc:
+                self._event(f"SSD: cannot lock {self.cache_root} again: {exc}")
 
     def _evict_for(self, incoming: int) -> None:
         # caller holds the lock; the index is in LRU order

@@ -40,7 +40,7 @@ from tierchat.tui.commands import (
     ConversationCommands,
     ModelCommands,
 )
-from tierchat.tui.live_status import StatusWriter
+from tierchat.core.live_status import StatusWriter
 from tierchat.tui.messages import (
     BranchRequested,
     ConversationChosen,
@@ -198,7 +198,7 @@ class ChatScreen(Screen):
     def on_mount(self) -> None:
         cache_dir = getattr(self.tierchat.settings, "cache_dir", None)
         if cache_dir is not None:
-            self._status = StatusWriter(Path(cache_dir))
+            self._status = StatusWriter(Path(cache_dir), process="TUI")
         self._poll_timer = self.set_interval(STATS_POLL_S, self.poll_stats, pause=False)
         self.refresh_conversations()
         rows = self.query_one(ConversationList).rows
