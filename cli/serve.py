@@ -371,6 +371,8 @@ async def generate(state: ServeState, http: Request, endpoint: str) -> Response:
         return error_response(e)
     except ClientGone:
         return Response(status_code=499)
+    if state.draining:  # a signal came while the prompt was built
+        return error_response(shutting_down())
     client = client_label(http, body)
     gen = Generation(state, request, client, endpoint)
     ident = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
@@ -663,12 +665,21 @@ def _print_record(record: RequestRecord) -> None:
 
 
 def run_serve(settings: Any, args: Any) -> int:
-    """``tierchat serve``: load the model, serve until Ctrl-C (or the console quits)."""
+    """``tierchat serve``: load the model, serve until SIGTERM or SIGINT (Ctrl-C), or the
+    console quits; then stop in order (:mod:`~tierchat.cli.serve_shutdown`)."""
+    from tierchat.core.live_status import StatusService
+    from tierchat.core.serve_limits import limits_from_args
+
+    from .common import SSDWatch, check_cache_owner
+    from .serve_shutdown import Shutdown
+
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     check_bind(args.host, args.allow_remote, api_key)
+    check_cache_owner(settings)
     engine = start_engine(settings)
     log = RequestLog()
     tracked = TrackedEngine(engine, log)
+    limits = limits_from_args(args)
     state = ServeState(
         tracked,
         api_key=api_key,
@@ -677,43 +688,57 @@ def run_serve(settings: Any, args: Any) -> int:
         use_cache=not settings.no_cache,
         max_queue=args.max_queue,
         memory_path=reply_memory_path(settings, engine.model_name),
+        limits=limits,
+        bind_host=args.host,
     )
     app = create_app(state)
     try:
-        server = ServerThread(app, args.host, args.port).start()
+        server = ServerThread(app, args.host, args.port, limits).start()
     except RuntimeError as e:
         engine.close()
         raise CLIError(f"{e} (is the port in use?)") from None
     log.url = f"{server.url}/v1"
+    status = StatusService(engine, settings.cache_dir, "serve").start()
+    shutdown = Shutdown(state, server, engine, bound_s=getattr(args, "shutdown_s", 10.0))
     try:
-        if args.console:
-            _run_console(tracked, log, settings)
-        else:
-            log.subscribe(_print_record)
-            print(
-                f"tierchat serve: {log.url} · model {engine.model_name} · Ctrl-C stops",
-                file=sys.stderr,
-                flush=True,
-            )
-            while server.thread.is_alive():
-                server.thread.join(0.5)
-    except KeyboardInterrupt:
-        print("\ntierchat serve: stopped", file=sys.stderr, flush=True)
-    finally:
+        with shutdown.signals():
+            if args.console:
+                _run_console(tracked, log, settings, shutdown)
+            else:
+                log.subscribe(_print_record)
+                print(
+                    f"tierchat serve: {log.url} · model {engine.model_name} · "
+                    "Ctrl-C or SIGTERM stops",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                watch = SSDWatch(engine)
+                while server.thread.is_alive() and not shutdown.requested.is_set():
+                    server.thread.join(0.5)
+                    watch.check()
+            status.stop()
+            shutdown.run()
+    except BaseException:
+        status.stop()
         server.stop()
         engine.close()
+        raise
     return EXIT_OK
 
 
-def _run_console(engine: TrackedEngine, log: RequestLog, settings: Any) -> None:
+def _run_console(engine: TrackedEngine, log: RequestLog, settings: Any, shutdown: Any) -> None:
+    """The console on the main thread; a signal quits it, then the server stops."""
     try:
-        from tierchat.tui.screens.serve_console import run_console
+        from tierchat.tui.screens.serve_console import ServeConsoleApp
     except ImportError as e:
         raise CLIError(f"the console is not available ({e})") from None
     from .common import open_store
+    from .serve_shutdown import quit_ui_later
 
     store = open_store(settings.db_path)
     try:
-        run_console(engine, store, settings, log)
+        app = ServeConsoleApp(engine, store, settings, log)
+        shutdown.on_request = quit_ui_later(app)
+        app.run()
     finally:
         store.close()
