@@ -63,6 +63,7 @@ from .common import EXIT_OK, EXIT_USAGE, CLIError, start_engine
 
 API_KEY_ENV = "TIERCHAT_API_KEY"
 DISCONNECT_POLL_S = 0.5
+MAX_NEW_RENDERS = 64  # prefix renders per request: prompt building stays linear (issue 22)
 
 
 def is_loopback(host: str) -> bool:
@@ -114,7 +115,7 @@ class ServeState:
         if tokenizer is None:
             raise APIError("no model is loaded", 503, "server_error", code="model_not_loaded")
         if self._builder is None or self._builder.tokenizer is not tokenizer:
-            self._builder = PromptBuilder(tokenizer)
+            self._builder = PromptBuilder(tokenizer, max_renders=MAX_NEW_RENDERS)
         return self._builder
 
     def build_semaphore(self) -> asyncio.Semaphore:
