@@ -225,23 +225,21 @@ def check_prompt(
 
 
 def vocab_size(engine: Any) -> int | None:
-    """The number of valid token ids of the engine's model: the embedding rows
-    (``model.args.vocab_size``) and the tokenizer's size (``len(tokenizer)``, added tokens
-    included), the smaller of those known; None when neither is."""
-    sizes: list[int] = []
+    """The number of valid token ids of the engine's model: its embedding rows
+    (``model.args.vocab_size``; the model may generate any of them, even past the ids its
+    tokenizer names), else the tokenizer's size (``len(tokenizer)``, added tokens
+    included, or its ``vocab_size``); None when none is known."""
     loaded = getattr(engine, "loaded", None)
     args = getattr(getattr(loaded, "model", None), "args", None)
     rows = getattr(args, "vocab_size", None)
     if isinstance(rows, int) and rows > 0:
-        sizes.append(rows)
+        return rows
     tokenizer = getattr(engine, "tokenizer", None)
     try:
-        sizes.append(len(tokenizer))  # type: ignore[arg-type]
+        return len(tokenizer)  # type: ignore[arg-type]
     except TypeError:
         size = getattr(tokenizer, "vocab_size", None)
-        if isinstance(size, int) and size > 0:
-            sizes.append(size)
-    return min(sizes) if sizes else None
+        return size if isinstance(size, int) and size > 0 else None
 
 
 def context_length(engine: Any) -> int | None:

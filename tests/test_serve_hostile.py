@@ -98,8 +98,7 @@ def assert_error(r: httpx.Response, status: int, code: str | None = None, text: 
 
 def test_1_token_ids_outside_the_vocabulary_are_400_before_any_work(served):
     vocab = vocab_size(served.engine)
-    # tiny:llama: 272 embedding rows, 261 ids its tokenizer knows: the smaller bound
-    assert vocab == min(272, len(served.engine.tokenizer))
+    assert vocab == 272  # tiny:llama's embedding rows (its tokenizer names 261 of them)
     before = served.state.log.snapshot().total
     for ids in ([1, 100000], [vocab], [272], [1000], [-1], [1, 2**40]):
         r = served.post("/v1/completions", {"prompt": ids, "max_tokens": 1})
