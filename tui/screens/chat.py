@@ -33,6 +33,7 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Header
 from tierchat.core.api import CACHE_TIERS, CacheStats, Event, Failed, ModelLoaded, ModelLoading
+from tierchat.core.live_status import StatusWriter
 from tierchat.tui.cache_report import alerts, clear_report
 from tierchat.tui.commands import (
     BranchCommands,
@@ -40,7 +41,6 @@ from tierchat.tui.commands import (
     ConversationCommands,
     ModelCommands,
 )
-from tierchat.core.live_status import StatusWriter
 from tierchat.tui.messages import (
     BranchRequested,
     ConversationChosen,
