@@ -515,9 +515,12 @@ def create_app(state: ServeState) -> Starlette:
 
 
 class HostGuard:
-    """ASGI middleware: every HTTP request's ``Host`` and ``Origin`` headers are checked
-    (:func:`~tierchat.core.serve_limits.check_host`, ``check_origin``) before a route
-    runs, so neither a web page nor a DNS-rebound name can drive or read the server."""
+    """ASGI middleware: every HTTP request's ``Origin`` header, and its ``Host`` header
+    when the server asks for no key, are checked (:func:`~tierchat.core.serve_limits.
+    check_origin`, ``check_host``) before a route runs, so neither a web page nor a
+    DNS-rebound name can drive or read the server. A server with a key (any non-loopback
+    bind has one) is reached under whatever name its clients use: a rebound page cannot
+    send the key."""
 
     def __init__(self, app: Any, state: ServeState) -> None:
         self.app = app
@@ -529,7 +532,8 @@ class HostGuard:
             for k, v in scope.get("headers", ()):
                 headers.setdefault(k.decode("latin-1").lower(), v.decode("latin-1"))
             try:
-                check_host(headers.get("host"), self.state.bind_host, self.state.limits)
+                if not self.state.api_key:
+                    check_host(headers.get("host"), self.state.bind_host, self.state.limits)
                 check_origin(headers.get("origin"), self.state.limits)
             except APIError as e:
                 await error_response(e)(scope, receive, send)

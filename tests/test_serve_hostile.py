@@ -471,3 +471,24 @@ def test_10_control_characters_are_escaped_in_the_log(served, capsys):
     assert r.status_code == 200
     assert "\x1b" not in served.state.log.snapshot().records[-1].client
     served.still_normal()
+
+
+def test_1_a_server_with_a_key_answers_under_any_host_name(tmp_path, models_dir):
+    """Remote clients use the machine's name; a rebound page cannot send the key."""
+    s = Served(tmp_path, models_dir)
+    try:
+        s.state.api_key = "k3y"
+        headers = {"Host": "gpu-box.lan:8000", "Authorization": "Bearer k3y"}
+        assert (
+            s.post("/v1/completions", {"prompt": [1], "max_tokens": 1}, headers).status_code == 200
+        )
+        r = s.post("/v1/completions", {"prompt": [1], "max_tokens": 1}, {"Host": "gpu-box.lan"})
+        assert_error(r, 401, "invalid_api_key")
+        r = s.post(
+            "/v1/completions",
+            {"prompt": [1], "max_tokens": 1},
+            {**headers, "Origin": "https://evil.example"},
+        )
+        assert_error(r, 403, "origin_not_allowed")
+    finally:
+        s.close()
