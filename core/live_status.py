@@ -265,10 +265,13 @@ def owner_message(cache_dir: Path) -> str | None:
     if owner is None:
         return None
     live = read_status(cache_dir)
-    process = (live or {}).get("process") or owner.get("command") or "tierchat"
+    if live is not None and live.get("process"):
+        who = f"tierchat {live['process']}"
+    else:
+        who = owner.get("command") or "tierchat"
     pid = owner.get("pid", "?")
     return (
-        f"the cache dir {cache_dir} is in use by tierchat {process} (pid {pid}); one "
+        f"the cache dir {cache_dir} is in use by {who} (pid {pid}); one "
         "process owns a cache dir. `tierchat cache stats` and `tierchat cache clear` talk "
         "to it; stop it first, or use another --cache-dir (or --no-cache)"
     )

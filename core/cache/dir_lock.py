@@ -145,6 +145,9 @@ def dir_owner(cache_dir: Path) -> dict | None:
 
 
 def _command() -> str:
+    """``tierchat <verb>`` for the tierchat entry point, else the program's name."""
     name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    if name not in ("tierchat", "main.py", "__main__.py"):
+        return name
     verb = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else ""
-    return f"{name} {verb}".strip()
+    return f"tierchat {verb}".strip()
