@@ -319,6 +319,8 @@ async def _prepare(state: ServeState, http: Request, endpoint: str):
         context=context_length(state.engine),
         param="messages" if endpoint == "chat" else "prompt",
     )
+    if await http.is_disconnected():  # gone while its prompt was built: queue nothing
+        raise ClientGone
     waiting = state.engine.queue_depth
     if waiting >= state.max_queue:
         raise APIError(
