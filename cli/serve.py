@@ -13,6 +13,13 @@ server-sent events, or not), ``GET /v1/models``, ``GET /health``. Every generati
 ``prefill_tps``, ``generation_tps``. Errors are OpenAI's ``{"error": {...}}`` with its status
 codes. Binding to anything but loopback needs ``--allow-remote`` and an API key
 (``--api-key`` or ``TIERCHAT_API_KEY``), checked as ``Authorization: Bearer <key>``.
+
+Every request is hostile until checked, before any work is queued (issue 22):
+``Host``/``Origin`` (:class:`HostGuard`), the media type, body size, JSON numbers, message
+count, token ids and context (:mod:`tierchat.core.serve_limits`); prompts are built on at
+most ``build_slots`` threads (:func:`off_loop`) and dropped when their client leaves;
+connections are bounded with a header timeout (:func:`guarded_protocol`). SIGTERM and
+SIGINT stop in order (:mod:`tierchat.cli.serve_shutdown`).
 """
 
 from __future__ import annotations
