@@ -386,6 +386,7 @@ def test_7_files_the_server_writes_are_owner_only(served):
             assert (path.stat().st_mode & 0o777) == 0o600, path
         for folder in (memory.parent, served.raw.cache.ssd.dir):
             assert (folder.stat().st_mode & 0o777) == 0o700, folder
+    served.still_normal()
 
 
 def test_7_an_old_world_readable_reply_memory_is_tightened(tmp_path):
