@@ -298,7 +298,7 @@ async def _prepare(state: ServeState, http: Request, endpoint: str):
     raw = await read_body(http, state.limits.max_body_bytes)
     body = parse_body(http.headers.get("content-type"), raw)
     params = sampling(body, state.max_tokens, state.seed)
-    explicit = body.get("max_completion_tokens", body.get("max_tokens")) is not None
+    explicit = any(body.get(k) is not None for k in ("max_tokens", "max_completion_tokens"))
     builder = state.builder()
     if endpoint == "chat":
         messages = body.get("messages")
