@@ -1065,8 +1065,10 @@ class SSDTier:
         file is read whole into a staging array (:func:`read_file`), both CRCs checked,
         its header compared with the index, and its tensors viewed in place
         (:func:`arrays_in`). ``expected`` maps names to ``(shape, dtype)`` with
-        ``-1`` for the token axis (:func:`check_arrays`). Any failure: counted corrupt,
-        logged, removed, None.
+        ``-1`` for the token axis (:func:`check_arrays`). A checksum, format or shape
+        failure: counted corrupt, logged, removed, None. A missing file: forgotten, None.
+        Any other failure (EMFILE, ENOMEM, an MLX error): counted in ``errors``, logged,
+        the file kept for a later load, None.
         """
         with self._lock:
             meta = self._index.get(entry_id)
