@@ -52,6 +52,7 @@ from tierchat.core.serve_limits import (
     check_origin,
     check_prompt,
     context_length,
+    model_vocab,
     parse_body,
     vocab_size,
 )
@@ -322,7 +323,9 @@ async def _prepare(state: ServeState, http: Request, endpoint: str):
         ids,
         params.max_tokens,
         explicit=explicit,
-        vocab=vocab_size(state.engine),
+        # a chat prompt holds ids of the tokenizer and ids the model generated (the reply
+        # memory): only the model's own bound can judge the latter
+        vocab=vocab_size(state.engine) if endpoint != "chat" else model_vocab(state.engine),
         context=context_length(state.engine),
         param="messages" if endpoint == "chat" else "prompt",
     )

@@ -224,15 +224,33 @@ def check_prompt(
     return min(max_tokens, context - n)
 
 
-def vocab_size(engine: Any) -> int | None:
-    """The number of valid token ids of the engine's model: its embedding rows
-    (``model.args.vocab_size``; the model may generate any of them, even past the ids its
-    tokenizer names), else the tokenizer's size (``len(tokenizer)``, added tokens
-    included, or its ``vocab_size``); None when none is known."""
+def _config_int(engine: Any, keys: tuple[str, ...]) -> int | None:
+    """The first positive int among ``keys`` in the loaded model's args, or in its
+    ``text_config`` (multimodal wrappers such as Qwen3.5 keep the text model's there)."""
     loaded = getattr(engine, "loaded", None)
     args = getattr(getattr(loaded, "model", None), "args", None)
-    rows = getattr(args, "vocab_size", None)
-    if isinstance(rows, int) and rows > 0:
+    text = getattr(args, "text_config", None)
+    for source in (args, text):
+        for key in keys:
+            value = source.get(key) if isinstance(source, dict) else getattr(source, key, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def model_vocab(engine: Any) -> int | None:
+    """The model's embedding rows (``vocab_size`` of its args or their ``text_config``),
+    or None when its config does not say. The model may generate any of these ids, even
+    past the ones its tokenizer names."""
+    return _config_int(engine, ("vocab_size",))
+
+
+def vocab_size(engine: Any) -> int | None:
+    """The number of valid token ids of the engine's model: :func:`model_vocab`, else the
+    tokenizer's size (``len(tokenizer)``, added tokens included, or its ``vocab_size``);
+    None when none is known."""
+    rows = model_vocab(engine)
+    if rows is not None:
         return rows
     tokenizer = getattr(engine, "tokenizer", None)
     try:
@@ -243,65 +261,9 @@ def vocab_size(engine: Any) -> int | None:
 
 
 def context_length(engine: Any) -> int | None:
-    """The engine's context length in tokens, or None when unknown."""
+    """The model's context length in tokens: the engine's, else ``max_position_embeddings``
+    of the args' ``text_config``; None when unknown."""
     value = getattr(engine, "context_length", None)
-    return value if isinstance(value, int) and value > 0 else None
-
-
-def add_limit_flags(parser: Any) -> None:
-    """The ``tierchat serve`` flags of :class:`ServeLimits` (and the shutdown bound)."""
-    d = ServeLimits()
-    parser.add_argument(
-        "--allowed-host",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="also accept this Host header (repeatable; loopback names always pass)",
-    )
-    parser.add_argument(
-        "--allowed-origin",
-        action="append",
-        default=[],
-        metavar="ORIGIN",
-        help="let web pages from ORIGIN (scheme://host[:port], or *) call the server",
-    )
-    parser.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=d.max_body_bytes,
-        metavar="N",
-        help=f"refuse larger request bodies with 413 (default {d.max_body_bytes})",
-    )
-    parser.add_argument(
-        "--max-messages",
-        type=int,
-        default=d.max_messages,
-        metavar="N",
-        help=f"refuse chats of more messages (default {d.max_messages})",
-    )
-    parser.add_argument(
-        "--max-connections",
-        type=int,
-        default=d.max_connections,
-        metavar="N",
-        help=f"open connections at most (default {d.max_connections}; past it: closed, 503)",
-    )
-    parser.add_argument(
-        "--shutdown-s",
-        type=float,
-        default=10.0,
-        metavar="S",
-        help="on SIGTERM/SIGINT, wait at most S seconds to write queued SSD entries",
-    )
-
-
-def limits_from_args(args: Any) -> ServeLimits:
-    """:class:`ServeLimits` from the flags of :func:`add_limit_flags`."""
-    d = ServeLimits()
-    return ServeLimits(
-        max_body_bytes=getattr(args, "max_body_bytes", d.max_body_bytes),
-        max_messages=getattr(args, "max_messages", d.max_messages),
-        max_connections=getattr(args, "max_connections", d.max_connections),
-        allowed_hosts=tuple(getattr(args, "allowed_host", ()) or ()),
-        allowed_origins=tuple(getattr(args, "allowed_origin", ()) or ()),
-    )
+    if isinstance(value, int) and value > 0:
+        return value
+    return _config_int(engine, ("max_position_embeddings", "max_seq_len", "n_ctx"))

@@ -21,7 +21,7 @@ from engine_kit import make_engine
 from tierchat.cli.serve import ServerThread, ServeState, _print_record, create_app
 from tierchat.core.live_status import STATUS_FILE, StatusService
 from tierchat.core.prompts import PromptBuilder
-from tierchat.core.serve_limits import ServeLimits, vocab_size
+from tierchat.core.serve_limits import ServeLimits, context_length, vocab_size
 from tierchat.core.serve_log import RequestLog, TrackedEngine
 
 JSON = {"Content-Type": "application/json"}
@@ -107,6 +107,17 @@ def test_1_token_ids_outside_the_vocabulary_are_400_before_any_work(served):
     ok = served.post("/v1/completions", {"prompt": [1, vocab - 1], "max_tokens": 1})
     assert ok.status_code == 200
     served.still_normal()
+
+
+def test_1_the_bound_is_the_models_rows_also_in_a_text_config(tmp_path, models_dir):
+    """tiny:qwen3_5 keeps vocab_size and its context in ``text_config``; its tokenizer
+    names fewer ids than the model generates."""
+    engine = TrackedEngine(make_engine("tiny:qwen3_5", tmp_path, models_dir), RequestLog())
+    try:
+        assert vocab_size(engine) == 272 > len(engine.tokenizer)
+        assert context_length(engine) == 4096
+    finally:
+        engine.close()
 
 
 def test_1_a_web_page_cannot_drive_or_read_a_loopback_server(served):
