@@ -267,3 +267,62 @@ def context_length(engine: Any) -> int | None:
     if isinstance(value, int) and value > 0:
         return value
     return _config_int(engine, ("max_position_embeddings", "max_seq_len", "n_ctx"))
+
+
+def add_limit_flags(parser: Any) -> None:
+    """The ``tierchat serve`` flags of :class:`ServeLimits` (and the shutdown bound)."""
+    d = ServeLimits()
+    parser.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also accept this Host header (repeatable; loopback names always pass)",
+    )
+    parser.add_argument(
+        "--allowed-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let web pages from ORIGIN (scheme://host[:port], or *) call the server",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=d.max_body_bytes,
+        metavar="N",
+        help=f"refuse larger request bodies with 413 (default {d.max_body_bytes})",
+    )
+    parser.add_argument(
+        "--max-messages",
+        type=int,
+        default=d.max_messages,
+        metavar="N",
+        help=f"refuse chats of more messages (default {d.max_messages})",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=d.max_connections,
+        metavar="N",
+        help=f"open connections at most (default {d.max_connections}; past it: closed, 503)",
+    )
+    parser.add_argument(
+        "--shutdown-s",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="on SIGTERM/SIGINT, wait at most S seconds to write queued SSD entries",
+    )
+
+
+def limits_from_args(args: Any) -> ServeLimits:
+    """:class:`ServeLimits` from the flags of :func:`add_limit_flags`."""
+    d = ServeLimits()
+    return ServeLimits(
+        max_body_bytes=getattr(args, "max_body_bytes", d.max_body_bytes),
+        max_messages=getattr(args, "max_messages", d.max_messages),
+        max_connections=getattr(args, "max_connections", d.max_connections),
+        allowed_hosts=tuple(getattr(args, "allowed_host", ()) or ()),
+        allowed_origins=tuple(getattr(args, "allowed_origin", ()) or ()),
+    )
