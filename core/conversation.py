@@ -79,6 +79,21 @@ MIGRATIONS: tuple[str, ...] = (
     """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def _statements(script: str) -> list[str]:
+    """The SQL statements of ``script``, split where ``sqlite3.complete_statement`` says
+    one ends (so a trigger's ``BEGIN ... ; ... END`` body stays whole)."""
+    out, current = [], ""
+    for piece in script.split(";"):
+        current += piece + ";"
+        if sqlite3.complete_statement(current):
+            if current.strip(" \n\t;"):
+                out.append(current)
+            current = ""
+    if current.strip(" \n\t;"):
+        out.append(current)
+    return out
 BUSY_TIMEOUT_S = 10.0  # how long a connection waits for another process's lock
 
 
@@ -303,9 +318,8 @@ class ConversationStore:
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             for step in MIGRATIONS[version:SCHEMA_VERSION]:
                 # statement by statement: executescript would commit the open transaction
-                for sql in step.split(";"):
-                    if sql.strip():
-                        conn.execute(sql)
+                for sql in _statements(step):
+                    conn.execute(sql)
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             conn.execute("COMMIT")
         except BaseException:
