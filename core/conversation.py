@@ -94,6 +94,8 @@ def _statements(script: str) -> list[str]:
     if current.strip(" \n\t;"):
         out.append(current)
     return out
+
+
 BUSY_TIMEOUT_S = 10.0  # how long a connection waits for another process's lock
 
 
