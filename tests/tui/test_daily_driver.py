@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from tierchat.tui.widgets.transcript import Transcript
-from tui_kit import SIZE, chat_screen, send
+from tui_kit import SIZE, chat_screen, send, settle
 
 pytestmark = pytest.mark.anyio
 
@@ -81,3 +81,119 @@ def test_markdown_export_closes_the_fence_of_a_reply_cut_in_a_code_block(store, 
     closed = "a\n~~~\ncode\n~~~~\nafter\n```\n``` not a close\n```"
     assert close_fences(closed) == closed
     assert close_fences("~~~\n```\n") == "~~~\n```\n~~~"
+
+
+async def _start_held_reply(pilot, engine, text: str):
+    """Send ``text`` with decoding held after the first token batch; the screen streams."""
+    from tierchat.tui.widgets.chat_input import ChatInput
+
+    await settle(pilot)
+    engine.gate.clear()
+    screen = chat_screen(pilot.app)
+    screen.query_one(ChatInput).insert(text)
+    await pilot.press("enter")
+    for _ in range(500):
+        await pilot.pause()
+        if screen.streaming and screen.turns.stream_view and screen.turns.stream_view.text:
+            return screen
+    raise AssertionError("the reply did not start")
+
+
+async def test_ctrl_c_stops_a_reply_and_the_app_stays(make_app, engine, store):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await _start_held_reply(pilot, engine, "a long answer please")
+        await pilot.press("ctrl+c")
+        engine.gate.set()
+        await settle(pilot)
+        assert app.is_running and not screen.streaming
+        (reply,) = [n for n in store.active_path(screen.conversation_id) if n.role == "assistant"]
+        assert reply.meta["finish_reason"] == "cancelled"  # stopped, the part kept
+        assert not [n for n in app._notifications if "quit" in n.message.lower()]
+        # idle, Ctrl+C is Textual's quit hint as before (and the app still runs)
+        await pilot.press("ctrl+c")
+        await pilot.pause()
+        assert [n for n in app._notifications if "quit" in n.message.lower()]
+        assert app.is_running
+
+
+async def test_alt_enter_and_ctrl_j_insert_newlines_and_the_keys_are_named(make_app, store):
+    from tierchat.tui.widgets.chat_input import ChatInput
+
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        box = chat_screen(app).query_one(ChatInput)
+        await pilot.press("a", "alt+enter", "b", "ctrl+j", "c", "enter")
+        await settle(pilot)
+        assert [n.content for n in store.active_path(chat_screen(app).conversation_id)][0] == (
+            "a\nb\nc"
+        )
+        assert "Alt+Enter" in str(box.placeholder) and "Ctrl+J" in str(box.placeholder)
+        rows = {row[3]: row[1] for row in app.binding_rows()}
+        assert rows["newline"].split(" / ")[:2] == ["^j", "alt+⏎"]
+
+
+async def test_the_edit_dialog_opens_with_the_cursor_at_the_end(make_app):
+    from textual.widgets import TextArea
+
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "first line\nsecond line")
+        await pilot.press("escape", "up", "e")
+        await pilot.pause()
+        area = app.screen.query_one("#edit-area", TextArea)
+        assert area.cursor_location == (1, len("second line"))
+
+
+@pytest.mark.parametrize(
+    ("data", "keys"),
+    [
+        ("\x1b\x1b[C", ["alt+right"]),  # ESC prefix before an arrow (macOS Terminal, iTerm2)
+        ("\x1b\x1b[D\x1b\x1b[A\x1b\x1b[B", ["alt+left", "alt+up", "alt+down"]),
+        ("\x1b\x1bOC", ["alt+right"]),  # the arrow in application cursor mode
+        ("\x1b[1;3C", ["alt+right"]),  # xterm's modifier form, as before
+        ("\x1b\r", ["alt+enter"]),
+        ("\x1bx", ["alt+x"]),
+        ("a\x1b\x1b[Cb", ["a", "alt+right", "b"]),
+        ("\x1b\x1b\x1b[C", ["escape", "alt+right"]),
+    ],
+)
+def test_esc_prefixed_keys_are_read_as_alt_keys(data, keys):
+    from tierchat.tui.terminal import AltPrefixParser
+
+    parser = AltPrefixParser()
+    tokens = list(parser.feed(data)) + list(parser.feed(""))  # end of input: no delay
+    assert [t.key for t in tokens] == keys
+
+
+def test_an_escape_alone_stays_escape_and_is_never_joined_to_a_later_key():
+    import time
+
+    from textual import constants
+    from tierchat.tui.terminal import AltPrefixParser
+
+    parser = AltPrefixParser()
+    out = list(parser.feed("\x1b"))
+    time.sleep(constants.ESCAPE_DELAY * 2)
+    out += list(parser.tick())  # the delay ran out: the Esc key
+    out += list(parser.feed("\x1b[C"))
+    time.sleep(constants.ESCAPE_DELAY * 2)
+    out += list(parser.tick())
+    assert [t.key for t in out] == ["escape", "right"]
+    # two Esc presses within the delay stay two Escapes
+    parser = AltPrefixParser()
+    out = list(parser.feed("\x1b\x1b"))
+    time.sleep(constants.ESCAPE_DELAY * 2)
+    out += list(parser.tick())
+    assert [t.key for t in out] == ["escape", "escape"]
+
+
+def test_the_app_reads_keys_with_the_alt_prefix_parser():
+    from textual.driver import Driver
+    from textual.drivers.linux_driver import LinuxDriver
+    from tierchat.tui.terminal import TierchatDriver, driver_class
+
+    # Textual's LinuxDriver still builds its parser by name, so ours takes its place
+    assert driver_class(LinuxDriver) is TierchatDriver
+    assert driver_class(Driver) is Driver  # any other driver is left as it is
