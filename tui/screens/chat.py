@@ -218,6 +218,11 @@ class ChatScreen(ChatTools):
         if not self.tierchat.engine.model_name:
             self.load_model(self.tierchat.settings.model)
 
+    def watch_loading_model(self, spec: str) -> None:
+        # the engine has no cache while it loads: the panels say "loading", not "off"
+        self.query_one(CachePanels).loading = spec
+        self.query_one(CacheSummary).loading = spec
+
     def on_resize(self) -> None:
         narrow = self.size.width < WIDE_COLUMNS
         if narrow != self._narrow:
