@@ -197,3 +197,54 @@ def test_the_app_reads_keys_with_the_alt_prefix_parser():
     # Textual's LinuxDriver still builds its parser by name, so ours takes its place
     assert driver_class(LinuxDriver) is TierchatDriver
     assert driver_class(Driver) is Driver  # any other driver is left as it is
+
+
+async def test_panels_say_loading_while_a_model_loads_not_caching_off(make_app, engine):
+    from dataclasses import replace
+
+    from tierchat.core.api import CacheStats
+    from tierchat.tui.widgets.cache_panels import CachePanels, CacheSummary
+
+    app = make_app()
+    async with app.run_test(size=(150, 40)) as pilot:
+        await settle(pilot)
+        screen = chat_screen(app)
+        # what the engine reports while it loads: no cache, no model yet
+        loading_stats = CacheStats(model="", enabled=False, supported=None)
+        engine.stats = lambda: replace(loading_stats, memory=CacheStats().memory)
+        screen.loading_model = "demo-gemma"
+        screen.poll_stats()
+        await pilot.pause()
+        panels = screen.query_one(CachePanels)
+        header = str(panels.query_one("#cache-model").render())
+        hot_na = str(panels.query_one("#hot-panel .na").render())
+        assert header.startswith("loading demo-gemma…") and "disabled" not in header
+        assert hot_na == "N/A — loading demo-gemma…"
+        screen.panels_visible = False
+        screen.poll_stats()
+        await pilot.pause()
+        assert str(screen.query_one(CacheSummary).render()) == "cache (F2): loading demo-gemma…"
+        # loaded: the readings come back
+        screen.loading_model = ""
+        screen.panels_visible = True
+        del engine.stats
+        screen.poll_stats()
+        await pilot.pause()
+        assert str(panels.query_one("#cache-model").render()).startswith("demo · cache on")
+        assert not panels.query_one("#hot-panel").has_class("-off")
+
+
+def test_the_memory_ceiling_says_what_bounds_it():
+    from tierchat.core.api import MemoryStats
+    from tierchat.tui.widgets.cache_panels import ceiling_source
+
+    gib = 1 << 30
+    # min(limit 20 GiB, in use 2 + free 17 = 19 GiB): free RAM bounds it, and moves with it
+    by_ram = MemoryStats(active=gib, cache=gib, limit=19 * gib, system_total=32 * gib,
+                         system_available=17 * gib)  # fmt: skip
+    assert ceiling_source(by_ram) == "free RAM"
+    by_limit = MemoryStats(active=gib, cache=gib, limit=8 * gib, system_total=32 * gib,
+                           system_available=17 * gib)  # fmt: skip
+    assert ceiling_source(by_limit) == "limit"
+    unknown_system = MemoryStats(active=gib, limit=8 * gib)  # no /proc/meminfo: the limit
+    assert ceiling_source(unknown_system) == "limit"
