@@ -131,3 +131,41 @@ async def test_panels_agree_with_counters_and_events_through_turns_and_clears(tm
     finally:
         engine.close()
         store.close()
+
+
+def test_the_last_turn_record_is_the_running_turn_from_its_first_token(tmp_path: Path):
+    """The Last-turn panel showed the previous turn until a reply had finished decoding."""
+    from tierchat.core.api import Finished, GenerateRequest, TokenBatch
+
+    settings = Settings(
+        model="tiny:llama",
+        cache_dir=tmp_path / "kv",
+        models_dir=tmp_path / "models",
+        block_size=16,
+    )
+    engine = engine_module.Engine(settings)
+    try:
+        engine.load_model("tiny:llama").wait(TIMEOUT_S)
+        prompt = engine.tokenizer.encode("The running turn is what the panel shows.")
+        seen = []
+
+        def on_event(event) -> None:
+            if isinstance(event, TokenBatch) and not seen:
+                seen.append(engine.stats().last_turn)  # while the reply decodes
+
+        for ids in (prompt[:20], prompt):  # the second turn reuses the first one's blocks
+            seen.clear()
+            request = GenerateRequest(prompt_ids=ids, max_tokens=6)
+            done = engine.submit(request, on_event).wait(TIMEOUT_S)
+            assert isinstance(done, Finished)
+            (during,) = seen
+            m = done.metrics
+            assert (during.prompt_tokens, during.cached_tokens, during.prefill_tokens) == (
+                m.prompt_tokens,
+                m.cached_tokens,
+                m.prefill_tokens,
+            )
+            assert during.ttft_s == m.ttft_s and during.cached_by == m.cached_by
+        assert m.cached_tokens > 0
+    finally:
+        engine.close()

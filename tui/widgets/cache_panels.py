@@ -275,7 +275,8 @@ class LastTurnPanel(Panel):
             "prefilled": fmt_count(lt.prefill_tokens),
             "ttft": fmt_seconds(lt.ttft_s),
             "prefill_tps": fmt_rate(lt.prefill_tps, lt.prefill_tokens),
-            "decode_tps": f"{lt.generation_tps:.1f} tok/s",
+            # 0 while the turn still decodes (the rate comes when it ends)
+            "decode_tps": f"{lt.generation_tps:.1f} tok/s" if lt.generation_tps else "—",
         }
         if not lt.prompt_tokens:
             values = dict.fromkeys(values, "—")
