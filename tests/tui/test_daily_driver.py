@@ -130,8 +130,9 @@ async def test_alt_enter_and_ctrl_j_insert_newlines_and_the_keys_are_named(make_
             "a\nb\nc"
         )
         assert "Alt+Enter" in str(box.placeholder) and "Ctrl+J" in str(box.placeholder)
-        rows = {row[3]: row[1] for row in app.binding_rows()}
-        assert rows["newline"].split(" / ")[:2] == ["^j", "alt+⏎"]
+        rows = {row[3]: row for row in app.binding_rows()}
+        assert rows["newline"][1].split(" / ") == ["^j", "alt+⏎", "shift+⏎"]
+        assert "Shift+Enter: only terminals with the kitty" in rows["newline"][2]
 
 
 async def test_the_edit_dialog_opens_with_the_cursor_at_the_end(make_app):

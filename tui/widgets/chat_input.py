@@ -49,7 +49,7 @@ class ChatInput(TextArea):
         Binding(
             "ctrl+j,alt+enter,shift+enter",
             "newline",
-            "Newline",
+            "Newline (Shift+Enter: only terminals with the kitty keyboard protocol)",
             id="newline",
             priority=True,
             show=False,  # the placeholder names the keys; the footer keeps its room
