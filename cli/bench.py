@@ -50,6 +50,7 @@ that state's bytes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -307,7 +308,9 @@ def bench_engine(
             log(f"disk: sequential read of the {len(files)} SSD files written")
             disk = measure_read_bandwidth(files)
         note = drop_page_cache(Path(ssd_dir))[1]  # again: the measurement read them in
-    engine = start_engine(settings, quiet=True)
+    # these rows measure the disk path: always read the SSD tier (a fast GPU may otherwise
+    # choose to compute the tokens again, docs/DESIGN.md §8.4)
+    engine = start_engine(dataclasses.replace(settings, choose_recompute=False), quiet=True)
     try:
         run(engine, make_prompt(engine.tokenizer, 64, salt=WARMUP_SALT), use_cache=False)
         if engine.cache is not None and engine.cache.ssd is not None:

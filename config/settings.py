@@ -75,6 +75,9 @@ class Settings:
     # into the last chunk (one forward fewer a turn) and restore the exact common prefix;
     # outputs equal a cold run's within float rounding (docs/DESIGN.md §7)
     bitwise: bool = False
+    # per request, read the SSD tier or compute its tokens again, whichever the measured
+    # disk and prefill rates say is faster (core/cache/rates.py); off: always read it
+    choose_recompute: bool = True
     hot_bytes: int = field(default_factory=default_hot_bytes)
     ssd_bytes: int = 16 * GiB
     tail_entries: int = 8
@@ -310,6 +313,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "prefill_chunk": _positive_int,
     "chunk_attention": _chunk_attention,
     "bitwise": _to_bool,
+    "choose_recompute": _to_bool,
     "hot_bytes": _size,
     "ssd_bytes": _size,
     "tail_entries": _nonneg_int,

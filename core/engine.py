@@ -22,6 +22,7 @@ so its TTFT has no forward at all (:meth:`~.cache.prefix.PrefixCache.restore_rep
 from __future__ import annotations
 
 import atexit
+import gc
 import hashlib
 import queue
 import threading
@@ -226,6 +227,12 @@ class Engine:
             if job is _STOP:
                 if self.cache is not None:
                     self.cache.close()
+                # free the weights and the resident cache now, and MLX's buffer cache with
+                # them, so a restart in the same process (replay, the bench) never holds
+                # two models' memory at once
+                self.cache, self.loaded = None, None
+                gc.collect()
+                mx.clear_cache()
                 # MLX wants each thread to destroy its own streams before it ends, or the
                 # process may abort at exit (mlx >= 0.32: mx.clear_streams)
                 mx.synchronize(generation_stream)
@@ -332,13 +339,16 @@ class Engine:
                 writer_queue=s.writer_queue,
                 pin_system=s.pin_system,
                 exact_prefix=self._last_logits is not None,
-                rates=Rates(Path(s.cache_dir) / f"rates-{fingerprint[:16]}.json"),
+                rates=Rates(Path(s.cache_dir) / f"rates-{fingerprint[:16]}.json")
+                if s.choose_recompute
+                else None,
             )
             if self.cache.ssd is not None and not self.cache.ssd.enabled:
                 warning = self.cache.ssd.reason
             if self.cache.ssd is not None:
                 self.cache.ssd.on_idle = self.release_host_buffers
-                if self.cache.rates.prefill_tps <= 0 and device_info().backend == "cuda":
+                rates = self.cache.rates
+                if rates is not None and rates.prefill_tps <= 0 and device_info().backend == "cuda":
                     self._calibrate_prefill()
         handle.emit(ModelLoaded(spec, warning=warning))
 

@@ -212,7 +212,10 @@ class MemoryReader:
                 self._device = (0, 0)
         now = self._clock()
         if self._sys is None or now - self._sys[0] >= self._ttl:
-            self._sys = (now, self._system())
+            got = self._system()
+            if got[0] <= 0 and self._sys is not None:  # unreadable now (EMFILE...): keep
+                got = self._sys[1]  # the last good reading rather than "nothing known"
+            self._sys = (now, got)
         total, available = self._sys[1]
         return MemoryReading(active, peak, cache, *self._device, total, available)
 

@@ -360,3 +360,20 @@ def test_estimate_bounds_measured_peak_demo(models_dir):
         )
         assert peak <= est <= 3 * peak
         assert peak - active <= est - active <= 2 * (peak - active)
+
+
+def test_an_unreadable_system_reading_keeps_the_last_good_one():
+    """Out of file descriptors, /proc/meminfo cannot be opened: the monitor keeps the last
+    reading it had instead of judging against "no memory at all"."""
+    readings = [(16 * GB, 8 * GB), (0, 0)]
+    now = [0.0]
+    rd = M.MemoryReader(
+        mlx=lambda: (GB, GB, 0),
+        device_info=lambda: {"device_name": "cpu", "architecture": "x86_64"},
+        system=lambda: readings.pop(0) if len(readings) > 1 else readings[0],
+        clock=lambda: now[0],
+    )
+    assert rd.read().system_total == 16 * GB
+    now[0] += 3600  # past the reading's time to live: the system is read again, and fails
+    again = rd.read()
+    assert (again.system_total, again.system_available) == (16 * GB, 8 * GB)
