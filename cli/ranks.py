@@ -1,0 +1,141 @@
+"""One model across several ranks (issue 20): ``--hostfile`` and the workers.
+
+``tierchat --hostfile hosts.json COMMAND ...`` runs ``mlx.launch --hostfile hosts.json --
+python -m tierchat.cli.main COMMAND ...`` (the hostfile format ``mlx.distributed_config``
+writes; the backend is the hostfile's, else ``--backend``, else mlx.launch's default:
+NCCL with CUDA, ring otherwise). The same works by hand: ``mlx.launch ... -- tierchat
+serve ...``. In a launched process rank 0 runs the command and every other rank runs
+:func:`run_worker`, whatever the command line says: it loads what rank 0 loads and runs
+what rank 0 runs, on its own shard, until rank 0 ends.
+
+Rank 0's output is the command's; mlx.launch forwards stdin to every rank (rank 0 reads
+it) and prints each rank's output. The TUI needs a terminal, which mlx.launch does not
+give rank 0: under several ranks use ``chat``, ``serve`` or ``replay``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CLIError
+
+RANK_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")  # core/distributed.py reads them
+
+
+def launched() -> bool:
+    """True in a process that ``mlx.launch`` (or ``mpirun``) started as one of its ranks."""
+    return any(os.environ.get(v) for v in RANK_VARS)
+
+
+def launch_argv(
+    argv: Sequence[str],
+    hostfile: str,
+    backend: str | None = None,
+    starting_port: int | None = None,
+) -> list[str]:
+    """The ``mlx.launch`` command line that runs ``tierchat ARGV`` on every host of
+    ``hostfile`` (with this Python: every host needs tierchat at the same path).
+
+    Raises:
+        CLIError: mlx.launch is not installed, or the hostfile does not exist.
+    """
+    if not Path(hostfile).is_file():
+        raise CLIError(f"{hostfile}: no such hostfile", EXIT_USAGE)
+    here = Path(sys.executable).parent / "mlx.launch"
+    launcher = str(here) if here.exists() else shutil.which("mlx.launch")
+    if launcher is None:
+        raise CLIError("mlx.launch is not installed (it comes with mlx)")
+    cmd = [launcher, "--hostfile", str(hostfile)]
+    if backend:
+        cmd += ["--backend", backend]
+    if starting_port:
+        cmd += ["--starting-port", str(starting_port)]
+    return [*cmd, "--", sys.executable, "-m", "tierchat.cli.main", *argv]
+
+
+def relaunch(
+    argv: Sequence[str],
+    hostfile: str,
+    backend: str | None = None,
+    starting_port: int | None = None,
+) -> int:
+    """Replace this process with ``mlx.launch`` running ``tierchat ARGV`` on every rank
+    (:func:`launch_argv`).
+
+    Raises:
+        CLIError: mlx.launch is missing or cannot be started, or no such hostfile.
+    """
+    cmd = launch_argv(argv, hostfile, backend, starting_port)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execv(cmd[0], cmd)
+    except OSError as e:
+        raise CLIError(f"cannot start {cmd[0]}: {e.strerror or e}") from None
+    return EXIT_FAILED  # pragma: no cover - execv does not return
+
+
+def run_rank(
+    args: Any, settings: Any, dispatch: Callable[[Any, Any], int], timeout_s: float | None
+) -> int:
+    """A launched process: join the ranks; rank 0 runs ``dispatch(args, settings)``,
+    the others :func:`run_worker`. When the ranks failed (a rank lost or silent past the
+    timeout), rank 0 exits at once with code 1 after its error line: its engine thread
+    may still be blocked in a collective."""
+    from tierchat.core import distributed as dist
+
+    try:
+        ranks = dist.current(timeout_s)
+    except dist.RankError as e:
+        raise CLIError(str(e)) from None
+    if ranks is None:  # a group of one: nothing to share
+        return dispatch(args, settings)
+    if not ranks.is_main:
+        return run_worker(settings)
+    if args.command is None or getattr(args, "console", False):
+        raise CLIError(
+            "the TUI needs a terminal, which mlx.launch does not give rank 0: "
+            "use `tierchat chat`, `serve` or `replay` across several ranks",
+            EXIT_USAGE,
+        )
+    try:
+        code = dispatch(args, settings)
+    finally:
+        if not ranks.failed:
+            # every engine is closed: the workers end cleanly, not on a broken socket
+            try:
+                ranks.broadcast({"op": "exit"})
+            except dist.RankError:
+                pass
+    if ranks.failed:
+        print(f"error: {ranks.failed}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(code or EXIT_FAILED)
+    return code
+
+
+def run_worker(settings: Any) -> int:
+    """A rank > 0: an engine with no UI, running rank 0's messages until rank 0 ends.
+    Exit code 0 when rank 0 ended cleanly, 1 when it was lost or this rank failed."""
+    from tierchat.core.distributed import serve_worker
+    from tierchat.core.engine import Engine
+
+    def log(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    engine = Engine(settings, on_log=log)
+    clean = False
+    try:
+        clean = engine.call(lambda: serve_worker(engine, log))
+    finally:
+        engine.close()
+        # skip the interpreter's teardown: the group's sockets may be broken (rank 0
+        # lost), and MLX's ring threads abort when torn down then
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_OK if clean else EXIT_FAILED)

@@ -1,0 +1,277 @@
+"""One model across 2 ranks (issue 20): MLX's ring backend on this machine.
+
+Each rank is a real process (``tests/rank_kit.py``), tierchat's own entry point, a tiny
+model sharded over both ranks, and a prefix cache per rank. What must hold:
+
+- a replay's tokens with the cache equal the same 2-rank replay with ``--no-cache``;
+- a restart restores from the SSD tier on both ranks;
+- a file lost on one rank only: the request falls back and still equals the cold run;
+- a rank killed or stopped mid-request: rank 0 errors out within the timeout;
+- ``cache clear`` clears every rank; ``--hostfile`` goes through ``mlx.launch``.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from rank_kit import (
+    TIMEOUT_S,
+    base_env,
+    free_base_port,
+    localhost_hostfile,
+    results,
+    start_ranks,
+)
+
+ARCHS = ("llama", "qwen2", "qwen3_5")
+
+SCRIPT = [
+    {"op": "new", "system": "You are terse."},
+    {
+        "op": "user",
+        "text": "Hello there, how are you doing today? Tell me of caches.",
+        "max_tokens": 6,
+    },
+    {"op": "user", "text": "A second question, about prefix reuse across turns.", "max_tokens": 6},
+    {"op": "regenerate", "max_tokens": 6},
+    {"op": "edit", "turn": 0, "text": "Hello there, something else entirely.", "max_tokens": 6},
+    {"op": "restart"},
+    {"op": "user", "text": "After the restart, go on please.", "max_tokens": 6},
+]
+ONE_TURN = [
+    {"op": "new", "system": "You are terse."},
+    {
+        "op": "user",
+        "text": "Hello there, how are you doing today? Tell me of caches.",
+        "max_tokens": 6,
+    },
+]
+
+
+def write(path: Path, ops: list[dict]) -> str:
+    path.write_text("".join(json.dumps(op) + "\n" for op in ops))
+    return str(path)
+
+
+def flags(arch: str, cache_dir: Path, models_dir: Path) -> list[str]:
+    return [
+        "--model",
+        f"tiny:{arch}",
+        "--block-size",
+        "16",
+        "--cache-dir",
+        str(cache_dir),
+        "--models-dir",
+        str(models_dir),
+        "--rank-timeout",
+        "60",
+    ]
+
+
+def replay(tmp_path: Path, ops: list[dict], argv: list[str]) -> tuple[list[dict], dict]:
+    """Run a replay as 2 ranks; both exit 0, rank 0 prints no error."""
+    script = write(tmp_path / f"s{len(list(tmp_path.glob('s*.jsonl')))}.jsonl", ops)
+    ranks = start_ranks(["replay", script, *argv], tmp_path)
+    try:
+        (code0, out0, err0), (code1, out1, err1) = ranks.wait()
+    finally:
+        ranks.kill()
+    assert (code0, code1) == (0, 0), (err0, err1)
+    assert "Traceback" not in err0 + err1 and out1 == ""
+    return results(out0)
+
+
+def shas(ops: list[dict]) -> list[tuple[int, str]]:
+    return [(x["op_index"], x["token_ids_sha256"]) for x in ops]
+
+
+def rank_dirs(cache_dir: Path) -> list[Path]:
+    return sorted(p for p in cache_dir.iterdir() if p.is_dir())
+
+
+def header(path: Path) -> dict:
+    """The ``__metadata__`` of one SSD entry file (safetensors: u64 length, JSON)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(n))["__metadata__"]
+
+
+# ------------------------------------------------------------------ exactness
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cached_replay_equals_no_cache_on_two_ranks(tmp_path, models_dir, arch):
+    argv = flags(arch, tmp_path / "kv", models_dir)
+    cached, summary = replay(tmp_path, SCRIPT, argv)
+    cold, _ = replay(tmp_path, SCRIPT, [*argv, "--no-cache"])
+    assert shas(cached) == shas(cold)
+    assert len(cached) == 5
+    by_op = {x["op_index"]: x for x in cached}
+    assert by_op[2]["cached_tokens"] > 0 and by_op[3]["cached_tokens"] > 0
+    assert all(x["cached_tokens"] == 0 for x in cold)
+    # the op after the restart: from the SSD tier, on both ranks alike
+    assert by_op[6]["cached_by"]["ssd"] > 0
+    ranks = summary["cache"]["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert ranks[0]["cached_ssd"] == ranks[1]["cached_ssd"] == by_op[6]["cached_by"]["ssd"]
+    assert all(r["ssd_entries"] > 0 and r["hot_entries"] > 0 for r in ranks)
+    # one SSD directory per rank: the layout is part of the key
+    assert len(rank_dirs(tmp_path / "kv")) == 2
+
+
+# ------------------------------------------------------------------ SSD tier, lost files
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_restart_restores_from_ssd_and_a_lost_file_falls_back(tmp_path, models_dir, arch):
+    kv = tmp_path / "kv"
+    argv = flags(arch, kv, models_dir)
+    (first,), _ = replay(tmp_path, ONE_TURN, argv)
+    assert first["cached_tokens"] == 0
+    # a new process on the same cache: the same prompt again comes from SSD on both ranks
+    (again,), summary = replay(tmp_path, ONE_TURN, argv)
+    n = again["prompt_tokens"]
+    assert again["cached_tokens"] == again["cached_by"]["ssd"] == n - 1
+    assert [r["cached_ssd"] for r in summary["cache"]["ranks"]] == [n - 1, n - 1]
+    assert again["token_ids_sha256"] == first["token_ids_sha256"]
+    # one rank loses every file after the prompt's last full block (its tail, and the
+    # block of prompt + reply that also starts with those tokens): the ranks fall back
+    # together
+    last_block = (n - 1) // 16 * 16
+    lost = [
+        f for f in rank_dirs(kv)[1].rglob("*.safetensors") if int(header(f)["start"]) == last_block
+    ]
+    assert {header(f)["kind"] for f in lost} >= {"tail", "block"}
+    for f in lost:
+        f.unlink()
+    (after,), summary = replay(tmp_path, ONE_TURN, argv)
+    assert 0 < after["cached_tokens"] < n - 1  # the longest prefix both ranks still hold
+    assert after["token_ids_sha256"] == first["token_ids_sha256"]
+    cached = [(r["cached_hot"], r["cached_ssd"]) for r in summary["cache"]["ranks"]]
+    assert cached[0] == cached[1]
+
+
+def test_cache_clear_clears_every_rank(tmp_path, models_dir):
+    kv = tmp_path / "kv"
+    argv = flags("llama", kv, models_dir)
+    replay(tmp_path, ONE_TURN, argv)
+    assert all(any(d.rglob("*.safetensors")) for d in rank_dirs(kv))
+    ranks = start_ranks(["cache", "clear", "ssd", *argv], tmp_path)
+    try:
+        (code0, out0, err0), (code1, out1, err1) = ranks.wait()
+    finally:
+        ranks.kill()
+    assert (code0, code1) == (0, 0), (err0, err1)
+    assert "cleared ssd" in out0
+    assert [list(d.rglob("*.safetensors")) for d in rank_dirs(kv)] == [[], []]
+
+
+# ------------------------------------------------------------------ faults
+
+
+def _first_result_then(tmp_path, models_dir, signals: list[signal.Signals], timeout_s: float):
+    """Start a long replay; when its first reply is out, send ``signals`` to rank 1 (0.5 s
+    apart); return rank 0's exit code, stderr and the seconds it took to end after."""
+    ops = [*ONE_TURN] + [
+        {"op": "user", "text": f"Turn {i}, go on.", "max_tokens": 6} for i in range(30)
+    ]
+    script = write(tmp_path / "long.jsonl", ops)
+    argv = flags("llama", tmp_path / "kv", models_dir)
+    argv[argv.index("--rank-timeout") + 1] = str(timeout_s)
+    ranks = start_ranks(["replay", script, *argv], tmp_path)
+    rank0, rank1 = ranks.procs
+    try:
+        line = rank0.stdout.readline()
+        assert '"op_index": 1' in line, rank0.stderr.read() if not line else line
+        for i, sig in enumerate(signals):
+            if i:
+                time.sleep(0.5)
+            rank1.send_signal(sig)
+        t0 = time.monotonic()
+        out, err = rank0.communicate(timeout=timeout_s + 60)
+        return rank0.returncode, out, err, time.monotonic() - t0
+    finally:
+        ranks.kill()
+
+
+def test_worker_killed_mid_request_fails_rank_0(tmp_path, models_dir):
+    """Rank 1 stopped (rank 0 now waits for it inside the next request), then killed:
+    rank 0 reports the lost rank, long before its timeout, and exits 1."""
+    code, out, err, took = _first_result_then(
+        tmp_path, models_dir, [signal.SIGSTOP, signal.SIGKILL], timeout_s=60
+    )
+    assert code == 1
+    assert "a rank was lost" in err
+    assert took < 30
+    assert "Traceback" not in err
+
+
+def test_worker_that_stops_answering_fails_rank_0_within_the_timeout(tmp_path, models_dir):
+    code, out, err, took = _first_result_then(tmp_path, models_dir, [signal.SIGSTOP], 5)
+    assert code == 1
+    assert "a rank stopped answering" in err and "timeout 5 s" in err
+    assert took < 5 + 20
+    ops, _ = results(out)
+    assert ops and all("stopped answering" in x["error"] for x in ops)  # no reply after
+
+
+# ------------------------------------------------------------------ launch
+
+
+def test_hostfile_runs_through_mlx_launch(tmp_path, models_dir):
+    """``tierchat --hostfile`` re-executes itself through mlx.launch: 2 ranks, rank 0's
+    output; the same tokens as the 2-rank run started by hand."""
+    hostfile = localhost_hostfile(tmp_path)
+    argv = flags("qwen2", tmp_path / "kv", models_dir)
+    script = write(tmp_path / "one.jsonl", ONE_TURN)
+    port = free_base_port(2)
+    cmd = [sys.executable, "-m", "tierchat.cli.main", "--hostfile", str(hostfile)]
+    cmd += ["--starting-port", str(port), "replay", script, *argv]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env=base_env(tmp_path), timeout=TIMEOUT_S
+    )
+    (launched,), summary = results(proc.stdout)
+    assert len(summary["cache"]["ranks"]) == 2, proc.stderr
+    (by_hand,), _ = replay(tmp_path, ONE_TURN, [*argv, "--no-cache"])
+    assert launched["token_ids_sha256"] == by_hand["token_ids_sha256"]
+
+
+def test_launch_argv(tmp_path):
+    from tierchat.cli.ranks import launch_argv
+
+    hostfile = localhost_hostfile(tmp_path)
+    cmd = launch_argv(["serve", "--model", "tiny:llama"], str(hostfile), "ring", 40000)
+    assert Path(cmd[0]).name == "mlx.launch"
+    sep = cmd.index("--")
+    assert cmd[1:sep] == [
+        "--hostfile",
+        str(hostfile),
+        "--backend",
+        "ring",
+        "--starting-port",
+        "40000",
+    ]
+    assert cmd[sep + 1 :] == [
+        sys.executable,
+        "-m",
+        "tierchat.cli.main",
+        "serve",
+        "--model",
+        "tiny:llama",
+    ]
+
+
+def test_tui_is_refused_across_ranks(tmp_path, models_dir):
+    ranks = start_ranks(flags("llama", tmp_path / "kv", models_dir), tmp_path)
+    try:
+        (code0, _, err0), (code1, _, _) = ranks.wait()
+    finally:
+        ranks.kill()
+    assert code0 == 2 and "the TUI needs a terminal" in err0
+    assert code1 == 0  # the worker ends with rank 0
