@@ -381,6 +381,7 @@ class Engine:
 
     # ------------------------------------------------------------------ generate
     def _generate(self, req: GenerateRequest, handle: RequestHandle) -> None:
+        self._handle = handle  # the rank watchdog fails it if a rank stops answering
         if self.loaded is None:
             handle.emit(Failed("no model loaded", kind="error"))
             return
