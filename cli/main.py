@@ -211,12 +211,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if getattr(args, "hostfile", None) and not ranks.launched():
             argv = list(sys.argv[1:] if argv is None else argv)
-            return ranks.relaunch(
-                argv,
-                args.hostfile,
-                getattr(args, "backend", None),
-                getattr(args, "starting_port", None),
-            )
+            how = (args.hostfile, getattr(args, "backend", None))
+            how += (getattr(args, "starting_port", None),)
+            if args.command is None or getattr(args, "console", False):
+                ranks.start_workers(argv, *how)  # the TUI: this process is rank 0
+            else:
+                return ranks.relaunch(argv, *how)
         try:
             settings = load_settings(overrides(args), config_path=getattr(args, "config", None))
         except SettingsError as e:

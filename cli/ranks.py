@@ -97,10 +97,12 @@ def run_rank(
         return dispatch(args, settings)
     if not ranks.is_main:
         return run_worker(settings)
-    if args.command is None or getattr(args, "console", False):
+    tui = args.command is None or getattr(args, "console", False)
+    if tui and not sys.stdout.isatty():
         raise CLIError(
-            "the TUI needs a terminal, which mlx.launch does not give rank 0: "
-            "use `tierchat chat`, `serve` or `replay` across several ranks",
+            "the TUI needs a terminal, which mlx.launch does not give rank 0: run "
+            "`tierchat --hostfile HOSTS` in a terminal (ring backend), or use `chat`, "
+            "`serve` or `replay` under mlx.launch",
             EXIT_USAGE,
         )
     try:
@@ -139,3 +141,89 @@ def run_worker(settings: Any) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT_OK if clean else EXIT_FAILED)
+
+
+def start_workers(
+    argv: Sequence[str],
+    hostfile: str,
+    backend: str | None = None,
+    starting_port: int | None = None,
+) -> list[Any]:
+    """Make this process rank 0 of a ring and start ranks 1.. on the other hosts of
+    ``hostfile``, as ``mlx.launch --backend ring`` does (its ``RemoteProcess``: ssh, or a
+    local shell for 127.0.0.1), so that rank 0 keeps this terminal (the TUI needs one).
+    The first host must be this machine. The workers' output goes to a log file named on
+    stderr. Returns the processes; :func:`stop_workers` ends them.
+
+    Raises:
+        CLIError: not the ring backend, a host without IPs, or a bad hostfile.
+    """
+    import atexit
+    import json
+    import tempfile
+    import threading
+
+    from mlx._distributed_utils.common import Hostfile
+    from mlx._distributed_utils.launch import RemoteProcess
+
+    try:
+        hosts = Hostfile.from_file(hostfile)
+    except ValueError as e:
+        raise CLIError(f"{hostfile}: {e}", EXIT_USAGE) from None
+    if (backend or hosts.backend or "ring") != "ring":
+        raise CLIError(
+            "the TUI across ranks runs on the ring backend only (rank 0 keeps the "
+            "terminal); use `chat`, `serve` or `replay` with other backends",
+            EXIT_USAGE,
+        )
+    port, ring = starting_port or 32323, []
+    for h in hosts.hosts:
+        if not h.ips:
+            raise CLIError(f"{hostfile}: host {h.ssh_hostname} has no ips (the ring needs them)")
+        ring.append([f"{ip}:{port + k}" for k, ip in enumerate(h.ips)])
+        port += len(h.ips)
+    ring_json = json.dumps(ring)
+    tmp = Path(tempfile.mkdtemp(prefix="tierchat-ranks-"))
+    (tmp / "ring.json").write_text(ring_json)
+    os.environ["MLX_HOSTFILE"] = str(tmp / "ring.json")
+    os.environ["MLX_RANK"] = "0"
+    cmd = [sys.executable, "-m", "tierchat.cli.main", *argv]
+    procs = []
+    for rank, h in enumerate(hosts.hosts):
+        if rank == 0:
+            continue
+        p = RemoteProcess(
+            rank, h.ssh_hostname, None, None, {"MLX_HOSTFILE": ring_json}, list(hosts.envs), cmd
+        )
+        log = open(tmp / f"rank{rank}.log", "w")  # noqa: SIM115 -- the drain threads own it
+        for stream, is_stdout in ((p.process.stdout, True), (p.process.stderr, False)):
+            threading.Thread(target=_drain, args=(p, stream, is_stdout, log), daemon=True).start()
+        procs.append(p)
+    print(f"tierchat: {len(procs)} worker rank(s) started; their log: {tmp}", file=sys.stderr)
+    atexit.register(stop_workers, procs)
+    return procs
+
+
+def _drain(proc: Any, stream: Any, is_stdout: bool, log: Any) -> None:
+    for raw in iter(lambda: stream.read1(8192), b""):
+        text = raw.decode(errors="replace")
+        if is_stdout:
+            text = proc.preprocess_output(text, True)  # its first line: the pid file
+        log.write(text)
+        log.flush()
+
+
+def stop_workers(procs: list[Any], grace_s: float = 10.0) -> None:
+    """Wait up to ``grace_s`` for the workers to end (rank 0 told them to), then end
+    them (``RemoteProcess.terminate``: the remote pid too)."""
+    import time
+
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        while p.process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if p.process.poll() is None:
+            try:
+                p.terminate()
+            except Exception:  # noqa: BLE001 -- best effort at exit
+                p.process.kill()

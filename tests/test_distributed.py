@@ -275,3 +275,72 @@ def test_tui_is_refused_across_ranks(tmp_path, models_dir):
         ranks.kill()
     assert code0 == 2 and "the TUI needs a terminal" in err0
     assert code1 == 0  # the worker ends with rank 0
+
+
+# ------------------------------------------------------------------ the TUI on rank 0
+
+
+def test_tui_runs_on_rank_0_in_its_terminal(tmp_path, models_dir):
+    """``tierchat --hostfile`` with no command: this process is rank 0 and keeps its
+    terminal (a pty here), the worker is started beside it; a message typed as bytes gets
+    a reply, the ranks panel shows both ranks, and Ctrl+Q ends both processes."""
+    import fcntl
+    import os
+    import pty
+    import sqlite3
+    import struct
+    import termios
+
+    hostfile = localhost_hostfile(tmp_path)
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
+    env = base_env(tmp_path) | {"TERM": "xterm-256color", "TMPDIR": str(tmp_path)}
+    argv = ["--hostfile", str(hostfile), "--starting-port", str(free_base_port(2))]
+    argv += flags("llama", tmp_path / "kv", models_dir)
+    argv += ["--data-dir", str(tmp_path / "data"), "--max-tokens", "4"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tierchat.cli.main", *argv],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env=env,
+        start_new_session=True,
+    )
+    os.close(slave)
+    screen = bytearray()
+
+    def read_until(pred, what: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if pred():
+                return
+            try:
+                screen.extend(os.read(master, 65536))
+            except (BlockingIOError, OSError):
+                time.sleep(0.05)
+        raise AssertionError(f"no {what}: {bytes(screen[-2000:])!r}")
+
+    def replies() -> int:
+        db = tmp_path / "data" / "conversations.sqlite"
+        if not db.exists():
+            return 0
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+            return conn.execute("SELECT count(*) FROM nodes WHERE role='assistant'").fetchone()[0]
+
+    os.set_blocking(master, False)
+    logs = []
+    try:
+        read_until(lambda: b"cache on" in screen, "the model loaded on both ranks")
+        os.write(master, b"hello ranks\r")
+        read_until(lambda: replies() == 1, "reply")
+        read_until(lambda: b"Ranks (2)" in screen, "ranks panel")
+        os.write(master, b"\x11")  # ctrl+q
+        read_until(lambda: proc.poll() is not None, "exit", timeout=60)  # reading: no stall
+        logs = list(tmp_path.glob("tierchat-ranks-*/rank1.log"))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        os.close(master)
+    assert proc.returncode == 0
+    assert len(logs) == 1 and "Traceback" not in logs[0].read_text()
