@@ -90,8 +90,11 @@ class Ranks:
                 p.wait(30)
 
 
-def start_ranks(argv: list[str], tmp_path: Path, n: int = 2, **env_extra) -> Ranks:
-    """``tierchat ARGV`` as ``n`` ranks of one ring (this machine, free ports)."""
+def start_ranks(
+    argv: list[str], tmp_path: Path, n: int = 2, rank0: list[str] | None = None, **env_extra
+) -> Ranks:
+    """``tierchat ARGV`` as ``n`` ranks of one ring (this machine, free ports); rank 0
+    runs ``python RANK0...`` instead when given (a driver script)."""
     ring = [[f"127.0.0.1:{p}"] for p in free_ports(n)]
     hostfile = tmp_path / "ring.json"
     hostfile.write_text(json.dumps(ring))
@@ -99,9 +102,12 @@ def start_ranks(argv: list[str], tmp_path: Path, n: int = 2, **env_extra) -> Ran
     for rank in range(n):
         env = base_env(tmp_path) | {"MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
         env |= {k: str(v) for k, v in env_extra.items()}
+        cmd = [sys.executable, "-m", "tierchat.cli.main", *argv]
+        if rank == 0 and rank0 is not None:
+            cmd = [sys.executable, *rank0]
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "tierchat.cli.main", *argv],
+                cmd,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 stdin=subprocess.DEVNULL,

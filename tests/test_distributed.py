@@ -344,3 +344,70 @@ def test_tui_runs_on_rank_0_in_its_terminal(tmp_path, models_dir):
         os.close(master)
     assert proc.returncode == 0
     assert len(logs) == 1 and "Traceback" not in logs[0].read_text()
+
+
+# ------------------------------------------------------------------ cancel
+
+DRIVER = """
+import json, sys
+from tierchat.config.settings import Settings
+from tierchat.core import distributed as dist
+from tierchat.core.api import Failed, GenerateRequest, PrefillProgress, TokenBatch
+from tierchat.core.engine import Engine
+
+cache_dir, models_dir = sys.argv[1], sys.argv[2]
+s = Settings(model="tiny:llama", cache_dir=cache_dir, models_dir=models_dir, block_size=16,
+             prefill_chunk=16)
+e = Engine(s)
+assert not isinstance(e.load_model("tiny:llama").wait(), Failed)
+out = {}
+
+def run(name, req, cancel_on=None):
+    box = []
+    def on_event(ev):
+        if cancel_on is not None and isinstance(ev, cancel_on):
+            box.append(ev)
+            if len(box) == 2:
+                h.cancel()
+    h = e.submit(req, on_event=on_event)
+    r = h.wait(120)
+    out[name] = {"type": type(r).__name__, "kind": getattr(r, "kind", ""),
+                 "tokens": list(getattr(r, "token_ids", ())),
+                 "reason": getattr(getattr(r, "metrics", None), "finish_reason", ""),
+                 "cached": getattr(getattr(r, "metrics", None), "cached_tokens", 0)}
+
+long = tuple(range(1, 120))
+teach = tuple(range(40, 140))
+run("decode", GenerateRequest(long, teacher_ids=teach), cancel_on=TokenBatch)
+run("prefill", GenerateRequest(tuple(range(2, 200)), max_tokens=4), cancel_on=PrefillProgress)
+run("after", GenerateRequest(tuple(range(2, 200)), max_tokens=6))
+run("cold", GenerateRequest(tuple(range(2, 200)), max_tokens=6, use_cache=False))
+e.close()
+dist.current().broadcast({"op": "exit"})
+print(json.dumps(out))
+"""
+
+
+def test_rank_0_cancel_reaches_the_worker(tmp_path, models_dir):
+    """Rank 0 cancels one request in decode and one in prefill: the worker stops with it
+    (the next requests run in step on both ranks) and the next request still equals a
+    cold one."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    kv = tmp_path / "kv"
+    worker = ["cache", "stats", "--block-size", "16", "--prefill-chunk", "16"]
+    worker += ["--cache-dir", str(kv), "--models-dir", str(models_dir)]
+    ranks = start_ranks(worker, tmp_path, rank0=[str(driver), str(kv), str(models_dir)])
+    try:
+        (code0, out0, err0), (code1, _, err1) = ranks.wait()
+    finally:
+        ranks.kill()
+    assert (code0, code1) == (0, 0), (err0, err1)
+    out = json.loads(out0.strip().splitlines()[-1])
+    decode = out["decode"]
+    assert decode["type"] == "Finished" and decode["reason"] == "cancelled"
+    assert 2 <= len(decode["tokens"]) < 100
+    assert out["prefill"]["type"] == "Failed" and out["prefill"]["kind"] == "cancelled"
+    assert out["after"]["type"] == out["cold"]["type"] == "Finished"
+    assert out["after"]["cached"] > 0  # the chunks kept from the cancelled prefill
+    assert out["after"]["tokens"] == out["cold"]["tokens"]
