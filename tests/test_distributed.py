@@ -411,3 +411,14 @@ def test_rank_0_cancel_reaches_the_worker(tmp_path, models_dir):
     assert out["after"]["type"] == out["cold"]["type"] == "Finished"
     assert out["after"]["cached"] > 0  # the chunks kept from the cancelled prefill
     assert out["after"]["tokens"] == out["cold"]["tokens"]
+
+
+def test_cache_stats_table_has_a_block_of_rows_per_rank():
+    from tierchat.cli.cache_cmd import stats_rows
+    from tierchat.core.api import CacheStats, RankStats, plain
+
+    stats = CacheStats(ranks=(RankStats(rank=0, hot_bytes=5120), RankStats(rank=1, ssd_entries=3)))
+    for form in (stats, plain(stats)):  # this process's snapshot, or a running app's JSON
+        rows = dict(stats_rows(form))
+        assert rows["ranks.0.hot_bytes"] == "5.0 KiB" and rows["ranks.1.ssd_entries"] == 3
+        assert rows["ranks.1.memory_level"] == "ok"
