@@ -422,3 +422,29 @@ def test_cache_stats_table_has_a_block_of_rows_per_rank():
         rows = dict(stats_rows(form))
         assert rows["ranks.0.hot_bytes"] == "5.0 KiB" and rows["ranks.1.ssd_entries"] == 3
         assert rows["ranks.1.memory_level"] == "ok"
+
+
+def test_a_model_with_neither_shard_nor_pipeline_is_refused_on_every_rank(tmp_path, models_dir):
+    script = write(tmp_path / "one.jsonl", ONE_TURN)
+    ranks = start_ranks(["replay", script, *flags("mamba2", tmp_path / "kv", models_dir)], tmp_path)
+    try:
+        (code0, _, err0), (code1, _, err1) = ranks.wait()
+    finally:
+        ranks.kill()
+    assert code0 == 1 and "cannot run across 2 ranks" in err0 and "neither shard" in err0
+    assert code1 == 0, err1  # the worker refused the same load and ended with rank 0
+
+
+def test_layout_is_part_of_the_cache_key():
+    """Rank, world size and mode salt the fingerprint the SSD directory is named from: a
+    restart with another layout never reads these files."""
+    from tierchat.core.models import layout_fingerprint
+
+    keys = {
+        layout_fingerprint("f" * 64, mode, rank, size)
+        for mode in ("tensor", "pipeline")
+        for size in (2, 4)
+        for rank in range(size)
+    }
+    assert len(keys) == 2 * (2 + 4)
+    assert "f" * 64 not in keys
