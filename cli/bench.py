@@ -1,5 +1,5 @@
 """``tierchat bench``: TTFT of the prefix cache's paths, side by side with mlx-lm's
-``LRUPromptCache`` in the same run (STYLE.md: ratios measured together, never asserted).
+``LRUPromptCache`` in the same run (docs/DESIGN.md §17: ratios measured together, never asserted).
 
 For each prompt length N (tokens; deterministic text) and each of ``--repeat`` prompts
 (default 3; every measured prompt has its own first word, so no two share a prefix), with
@@ -28,7 +28,7 @@ The two systems take turns, request by request: each prompt's cold, exact hot an
 hot request runs on tierchat and on mlx-lm one after the other (who goes first alternates
 from prompt to prompt). mlx-lm runs on the engine thread (:meth:`Engine.call
 <tierchat.core.engine.Engine.call>`) with the engine's model, so no two threads touch MLX
-at once (DESIGN.md §2) and both systems meet the same GPU state: clocks, memory in use,
+at once (docs/DESIGN.md §2) and both systems meet the same GPU state: clocks, memory in use,
 other load. A GPU's speed drifts by up to 2x over minutes, so rows measured minutes apart
 would compare the machine with itself, not the systems.
 
@@ -58,9 +58,10 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..core.cache.ssd import ReadBandwidth, measure_read_bandwidth
-from ..core.cache.ssd import drop_page_cache as _drop_files
-from .common import EXIT_OK, EXIT_USAGE, CLIError, start_engine, table
+from tierchat.cli.common import EXIT_OK, EXIT_USAGE, CLIError, start_engine, table
+from tierchat.core.cache.ssd import ReadBandwidth, measure_read_bandwidth
+from tierchat.core.cache.ssd import drop_page_cache as _drop_files
+from tierchat.core.units import fmt_bytes
 
 SENTENCES = (
     "The quick brown fox jumps over the lazy dog near the riverbank.",
@@ -215,6 +216,13 @@ def _row(system: str, case: str, length: int, m: Any, restore: tuple[float, int]
     }
 
 
+def writer_idle(engine: Any) -> None:
+    """Wait until ``engine``'s SSD writer has written what earlier requests stored, as it
+    has between the turns of a chat (no-op without an SSD tier)."""
+    if engine.cache is not None and engine.cache.ssd is not None:
+        engine.cache.ssd.flush()
+
+
 class EngineBench(NamedTuple):
     """What :func:`bench_engine` measured: the rows, the page-cache note of the SSD rows,
     the disk's read bandwidth over the SSD files (None without an SSD tier or files) and
@@ -234,9 +242,7 @@ def bench_engine(
     and the exact SSD rows from a restarted engine."""
     from tierchat.core.api import Failed, GenerateRequest
 
-    def quiet(engine: Any) -> None:
-        if engine.cache is not None and engine.cache.ssd is not None:
-            engine.cache.ssd.flush()  # the writer idle, as between the turns of a chat
+    quiet = writer_idle
 
     def run(engine: Any, prompt: list[int], use_cache: bool = True) -> tuple[dict, tuple]:
         quiet(engine)
@@ -324,6 +330,18 @@ def bench_engine(
     return EngineBench(rows, note, disk, dtype)
 
 
+PREFILL_STEP_SIZE = 2048  # mlx_lm.server's --prefill-step-size default
+
+
+class LRURequest(NamedTuple):
+    """One mlx-lm request: ``counts`` (prompt, cached, prefilled tokens and ``ttft_s``),
+    ``restore`` (``(restore_s, restore_bytes)``) and the generated token ids."""
+
+    counts: dict
+    restore: tuple[float, int]
+    tokens: list[int]
+
+
 class LRUBaseline:
     """mlx-lm's ``LRUPromptCache`` as ``mlx_lm/server.py`` uses it, on the engine thread
     (:meth:`Engine.call <tierchat.core.engine.Engine.call>`) with the engine's model: its
@@ -341,17 +359,26 @@ class LRUBaseline:
         """One request (one generated token): ``(counts, (restore_s, restore_bytes))``,
         restore being ``fetch_nearest_cache`` (deep copy + trim) plus an ``mx.eval`` of the
         copied state."""
-        return self.engine.call(lambda: self._run(prompt))
+        got = self.generate(prompt, max_tokens=1)
+        return got.counts, got.restore
+
+    def generate(self, prompt: list[int], max_tokens: int) -> LRURequest:
+        """One request of up to ``max_tokens`` greedy tokens, as ``mlx_lm/server.py`` runs
+        it: ``fetch_nearest_cache``, ``generate_step`` over the rest (``prefill_step_size``
+        2048), stopping after an EOS token (kept, as the server keeps it in the key), then
+        ``insert_cache`` of prompt + generated tokens. On the engine thread."""
+        return self.engine.call(lambda: self._generate(prompt, max_tokens))
 
     def clear(self) -> None:
         self.engine.call(lambda: self.lru.trim_to(n_sequences=0))
 
-    def _run(self, prompt: list[int]) -> tuple[dict, tuple[float, int]]:
+    def _generate(self, prompt: list[int], max_tokens: int) -> LRURequest:
         import mlx.core as mx
         from mlx_lm.generate import generate_step
         from mlx_lm.models.cache import make_prompt_cache
 
         model = self.engine.loaded.model
+        eos = set(self.engine.tokenizer.eos_token_ids)
         t0 = time.perf_counter()
         cache, rest = self.lru.fetch_nearest_cache(self.key, prompt)
         cached = len(prompt) - len(rest)
@@ -362,11 +389,21 @@ class LRUBaseline:
             mx.eval([c.state for c in cache])
             restore = (time.perf_counter() - t0, _state_nbytes(cache))
         ttft, tokens = 0.0, []
-        for token, _ in generate_step(
-            mx.array(rest), model, prompt_cache=cache, max_tokens=1, sampler=self.sampler
-        ):
-            ttft = time.perf_counter() - t0
-            tokens.append(token)
+        steps = generate_step(
+            mx.array(rest),
+            model,
+            prompt_cache=cache,
+            max_tokens=max_tokens,
+            sampler=self.sampler,
+            prefill_step_size=PREFILL_STEP_SIZE,
+        )
+        for token, _ in steps:
+            if not tokens:
+                ttft = time.perf_counter() - t0
+            tokens.append(int(token))
+            if token in eos:
+                break
+        steps.close()  # as stream_generate leaving its loop: no step past the last token
         self.lru.insert_cache(self.key, prompt + tokens, cache)
         counts = {
             "prompt_tokens": len(prompt),
@@ -374,7 +411,7 @@ class LRUBaseline:
             "prefill_tokens": len(prompt) - cached,
             "ttft_s": ttft,
         }
-        return counts, restore
+        return LRURequest(counts, restore, tokens)
 
 
 def add_speedups(rows: list[dict]) -> None:
@@ -440,7 +477,7 @@ def disk_line(disk: ReadBandwidth | None) -> str:
         return "disk read: not measured (no SSD files)"
     cache = "page cache dropped" if disk.dropped else "page cache NOT dropped: may be RAM speed"
     return (
-        f"disk sequential read: {disk.gbps:.2f} GB/s ({disk.nbytes / 1e6:.1f} MB in "
+        f"disk sequential read: {disk.gbps:.2f} GB/s ({fmt_bytes(disk.nbytes)} in "
         f"{disk.files} SSD files, {disk.seconds:.3f} s; {cache})"
     )
 

@@ -11,7 +11,7 @@ SSD directory are salted with the model's fingerprint, so the cache of one model
 reachable through that model. ``stats`` of a fresh process shows the SSD tier (its index
 is rebuilt from file headers at start); the hot tier and tails live in one process only.
 
-Sizes print in binary units (KiB, MiB, GiB: ``tierchat.tui.format.fmt_bytes``, the one
+Sizes print in binary units (KiB, MiB, GiB: ``tierchat.core.units.fmt_bytes``, the one
 byte formatter); ``--json`` keeps raw byte counts.
 """
 
@@ -22,11 +22,10 @@ import time
 from dataclasses import fields, is_dataclass
 from typing import Any
 
-from tierchat.tui.format import fmt_bytes
+from tierchat.cli.common import EXIT_FAILED, EXIT_OK, CLIError, start_engine, table
+from tierchat.core.api import plain
+from tierchat.core.units import fmt_bytes, fmt_seconds
 from tierchat.tui.live_status import read_status, request_clear, wait_cleared
-
-from ..core.api import plain
-from .common import EXIT_FAILED, EXIT_OK, CLIError, start_engine, table
 
 BYTE_FIELDS = ("nbytes", "max_bytes", "peak_memory_bytes", "restore_bytes")
 MEMORY_BYTE_FIELDS = ("active", "peak", "cache", "limit", "device_total", "system_total")
@@ -128,7 +127,7 @@ def _run_live(settings: Any, action: str, args: Any, live: dict[str, Any]) -> in
     if action == "stats":
         as_json = getattr(args, "json", False)
         if not as_json:
-            print(f"live figures from {where}, updated {age:.1f} s ago")
+            print(f"live figures from {where}, updated {fmt_seconds(age)} ago")
         source = {"process": "tui", "pid": pid, "written_at": live.get("written_at")}
         _print_stats(live["stats"], as_json, source)
         return EXIT_OK

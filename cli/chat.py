@@ -20,9 +20,9 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
+from tierchat.cli.common import EXIT_OK, SSDWatch, new_session, open_store, start_engine
 from tierchat.core.text import printable
-
-from .common import EXIT_OK, SSDWatch, new_session, open_store, start_engine
+from tierchat.core.units import fmt_bytes, fmt_seconds
 
 HELP = __doc__.split("::", 1)[1].split("\n\nCtrl-C", 1)[0].strip("\n")
 
@@ -33,7 +33,7 @@ def metrics_line(m: Any) -> str:
     by = f" ({', '.join(parts)})" if parts else ""
     text = (
         f"[cached {m.cached_tokens}/{m.prompt_tokens}{by} · prefilled {m.prefill_tokens}"
-        f" · TTFT {m.ttft_s:.3f} s · {m.generation_tokens} tokens at {m.generation_tps:.1f} tok/s"
+        f" · TTFT {fmt_seconds(m.ttft_s)} · {m.generation_tokens} tokens at {m.generation_tps:.1f} tok/s"
     )
     if m.finish_reason != "stop":
         text += f" · {m.finish_reason}"
@@ -156,16 +156,14 @@ class LineChat:
 
 
 def stats_lines(stats: Any) -> str:
-    from tierchat.core.memory import format_bytes
-
     if not stats.enabled:
         return f"[cache off{': ' + stats.reason if stats.reason else ''}]"
     h, s, t = stats.hot, stats.ssd, stats.tails
     return "\n".join(
         [
-            f"[hot  {h.entries} entries, {format_bytes(h.nbytes)} of {format_bytes(h.max_bytes)},"
+            f"[hot  {h.entries} entries, {fmt_bytes(h.nbytes)} of {fmt_bytes(h.max_bytes)},"
             f" {h.hits} hits, {h.misses} misses, {h.evictions} evictions]",
-            f"[ssd  {s.entries} files, {format_bytes(s.nbytes)} of {format_bytes(s.max_bytes)},"
+            f"[ssd  {s.entries} files, {fmt_bytes(s.nbytes)} of {fmt_bytes(s.max_bytes)},"
             f" {s.hits} hits, {s.misses} misses{'' if s.enabled else ', off: ' + s.reason}]",
             f"[tails {t.entries} entries, {t.hits} hits, {t.checkpoint_hits} checkpoint hits]",
         ]

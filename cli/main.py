@@ -1,4 +1,4 @@
-"""``tierchat``: the command line (DESIGN.md §8).
+"""``tierchat``: the command line (docs/DESIGN.md §13).
 
 Subcommands: none (the TUI), ``chat``, ``replay``, ``models``, ``cache stats|clear``,
 ``config``, ``serve``, ``bench``. The settings flags are accepted before or after the subcommand and
@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from .common import (
+from tierchat.cli.common import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         "replay",
         parents=[common],
         help="run a scripted session (JSON lines), print one JSON line per generation",
-        description="Run a replay script (DESIGN.md §9). Ops: new, user, regenerate, edit, "
+        description="Run a replay script (docs/DESIGN.md §14). Ops: new, user, regenerate, edit, "
         "swipe, restart, clear. Prints one JSON object per generating op, then a summary. "
         "A failed op prints an error line and the script goes on; the exit code is then 1. "
         "Conversations go to a throwaway store unless --data-dir is given.",
@@ -176,6 +176,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=3,
         metavar="R",
         help="prompts per length and case; the table shows the median (default 3)",
+    )
+    p.add_argument(
+        "--workload",
+        metavar="SCRIPT.jsonl",
+        help="instead: replay a chat script (replay ops; 'chat' or 'chat-ci': the shipped "
+        "ones) on tierchat and mlx-lm in turn, TTFT and prefilled tokens per op kind",
+    )
+    p.add_argument(
+        "--warmup",
+        choices=("none", "unrelated"),
+        default="none",
+        help="--workload: warm both systems up at unrelated lengths first (default none)",
     )
     p.add_argument(
         "--serve",
@@ -253,31 +265,35 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
     if command is None:
         return run_tui(settings)
     if command == "chat":
-        from .chat import run_chat
+        from tierchat.cli.chat import run_chat
 
         return run_chat(settings, system=args.system)
     if command == "replay":
-        from .replay import run_replay
+        from tierchat.cli.replay import run_replay
 
         return run_replay(settings, args.script, data_dir_given="data_dir" in args)
     if command == "models":
         return run_models(settings)
     if command == "cache":
-        from .cache_cmd import run_cache
+        from tierchat.cli.cache_cmd import run_cache
 
         return run_cache(settings, args.cache_command, args)
     if command == "config":
         return run_config(settings)
     if command == "serve":
-        from .serve import run_serve
+        from tierchat.cli.serve import run_serve
 
         return run_serve(settings, args)
     if command == "bench" and args.serve:
-        from .serve_bench import run_serve_bench
+        from tierchat.cli.serve_bench import run_serve_bench
 
         return run_serve_bench(settings, args)
+    if command == "bench" and args.workload:
+        from .workload import run_workload_bench
+
+        return run_workload_bench(settings, args)
     if command == "bench":
-        from .bench import run_bench
+        from tierchat.cli.bench import run_bench
 
         return run_bench(settings, args)
     raise CLIError(f"unknown command {command!r}", EXIT_USAGE)

@@ -1,4 +1,4 @@
-"""``tierchat replay SCRIPT.jsonl``: a scripted session (DESIGN.md §9, a public contract).
+"""``tierchat replay SCRIPT.jsonl``: a scripted session (docs/DESIGN.md §14, a public contract).
 
 Input: one JSON object per line (blank lines are skipped)::
 
@@ -43,8 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from ..core.api import CACHE_KINDS, CACHE_SOURCES, plain
-from .common import (
+from tierchat.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
@@ -54,6 +53,7 @@ from .common import (
     open_store,
     start_engine,
 )
+from tierchat.core.api import CACHE_KINDS, CACHE_SOURCES, plain
 
 RESULT_FIELDS: tuple[str, ...] = (
     "op_index",

@@ -37,6 +37,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from tierchat.cli.common import EXIT_OK, EXIT_USAGE, CLIError, start_engine
 from tierchat.core.api import Event, Failed, Finished, GenerateRequest, TokenBatch, TurnMetrics
 from tierchat.core.prompts import PromptBuilder
 from tierchat.core.serve_log import RequestLog, RequestRecord, TrackedEngine
@@ -49,8 +50,6 @@ from tierchat.core.serve_prompts import (
     completion_prompt,
     sampling,
 )
-
-from .common import EXIT_OK, EXIT_USAGE, CLIError, start_engine
 
 API_KEY_ENV = "TIERCHAT_API_KEY"
 DISCONNECT_POLL_S = 0.5
@@ -521,7 +520,7 @@ def _run_console(engine: TrackedEngine, log: RequestLog, settings: Any) -> None:
         from tierchat.tui.screens.serve_console import run_console
     except ImportError as e:
         raise CLIError(f"the console is not available ({e})") from None
-    from .common import open_store
+    from tierchat.cli.common import open_store
 
     store = open_store(settings.db_path)
     try:

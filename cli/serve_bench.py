@@ -16,7 +16,7 @@ cold), so the SSD tier survives; mlx-lm's prompt cache lives in its process.
 The servers run one after the other, never together (2-core machines); ours in this
 process on a thread, mlx-lm as a subprocess (``python -m mlx_lm server``), with the system
 OpenBLAS preloaded for it as for us (``LD_PRELOAD``). mlx-lm computes in the model
-directory's dtype, tierchat in float32 on a CPU (DESIGN.md §3): the same for ``demo``, whose
+directory's dtype, tierchat in float32 on a CPU (docs/DESIGN.md §3): the same for ``demo``, whose
 converted directory is float32; the prefilled-token columns do not depend on it.
 """
 
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .common import EXIT_OK, CLIError, start_engine, table
+from tierchat.cli.common import EXIT_OK, CLIError, start_engine, table
 
 SYSTEM = "You are a concise assistant. Answer in two or three sentences."
 FOLLOW_UP = "Thanks. Now summarize everything above in one sentence."
@@ -189,9 +189,8 @@ class Ours:
         self.settings = settings
 
     def start(self):
+        from tierchat.cli.serve import ServerThread, ServeState, create_app, reply_memory_path
         from tierchat.core.serve_log import RequestLog, TrackedEngine
-
-        from .serve import ServerThread, ServeState, create_app, reply_memory_path
 
         engine = start_engine(self.settings, quiet=True)
         tracked = TrackedEngine(engine, RequestLog())

@@ -4,9 +4,8 @@ from tierchat.config.settings import (
     Settings,
     SettingsError,
     explain,
-    format_size,
     load_settings,
     parse_size,
 )
 
-__all__ = ["Settings", "SettingsError", "explain", "format_size", "load_settings", "parse_size"]
+__all__ = ["Settings", "SettingsError", "explain", "load_settings", "parse_size"]

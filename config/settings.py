@@ -66,6 +66,15 @@ class Settings:
     data_dir: Path = field(default_factory=user_data_dir)
     block_size: int = 256
     prefill_chunk: int = 2048
+    # prefill chunks of at most this many tokens compute attention with plain MLX ops
+    # instead of cuDNN SDPA, which builds a graph per new length (core/attention.py);
+    # None: auto (512 on CUDA, off on Metal and the CPU); 0: off
+    chunk_attention: int | None = None
+    # bit-identical to a cold run on every model: chunks end at message ends and N-1,
+    # restores only there. Off: models without recurrent state fold the last prompt token
+    # into the last chunk (one forward fewer a turn) and restore the exact common prefix;
+    # outputs equal a cold run's within float rounding (docs/DESIGN.md §7)
+    bitwise: bool = False
     hot_bytes: int = field(default_factory=default_hot_bytes)
     ssd_bytes: int = 16 * GiB
     tail_entries: int = 8
@@ -141,16 +150,6 @@ def parse_size(text: str | int) -> int:
     if "." in number:
         return int(float(number) * mult)
     return int(number) * mult
-
-
-def format_size(nbytes: int) -> str:
-    """``nbytes`` in the largest binary unit that keeps it >= 1 (``"16.0 GiB"``)."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
 
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -294,6 +293,14 @@ def _keymap(v: Any) -> dict[str, str]:
     return {bid: key.strip() for bid, key in v.items()}
 
 
+def _chunk_attention(v: Any) -> int | None:
+    if isinstance(v, str) and v.strip().lower() in ("auto", ""):
+        return None
+    if isinstance(v, str) and v.strip().lower() == "off":
+        return 0
+    return _nonneg_int(v)
+
+
 PARSERS: dict[str, Callable[[Any], Any]] = {
     "model": _model,
     "cache_dir": _path,
@@ -301,6 +308,8 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "data_dir": _path,
     "block_size": _positive_int,
     "prefill_chunk": _positive_int,
+    "chunk_attention": _chunk_attention,
+    "bitwise": _to_bool,
     "hot_bytes": _size,
     "ssd_bytes": _size,
     "tail_entries": _nonneg_int,

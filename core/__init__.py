@@ -2,7 +2,7 @@
 
 Importing this package loads the system OpenBLAS (Linux) with ``RTLD_GLOBAL`` before any
 module imports MLX: MLX's CPU wheel then runs float32 matmuls through it (measured here:
-2.6 -> 55-59 GFLOP/s, see DESIGN.md §3). This module itself never imports MLX.
+2.6 -> 55-59 GFLOP/s, see docs/DESIGN.md §3). This module itself never imports MLX.
 """
 
 from __future__ import annotations

@@ -83,6 +83,8 @@ class TurnMetrics:
     finish_reason: str = "stop"  # "stop" | "length" | "cancelled"
     restore_s: float = 0.0  # seconds spent finding, loading and splicing cached entries
     restore_bytes: int = 0  # bytes of cached K/V and state put into the cache
+    # the SSD tier read or its tokens computed again, with the estimates (core/cache/rates.py)
+    restore_choice: str = ""
 
     @property
     def cache_source(self) -> str:

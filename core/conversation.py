@@ -1,4 +1,4 @@
-"""Conversation trees in SQLite (DESIGN.md §7). Pure Python: stdlib ``sqlite3`` only.
+"""Conversation trees in SQLite (docs/DESIGN.md §12). Pure Python: stdlib ``sqlite3`` only.
 
 A conversation is a tree of nodes (system / user / assistant messages). Every parent
 remembers one selected child, and the conversation remembers its selected root, so the

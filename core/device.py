@@ -1,4 +1,4 @@
-"""Which device MLX computes on, and in which dtype (DESIGN.md §3, device policy).
+"""Which device MLX computes on, and in which dtype (docs/DESIGN.md §3, device policy).
 
 The dtype policy lives here so that the model loader, ``tierchat config``, ``tierchat bench``
 and the TUI header all name the same thing: on a GPU (Metal or CUDA) floating weights are

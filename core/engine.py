@@ -2,7 +2,7 @@
 
 MLX streams belong to the thread that made them (mlx >= 0.31), so loading, prefill,
 decode and every cache slice, snapshot and restore happen on the engine thread. Other
-threads send jobs through a queue and get events back (DESIGN.md §2).
+threads send jobs through a queue and get events back (docs/DESIGN.md §2).
 
 A generation: restore the longest allowed cached prefix (the resident cache of the last
 request cut back in place, or entries from the hot and SSD tiers), prefill the rest in the
@@ -56,9 +56,12 @@ from .api import (
     TokenBatch,
     TurnMetrics,
 )
+from .attention import chunk_attention, default_max_query
 from .cache import layers as L
 from .cache.prefix import PrefixCache, Restored, chunk_ends, probe_specs, schedule_points
+from .cache.rates import Rates
 from .cache.request import CacheRequest, ColdRequest
+from .forward import last_logits_fn, logprobs_of, verify_last_logits
 
 _STOP = object()
 _live_engines: weakref.WeakSet = weakref.WeakSet()
@@ -118,6 +121,8 @@ class Engine:
         self._in_request = False
         self._handle: RequestHandle | None = None
         self._restored_by: dict[str, int] = {}
+        self._chunk_attention = 0  # max query tokens of the plain-ops attention path
+        self._last_logits = None  # set when this model's prompts use the folded schedule
         self.monitor = memory_mod.MemoryMonitor(
             limit_bytes=settings.memory_limit,
             soft_fraction=settings.memory_soft_fraction,
@@ -167,7 +172,7 @@ class Engine:
     def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
         """Run ``fn()`` on the engine thread, after the jobs queued before it, and return
         what it returns (or raise what it raised). For MLX work that must not run beside
-        the engine's: ``tierchat bench`` runs mlx-lm's baseline this way (DESIGN.md §2).
+        the engine's: ``tierchat bench`` runs mlx-lm's baseline this way (docs/DESIGN.md §2).
 
         Raises:
             TimeoutError: ``fn`` did not finish within ``timeout`` seconds.
@@ -305,6 +310,9 @@ class Engine:
 
         s = self.settings
         self._handle = handle
+        self._chunk_attention = (
+            default_max_query() if s.chunk_attention is None else s.chunk_attention
+        )
         try:
             ranks = self._join_ranks()
             self._send_to_ranks({"op": "load", "spec": spec})
@@ -321,6 +329,7 @@ class Engine:
             self.cache.close()
         self.cache, self.supported = None, None
         self.loaded, self.model_name = loaded, spec
+        self._last_logits = None
         warning = None
         self._kv_profile = memory_mod.kv_profile(loaded.model, lambda m: self._make_cache())
         caches = self._make_cache()
@@ -333,14 +342,22 @@ class Engine:
             return
         self.supported, self.reason = True, ""
         self.layer_kinds = tuple(f"{lf.name}:{lf.kind}" for lf in leaves)
+        if not s.bitwise and not any(lf.snapshots for lf in leaves):
+            # models without recurrent state: the last chunk gives the first token
+            fn = last_logits_fn(loaded.model)
+            if fn is not None and verify_last_logits(loaded.model, fn, self._make_cache):
+                self._last_logits = fn
+        if self.ranks is not None and not self.ranks.all_min(int(self._last_logits is not None))[0]:
+            self._last_logits = None  # one schedule on every rank
         # probe: two tokens through a throwaway cache give every cached array's shape
         loaded.model(mx.array([[0, 0]]), cache=caches)
         mx.eval([c.state for c in caches])
         spec_shapes = probe_specs(leaves, caches)
         if not s.no_cache:
             kv = f"{loaded.fingerprint}/kv{s.kv_bits}g{s.kv_group_size}"
+            fingerprint = hashlib.sha256(kv.encode()).hexdigest()
             self.cache = PrefixCache(
-                fingerprint=hashlib.sha256(kv.encode()).hexdigest(),
+                fingerprint=fingerprint,
                 leaves=leaves,
                 spec=spec_shapes,
                 block_size=s.block_size,
@@ -351,6 +368,11 @@ class Engine:
                 max_checkpoints=s.checkpoint_entries,
                 writer_queue=s.writer_queue,
                 pin_system=s.pin_system,
+                exact_prefix=self._last_logits is not None,
+                # across ranks every rank restores: a per-rank choice would split them
+                rates=None
+                if self.ranks is not None
+                else Rates(Path(s.cache_dir) / f"rates-{fingerprint[:16]}.json"),
             )
             if self.cache.ssd is not None and not self.cache.ssd.enabled:
                 warning = self.cache.ssd.reason
@@ -402,7 +424,8 @@ class Engine:
             if self.cache is not None:
                 self.cache.log(f"refused a {n}-token prefill: over the memory limit")
             return
-        points = schedule_points(n, chunk, req.boundaries)
+        fold = self._last_logits is not None
+        points = schedule_points(n, chunk, req.boundaries, fold=fold)
         cache = self.cache
         if cache is not None and req.use_cache:
             turn = cache.begin(req.prompt_ids, points, req.boundaries, self._make_cache)
@@ -412,8 +435,12 @@ class Engine:
         try:
             # restore, prefill, decode and capture on the one stream generate_step decodes
             # on: no cross-stream waits between them
-            with mx.stream(generation_stream), self._watched("a request"):
-                self._generate_one(req, handle, points, turn)
+            with (
+                mx.stream(generation_stream),
+                chunk_attention(self._chunk_attention),
+                self._watched("a request"),
+            ):
+                self._generate_one(req, handle, points, chunk if fold else 0, turn)
         finally:
             self._in_request, self._handle = False, None
             turn.close()
@@ -425,6 +452,7 @@ class Engine:
         req: GenerateRequest,
         handle: RequestHandle,
         points: list[int],
+        fold_chunk: int,
         turn: CacheRequest | ColdRequest,
     ) -> None:
         t0 = time.perf_counter()
@@ -436,15 +464,18 @@ class Engine:
         restore_s = time.perf_counter() - t0
         caches = restored.caches
         start = restored.position
-        ends = chunk_ends(start, points)
+        ends = chunk_ends(start, points, fold_chunk)
         handle.chunk_ends = tuple(ends)
 
         # prefill [start, n - 1) in the schedule's chunks, one eval per chunk (the last one
-        # asynchronous, overlapping the first decode step's graph building); the last
-        # prompt token goes through the first decode step. The request object captures
-        # window slices and state snapshots per chunk, before the next chunk moves them
+        # asynchronous, overlapping the first decode step's graph building), and the last
+        # prompt token through the first decode step; on the folded schedule the last
+        # chunk ends at n and gives the first token's logprobs itself (core/forward.py).
+        # The request object captures window slices and state snapshots per chunk,
+        # before the next chunk moves them
         total = n - start
         pos = start
+        first_logprobs = restored.first_logprobs if start == n else None
         for end in ends:
             self._drain_control()
             if self._cancelled(handle):
@@ -452,8 +483,14 @@ class Engine:
                 why = f"cancelled during prefill; kept {kept} of {n} tokens"
                 handle.emit(Failed(why, kind="cancelled", kept_tokens=kept))
                 return
-            model(mx.array(prompt[pos:end])[None], cache=caches)
-            computed = [c.state for c in caches] + turn.chunk(caches, pos, end)
+            tokens_in = mx.array(prompt[pos:end])[None]
+            computed = []
+            if end == n:  # folded: this chunk gives the first token's logits
+                first_logprobs = logprobs_of(self._last_logits(tokens_in, caches)).squeeze(0)
+                computed.append(first_logprobs)
+            else:
+                model(tokens_in, cache=caches)
+            computed += [c.state for c in caches] + turn.chunk(caches, pos, end)
             if end == ends[-1]:
                 # the last chunk runs on the GPU while generate_step builds the first decode
                 # step behind it on the same stream (its progress event is sent at launch)
@@ -483,9 +520,8 @@ class Engine:
         logprobs: list[np.ndarray] = []
         ttft = t_first = None
         reason = "length"
-        kept = restored.first_logprobs if start == n else None
-        if kept is not None:  # the prompt is all in the cache: sample from kept logprobs
-            steps = _from_kept(kept, model, caches, max_tokens, sampler)
+        if first_logprobs is not None:  # kept from before, or the folded last chunk's
+            steps = _from_kept(first_logprobs, model, caches, max_tokens, sampler)
         else:
             steps = generate_step(
                 mx.array(prompt[n - 1 :]),
@@ -501,7 +537,7 @@ class Engine:
                 t_first = time.perf_counter()
                 ttft = t_first - t0
                 turn.first_token(caches)
-                if total:
+                if pos < n:  # the last prompt token went through the first decode step
                     handle.emit(PrefillProgress(total, total, total / ttft if ttft else 0.0))
             tokens.append(tok)
             if len(logprobs) < record:
@@ -515,7 +551,7 @@ class Engine:
             if self._stopped(handle, stop_flags, len(tokens) - 1):
                 reason = "cancelled"
                 break
-        if kept is not None and len(tokens) == 1:
+        if first_logprobs is not None and len(tokens) == 1:
             # generate_step computes one step ahead, so a cold run's cache also holds the
             # first token when the reply stops there: forward it here, as that step would
             for _ in generate_step(
@@ -551,6 +587,7 @@ class Engine:
             finish_reason=reason,
             restore_s=restore_s,
             restore_bytes=restored.nbytes,
+            restore_choice=restored.choice.describe() if restored.choice else "",
         )
         self._last = metrics
         self._gather_rank_stats()  # before Finished: the caller's next stats() has them

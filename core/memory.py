@@ -1,4 +1,6 @@
-"""Memory readings, pressure levels, the cache byte budget and the prefill guard (DESIGN.md §6).
+"""Memory readings, pressure levels, the cache byte budget and the prefill guard.
+
+The design: docs/DESIGN.md §11.
 
 Every size here is in bytes.
 
@@ -41,6 +43,7 @@ from typing import Any, Literal
 import mlx.core as mx
 
 from .api import MemoryStats
+from .units import fmt_bytes, fmt_bytes_exact
 
 Level = Literal["ok", "soft", "hard"]
 
@@ -57,27 +60,6 @@ MLP_COPIES = 3  # (chunk, intermediate) activations: gate, up and their SwiGLU p
 MlxSource = Callable[[], tuple[int, int, int]]
 DeviceSource = Callable[[], Mapping[str, Any]]
 SystemSource = Callable[[], tuple[int, int]]
-
-
-# ------------------------------------------------------------------ formatting
-
-
-def format_bytes(n: float) -> str:
-    """``n`` bytes in decimal units, e.g. ``"2.1 GB"``, ``"512.0 MB"``, ``"900 B"``.
-
-    Decimal (1 GB = 10**9 B) to match ``config.settings.parse_size``, so a number printed in
-    a message can be typed back into ``--memory-limit`` unchanged.
-    """
-    n = float(n)
-    sign = "-" if n < 0 else ""
-    n = abs(n)
-    if n < 1000:
-        return f"{sign}{int(n)} B"
-    for unit in ("KB", "MB", "GB", "TB"):
-        n /= 1000.0
-        if n < 999.95 or unit == "TB":
-            return f"{sign}{n:.1f} {unit}"
-    raise AssertionError("unreachable")
 
 
 # ------------------------------------------------------------------ readings
@@ -275,7 +257,7 @@ def pressure_level(
 
 
 def should_clear_mlx_cache(level: str) -> bool:
-    """Whether to call ``mx.clear_cache()``: at "soft" and "hard" (DESIGN.md §6). MLX keeps
+    """Whether to call ``mx.clear_cache()``: at "soft" and "hard" (docs/DESIGN.md §11). MLX keeps
     freed buffers for reuse; under pressure they are the cheapest memory to give back."""
     return level != "ok"
 
@@ -707,37 +689,32 @@ class PrefillRefused(Exception):
         fraction = getattr(limit_bytes, "fraction", None)
         if ceiling_bytes is not None and fraction is not None:
             line = (
-                f"the memory limit line of {_exact(limit_bytes)} "
-                f"({fraction:.0%} of the {_exact(ceiling_bytes)} limit)"
+                f"the memory limit line of {fmt_bytes_exact(limit_bytes)} "
+                f"({fraction:.0%} of the {fmt_bytes_exact(ceiling_bytes)} limit)"
             )
         else:
-            line = f"the memory limit of {_exact(limit_bytes)}"
+            line = f"the memory limit of {fmt_bytes_exact(limit_bytes)}"
         if in_use_bytes is not None and in_use_bytes >= limit_bytes:
             text = (
                 f"prompt refused: the model's weights and caches already use "
-                f"{format_bytes(in_use_bytes)}, over {line}, before any prefill. A shorter "
+                f"{fmt_bytes(in_use_bytes)}, over {line}, before any prefill. A shorter "
                 f"prompt will not help: raise --memory-limit, clear cache tiers (hot, tails) "
                 f"or use a smaller model."
             )
         else:
             held = (
-                f" ({format_bytes(in_use_bytes)} of it weights and caches already in memory)"
+                f" ({fmt_bytes(in_use_bytes)} of it weights and caches already in memory)"
                 if in_use_bytes is not None
                 else ""
             )
             text = (
                 f"prompt refused: prefilling {what} would need about "
-                f"{format_bytes(estimate_bytes)} at peak{held} (at a {chunk_tokens}-token "
+                f"{fmt_bytes(estimate_bytes)} at peak{held} (at a {chunk_tokens}-token "
                 f"chunk), over {line}. Try a shorter prompt (fewer or shorter messages), a "
                 f"smaller prefill chunk / --block-size, clearing cache tiers (hot, tails) to "
                 f"free memory, or a higher --memory-limit."
             )
         super().__init__(text)
-
-
-def _exact(n: int) -> str:
-    """:func:`format_bytes`, but exact below 1 MB so a tiny limit is not shown rounded."""
-    return f"{int(n):,} B" if n < 1_000_000 else format_bytes(n)
 
 
 def plan_prefill(

@@ -1,4 +1,4 @@
-"""Model specs -> loaded MLX models (DESIGN.md §3).
+"""Model specs -> loaded MLX models (docs/DESIGN.md §3).
 
 A spec is one of:
 

@@ -1,6 +1,6 @@
 """Prompt token ids for a conversation path: chat template, message boundaries, splicing.
 
-DESIGN.md §4. The cache key is the prompt's token-id sequence, so turn k+1's prompt must
+docs/DESIGN.md §4. The cache key is the prompt's token-id sequence, so turn k+1's prompt must
 begin with exactly turn k's prompt + the ids the model generated. Re-tokenizing a reply's
 text often gives other ids than were generated (BPE prefers merges the sampler did not
 take), so the generated ids of each assistant message are spliced back in where the

@@ -5,7 +5,7 @@ Clients resend the whole message list on every turn, with the assistant replies 
 :class:`~tierchat.core.prompts.PromptBuilder`, so its ids are the ones ``tierchat chat``
 would use; a :class:`ReplyMemory` of recent replies maps an assistant message's text back to
 the ids the model generated, and the builder splices them in where the rendered text
-matches (DESIGN.md §4). Turn k+1's prompt then extends turn k's sequence token-exactly and
+matches (docs/DESIGN.md §4). Turn k+1's prompt then extends turn k's sequence token-exactly and
 the cache reuses all of it; where nothing matches the builder tokenizes the text and the
 cache reuses the prefix up to that message.
 

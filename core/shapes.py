@@ -14,20 +14,36 @@ exists, else built from the demo GGUF's metadata alone (the header in the first 
 (11 MB); a machine without the demo package (a GPU box with no network) uses a copy of that
 folder put into its models dir.
 
-==================  ===============================================================
-``qwen2.5-0.5b``    Qwen2.5-0.5B(-Instruct) ``config.json``: 24 layers, hidden 896, 14
-                    heads / 2 KV heads, MLP 4864, vocab 151936, tied embeddings
-                    (494M parameters). KVCache on every layer.
-``qwen3.5-0.8b``    Qwen3.5-0.8B's text model (mlx-lm ``qwen3_5``): 24 layers, 18
-                    GatedDeltaNet + 6 full attention (every 4th), hidden 1024, MLP 3584,
-                    8 heads / 2 KV heads of 256, linear attention 16 x 128 key and value
-                    heads. Vocab 151936 (the real one is 248320; ours must fit the Qwen2.5
-                    tokenizer): 0.65B parameters instead of 0.75B. ArraysCache + KVCache.
-``gemma3-270m``     gemma-3-270m (``gemma3_text``): 18 layers, hidden 640, 4 heads / 1 KV
-                    head of 256, MLP 2048, sliding window 512 on 5 of every 6 layers.
-                    Vocab 151936 (real: 262144), tied: 0.20B parameters instead of 0.27B.
-                    RotatingKVCache + KVCache.
-==================  ===============================================================
+======================  =============================================================
+``qwen2.5-0.5b``        Qwen2.5-0.5B(-Instruct) ``config.json``: 24 layers, hidden 896, 14
+                        heads / 2 KV heads, MLP 4864, vocab 151936, tied embeddings
+                        (494M parameters). KVCache on every layer.
+``qwen3.5-0.8b``        Qwen3.5-0.8B's text model (mlx-lm ``qwen3_5``): 24 layers, 18
+                        GatedDeltaNet + 6 full attention (every 4th), hidden 1024, MLP 3584,
+                        8 heads / 2 KV heads of 256, linear attention 16 x 128 key and value
+                        heads. Vocab 151936 (the real one is 248320; ours must fit the Qwen2.5
+                        tokenizer): 0.65B parameters instead of 0.75B. ArraysCache + KVCache.
+``gemma3-270m``         gemma-3-270m (``gemma3_text``): 18 layers, hidden 640, 4 heads / 1 KV
+                        head of 256, MLP 2048, sliding window 512 on 5 of every 6 layers.
+                        Vocab 151936 (real: 262144), tied: 0.20B parameters instead of 0.27B.
+                        RotatingKVCache + KVCache.
+``qwen3-8b``            Qwen3-8B ``config.json`` (mlx-lm ``qwen3``): 36 layers, hidden 4096,
+                        32 heads / 8 KV heads of 128 with q/k RMSNorm, MLP 12288, vocab
+                        151936, untied, rope theta 1e6 (8.19B parameters). KVCache.
+``qwen3-8b-4bit``       the same, 4-bit as mlx-community ships it (see below; ~4.6 GB).
+``qwen3-30b-a3b-4bit``  Qwen3-30B-A3B (``qwen3_moe``), 4-bit: 48 layers, hidden 2048, 32
+                        heads / 4 KV heads of 128, 128 experts of 768 with 8 per token, vocab
+                        151936, untied (30.5B parameters, 3.3B active; ~17 GB). KVCache.
+``qwen2.5-0.5b-4bit``   ``qwen2.5-0.5b``, 4-bit.
+======================  =============================================================
+
+4-bit shapes carry mlx-community's ``"quantization": {"group_size": 64, "bits": 4, "mode":
+"affine"}`` and are quantized as ``mlx_lm.convert -q`` does (``mlx_lm.utils.quantize_model``:
+every layer with ``to_quantized`` whose input size is a multiple of the group, embeddings and
+``lm_head`` included, and the model's own ``quant_predicate``: the MoE router at 8 bits).
+Each layer is drawn in the compute dtype and quantized at once, so a 4-bit model never
+holds more than one layer unquantized; the weights drawn are those of the unquantized shape
+with the same seed.
 
 Spec: ``shape:<name>`` or ``shape:<name>:<seed>`` (default seed 0).
 """
@@ -121,10 +137,61 @@ _GEMMA3_270M: dict[str, Any] = {
     "tie_word_embeddings": True,
 }
 
+_QWEN3_8B: dict[str, Any] = {
+    "model_type": "qwen3",
+    "architectures": ["Qwen3ForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": VOCAB_SIZE,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+}
+
+_QWEN3_30B_A3B: dict[str, Any] = {
+    "model_type": "qwen3_moe",
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": VOCAB_SIZE,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+}
+
+QUANTIZATION_4BIT: dict[str, Any] = {"group_size": 64, "bits": 4, "mode": "affine"}
+
+
+def _4bit(config: dict[str, Any]) -> dict[str, Any]:
+    return {**config, "quantization": dict(QUANTIZATION_4BIT)}
+
+
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": _QWEN25_05B,
     "qwen3.5-0.8b": _QWEN35_08B,
     "gemma3-270m": _GEMMA3_270M,
+    "qwen3-8b": _QWEN3_8B,
+    "qwen3-8b-4bit": _4bit(_QWEN3_8B),
+    "qwen3-30b-a3b-4bit": _4bit(_QWEN3_30B_A3B),
+    "qwen2.5-0.5b-4bit": _4bit(_QWEN25_05B),
 }
 
 DESCRIPTIONS: dict[str, str] = {
@@ -133,6 +200,10 @@ DESCRIPTIONS: dict[str, str] = {
     "cache: ArraysCache + KVCache",
     "gemma3-270m": "gemma-3-270m-like (window 512 on 5 of 6 layers); "
     "cache: RotatingKVCache + KVCache",
+    "qwen3-8b": "Qwen3-8B shapes (36 layers, hidden 4096), bf16 on a GPU; cache: KVCache",
+    "qwen3-8b-4bit": "Qwen3-8B shapes, 4-bit (group 64, as mlx-community); cache: KVCache",
+    "qwen3-30b-a3b-4bit": "Qwen3-30B-A3B MoE shapes (128 experts, 8 active), 4-bit; cache: KVCache",
+    "qwen2.5-0.5b-4bit": "Qwen2.5-0.5B shapes, 4-bit (group 64); cache: KVCache",
 }
 
 
@@ -171,8 +242,56 @@ def shape_config(name: str, eos_token_ids: list[int] | None = None) -> dict[str,
 # --------------------------------------------------------------------------- weights
 
 
-def init_random_weights(model: nn.Module, dtype: mx.Dtype, seed: int) -> None:
-    """Replace ``model``'s parameters with seeded random ones in ``dtype``, in place.
+def _draw(name: str, p: mx.array, key: mx.array, dtype: mx.Dtype, keep) -> mx.array:
+    """One parameter's random replacement (see :func:`init_random_weights`), unevaluated."""
+    if not mx.issubdtype(p.dtype, mx.floating):
+        return p
+    if p.ndim >= 2:
+        embedding = name.endswith(("embed_tokens.weight", "embeddings.weight"))
+        std = 0.02 if embedding else 1.0 / math.sqrt(math.prod(p.shape[1:]))
+        bound = math.sqrt(3.0) * std  # U(-b, b) has variance b²/3
+        return mx.random.uniform(-bound, bound, p.shape, dtype=dtype, key=key)
+    return p.astype(dtype) if keep(name) else p
+
+
+def quantization_predicate(model: nn.Module, quantization: dict[str, Any]):
+    """``(path, module) -> dict | None``: the ``to_quantized`` arguments of a layer, or None
+    to leave it as it is; the rule of ``mlx_lm.utils.quantize_model``: layers with
+    ``to_quantized`` whose last weight dimension is a multiple of the group size, narrowed
+    or overridden by the model's ``quant_predicate`` (qwen3_moe: the router at 8 bits)."""
+    base = {k: quantization[k] for k in ("group_size", "bits", "mode") if k in quantization}
+    own = getattr(model, "quant_predicate", None)
+
+    def predicate(path: str, module: nn.Module) -> dict[str, Any] | None:
+        if not hasattr(module, "to_quantized"):
+            return None
+        if module.weight.shape[-1] % base["group_size"]:
+            return None
+        got = own(path, module) if own is not None else True
+        if not got:
+            return None
+        return {**base, **got} if isinstance(got, dict) else dict(base)
+
+    return predicate
+
+
+def _set_child(model: nn.Module, path: str, child: nn.Module) -> None:
+    *parents, last = path.split(".")
+    obj: Any = model
+    for part in parents:
+        obj = obj[int(part)] if isinstance(obj, list) else obj[part]
+    if isinstance(obj, list):
+        obj[int(last)] = child
+    else:
+        obj[last] = child
+
+
+def init_random_weights(
+    model: nn.Module, dtype: mx.Dtype, seed: int, quantization: dict[str, Any] | None = None
+) -> None:
+    """Replace ``model``'s parameters with seeded random ones in ``dtype``, in place, and
+    with ``quantization`` (``{"group_size", "bits", "mode"}``) quantize them as they are
+    drawn (:func:`quantization_predicate`).
 
     Matrices (ndim >= 2) uniform with variance 1/fan_in, embeddings with standard
     deviation 0.02 (HF's ``initializer_range``); uniform rather than normal because it draws
@@ -181,7 +300,9 @@ def init_random_weights(model: nn.Module, dtype: mx.Dtype, seed: int) -> None:
     keeps them (``A_log`` stays float32, as mlx-lm loads it). Each parameter has its own
     key, ``split(key(seed))`` over the sorted parameter names, and is evaluated as soon as
     it is drawn: the lazy float32 init of the model's constructor is never computed for a
-    matrix, and the peak is one parameter's temporaries.
+    matrix, and the peak is one parameter's temporaries. Quantized, the unit is a leaf
+    layer: its parameters are drawn (the same keys, so the same weights as unquantized),
+    the layer is quantized and evaluated and replaces the original before the next one.
     """
     from mlx.utils import tree_flatten, tree_unflatten
 
@@ -189,26 +310,38 @@ def init_random_weights(model: nn.Module, dtype: mx.Dtype, seed: int) -> None:
     keep = keep if callable(keep) else (lambda path: True)
     params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
     keys = mx.random.split(mx.random.key(seed), len(params))
+    index = {name: i for i, (name, _) in enumerate(params)}
+    done: set[str] = set()
+    if quantization is not None:
+        predicate = quantization_predicate(model, quantization)
+        for path, module in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
+            local = tree_flatten(module.parameters())
+            drawn = []
+            for name, p in local:
+                full = f"{path}.{name}"
+                drawn.append((name, _draw(full, p, keys[index[full]], dtype, keep)))
+                done.add(full)
+            module.update(tree_unflatten(drawn))
+            args = predicate(path, module)
+            layer = module.to_quantized(**args) if args is not None else module
+            mx.eval(layer.parameters())
+            if layer is not module:
+                _set_child(model, path, layer)
     new = []
     for i, (name, p) in enumerate(params):
-        if not mx.issubdtype(p.dtype, mx.floating):
-            w = p
-        elif p.ndim >= 2:
-            embedding = name.endswith(("embed_tokens.weight", "embeddings.weight"))
-            std = 0.02 if embedding else 1.0 / math.sqrt(math.prod(p.shape[1:]))
-            bound = math.sqrt(3.0) * std  # U(-b, b) has variance b²/3
-            w = mx.random.uniform(-bound, bound, p.shape, dtype=dtype, key=keys[i])
-        else:
-            w = p.astype(dtype) if keep(name) else p
-        mx.eval(w)
-        new.append((name, w))
-    model.update(tree_unflatten(new))
+        if name not in done:
+            w = _draw(name, p, keys[i], dtype, keep)
+            mx.eval(w)
+            new.append((name, w))
+    if new:
+        model.update(tree_unflatten(new))
 
 
 def build_model(config: dict[str, Any], dtype: mx.Dtype, seed: int = DEFAULT_SEED) -> nn.Module:
     """The mlx-lm model of ``config`` with random weights in ``dtype``
-    (:func:`init_random_weights`); tied embeddings are tied as the loader ties them.
-    Reseeds MLX's global generator with ``seed`` (as :mod:`.tiny` does)."""
+    (:func:`init_random_weights`), quantized when ``config`` has ``"quantization"``; tied
+    embeddings are tied as the loader ties them. Reseeds MLX's global generator with
+    ``seed`` (as :mod:`.tiny` does)."""
     from mlx_lm.utils import _get_classes
 
     model_cls, args_cls = _get_classes(config)
@@ -219,7 +352,7 @@ def build_model(config: dict[str, Any], dtype: mx.Dtype, seed: int = DEFAULT_SEE
         if "lm_head" in model:
             model.tie_word_embeddings = True
             model.pop("lm_head")
-    init_random_weights(model, dtype, seed)
+    init_random_weights(model, dtype, seed, config.get("quantization"))
     model.eval()
     return model
 

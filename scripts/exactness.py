@@ -1,8 +1,9 @@
 """How far each cached chat operation is from a cold run, by teacher forcing.
 
-One scripted conversation (append, regenerate, swipe + append, edit the first turn, edit the
-last turn, restart + append, clear hot + append) runs through tierchat's engine with its
-cache on (``ChatSession``, greedy, ``--tokens`` per reply). For every operation, the reply's
+One scripted conversation (``chat_script.SCRIPT``: append, regenerate twice, swipe + append,
+edit the first turn, append, edit the last turn, restart + append, clear hot + append,
+regenerate) runs through tierchat's engine with its cache on (``ChatSession``, greedy,
+``--tokens`` per reply). For every operation, the reply's
 tokens are then fed, one decode step each, to a cold run of the same prompt (a no-cache
 engine, ``GenerateRequest.teacher_ids``) and to mlx-lm's ``LRUPromptCache`` used as
 ``mlx_lm/server.py`` uses it (nearest cache, checkpoints at system/user ends, prompt + reply
@@ -28,9 +29,7 @@ import mlx.core as mx
 import numpy as np
 import tierchat.core  # noqa: F401  (OpenBLAS before mlx)
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import (
-    LRUPromptCache,
-)
+from mlx_lm.models.cache import LRUPromptCache
 from tierchat.config.settings import Settings
 from tierchat.core.api import Finished, GenerateRequest
 from tierchat.core.conversation import ConversationStore
@@ -38,20 +37,7 @@ from tierchat.core.engine import Engine
 from tierchat.core.session import ChatSession
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hybrid_table import SYSTEM, USERS, mlx_lm_prefill  # noqa: E402  (one script dir)
-
-SCRIPT = [
-    ("user", USERS[0]),
-    ("append", USERS[1]),
-    ("regenerate",),
-    ("swipe+append", 1, 0, USERS[2]),
-    ("edit first", 0, USERS[3]),
-    ("append", USERS[1]),
-    ("edit last", USERS[2]),
-    ("restart+append", USERS[0]),
-    ("clear hot+append", USERS[3]),
-    ("regenerate",),
-]
+from chat_script import SCRIPT, SYSTEM, mlx_lm_prefill, play  # noqa: E402  (one script dir)
 
 
 def compare(ref: list[np.ndarray], got: list[np.ndarray]) -> dict:
@@ -84,25 +70,7 @@ def run_ours(args, tmp: Path) -> list[dict]:
     session = ChatSession(engine, ConversationStore(tmp / "chat.sqlite"), max_tokens=args.tokens)
     session.new_conversation(SYSTEM)
     rows = []
-    for op in SCRIPT:
-        name = op[0]
-        if name.startswith("restart"):
-            engine.close()
-            engine = session.engine = start()
-        if name.startswith("clear hot"):
-            engine.clear("hot")
-        if name.startswith("swipe"):
-            session.swipe(op[1], op[2])
-        if name == "regenerate":
-            turn = session.regenerate()
-        elif name == "edit first":
-            turn = session.edit(op[1], op[2])
-        elif name == "edit last":
-            turn = session.edit(len(session.user_turns()) - 1, op[1])
-        else:
-            turn = session.send(op[-1])
-        res = turn.wait(900)
-        assert isinstance(res, Finished), res
+    for name, turn, res in play(session, SCRIPT, start, timeout=900):
         reply = res.token_ids
         ref = cold.submit(GenerateRequest(prompt_ids=turn.prompt.token_ids, teacher_ids=reply))
         done = ref.wait(900)
@@ -114,7 +82,7 @@ def run_ours(args, tmp: Path) -> list[dict]:
                 ours=compare(ref.logprobs, turn.request_handle.logprobs),
             )
         )  # fmt: skip
-    engine.close()
+    session.engine.close()
     cold.close()
     return rows
 
@@ -128,7 +96,7 @@ def run_mlx_lm(args, rows: list[dict]) -> None:
     ).model
     lru = LRUPromptCache(max_size=10)
     for row in rows:
-        if row["op"].startswith(("restart", "clear hot")):
+        if row["op"].startswith(("restart", "clear_hot")):
             lru = LRUPromptCache(max_size=10)
         prompt, boundaries = list(row["prompt"]), row["boundaries"]
         cache, start = mlx_lm_prefill(lru, model, prompt, boundaries)

@@ -16,7 +16,6 @@ Prints one table per model (prefilled tokens and TTFT / cold TTFT per operation)
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import sys
@@ -27,39 +26,16 @@ from pathlib import Path
 import mlx.core as mx
 import tierchat.core  # noqa: F401  (OpenBLAS before mlx)
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import (
-    LRUPromptCache,
-    can_trim_prompt_cache,
-    make_prompt_cache,
-    trim_prompt_cache,
-)
+from mlx_lm.models.cache import LRUPromptCache
 from tierchat.config.settings import Settings
-from tierchat.core.api import Finished, GenerateRequest
+from tierchat.core.api import GenerateRequest
 from tierchat.core.conversation import ConversationStore
 from tierchat.core.engine import Engine
 from tierchat.core.session import ChatSession
 from tierchat.core.tiny import TINY_ARCHS
 
-SYSTEM = "You are a careful assistant. Answer briefly, and keep every answer short please."
-USERS = [
-    "Describe the tides, the moon and the wind over the harbour at dusk, in detail.",
-    "Now compare that with a mountain lake in winter, in two or three sentences.",
-    "Which of the two would a painter choose, and why would they choose it?",
-    "Summarise everything so far as a short list of three items, one line each.",
-]
-SCRIPT = [
-    ("user", USERS[0]),
-    ("user", USERS[1]),
-    ("regenerate",),
-    ("regenerate",),
-    ("swipe+user", 1, 0, USERS[2]),
-    ("edit", 0, USERS[3]),
-    ("user", USERS[1]),
-    ("edit_last", USERS[2]),
-    ("restart+user", USERS[0]),
-    ("clear_hot+user", USERS[3]),
-    ("regenerate",),
-]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from chat_script import SCRIPT, SYSTEM, USERS, mlx_lm_prefill, play  # noqa: E402  (one script dir)
 
 
 def run_ours(model: str, tmp: Path, block_size: int, max_tokens: int, repeat: int = 1):
@@ -79,30 +55,11 @@ def run_ours(model: str, tmp: Path, block_size: int, max_tokens: int, repeat: in
             sys.exit(f"error: {loaded.message}")
         return e
 
-    engine = start()
-    session = ChatSession(engine, ConversationStore(tmp / "chat.sqlite"), max_tokens=max_tokens)
+    session = ChatSession(start(), ConversationStore(tmp / "chat.sqlite"), max_tokens=max_tokens)
     session.new_conversation(SYSTEM)
+    script = [tuple(x * repeat if x in USERS else x for x in op) for op in SCRIPT]
     rows = []
-    for op in SCRIPT:
-        op = tuple(x * repeat if isinstance(x, str) and x in USERS else x for x in op)
-        name = op[0]
-        if name.startswith("restart"):
-            engine.close()
-            engine = session.engine = start()
-        if name.startswith("clear_hot"):
-            engine.clear("hot")
-        if name.startswith("swipe"):
-            session.swipe(op[1], op[2])
-        if name == "regenerate":
-            turn = session.regenerate()
-        elif name == "edit":
-            turn = session.edit(op[1], op[2])
-        elif name == "edit_last":
-            turn = session.edit(len(session.user_turns()) - 1, op[1])
-        else:
-            turn = session.send(op[-1])
-        res = turn.wait(600)
-        assert isinstance(res, Finished), res
+    for name, turn, res in play(session, script, start):
         rows.append(
             dict(
                 op=name,
@@ -113,6 +70,7 @@ def run_ours(model: str, tmp: Path, block_size: int, max_tokens: int, repeat: in
                 ours_ttft=res.metrics.ttft_s,
             )
         )
+    engine = session.engine
     # cold TTFT of each prompt, same engine and chunking
     for row in rows:
         h = engine.submit(GenerateRequest(prompt_ids=row["prompt"], max_tokens=1, use_cache=False))
@@ -120,37 +78,6 @@ def run_ours(model: str, tmp: Path, block_size: int, max_tokens: int, repeat: in
     model_dir = engine.loaded.model_dir
     engine.close()
     return rows, model_dir
-
-
-def mlx_lm_prefill(lru, model, prompt: list[int], boundaries) -> tuple[list, int]:
-    """``mlx_lm/server.py``'s flow up to decode: the nearest cached prefix (an exact entry is
-    trimmed by one token, or dropped when it cannot be), then a prefill up to the last
-    token in steps of 2048 (its ``prefill_step_size``), inserting a checkpoint at the end
-    of every system/user segment. Returns the cache and the number of tokens reused."""
-    cache, rest = lru.fetch_nearest_cache("m", prompt)
-    start = len(prompt) - len(rest)
-    if cache is None:
-        cache, start = make_prompt_cache(model), 0
-    if start == len(prompt):  # exact entry: the last token must be fed again
-        if can_trim_prompt_cache(cache):
-            trim_prompt_cache(cache, 1)
-            start -= 1
-        else:
-            cache, start = make_prompt_cache(model), 0
-    roles = dict(boundaries)
-    ends = sorted(
-        e for e, role in roles.items() if role in ("system", "user") and start < e < len(prompt) - 1
-    )
-    pos = start
-    for end in ends + [len(prompt) - 1]:
-        while end > pos:
-            step = min(2048, end - pos)
-            model(mx.array(prompt[pos : pos + step])[None], cache=cache)
-            mx.eval([c.state for c in cache])
-            pos += step
-        if end in ends:
-            lru.insert_cache("m", prompt[:end], copy.deepcopy(cache), cache_type=roles[end])
-    return cache, start
 
 
 def run_mlx_lm(rows, model_dir: Path):

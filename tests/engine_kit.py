@@ -16,8 +16,10 @@ LOGPROB_TOL = 1e-4  # float32: cached vs cold logprobs of the first tokens
 
 
 def make_engine(model: str, tmp: Path, models_dir: Path, **overrides) -> Engine:
-    """A loaded engine on ``model`` with small blocks and its cache under ``tmp``."""
+    """A loaded engine on ``model`` with small blocks and its cache under ``tmp``, on the
+    bitwise schedule unless ``bitwise=False`` is given (tests of the folded schedule)."""
     values = dict(
+        bitwise=True,
         block_size=16,
         cache_dir=tmp / "kv",
         models_dir=models_dir,

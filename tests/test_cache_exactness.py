@@ -175,3 +175,12 @@ def test_restart_regenerate_is_bitwise_hot_regenerate_and_cold(tmp_path, models_
     finally:
         cold.close()
         hot.close()
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_exactness_matrix_folded_schedule(lockstep, arch):
+    """The default schedule (``bitwise`` off): models without recurrent state fold the last
+    prompt token into the last chunk and restore the exact common prefix. Every cache path
+    still gives the cold run's greedy tokens and first logprobs within 1e-4."""
+    pair = lockstep(f"tiny:{arch}", bitwise=False)
+    run_matrix(pair)

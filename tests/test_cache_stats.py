@@ -1,4 +1,4 @@
-"""Every counter of the stats snapshot moves when it should (DESIGN.md §5 Stats)."""
+"""Every counter of the stats snapshot moves when it should (docs/DESIGN.md §10)."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from tierchat.core import memory as M
 from tierchat.core.api import MemoryStats
 from tierchat.core.models import load_model
+from tierchat.core.units import fmt_bytes
 
 GB = 10**9
 
@@ -64,13 +65,6 @@ def test_real_reader_reads_this_machine():
     x = mx.ones((1024, 1024))
     mx.eval(x)
     assert M.MemoryReader().read().active >= x.nbytes
-
-
-def test_format_bytes():
-    assert M.format_bytes(2_100_000_000) == "2.1 GB"
-    assert M.format_bytes(512_000_000) == "512.0 MB"
-    assert M.format_bytes(999) == "999 B"
-    assert M.format_bytes(999_999) == "1.0 MB"
 
 
 # ------------------------------------------------------------------ levels and budget
@@ -202,8 +196,8 @@ def test_plan_prefill_halves_chunk_then_refuses():
     assert (err.estimate_bytes, err.limit_bytes, err.chunk_tokens) == (10 * GB, 2 * GB, 32)
     msg = str(err)
     for part in (
-        "10.0 GB",
-        "2.0 GB",
+        "9.3 GiB",  # 10 GB in the one (binary) form of core.units
+        "1.9 GiB",
         "5,000 new tokens",
         "shorter prompt",
         "--block-size",
@@ -314,8 +308,8 @@ def test_estimate_bounds_measured_peak(n_tokens, chunk, eval_logits):
     )
     peak, est, active = measure(model, n_tokens, chunk, eval_logits)
     print(
-        f"T={n_tokens} chunk={chunk} measured {M.format_bytes(peak)} estimate "
-        f"{M.format_bytes(est)} ratio {est / peak:.2f} above weights "
+        f"T={n_tokens} chunk={chunk} measured {fmt_bytes(peak)} estimate "
+        f"{fmt_bytes(est)} ratio {est / peak:.2f} above weights "
         f"{(est - active) / (peak - active):.2f}"
     )
     assert peak <= est <= 3 * peak

@@ -446,7 +446,7 @@ def test_11_weights_over_the_limit_are_named():
     line = M.HardLine(int(0.92 * 200_000_000), 200_000_000, 0.92, in_use_bytes=450_000_000)
     err = M.PrefillRefused(600_000_000, line, 32, new_tokens=10)
     msg = str(err)
-    assert "weights" in msg and "450.0 MB" in msg and "shorter prompt will not help" in msg
+    assert "weights" in msg and "429.2 MiB" in msg and "shorter prompt will not help" in msg
     assert "Try a shorter prompt" not in msg
 
 

@@ -1,4 +1,4 @@
-"""``tierchat replay`` (DESIGN.md §9): output format, cache accounting, errors.
+"""``tierchat replay`` (docs/DESIGN.md §14): output format, cache accounting, errors.
 
 Runs ``main(argv)`` in-process on tiny models (block size 16) with a tmp cache, data and
 config; every engine the command starts is closed by the command itself.

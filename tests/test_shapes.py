@@ -13,8 +13,9 @@ import shutil
 
 import mlx.core as mx
 import pytest
+from mlx import nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 from tierchat.core import shapes
 from tierchat.core.device import compute_dtype, describe_device, device_info, dtype_name
 from tierchat.core.models import ModelError, list_models, load_model
@@ -24,6 +25,14 @@ needs_demo = pytest.mark.skipif(
     reason="shape: models take the demo package's tokenizer",
 )
 
+QWEN3_SMALL = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
 SMALL = {  # per shape: what shrinks it to a few MB of weights (vocab stays: the tokenizer's)
     "qwen2.5-0.5b": {
         "hidden_size": 64,
@@ -44,6 +53,21 @@ SMALL = {  # per shape: what shrinks it to a few MB of weights (vocab stays: the
         "linear_key_head_dim": 16,
         "linear_value_head_dim": 16,
         "full_attention_interval": 2,
+    },
+    "qwen3-8b": QWEN3_SMALL,
+    "qwen3-8b-4bit": QWEN3_SMALL,
+    "qwen3-30b-a3b-4bit": {
+        **QWEN3_SMALL,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+    },
+    "qwen2.5-0.5b-4bit": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
     },
     "gemma3-270m": {
         "hidden_size": 64,
@@ -105,6 +129,59 @@ def test_describe_device_names_the_cpu_and_float32():
 def test_qwen25_05b_has_qwen25_05b_parameter_count():
     # Qwen2.5-0.5B: 494,032,768 parameters (tied embeddings): the shapes are the real ones
     assert shapes.parameter_count(shapes.shape_config("qwen2.5-0.5b")) == 494_032_768
+
+
+def test_qwen3_8b_has_qwen3_8b_parameter_count():
+    # Qwen3-8B: 8,190,735,360 parameters (untied lm_head); the 4-bit variant has the same
+    # shapes before quantization
+    for name in ("qwen3-8b", "qwen3-8b-4bit"):
+        assert shapes.parameter_count(shapes.shape_config(name)) == 8_190_735_360
+    model = lazy_model(shapes.shape_config("qwen3-8b"))
+    attn = model.model.layers[0].self_attn
+    assert (attn.n_heads, attn.n_kv_heads, attn.q_norm.weight.shape) == (32, 8, (128,))
+    assert attn.rope.base == 1e6 and len(model.layers) == 36
+    assert model.model.layers[0].mlp.gate_proj.weight.shape == (12288, 4096)
+    assert "lm_head" in model and model.lm_head.weight.shape == (151936, 4096)
+    assert {type(c) for c in make_prompt_cache(model)} == {KVCache}
+
+
+def test_qwen3_30b_a3b_has_its_parameter_count_and_experts():
+    # Qwen3-30B-A3B: 30,532,122,624 parameters
+    config = shapes.shape_config("qwen3-30b-a3b-4bit")
+    assert shapes.parameter_count(config) == 30_532_122_624
+    model = lazy_model(config)
+    layer = model.model.layers[0]
+    assert (layer.self_attn.n_heads, layer.self_attn.n_kv_heads) == (32, 4)
+    assert layer.mlp.gate.weight.shape == (128, 2048) and layer.mlp.top_k == 8
+    assert layer.mlp.switch_mlp.gate_proj.weight.shape == (128, 768, 2048)
+    assert len(model.layers) == 48 and {type(c) for c in make_prompt_cache(model)} == {KVCache}
+    assert config["quantization"] == {"group_size": 64, "bits": 4, "mode": "affine"}
+
+
+def quantized_layers(model) -> dict[str, tuple[str, int, int]]:
+    return {
+        path: (type(m).__name__, m.bits, m.group_size)
+        for path, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
+        if hasattr(m, "bits")
+    }
+
+
+def test_4bit_shapes_quantize_every_layer_as_mlx_lm_convert_does():
+    dense = shapes.build_model(small_config("qwen3-8b"), mx.float32, seed=3)
+    q = shapes.build_model(small_config("qwen3-8b-4bit"), mx.float32, seed=3)
+    got = quantized_layers(q)
+    # 7 projections per layer x 2 layers, the embedding and lm_head; norms stay
+    assert len(got) == 16 and set(got.values()) >= {("QuantizedLinear", 4, 64)}
+    assert got["model.embed_tokens"] == ("QuantizedEmbedding", 4, 64)
+    assert type(q.model.norm) is type(dense.model.norm)
+    # the same seed draws the same weights: the 4-bit model is the dense one quantized
+    w, scales, biases = mx.quantize(dense.model.layers[1].mlp.down_proj.weight, 64, 4)
+    ql = q.model.layers[1].mlp.down_proj
+    assert mx.array_equal(ql.weight, w).item() and mx.array_equal(ql.scales, scales).item()
+    assert mx.array_equal(ql.biases, biases).item()
+    moe = quantized_layers(shapes.build_model(small_config("qwen3-30b-a3b-4bit"), mx.float32))
+    assert moe["model.layers.0.mlp.gate"] == ("QuantizedLinear", 8, 64)  # the router
+    assert moe["model.layers.0.mlp.switch_mlp.up_proj"] == ("QuantizedSwitchLinear", 4, 64)
 
 
 def test_hybrid_is_18_gated_delta_net_and_6_attention_layers():

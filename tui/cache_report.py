@@ -4,7 +4,7 @@ and the alerts a stats poll raises. Pure Python (no Textual)."""
 from __future__ import annotations
 
 from tierchat.core.api import CacheStats
-from tierchat.tui.format import fmt_bytes
+from tierchat.core.units import fmt_bytes
 
 CLEAR_TEXT: dict[str, tuple[str, str]] = {
     "hot": (

@@ -1,4 +1,7 @@
-"""Plain formatting of sizes, rates and turn metrics for the widgets (no Textual here)."""
+"""Formatting for the widgets only: tier/kind labels, rates, turn metrics, think blocks.
+
+Sizes, counts and durations come from :mod:`tierchat.core.units` (one form everywhere);
+no Textual here."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from dataclasses import fields
 from typing import Any
 
 from tierchat.core.api import CACHE_KINDS, CACHE_SOURCES, TurnMetrics
+from tierchat.core.units import fmt_count, fmt_seconds
 
 SOURCE_LABELS = {
     "hot": "hot",
@@ -17,30 +21,6 @@ SOURCE_LABELS = {
     "checkpoint": "checkpoint",
 }
 _TURN_FIELDS = {f.name for f in fields(TurnMetrics)}
-
-
-def fmt_bytes(n: int) -> str:
-    """``1536`` -> ``"1.5 KiB"``; binary units, one decimal from KiB up."""
-    if n < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024
-        if value < 1024 or unit == "TiB":
-            return f"{value:.1f} {unit}"
-    raise AssertionError("unreachable")
-
-
-def fmt_count(n: int) -> str:
-    """``12345`` -> ``"12,345"``."""
-    return f"{n:,}"
-
-
-def fmt_seconds(s: float) -> str:
-    """TTFT-style seconds: ms below one second, else two decimals."""
-    if s < 1.0:
-        return f"{s * 1000:.0f} ms"
-    return f"{s:.2f} s"
 
 
 def metrics_from_meta(meta: dict[str, Any] | None) -> TurnMetrics | None:
@@ -115,6 +95,8 @@ def fmt_metrics(m: TurnMetrics) -> str:
         f"TTFT {fmt_seconds(m.ttft_s)}",
         f"{m.generation_tps:.1f} tok/s",
     ]
+    if m.restore_choice:  # e.g. "ssd 3.8K tok, 48 MiB, est 0.06 s < recompute 0.09 s"
+        parts.append(m.restore_choice)
     if m.finish_reason == "cancelled":
         parts.append("stopped")
     elif m.finish_reason == "length":

@@ -1,6 +1,6 @@
 """The models the picker offers: built-in names and local MLX model directories.
 
-Pure Python (the TUI never imports MLX): the built-in names mirror DESIGN.md §3, and a local
+Pure Python (the TUI never imports MLX): the built-in names mirror docs/DESIGN.md §3, and a local
 directory counts as an MLX model when it holds ``config.json`` and ``*.safetensors``.
 """
 

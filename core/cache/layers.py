@@ -2,7 +2,7 @@
 
 mlx-lm models keep one cache object per layer (``model.make_cache()``); some are nested
 (``CacheList``). We flatten them into *leaves* named by their path ("3", "5.0", "5.1") and
-give each leaf one small adapter according to its kind (DESIGN.md §5):
+give each leaf one small adapter according to its kind (docs/DESIGN.md §5):
 
 - ``kv`` (sliceable): ``KVCache``, ``QuantizedKVCache``. A block stores its tokens' K/V slice;
   a prefix is the concatenation of its blocks' slices.

@@ -1,7 +1,7 @@
 """The prefix cache: lookup, all-or-nothing restore, and store, over the resident cache,
 the hot tier and the SSD tier.
 
-A restore for a prompt of ``N`` tokens lands on one position ``P <= N - 1`` (DESIGN.md §5):
+A restore for a prompt of ``N`` tokens lands on one position ``P <= N - 1`` (docs/DESIGN.md §9):
 
 - **Allowed positions.** ``P`` is a point of the prompt's prefill schedule
   (:func:`schedule_points`: multiples of the chunk size, message ends, ``N - 1``), or the
@@ -48,19 +48,28 @@ from .blocks import (
     tail_id,
 )
 from .hot import HotTier
+from .rates import Choice, Rates
 from .ssd import SSDTier
 
 Spec = dict[str, tuple[tuple[int, ...], Any]]
 
 
-def schedule_points(n: int, chunk: int, boundaries=()) -> list[int]:
-    """The prefill schedule of a prompt of ``n`` tokens: sorted chunk ends in ``(0, n - 1]``.
+def schedule_points(n: int, chunk: int, boundaries=(), fold: bool = False) -> list[int]:
+    """The prefill schedule of a prompt of ``n`` tokens: sorted chunk ends.
 
-    Every multiple of ``chunk`` below ``n - 1``, every message end (``boundaries``:
-    ``(end_offset, role)``) below ``n - 1``, and ``n - 1`` itself (the last token is fed to
-    decode). A fixed function of the prompt: a cold run and a run restored at one of these
-    points compute the same chunks after it.
+    Bitwise schedule (``fold`` False), in ``(0, n - 1]``: every multiple of ``chunk`` below
+    ``n - 1``, every message end (``boundaries``: ``(end_offset, role)``) below ``n - 1``,
+    and ``n - 1`` itself (the last token is fed to decode, as mlx-lm's ``generate_step``
+    does). A fixed function of the prompt: a cold run and a run restored at one of these
+    points compute the same chunks after it, so their outputs are bit-identical.
+
+    Folded schedule (``fold`` True, models without recurrent state), in ``(0, n]``: every
+    multiple of ``chunk`` below ``n``, then ``n``: the last chunk includes the last prompt
+    token and gives the first token's logits, one forward fewer per request; message ends
+    are no chunk ends (a KV cache can be cut back anywhere, so a restore needs none).
     """
+    if fold:
+        return sorted({*range(chunk, n, chunk), n}) if n > 0 else []
     last = n - 1
     if last <= 0:
         return []
@@ -70,8 +79,16 @@ def schedule_points(n: int, chunk: int, boundaries=()) -> list[int]:
     return sorted(points)
 
 
-def chunk_ends(start: int, points: Sequence[int]) -> list[int]:
-    """The schedule points after ``start``: the ends of the chunks that prefill from it."""
+def chunk_ends(start: int, points: Sequence[int], chunk: int = 0) -> list[int]:
+    """The ends of the chunks that prefill from ``start``: the schedule points after it.
+
+    ``chunk`` > 0 (the folded schedule, whose restores land anywhere): chunks of ``chunk``
+    tokens counted from ``start`` up to the last point, so a turn of up to ``chunk`` new
+    tokens is one forward, as mlx-lm's prefill steps count from its restore point.
+    """
+    if chunk > 0 and points:
+        end = points[-1]
+        return [*range(start + chunk, end, chunk), end] if start < end else []
     return [p for p in points if p > start]
 
 
@@ -108,6 +125,8 @@ class Restored:
     nbytes: int = 0  # bytes copied into the cache (0 when the resident cache was cut)
     caches: list[Any] | None = None
     first_logprobs: Any = None  # set when position == the whole prompt (restore_repeat)
+    choice: Choice | None = None  # SSD read or recompute, when the rates chose (.rates)
+    ssd_bytes: int = 0  # bytes of SSD files read
 
 
 @dataclass
@@ -185,8 +204,15 @@ class PrefixCache:
         max_checkpoints: int = 32,
         writer_queue: int = 4096,
         pin_system: bool = True,
+        exact_prefix: bool = False,
+        rates: Rates | None = None,
     ) -> None:
         self.fingerprint = fingerprint
+        # restores of models without state layers land on the exact common prefix
+        # whenever it is further than the last schedule point (the folded schedule)
+        self.exact_prefix = exact_prefix
+        # measured prefill and SSD read rates: restore or recompute (None: always restore)
+        self.rates = rates
         self.root = root_id(fingerprint)
         self._chain = ChainHasher(self.root, block_size)
         self.leaves = tuple(leaves)
@@ -223,6 +249,7 @@ class PrefixCache:
         self.tail_stashes = self.tail_hits = self.tail_misses = self.tail_tokens_saved = 0
         self.checkpoint_hits = 0
         self.restore_errors = 0
+        self._ssd_read = 0  # bytes of SSD files the current restore read
         self._evicted_batch = [0, 0]  # [tails and checkpoints, blocks]
 
     # ------------------------------------------------------------------ events
@@ -274,20 +301,20 @@ class PrefixCache:
         return len(r.tokens) if r is not None else 0
 
     # ------------------------------------------------------------------ lookup
-    def _held(self, entry_id: str) -> Held | None:
+    def _held(self, entry_id: str, use_ssd: bool = True) -> Held | None:
         e = self.hot.peek(entry_id)
         if e is not None:
             return Held("hot", e.window, e.snapshot)
-        if self.ssd is not None:
+        if self.ssd is not None and use_ssd:
             m = self.ssd.meta(entry_id)
             if m is not None:
                 return Held("ssd", m.window, m.snapshot)
         return None
 
-    def _children(self, parent: str) -> list:
+    def _children(self, parent: str, use_ssd: bool = True) -> list:
         """Entries (hot ``Entry`` or SSD ``FileMeta``) that follow ``parent``."""
         found = {i: self.hot.peek(i) for i in self.hot.children.get(parent, ())}
-        if self.ssd is not None:
+        if self.ssd is not None and use_ssd:
             for m in self.ssd.children_of(parent):
                 found.setdefault(m.id, m)
         return [t for t in found.values() if t is not None]
@@ -299,11 +326,13 @@ class PrefixCache:
         points: Sequence[int],
         resident: Resident | None = None,
         max_position: int | None = None,
+        use_ssd: bool = True,
     ) -> Plan | None:
         """The furthest allowed position at which every leaf can be rebuilt, or None.
 
         ``ids``: the prompt's chain ids; ``points``: its schedule (:func:`schedule_points`);
-        ``max_position``: no plan beyond this many tokens (None: up to ``N - 1``).
+        ``max_position``: no plan beyond this many tokens (None: up to ``N - 1``);
+        ``use_ssd``: False plans from the resident cache and the hot tier only.
         """
         limit = len(prompt) - 1
         if max_position is not None:
@@ -319,14 +348,14 @@ class PrefixCache:
             n_res = len(resident.tokens)
             if all(lf.can_cut(live[lf.name], n_res, limit) for lf in self.leaves):
                 return Plan(limit, frozenset(lf.name for lf in self.leaves))
-        held = [self._held(i) for i in ids[: limit // bs]]
+        held = [self._held(i, use_ssd) for i in ids[: limit // bs]]
         # entries after each chain block that match the prompt: (common tokens, entry)
         after: dict[int, list[tuple[int, Any]]] = {}
         allowed = set(points)
         for j in range(len(held) + 1):
             parent = ids[j - 1] if j else self.root
             found = []
-            for t in self._children(parent):
+            for t in self._children(parent, use_ssd):
                 if t.start != j * bs:
                     continue
                 lo = j * bs
@@ -350,14 +379,16 @@ class PrefixCache:
         if self.state:
             return best
         # Models without state layers can also stop at the exact common prefix (as a trie
-        # of trimmable caches would). Taken only when it saves more than a block over the
-        # last schedule point: the tokens between would be computed in a chunk the cold
-        # run does not have, so the schedule point is preferred at equal speed.
+        # of trimmable caches would). With the bitwise schedule, only when it saves more
+        # than a block over the last schedule point: the tokens between would be computed
+        # in a chunk the cold run does not have, so the schedule point is preferred at
+        # equal speed. With the folded schedule (``exact_prefix``), whenever it is further.
         n_chain = next((j for j, h in enumerate(held) if h is None), len(held))
         extent = n_chain * bs + max((n for n, _ in after.get(n_chain, ())), default=0)
         floor = best.position if best is not None else 0
+        margin = 0 if self.exact_prefix else bs
         for P in sorted({min(limit, extent), min(limit, common)}, reverse=True):
-            if P - floor > bs:
+            if P - floor > margin:
                 plan = self._plan_at(P, prompt, held, after, resident, common, live)
                 if plan is not None:
                     return plan
@@ -419,6 +450,7 @@ class PrefixCache:
         e = self.ssd.load(entry_id, expected=self._expected_by_flags[meta.window, meta.snapshot])
         if e is None:
             return None
+        self._ssd_read += meta.nbytes
         e.snapshot_nbytes = self._snapshot_nbytes(e.arrays)
         self.hot.put(e)  # promote
         return e, "ssd"
@@ -484,6 +516,7 @@ class PrefixCache:
         Entries that fail validation are evicted and counted.
         """
         resident = self.take_resident()
+        self._ssd_read = 0
         limit = len(prompt) - 1
         # misses: the prompt's full blocks that a tier does not hold at lookup time
         for i in ids[: max(limit, 0) // self.block_size]:
@@ -491,8 +524,12 @@ class PrefixCache:
                 self.hot_misses += 1
                 if self.ssd is not None and self.ssd.meta(i) is None:
                     self.ssd.misses += 1
+        choice, use_ssd = None, True
         for _ in range(4):
-            plan = self.plan(prompt, ids, points, resident, max_position)
+            plan = self.plan(prompt, ids, points, resident, max_position, use_ssd)
+            if plan is not None and choice is None:
+                plan, choice = self._choose(plan, prompt, ids, points, resident, max_position)
+                use_ssd = choice is None or choice.taken == "ssd"
             if plan is None:
                 break
             loaded: list[tuple[int, Entry, str]] = []
@@ -522,11 +559,34 @@ class PrefixCache:
                 continue
             if self.ssd is not None:
                 self.ssd.drop_reads()
-            return self._fill(plan, loaded, tail, resident, fresh)
+            out = self._fill(plan, loaded, tail, resident, fresh)
+            out.choice, out.ssd_bytes = choice, self._ssd_read
+            return out
         if self.ssd is not None:
             self.ssd.drop_reads()
         self.tail_misses += 1
-        return Restored(caches=fresh())
+        return Restored(caches=fresh(), choice=choice)
+
+    def _choose(self, plan: Plan, prompt, ids, points, resident, max_position):
+        """``plan``, or the furthest plan from RAM only when computing the tokens that only
+        the SSD tier holds is estimated faster than reading them (:mod:`.rates`); with the
+        :class:`~.rates.Choice` made, None when the plan reads nothing from SSD or a rate
+        is still unknown."""
+        if self.ssd is None or self.rates is None:
+            return plan, None
+        on_ssd = [ids[i] for i in plan.blocks if ids[i] not in self.hot]
+        if plan.tail is not None and plan.tail.id not in self.hot:
+            on_ssd.append(plan.tail.id)
+        nbytes = sum(m.nbytes for m in map(self.ssd.meta, on_ssd) if m is not None)
+        if not nbytes:
+            return plan, None
+        ram = self.plan(prompt, ids, points, resident, max_position, use_ssd=False)
+        tokens = plan.position - (ram.position if ram is not None else 0)
+        choice = self.rates.choose(tokens, nbytes)
+        if choice is None:
+            return plan, None
+        self.log(choice.describe())
+        return (ram if choice.taken == "recompute" else plan), choice
 
     def _fill(self, plan: Plan, loaded, tail, resident: Resident | None, fresh) -> Restored:
         P, bs = plan.position, self.block_size
@@ -804,6 +864,8 @@ class PrefixCache:
 
     def close(self) -> None:
         self.persist()
+        if self.rates is not None:
+            self.rates.save()
         if self.ssd is not None:
             self.ssd.close()
 

@@ -1,7 +1,7 @@
 """One request's use of the prefix cache: the per-request cache protocol.
 
 The engine does the model work (forwards, sampling); a :class:`CacheRequest` does all the
-cache needs around it, in the order a request meets it (docs/DESIGN.md §6)::
+cache needs around it, in the order a request meets it (docs/DESIGN.md §9)::
 
     req = prefix_cache.begin(prompt, points, boundaries, fresh)  # the SSD writer waits
     restored = req.restore()                   # resident cut, hot / SSD entries, or fresh
@@ -21,6 +21,7 @@ Everything here runs on the engine thread.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,6 +59,8 @@ class CacheRequest:
         self.max_position = max_position
         self.ids = cache.ids(self.prompt)
         self.read_ssd = False  # the restore read from the SSD tier
+        self._restored_at = time.perf_counter()
+        self._position = 0
         # state models keep a checkpoint at every chunk end (message ends included)
         self._checkpoint_kind = KIND_BOUNDARY if cache.state else None
         self._deferred: list = []  # entries whose KV slices are added after the first token
@@ -70,6 +73,7 @@ class CacheRequest:
         it, with the kept logprobs of its first token; see
         :meth:`PrefixCache.restore_repeat <.prefix.PrefixCache.restore_repeat>`)."""
         n, limit = len(self.prompt), self.max_position
+        t0 = time.perf_counter()
         restored = None
         if limit is None or limit >= n:
             restored = self.cache.restore_repeat(self.prompt)
@@ -78,14 +82,18 @@ class CacheRequest:
                 self.prompt, self.ids, self.points, self.fresh, max_position=limit
             )
         self.read_ssd = bool(restored.cached_by.get("ssd"))
+        self._restored_at = time.perf_counter()
+        self._position = restored.position
+        if self.cache.rates is not None and restored.ssd_bytes:
+            self.cache.rates.observe_read(restored.ssd_bytes, self._restored_at - t0)
         return restored
 
     def chunk(self, caches: list[Any], start: int, end: int) -> list[mx.array]:
         """Capture what the chunk ``[start, end)`` just computed into ``caches`` (lazy):
         window slices and state snapshots, which a later chunk would overwrite, and the
-        prompt's tail entry at ``N - 1``. Returns the arrays to evaluate with the chunk
+        prompt's tail entry at ``N - 1`` (at ``N`` on the folded schedule). Returns the arrays to evaluate with the chunk
         (one eval). KV slices wait for :meth:`first_token` (the live cache keeps them)."""
-        kind = KIND_TAIL if end == len(self.prompt) - 1 else self._checkpoint_kind
+        kind = KIND_TAIL if end >= len(self.prompt) - 1 else self._checkpoint_kind
         entries = self.cache.capture(
             caches, self.prompt, self.ids, start, end, self.boundaries, kind, defer_kv=True
         )
@@ -95,6 +103,9 @@ class CacheRequest:
     def first_token(self, caches: list[Any]) -> None:
         """The first token is out: complete the entries the chunks captured (their KV
         slices), hand them to the SSD tier and let its writer run."""
+        if self.cache.rates is not None:  # what computing the rest cost: the prefill rate
+            elapsed = time.perf_counter() - self._restored_at
+            self.cache.rates.observe_prefill(len(self.prompt) - self._position, elapsed)
         self._complete(caches)
         self.cache.persist()
         self._resume_writer()

@@ -6,7 +6,7 @@ from textual.app import ComposeResult
 from textual.clock import Clock
 from textual.containers import Horizontal
 from textual.widgets import ProgressBar, Static
-from tierchat.tui.format import fmt_count
+from tierchat.core.units import fmt_count
 
 
 class ActivityBar(Horizontal):

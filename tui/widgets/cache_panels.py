@@ -18,14 +18,8 @@ from textual.content import Content
 from textual.reactive import reactive
 from textual.widgets import DataTable, ProgressBar, RichLog, Static
 from tierchat.core.api import CacheStats, MemoryStats, TailStats, TierStats
-from tierchat.tui.format import (
-    fmt_bytes,
-    fmt_cached_by,
-    fmt_cached_kind,
-    fmt_count,
-    fmt_rate,
-    fmt_seconds,
-)
+from tierchat.core.units import fmt_bytes, fmt_count, fmt_seconds
+from tierchat.tui.format import fmt_cached_by, fmt_cached_kind, fmt_rate
 
 SPARK_POINTS = 40
 

@@ -15,7 +15,8 @@ from textual.containers import Vertical
 from textual.reactive import reactive
 from textual.widgets import DataTable, Static
 from tierchat.core.serve_log import LogSnapshot, RequestRecord
-from tierchat.tui.format import SOURCE_LABELS, fmt_cached_by, fmt_count
+from tierchat.core.units import fmt_count, fmt_seconds
+from tierchat.tui.format import fmt_cached_by, fmt_cached_kind
 
 COLUMNS: tuple[tuple[str, str], ...] = (
     ("seq", "#"),
@@ -41,22 +42,12 @@ STATUS_LABELS = {
 }
 
 
-def fmt_kinds(cached_kind: dict[str, int]) -> str:
-    """``{"block": 512, "tail": 40}`` -> ``"block 512 · tail 40"`` (zeros left out)."""
-    parts = [f"{SOURCE_LABELS.get(k, k)} {fmt_count(v)}" for k, v in cached_kind.items() if v]
-    return " · ".join(parts)
-
-
-def fmt_ms(seconds: float) -> str:
-    return f"{seconds * 1000:.0f} ms" if seconds < 10 else f"{seconds:.1f} s"
-
-
 def record_cells(record: RequestRecord, clock_time=time.localtime) -> tuple[str, ...]:
     """The row of one request, in :data:`COLUMNS` order."""
     finished = record.status in ("done", "cancelled") and record.prompt_tokens > 0
     source = ""
     if finished and record.cached_tokens:
-        source = f"{fmt_cached_by(record.cached_by)} | {fmt_kinds(record.cached_kind)}"
+        source = f"{fmt_cached_by(record.cached_by)} | {fmt_cached_kind(record.cached_kind)}"
     elif record.status == "failed":
         source = record.error[:60]
     return (
@@ -69,8 +60,8 @@ def record_cells(record: RequestRecord, clock_time=time.localtime) -> tuple[str,
         fmt_count(record.cached_tokens) if finished else "",
         source,
         fmt_count(record.prefill_tokens) if finished else "",
-        fmt_ms(record.ttft_s) if finished else "",
-        fmt_ms(record.wait_s) if finished else "",
+        fmt_seconds(record.ttft_s) if finished else "",
+        fmt_seconds(record.wait_s) if finished else "",
         f"{record.generation_tps:.1f}" if finished else "",
     )
 

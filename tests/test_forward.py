@@ -1,0 +1,116 @@
+"""The folded schedule's pieces: the last chunk gives the first token (core/forward.py),
+and short chunks' attention in plain MLX ops (core/attention.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import pytest
+from engine_kit import assert_same, generate, make_engine, random_prompt
+from tierchat.core.attention import _fast_sdpa, chunk_attention, explicit_attention
+from tierchat.core.forward import last_logits_fn, verify_last_logits
+from tierchat.core.tiny import TINY_ARCHS
+
+STATE_ARCHS = {"qwen3_next", "qwen3_5", "mamba2", "falcon_h1", "baichuan_m1"}
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_last_chunk_gives_the_first_token_on_models_without_state(tmp_path, models_dir, arch):
+    """KV and window models: one chunk from the restore point to N, no separate forward of
+    the last token; state models keep N-1 (their snapshot there serves a regenerate)."""
+    engine = make_engine(f"tiny:{arch}", tmp_path, models_dir, bitwise=False, prefill_chunk=32)
+    cold = make_engine(
+        f"tiny:{arch}",
+        tmp_path / "cold",
+        models_dir,
+        bitwise=False,
+        prefill_chunk=32,
+        no_cache=True,
+    )
+    try:
+        prompt = random_prompt(75, seed=7)
+        bounds = ((9, "system"), (40, "user"))
+        a, ha = generate(cold, prompt, max_tokens=4, boundaries=bounds)
+        b, hb = generate(engine, prompt, max_tokens=4, boundaries=bounds)
+        assert_same(a, ha, b, hb)
+        if arch in STATE_ARCHS:
+            assert hb.chunk_ends == (9, 32, 40, 64, 74)
+        else:  # message ends are no chunk ends; the last chunk ends at N
+            assert hb.chunk_ends == (32, 64, 75)
+        # a next turn: one chunk after the restored prompt + reply on KV models (chunks
+        # count from the restore point)
+        longer = prompt + b.token_ids + random_prompt(20, seed=8)
+        c, hc = generate(cold, longer, max_tokens=4)
+        d, hd = generate(engine, longer, max_tokens=4)
+        assert_same(c, hc, d, hd)
+        assert d.metrics.cached_tokens >= len(prompt)
+        if arch not in STATE_ARCHS:
+            assert len(hd.chunk_ends) == 1 and hd.chunk_ends[-1] == len(longer)
+    finally:
+        engine.close()
+        cold.close()
+
+
+def test_a_head_that_differs_is_not_folded(tmp_path, models_dir):
+    engine = make_engine("tiny:llama", tmp_path, models_dir, bitwise=False)
+    try:
+        model = engine.loaded.model
+        fn = last_logits_fn(model)
+        assert fn is not None and verify_last_logits(model, fn, engine._make_cache)
+
+        def soft_capped(tokens, cache):  # what a model with logit soft-capping would differ by
+            return mx.tanh(fn(tokens, cache) / 30.0) * 30.0 + 1.0
+
+        assert not verify_last_logits(model, soft_capped, engine._make_cache)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("mask", ["causal", None, "array", "bool"])
+def test_explicit_attention_equals_mlx_sdpa(mask):
+    mx.random.seed(0)
+    q = mx.random.normal((1, 8, 5, 16))
+    k = mx.random.normal((1, 2, 20, 16))
+    v = mx.random.normal((1, 2, 20, 16))
+    m = {
+        "array": mx.random.normal((5, 20)),
+        "bool": mx.random.uniform(shape=(1, 1, 5, 20)) > 0.3,
+    }.get(mask, mask)
+    want = _fast_sdpa(q, k, v, scale=0.25, mask=m)
+    got = explicit_attention(q, k, v, 0.25, m)
+    assert float(mx.abs(want - got).max()) < 1e-5
+
+
+def test_chunk_attention_applies_to_short_chunks_on_its_thread_only():
+    calls = []
+
+    def probe(length):
+        q = mx.zeros((1, 2, length, 8))
+        k = v = mx.zeros((1, 2, 40, 8))
+        before = mx.fast.scaled_dot_product_attention
+        out = before(q, k, v, scale=1.0, mask="causal")
+        calls.append(out.shape)
+
+    import tierchat.core.attention as attention
+
+    seen = []
+    real = attention.explicit_attention
+
+    def spy(*args, **kwargs):
+        seen.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    attention.explicit_attention = spy
+    try:
+        with chunk_attention(16):
+            probe(8)  # short: plain ops
+            probe(32)  # longer than max_query: the fast kernel
+            t = threading.Thread(target=probe, args=(8,), name="other")
+            t.start()
+            t.join()
+        probe(8)  # outside the block
+    finally:
+        attention.explicit_attention = real
+    assert seen == [threading.current_thread().name]
+    assert len(calls) == 4

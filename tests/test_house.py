@@ -1,0 +1,83 @@
+"""House rules over the source tree: design pointers resolve, one import style in cli/.
+
+Reads the repository's files as text (no imports of the modules), so it runs in well
+under a second.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DESIGN = ROOT / "docs" / "DESIGN.md"
+SOURCES = ("core", "cli", "tui", "config", "scripts", "tests")
+
+
+def _texts() -> list[tuple[Path, str]]:
+    files = [p for d in SOURCES for p in (ROOT / d).rglob("*.py")]
+    files.append(ROOT / "README.md")
+    return [(p, p.read_text(encoding="utf-8")) for p in files]
+
+
+def _sections() -> set[str]:
+    return set(re.findall(r"^##+ (\d+(?:\.\d+)?)\.? ", DESIGN.read_text(), flags=re.M))
+
+
+def test_design_document_has_numbered_sections():
+    sections = _sections()
+    assert {str(n) for n in range(1, 19)} <= sections
+    assert {"8.1", "8.2", "8.3", "8.4"} <= sections
+
+
+def test_every_design_pointer_names_a_section_of_docs_design():
+    """A docstring that cites the design cites ``docs/DESIGN.md §N`` with N a section of
+    that file: never a bare ``DESIGN.md``, a file outside the repo, or a missing section."""
+    sections = _sections()
+    this = Path(__file__).resolve()
+    wrong = []
+    for path, text in _texts():
+        if path == this:
+            continue
+        for m in re.finditer(r"(\S*)DESIGN(\.md)?( §\s*[\d.]+)?", text):
+            where = f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}"
+            prefix, ref = m.group(1), m.group(3)
+            if not prefix.endswith("docs/") and "[docs/DESIGN.md]" not in m.group(0):
+                wrong.append(f"{where}: {m.group(0)!r} is not docs/DESIGN.md")
+            elif ref and ref.strip(" §").rstrip(".") not in sections:
+                wrong.append(f"{where}: {m.group(0)!r} names no section of docs/DESIGN.md")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_pointer_to_a_file_outside_the_repo():
+    outside = re.compile(r"\.\./shared/|/work/shared|(?<![\w/])STYLE\.md")
+    hits = [str(p.relative_to(ROOT)) for p, text in _texts() if outside.search(text)]
+    hits = [h for h in hits if h != "tests/test_house.py"]
+    assert not hits, hits
+
+
+def test_cli_tui_and_config_import_absolutely():
+    """``from tierchat.x import ...``, never ``from .x`` (one style; core/ is not held to it
+    yet)."""
+    relative = []
+    for d in ("cli", "tui", "config"):
+        for path in sorted((ROOT / d).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ImportFrom) and node.level:
+                    relative.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not relative, relative
+
+
+def test_one_home_for_size_count_and_duration_formatters():
+    """No module but core/units.py defines a byte, count or duration formatter."""
+    name = re.compile(r"^_?(fmt|format|human)_(bytes|size|count|seconds|ms|duration)\w*$")
+    found = []
+    for d in ("core", "cli", "tui", "config"):
+        for path in sorted((ROOT / d).rglob("*.py")):
+            if path == ROOT / "core" / "units.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.FunctionDef) and name.match(node.name):
+                    found.append(f"{path.relative_to(ROOT)}: {node.name}")
+    assert not found, found
