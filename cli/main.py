@@ -217,9 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help, or a usage error argparse already printed
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     try:
+        from tierchat.cli import ranks
         from tierchat.config.settings import SettingsError, load_settings
-
-        from . import ranks
 
         if getattr(args, "hostfile", None) and not ranks.launched():
             argv = list(sys.argv[1:] if argv is None else argv)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CLIError
+from tierchat.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CLIError
 
 RANK_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")  # core/distributed.py reads them
 

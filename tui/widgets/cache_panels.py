@@ -358,7 +358,7 @@ class CachePanels(VerticalScroll):
         self.can_focus = False  # Tab cycles list, transcript and input
 
     def compose(self) -> ComposeResult:
-        from .ranks_panel import RanksPanel  # it builds on Panel, from this module
+        from tierchat.tui.widgets.ranks_panel import RanksPanel  # builds on Panel (here)
 
         yield Static("cache: waiting for the engine…", id="cache-model", markup=False)
         yield RanksPanel(clock=self._clock, id="ranks-panel")  # several ranks only

@@ -10,8 +10,7 @@ from textual.app import ComposeResult
 from textual.widgets import Static
 from tierchat.core.api import CacheStats, RankStats
 from tierchat.tui.format import fmt_bytes, fmt_count
-
-from .cache_panels import Panel
+from tierchat.tui.widgets.cache_panels import Panel
 
 MAX_ROWS = 4
 _LEVEL_ORDER = {"ok": 0, "soft": 1, "hard": 2}
