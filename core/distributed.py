@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any
 
 import mlx.core as mx
 
@@ -42,8 +42,6 @@ from .api import RankStats
 # variables a launcher sets for every rank (mlx.launch: MLX_RANK; mpirun: OMPI_*, PMI_*)
 _RANK_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 DEFAULT_TIMEOUT_S = 120.0
-
-ShardMode = Literal["tensor", "pipeline"]
 
 
 class RankError(RuntimeError):
@@ -101,7 +99,8 @@ class Ranks:
     Every method that communicates must be called by every rank, in the same order, on
     the engine thread (MLX streams belong to the thread that made them). Arrays are
     evaluated before a method returns, so a dead peer raises here (``RuntimeError`` from
-    the backend, re-raised as :class:`RankError`) and never later inside the model.
+    the backend, re-raised as :class:`RankError`, :attr:`failed` set); inside a model
+    forward the engine sets :attr:`failed` when its job raises.
     """
 
     def __init__(self, group: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -111,7 +110,6 @@ class Ranks:
         self.timeout_s = float(timeout_s)
         # ring, MPI and JACCL reduce on the CPU; NCCL on the GPU's default stream
         self.stream = None if mx.cuda.is_available() else mx.cpu
-        self.mode: ShardMode | None = None
         self.failed = ""  # set by the watchdog or a collective that raised
         self.on_timeout: Callable[[str], None] | None = None
         self._lock = threading.Lock()
@@ -220,13 +218,13 @@ class Ranks:
             return
         self._start_watchdog()
         with self._lock:
-            self._section = stage
+            outer, self._section = self._section, stage
         self.tick()
         try:
             yield
         finally:
             with self._lock:
-                self._section = None
+                self._section = outer  # sections nest: the request goes on being watched
 
     def _start_watchdog(self) -> None:
         if self._watchdog is None:

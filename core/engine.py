@@ -260,6 +260,9 @@ class Engine:
                 fn(arg, handle)
             except Exception as exc:  # an engine error never kills the thread
                 self._on_log(f"engine error: {exc!r}")
+                if self.ranks is not None and not self.ranks.failed:
+                    # the other ranks may be anywhere in this job now: out of step
+                    self.ranks.failed = f"the ranks are out of step after {exc!r}"
                 if handle is not None and not handle.done:
                     handle.emit(Failed(f"{type(exc).__name__}: {exc}"))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from textual.app import ComposeResult
 from textual.widgets import Static
 from tierchat.core.api import CacheStats, RankStats
-from tierchat.tui.format import fmt_bytes, fmt_count
+from tierchat.core.units import fmt_bytes, fmt_count
 from tierchat.tui.widgets.cache_panels import Panel
 
 MAX_ROWS = 4
