@@ -448,3 +448,44 @@ def test_layout_is_part_of_the_cache_key():
     }
     assert len(keys) == 2 * (2 + 4)
     assert "f" * 64 not in keys
+
+
+def test_serve_on_two_ranks(tmp_path, models_dir):
+    """``tierchat serve`` on rank 0, a worker beside it: the second turn of a chat comes
+    from the cache, and Ctrl-C ends both ranks cleanly."""
+    import urllib.request
+
+    from rank_kit import free_ports
+
+    port = free_ports(1)[0]
+    argv = ["serve", "--port", str(port), *flags("qwen2", tmp_path / "kv", models_dir)]
+    ranks = start_ranks([*argv, "--data-dir", str(tmp_path / "data")], tmp_path)
+    base = f"http://127.0.0.1:{port}"
+
+    def ask(messages: list[dict]) -> dict:
+        body = json.dumps({"model": "x", "messages": messages, "max_tokens": 6}).encode()
+        req = urllib.request.Request(
+            f"{base}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        return json.loads(urllib.request.urlopen(req, timeout=120).read())
+
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=1)
+                break
+            except OSError:
+                assert time.monotonic() < deadline and ranks.procs[0].poll() is None
+                time.sleep(0.3)
+        chat = [{"role": "user", "content": "Hello there, tell me about prefix caches."}]
+        first = ask(chat)
+        chat += [first["choices"][0]["message"], {"role": "user", "content": "And more?"}]
+        second = ask(chat)
+        ranks.procs[0].send_signal(signal.SIGINT)
+        codes = [code for code, _, _ in ranks.wait()]
+    finally:
+        ranks.kill()
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert codes == [0, 0]
