@@ -21,7 +21,12 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import TYPE_CHECKING, Any, Literal, Self
+
+from .search import MARK_END, MARK_START, SearchHit, fts_query, split_marks
+
+if TYPE_CHECKING:
+    from .importer import ImportedConversation, ImportedNode
 
 ROLES = ("system", "user", "assistant")
 
@@ -52,6 +57,24 @@ MIGRATIONS: tuple[str, ...] = (
     # per-conversation generation settings (system prompt, sampling), a JSON object
     """
     ALTER TABLE conversations ADD COLUMN settings TEXT NOT NULL DEFAULT '{}';
+    """,
+    # full-text index of every message (core/search.py), kept in step by triggers, and
+    # filled from the messages already stored
+    """
+    CREATE VIRTUAL TABLE nodes_fts USING fts5(
+        content, content='nodes', content_rowid='id', tokenize='unicode61 remove_diacritics 2'
+    );
+    CREATE TRIGGER nodes_fts_insert AFTER INSERT ON nodes BEGIN
+        INSERT INTO nodes_fts(rowid, content) VALUES (new.id, new.content);
+    END;
+    CREATE TRIGGER nodes_fts_delete AFTER DELETE ON nodes BEGIN
+        INSERT INTO nodes_fts(nodes_fts, rowid, content) VALUES ('delete', old.id, old.content);
+    END;
+    CREATE TRIGGER nodes_fts_update AFTER UPDATE OF content ON nodes BEGIN
+        INSERT INTO nodes_fts(nodes_fts, rowid, content) VALUES ('delete', old.id, old.content);
+        INSERT INTO nodes_fts(rowid, content) VALUES (new.id, new.content);
+    END;
+    INSERT INTO nodes_fts(nodes_fts) VALUES ('rebuild');
     """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -523,6 +546,154 @@ class ConversationStore:
                     cid, parent, n.role, n.content, token_ids=n.token_ids, meta=n.meta
                 )
                 parent = copy.id
+        return cid
+
+    def delete_message(self, node_id: int) -> Node | None:
+        """Delete one message and keep what follows it: its child (at most one) moves up to
+        the message's parent, taking the message's place (selected where it was). Returns
+        the moved child, None for a leaf.
+
+        Raises :class:`ConversationError` for an unknown id, or when the message has more
+        than one child (its branches would merge into its siblings: delete a branch, with
+        :meth:`delete_subtree`, instead)."""
+        with self._tx():
+            node = self.get_node(node_id)
+            kids = self.children(node_id)
+            if len(kids) > 1:
+                raise ConversationError(
+                    f"message {node_id} has {len(kids)} branches after it; delete one of "
+                    "them, or this message with everything after it"
+                )
+            if node.parent_id is None:
+                selected = self.selected_child(None, node.conversation_id)
+            else:
+                selected = self.selected_child(node.parent_id)
+            child = kids[0] if kids else None
+            if child is not None:
+                self._conn.execute(
+                    "UPDATE nodes SET parent_id = ? WHERE id = ?", (node.parent_id, child.id)
+                )
+            self._conn.execute("DELETE FROM nodes WHERE id = ?", (node_id,))
+            if selected is not None and selected.id == node_id:
+                if child is not None:
+                    keep = child.id
+                else:
+                    left = (
+                        self.roots(node.conversation_id)
+                        if node.parent_id is None
+                        else self.children(node.parent_id)
+                    )
+                    keep = left[-1].id if left else None
+                self._set_selected(node.conversation_id, node.parent_id, keep)
+            self._touch(node.conversation_id)
+        return self.get_node(child.id) if child is not None else None
+
+    def subtree_size(self, node_id: int) -> int:
+        """Messages in the subtree of ``node_id``, itself included (what
+        :meth:`delete_subtree` would delete). Raises :class:`ConversationError`."""
+        sql = """
+        WITH RECURSIVE below(id) AS (
+            SELECT ? UNION ALL SELECT n.id FROM nodes n JOIN below ON n.parent_id = below.id
+        )
+        SELECT count(*) FROM below
+        """
+        with self._lock:
+            self.get_node(node_id)
+            return self._conn.execute(sql, (node_id,)).fetchone()[0]
+
+    def select_path(self, node_id: int) -> list[Node]:
+        """Make the path root..``node_id`` the selected one at every level (so the active
+        path passes through ``node_id``); returns that path. Raises
+        :class:`ConversationError` for an unknown id."""
+        with self._tx():
+            path = self.path_to(node_id)
+            for node in path:
+                self._set_selected(node.conversation_id, node.parent_id, node.id)
+            self._touch(path[0].conversation_id)
+        return path
+
+    # ------------------------------------------------------------------ search
+
+    def search(
+        self, text: str, *, conversation_id: int | None = None, limit: int = 50
+    ) -> list[SearchHit]:
+        """Messages whose content holds every word of ``text`` (the last word as a prefix;
+        :func:`~tierchat.core.search.fts_query`), best match first (FTS5 ``bm25``), newest
+        first among equals; in one conversation or, when ``conversation_id`` is None, in
+        all. Every branch is searched, not only the active path. ``[]`` for text without a
+        word. Raises :class:`ConversationError` for an unknown conversation."""
+        query = fts_query(text)
+        if query is None:
+            return []
+        where = "nodes_fts MATCH ?"
+        args: list[Any] = [query]
+        if conversation_id is not None:
+            where += " AND n.conversation_id = ?"
+            args.append(conversation_id)
+        sql = (
+            "SELECT n.id, n.conversation_id, c.title, n.role, n.created_at, "
+            f"snippet(nodes_fts, 0, '{MARK_START}', '{MARK_END}', '…', 16) "
+            "FROM nodes_fts JOIN nodes n ON n.id = nodes_fts.rowid "
+            "JOIN conversations c ON c.id = n.conversation_id "
+            f"WHERE {where} ORDER BY bm25(nodes_fts), n.created_at DESC, n.id DESC LIMIT ?"
+        )
+        args.append(int(limit))
+        with self._lock:
+            if conversation_id is not None:
+                self._check_conversation(conversation_id)
+            rows = self._conn.execute(sql, tuple(args)).fetchall()
+        hits = []
+        for nid, cid, title, role, created_at, snippet in rows:
+            clean, marks = split_marks(" ".join(snippet.split()))
+            hits.append(
+                SearchHit(nid, cid, title or f"conversation {cid}", role, clean, marks, created_at)
+            )
+        return hits
+
+    # ------------------------------------------------------------------ import
+
+    def import_conversation(self, conversation: ImportedConversation) -> int:
+        """Store a conversation read by :func:`~tierchat.core.importer.parse_export` as a
+        new one (new ids; contents, token ids, meta, times, settings and the selected
+        branch as exported), in one transaction: on any error nothing is stored. Returns
+        the new id."""
+        with self._tx():
+            cur = self._conn.execute(
+                "INSERT INTO conversations (title, created_at, updated_at, settings) "
+                "VALUES (?, ?, ?, ?)",
+                (
+                    conversation.title,
+                    conversation.created_at,
+                    conversation.updated_at,
+                    json.dumps(conversation.settings, sort_keys=True),
+                ),
+            )
+            cid = cur.lastrowid
+            stack: list[tuple[int | None, tuple[ImportedNode, ...]]] = [(None, conversation.roots)]
+            while stack:
+                parent, siblings = stack.pop()
+                chosen = None
+                for node in siblings:
+                    ids = node.token_ids
+                    cur = self._conn.execute(
+                        "INSERT INTO nodes (conversation_id, parent_id, role, content, "
+                        "token_ids, created_at, meta) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        (
+                            cid,
+                            parent,
+                            node.role,
+                            node.content,
+                            json.dumps(list(ids)) if ids is not None else None,
+                            node.created_at,
+                            json.dumps(node.meta),
+                        ),
+                    )
+                    if node.active:
+                        chosen = cur.lastrowid
+                    if node.children:
+                        stack.append((cur.lastrowid, node.children))
+                if chosen is not None:
+                    self._set_selected(cid, parent, chosen)
         return cid
 
     # ------------------------------------------------------------------ one-query reads

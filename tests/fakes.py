@@ -159,6 +159,8 @@ class FakeEngine:
         batch_size: tokens per ``TokenBatch``.
         reasoning: when set, every reply starts with ``<think>reasoning</think>`` (a
             reasoning model's shape).
+        context_length: the model's context in tokens (as ``Engine.context_length``,
+            ``max_position_embeddings`` of tiny models: 4096).
 
     A cancel seen before the first token (during "prefill") ends the request with
     ``Failed(kind="cancelled")``, as the real engine does.
@@ -183,8 +185,10 @@ class FakeEngine:
         token_delay_s: float = 0.0,
         batch_size: int = 4,
         reasoning: str | None = None,
+        context_length: int = 4096,
     ) -> None:
         self.model_name = model_name
+        self.context_length = context_length
         self.supported = supported
         self.block_size = block_size
         self.hot_max_bytes = hot_max_bytes

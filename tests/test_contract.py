@@ -165,3 +165,18 @@ def test_clear_all_empties_every_tier(session, engine):
     cold, _ = turn(lambda cb: session.send("After the clear.", on_event=cb))
     check_metrics(cold)
     assert cold.metrics.cached_by.get("ssd", 0) == 0
+
+
+def test_the_draft_count_is_the_prompt_the_engine_reads(session, engine):
+    """The TUI's live token count (core/draft.py) counts with the engine's tokenizer what
+    ``send`` will submit: the prompt length the engine then reports, on both engines."""
+    from tierchat.core.draft import count_draft
+
+    turn(lambda cb: session.send(QUESTION, on_event=cb))
+    follow = "And a second question, counted while typed?"
+    count = count_draft(session, follow)
+    assert count.text_tokens == len(engine.tokenizer.encode(follow, add_special_tokens=False))
+    result, _ = turn(lambda cb: session.send(follow, on_event=cb))
+    assert count.prompt_tokens == result.metrics.prompt_tokens
+    assert isinstance(engine.context_length, int) and engine.context_length > count.prompt_tokens
+    assert count.context_length == engine.context_length

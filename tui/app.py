@@ -16,11 +16,15 @@ from textual.clock import Clock
 from textual.screen import Screen
 from tierchat.core.api import EngineLike
 from tierchat.tui.screens.chat import ChatScreen
+from tierchat.tui.screens.chat_tools import ChatTools
+from tierchat.tui.screens.code_blocks import CodeBlocksScreen
 from tierchat.tui.screens.confirm import ConfirmScreen
 from tierchat.tui.screens.conversation_settings import ConversationSettingsScreen
 from tierchat.tui.screens.help import HelpScreen
 from tierchat.tui.screens.model_picker import ModelPickerScreen
 from tierchat.tui.screens.prompt import EditMessageScreen, PromptScreen
+from tierchat.tui.screens.raw_message import RawMessageScreen
+from tierchat.tui.screens.search import SearchScreen
 from tierchat.tui.widgets.chat_input import ChatInput
 from tierchat.tui.widgets.conversation_list import ConversationList
 from tierchat.tui.widgets.transcript import Transcript
@@ -120,6 +124,7 @@ class TierchatApp(App[None]):
 BINDING_OWNERS: tuple[tuple[str, type], ...] = (
     ("app", TierchatApp),
     ("chat", ChatScreen),
+    ("chat", ChatTools),
     ("input", ChatInput),
     ("messages", Transcript),
     ("list", ConversationList),
@@ -129,6 +134,9 @@ BINDING_OWNERS: tuple[tuple[str, type], ...] = (
     ("settings", ConversationSettingsScreen),
     ("models", ModelPickerScreen),
     ("help", HelpScreen),
+    ("search", SearchScreen),
+    ("raw text", RawMessageScreen),
+    ("code blocks", CodeBlocksScreen),
 )
 
 

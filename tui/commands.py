@@ -63,6 +63,22 @@ CONVERSATION_COMMANDS: tuple[Command, ...] = (
 )
 
 
+TOOL_COMMANDS: tuple[Command, ...] = (
+    Command("Search: this conversation…", "search('here')", "Find messages by their words"),
+    Command("Search: all conversations…", "search('all')", "Open a chat at an old message"),
+    Command("Chat: raw text of message", "raw_message", "The selected message as stored"),
+    Command("Chat: copy a code block", "copy_code", "One fenced block of the selected message"),
+    Command("Chat: delete message", "delete_message", "Only the selected message"),
+    Command("Chat: delete branch", "delete_branch", "The selected message and all after it"),
+    Command("Input: open in $EDITOR", "edit_in_editor", "Write a long prompt in your editor"),
+    Command("Input: clear", "clear_input", "Empty the input (Ctrl+Z undoes)"),
+    Command("Conversation: import from JSON…", "import_conversation", "A file Export wrote"),
+)
+
+FOUND_MIN_CHARS = 3
+"""Palette text shorter than this searches no messages."""
+
+
 class ActionProvider(Provider):
     """Offers :attr:`COMMANDS`; runs each as an action on the screen the palette opened on."""
 
@@ -123,6 +139,44 @@ class ConversationCommands(ActionProvider):
         for info in app.store.list_conversations():
             title = info.title or f"conversation {info.id}"
             yield Command(f"Open: {title}", f"open_conversation({info.id})", "Open this chat")
+
+
+class ToolCommands(ActionProvider):
+    COMMANDS = TOOL_COMMANDS
+
+
+class FoundMessages(Provider):
+    """Messages holding the palette's words (``ConversationStore.search``, every
+    conversation): "Found in <title>: <snippet>" opens that conversation at the message."""
+
+    async def search(self, query: str) -> Hits:
+        from textual.content import Content
+
+        if (
+            len(query.strip()) < FOUND_MIN_CHARS
+            or self.screen.check_action("open_found", ()) is not True
+        ):
+            return
+        app: TierchatApp = self.app  # type: ignore[assignment]
+        try:
+            hits = app.store.search(query, limit=8)
+        except Exception:  # noqa: BLE001 - the palette lists commands without them
+            return
+        for rank, hit in enumerate(hits):
+            text = Content(f"Found in {hit.title}: ")
+            snippet = Content(hit.snippet)
+            for start, end in hit.marks:
+                snippet = snippet.stylize("bold", start, end)
+            yield Hit(
+                0.5 - rank / 100,
+                text + snippet,
+                partial(self._open, hit.node_id),
+                text=f"Found in {hit.title}: {hit.snippet}",
+                help=f"{hit.role} message · opens the conversation there",
+            )
+
+    async def _open(self, node_id: int) -> None:
+        await self.app.run_action(f"open_found({node_id})", self.screen)
 
 
 class ModelCommands(ActionProvider):

@@ -38,7 +38,9 @@ from tierchat.tui.commands import (
     BranchCommands,
     CacheCommands,
     ConversationCommands,
+    FoundMessages,
     ModelCommands,
+    ToolCommands,
 )
 from tierchat.tui.live_status import StatusWriter
 from tierchat.tui.messages import (
@@ -56,6 +58,7 @@ from tierchat.tui.messages import (
     TypedInTranscript,
 )
 from tierchat.tui.models import model_choices
+from tierchat.tui.screens.chat_tools import ChatTools
 from tierchat.tui.screens.confirm import ConfirmScreen, confirm_clear
 from tierchat.tui.screens.conversation_settings import ConversationSettingsScreen
 from tierchat.tui.screens.model_picker import ModelPickerScreen
@@ -85,7 +88,7 @@ def title_from(text: str, width: int = 40) -> str:
     return line if len(line) <= width else line[: width - 1].rstrip() + "…"
 
 
-class ChatScreen(Screen):
+class ChatScreen(ChatTools):
     """Chat with the model and watch the cache. All state lives in the session and store;
     the screen only mirrors it (``Transcript.sync``); :class:`TurnRunner` tracks the
     request in flight."""
@@ -96,6 +99,8 @@ class ChatScreen(Screen):
         BranchCommands,
         ConversationCommands,
         ModelCommands,
+        ToolCommands,
+        FoundMessages,
     }
     HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [
         (0, "-narrow"),
@@ -326,7 +331,7 @@ class ChatScreen(Screen):
             return None if self.streaming else True
         if action in ("pick_model", "load_model"):
             return None if busy else True
-        return True
+        return super().check_action(action, parameters)  # ChatTools' actions
 
     # ------------------------------------------------------------------ focus
 

@@ -348,6 +348,10 @@ class Transcript(VerticalScroll):
         Binding("f", "screen.fork", "Fork", id="fork"),
         Binding("c", "screen.copy", "Copy", id="copy"),
         Binding("t", "screen.toggle_reasoning", "Reasoning", id="toggle_reasoning"),
+        Binding("v", "screen.raw_message", "Raw text", id="raw_message", show=False),
+        Binding("y", "screen.copy_code", "Copy code", id="copy_code", show=False),
+        Binding("d", "screen.delete_message", "Delete", id="delete_message", show=False),
+        Binding("D", "screen.delete_branch", "Delete branch", id="delete_branch", show=False),
         Binding("escape,enter,i", "screen.focus_input", "Type", id="msg_done"),
     ]
 

@@ -1,0 +1,68 @@
+"""Full-text search over stored messages: the query a user types as an SQLite FTS5
+expression, and the hits the store returns (``ConversationStore.search``).
+
+The store keeps an FTS5 index of every node's content (``nodes_fts``, an external-content
+table over ``nodes``, kept in step by triggers on insert, update and delete; see
+``core/conversation.py`` MIGRATIONS). FTS5 syntax (https://sqlite.org/fts5.html §3) would
+let a stray quote or ``AND`` in the typed text become a syntax error or an operator, so
+:func:`fts_query` turns the text into plain terms: every word quoted, all required, the
+last one a prefix (so results appear while a word is still being typed).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+MARK_START = "\x02"
+"""Marks the start of a matched term in the snippet SQLite returns (never in stored text
+shown to the user: :func:`split_marks` removes the marks)."""
+MARK_END = "\x03"
+
+_WORD = re.compile(r"\w+", re.UNICODE)
+
+
+def fts_query(text: str) -> str | None:
+    """The FTS5 MATCH expression for what the user typed: each word (``\\w+``, Unicode)
+    as a quoted string, all of them required (implicit AND), the last one a prefix
+    (``"cach"*`` matches "cache" and "caching"). None when ``text`` has no word."""
+    words = _WORD.findall(text)
+    if not words:
+        return None
+    terms = [f'"{w}"' for w in words]
+    terms[-1] += "*"
+    return " ".join(terms)
+
+
+def split_marks(snippet: str) -> tuple[str, tuple[tuple[int, int], ...]]:
+    """``snippet`` without :data:`MARK_START`/:data:`MARK_END`, and the ``(start, end)``
+    character spans they enclosed in the cleaned text."""
+    out: list[str] = []
+    spans: list[tuple[int, int]] = []
+    start = None
+    n = 0
+    for ch in snippet:
+        if ch == MARK_START:
+            start = n
+        elif ch == MARK_END:
+            if start is not None:
+                spans.append((start, n))
+            start = None
+        else:
+            out.append(ch)
+            n += 1
+    return "".join(out), tuple(spans)
+
+
+@dataclass(frozen=True)
+class SearchHit:
+    """One message that matched: where it is, and a one-line ``snippet`` of its content
+    around the match with the matched terms at ``marks`` (character spans)."""
+
+    node_id: int
+    conversation_id: int
+    title: str
+    role: str
+    snippet: str
+    marks: tuple[tuple[int, int], ...]
+    created_at: float

@@ -1,0 +1,90 @@
+"""The live token count of the message being typed, in the chat input's bottom border:
+``12 tokens · prompt 1,310 / 32,768 (4%)``.
+
+Counting tokenizes (the prompt builder renders the template and encodes the draft: up to
+~100 ms on a long conversation), so it is debounced (:data:`DEBOUNCE_S` after the last
+keystroke) and runs in a thread worker, never on the UI thread; a count for text that has
+changed since is dropped. Only the tokenizer object is used (core/draft.py): no MLX.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from textual.timer import Timer
+from tierchat.core.draft import DraftCount, count_draft
+
+if TYPE_CHECKING:
+    from tierchat.tui.screens.chat import ChatScreen
+    from tierchat.tui.widgets.chat_input import ChatInput
+
+DEBOUNCE_S = 0.3
+"""Seconds of no typing before the draft is counted."""
+
+NEAR_LIMIT = 0.9
+"""Fraction of the context from which the count shows as a warning."""
+
+
+def meter_text(count: DraftCount) -> str:
+    """What the input's border shows for ``count``."""
+    text = f"{count.text_tokens:,} token{'s' if count.text_tokens != 1 else ''}"
+    if count.context_length:
+        pct = round(100 * (count.fraction or 0.0))
+        text += f" · prompt {count.prompt_tokens:,} / {count.context_length:,} ({pct}%)"
+        if count.over:
+            text += " · over the context"
+    else:
+        text += f" · prompt {count.prompt_tokens:,}"
+    return text
+
+
+class DraftMeter:
+    """Counts the draft of ``screen``'s chat input and shows it in the input's border
+    subtitle, with class ``-near-limit`` / ``-over-limit`` on the input."""
+
+    def __init__(self, screen: ChatScreen, box: ChatInput) -> None:
+        self.screen = screen
+        self.box = box
+        self.count: DraftCount | None = None
+        """The last count shown (None: none shown)."""
+        self._timer: Timer | None = None
+
+    def changed(self) -> None:
+        """The draft changed: count it once the typing pauses."""
+        if self._timer is not None:
+            self._timer.stop()
+        if not self.box.text.strip():
+            self.show(None)
+            return
+        self._timer = self.screen.set_timer(DEBOUNCE_S, self.start)
+
+    def start(self) -> None:
+        """Count the current draft in a thread worker (replacing one in flight)."""
+        text = self.box.text
+        if not text.strip():
+            self.show(None)
+            return
+        session = self.screen.tierchat.session
+        app = self.screen.app
+
+        def work() -> None:
+            try:
+                count = count_draft(session, text)
+            except Exception:  # noqa: BLE001 - no count (no model, a template error)
+                count = None
+            app.call_from_thread(self._counted, text, count)
+
+        self.screen.run_worker(work, thread=True, exclusive=True, group="draft-count")
+
+    def _counted(self, text: str, count: DraftCount | None) -> None:
+        if text == self.box.text:
+            self.show(count)
+
+    def show(self, count: DraftCount | None) -> None:
+        self.count = count
+        box = self.box
+        box.border_subtitle = meter_text(count) if count is not None else ""
+        fraction = count.fraction if count is not None else None
+        over = count is not None and count.over
+        box.set_class(over, "-over-limit")
+        box.set_class(not over and fraction is not None and fraction >= NEAR_LIMIT, "-near-limit")

@@ -1,0 +1,354 @@
+"""What a daily user of the chat screen reaches for beyond chatting: search, a message's
+raw text, one code block copied, long prompts ($EDITOR, clear, a live token count),
+deleting a message or a branch, importing an export.
+
+:class:`ChatTools` is the base class of ``ChatScreen`` (``screens/chat.py``), holding
+these actions and their keys so the chat screen stays about the chat. It uses the chat
+screen's state (``conversation_id``, ``selected``, ``streaming``) and helpers
+(``attempt``, ``path_infos``, ``_target``); every store call goes through ``attempt``,
+so an error is a notification, never a crash. The screens it opens are in
+``screens/search.py``, ``screens/raw_message.py``, ``screens/code_blocks.py``; the
+store work is in core (``ConversationStore.search``/``delete_message``/
+``import_conversation``, ``core/importer.py``, ``core/code_blocks.py``,
+``core/editor.py``, ``core/draft.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from textual import on
+from textual.app import SuspendNotSupported
+from textual.binding import Binding, BindingType
+from textual.screen import Screen
+from textual.widgets import TextArea
+from tierchat.core.code_blocks import CodeBlock, fenced_blocks
+from tierchat.core.editor import EditorError, edit_text
+from tierchat.core.importer import read_export
+from tierchat.tui.draft_meter import DraftMeter
+from tierchat.tui.screens.code_blocks import CodeBlocksScreen, block_label
+from tierchat.tui.screens.confirm import ConfirmScreen
+from tierchat.tui.screens.prompt import PromptScreen
+from tierchat.tui.screens.raw_message import RawMessageScreen
+from tierchat.tui.screens.search import SearchScreen
+from tierchat.tui.widgets.chat_input import ChatInput
+from tierchat.tui.widgets.transcript import MessageView, Transcript
+
+if TYPE_CHECKING:
+    from tierchat.tui.screens.chat import ChatScreen
+
+ROLE_NAMES = {"user": "your", "assistant": "the assistant's", "system": "the system"}
+
+
+class ChatTools(Screen):
+    """Search, raw view, code-block copy, editor, clear input, delete, import: actions
+    and keys (ids for the keymap) of the chat screen. The message-cursor keys for them
+    (v, y, d, D) are bound on the transcript (``widgets/transcript.py``)."""
+
+    DEFAULT_CSS = """
+    ChatInput.-near-limit { border-subtitle-color: $warning; }
+    ChatInput.-over-limit { border-subtitle-color: $error; border: round $error; }
+    """
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("ctrl+f", "search('here')", "Search", id="search", show=False),
+        Binding("ctrl+g", "edit_in_editor", "$EDITOR", id="edit_in_editor", show=False),
+        Binding("ctrl+l", "clear_input", "Clear input", id="clear_input", show=False),
+        Binding("ctrl+o", "import_conversation", "Import", id="import_conversation", show=False),
+    ]
+
+    _draft_meter: DraftMeter | None = None
+
+    @property
+    def chat(self) -> ChatScreen:
+        return self  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ availability
+
+    def _message_target(self) -> MessageView | None:
+        """The stored message under the cursor (or the last one), None for none or the
+        system prompt shown from the settings (node id 0)."""
+        target = self.chat._target()
+        if target is None or not target.info.node_id:
+            return None
+        return target
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        chat = self.chat
+        if action == "raw_message":
+            return True if self._message_target() is not None else None
+        if action == "copy_code":
+            target = self._message_target()
+            return True if target is not None and fenced_blocks(target.text) else None
+        if action in ("delete_message", "delete_branch"):
+            ok = not chat.streaming and self._message_target() is not None
+            return True if ok else None
+        if action == "open_found":
+            return None if chat.streaming else True
+        if action == "import_conversation":
+            return None if chat.streaming else True
+        if action == "clear_input":
+            return True if self.query_one(ChatInput).text else None
+        return super().check_action(action, parameters)
+
+    # ------------------------------------------------------------------ search
+
+    def action_search(self, scope: str = "here") -> None:
+        """Open the search dialog (``scope`` "here": the open conversation, "all")."""
+        chat = self.chat
+        screen = SearchScreen(
+            chat.tierchat.store, chat.conversation_id, "all" if scope == "all" else "here"
+        )
+
+        async def done(node_id: int | None) -> None:
+            if node_id is not None:
+                await self.open_found(node_id)
+
+        self.app.push_screen(screen, done)
+
+    async def action_open_found(self, node_id: int) -> None:
+        await self.open_found(node_id)
+
+    async def open_found(self, node_id: int) -> bool:
+        """Open the conversation holding message ``node_id`` at that message: its branch
+        becomes the active path where it was not, the transcript shows it (older messages
+        mounted as needed) and the message cursor sits on it. False (with a notification)
+        while a reply streams or when the store fails."""
+        chat = self.chat
+        if chat.streaming:
+            self.notify("A reply is streaming; Esc stops it, then open the message.")
+            return False
+        store = chat.tierchat.store
+
+        def select() -> tuple[int, bool]:
+            node = store.get_node(node_id)
+            on_path = any(n.id == node_id for n in store.active_path(node.conversation_id))
+            if not on_path:
+                store.select_path(node_id)
+            chat.tierchat.session.open(node.conversation_id)
+            return node.conversation_id, not on_path
+
+        ok, found = chat.attempt("Cannot open that message", select)
+        if not ok or found is None:
+            return False
+        cid, switched = found
+        chat.conversation_id = cid
+        chat.selected = None
+        transcript = self.query_one(Transcript)
+        await transcript.sync(chat.path_infos())
+        chat.refresh_conversations()
+        chat._update_titles()
+        ids = [v.info.node_id for v in transcript.views]
+        while node_id not in ids and transcript.hidden:
+            await transcript.show_earlier()
+            ids = [v.info.node_id for v in transcript.views]
+        transcript.focus()
+        if node_id in ids:
+            chat.selected = ids.index(node_id)
+        chat.refresh_bindings()
+        if switched:
+            self.notify("The message is on another branch: that branch is shown now.")
+        return True
+
+    # ------------------------------------------------------------------ one message
+
+    def action_raw_message(self) -> None:
+        target = self._message_target()
+        if target is None:
+            return
+        node_id = target.info.node_id
+        ok, node = self.chat.attempt(
+            "Cannot read the message", lambda: self.chat.tierchat.store.get_node(node_id)
+        )
+        if not ok or node is None:
+            return
+        title = f"Raw text · {ROLE_NAMES.get(node.role, node.role)} message"
+        self.app.push_screen(RawMessageScreen(node.content, title))
+
+    def action_copy_code(self) -> None:
+        """Copy one fenced code block of the message under the cursor: at once when it
+        has one, else from a list."""
+        target = self._message_target()
+        if target is None:
+            return
+        blocks = fenced_blocks(target.text)
+        if not blocks:
+            self.notify("This message has no fenced code block.", timeout=3)
+            return
+        if len(blocks) == 1:
+            self.copy_block(blocks[0])
+            return
+
+        def done(block: CodeBlock | None) -> None:
+            if block is not None:
+                self.copy_block(block)
+
+        title = f"Copy a code block ({len(blocks)} in this message)"
+        self.app.push_screen(CodeBlocksScreen(blocks, title), done)
+
+    def copy_block(self, block: CodeBlock) -> None:
+        self.app.copy_to_clipboard(block.code)
+        self.notify(f"Copied the code block ({block_label(block)}).", timeout=3)
+
+    def action_delete_message(self) -> None:
+        """Delete the message under the cursor; what follows it moves up (confirmed)."""
+        target = self._message_target()
+        if target is None:
+            return
+        node_id = target.info.node_id
+        chat = self.chat
+        store = chat.tierchat.store
+        ok, kids = chat.attempt("Cannot delete", lambda: store.children(node_id))
+        if not ok or kids is None:
+            return
+        if len(kids) > 1:
+            self.notify(
+                f"This message has {len(kids)} branches after it. Delete a branch with "
+                "Shift+D, or this message with everything after it.",
+                title="Cannot delete one message",
+                severity="warning",
+                timeout=6,
+            )
+            return
+        who = ROLE_NAMES.get(target.info.role, target.info.role)
+        if kids:
+            follow = ROLE_NAMES.get(kids[0].role, kids[0].role)
+            body = (
+                f"Only {who} message is deleted; {follow} message after it moves up "
+                "and the rest of the conversation stays."
+            )
+            if kids[0].role == target.info.role or _parent_role(store, node_id) == kids[0].role:
+                body += " Two messages of one role will then follow each other."
+        else:
+            body = f"{who.capitalize()} message is deleted (it is the last of its branch)."
+
+        async def done(confirmed: bool | None) -> None:
+            if confirmed:
+                ok, _ = chat.attempt("Delete failed", lambda: store.delete_message(node_id))
+                if ok:
+                    await self._after_delete("Deleted the message.")
+
+        self.app.push_screen(ConfirmScreen("Delete message?", body, confirm_label="Delete"), done)
+
+    def action_delete_branch(self) -> None:
+        """Delete the message under the cursor and everything after it (confirmed)."""
+        target = self._message_target()
+        if target is None:
+            return
+        node_id = target.info.node_id
+        chat = self.chat
+        store = chat.tierchat.store
+        ok, size = chat.attempt("Cannot delete", lambda: store.subtree_size(node_id))
+        if not ok or size is None:
+            return
+        who = ROLE_NAMES.get(target.info.role, target.info.role)
+        after = size - 1
+        body = (
+            f"{who.capitalize()} message and the {after} message{'s' if after != 1 else ''} "
+            "after it, on every branch, are deleted."
+            if after
+            else f"{who.capitalize()} message is deleted (nothing follows it)."
+        )
+
+        async def done(confirmed: bool | None) -> None:
+            if confirmed:
+                ok, _ = chat.attempt("Delete failed", lambda: store.delete_subtree(node_id))
+                if ok:
+                    await self._after_delete(f"Deleted {size} message{'s' if size != 1 else ''}.")
+
+        self.app.push_screen(ConfirmScreen("Delete branch?", body, confirm_label="Delete"), done)
+
+    async def _after_delete(self, note: str) -> None:
+        chat = self.chat
+        selected = chat.selected
+        await self.query_one(Transcript).sync(chat.path_infos())
+        views = self.query_one(Transcript).views
+        if selected is not None:
+            chat.selected = min(selected, len(views) - 1) if views else None
+        chat._show_selection()
+        chat.refresh_conversations()
+        chat.refresh_bindings()
+        self.notify(note, timeout=3)
+
+    # ------------------------------------------------------------------ the input
+
+    @on(TextArea.Changed, "#input")
+    def _draft_changed(self) -> None:
+        if self._draft_meter is None:
+            self._draft_meter = DraftMeter(self.chat, self.query_one(ChatInput))
+        self._draft_meter.changed()
+
+    @property
+    def draft_meter(self) -> DraftMeter:
+        if self._draft_meter is None:
+            self._draft_meter = DraftMeter(self.chat, self.query_one(ChatInput))
+        return self._draft_meter
+
+    def action_clear_input(self) -> None:
+        box = self.query_one(ChatInput)
+        if box.text:
+            box.clear()  # an edit: Ctrl+Z brings the text back
+            self.notify("Input cleared (Ctrl+Z brings it back).", timeout=2)
+        box.focus()
+
+    def action_edit_in_editor(self) -> None:
+        """Edit the input in ``$VISUAL``/``$EDITOR`` with the terminal handed over
+        (``App.suspend``); the edited text replaces the input, not sent."""
+        box = self.query_one(ChatInput)
+        try:
+            try:
+                with self.app.suspend():
+                    text = edit_text(box.text)
+            except SuspendNotSupported:
+                if not self.app.is_headless:  # Textual Web: no terminal to hand over
+                    raise EditorError("this terminal cannot be handed to an editor") from None
+                text = edit_text(box.text)  # headless (tests): the editor needs no terminal
+        except EditorError as e:
+            self.notify(str(e), title="Editor", severity="error", timeout=6)
+            return
+        box.load_text(text)
+        box.move_cursor(box.document.end)
+        box.focus()
+        self.draft_meter.changed()
+
+    # ------------------------------------------------------------------ import
+
+    def action_import_conversation(self) -> None:
+        """Ask for an export's path (the exports folder first) and import it as a new
+        conversation; a bad file is an error notification and stores nothing."""
+        chat = self.chat
+        folder = Path(getattr(chat.tierchat.settings, "data_dir", ".")) / "exports"
+
+        async def done(path: str | None) -> None:
+            if path:
+                await self.import_file(Path(path))
+
+        hint = "Enter to import · Esc to cancel · a .json export (path or whole tree)"
+        self.app.push_screen(
+            PromptScreen("Import conversation from JSON", f"{folder}/", hint=hint), done
+        )
+
+    async def import_file(self, path: Path) -> int | None:
+        """Import the export at ``path`` and open it; returns its id, None on error."""
+        chat = self.chat
+        store = chat.tierchat.store
+
+        def load() -> tuple[int, Any]:
+            conversation = read_export(path)
+            return store.import_conversation(conversation), conversation
+
+        ok, result = chat.attempt("Import failed", load)
+        if not ok or result is None:
+            return None
+        cid, conversation = result
+        chat.open_conversation(cid)
+        chat.focus_input()
+        title = conversation.title or f"conversation {cid}"
+        self.notify(f"Imported “{title}” ({conversation.count()} messages).", title="Import")
+        return cid
+
+
+def _parent_role(store: Any, node_id: int) -> str | None:
+    parent = store.get_node(node_id).parent_id
+    return store.get_node(parent).role if parent is not None else None
