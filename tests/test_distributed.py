@@ -74,10 +74,10 @@ def flags(arch: str, cache_dir: Path, models_dir: Path) -> list[str]:
     ]
 
 
-def replay(tmp_path: Path, ops: list[dict], argv: list[str]) -> tuple[list[dict], dict]:
+def replay(tmp_path: Path, ops: list[dict], argv: list[str], **env) -> tuple[list[dict], dict]:
     """Run a replay as 2 ranks; both exit 0, rank 0 prints no error."""
     script = write(tmp_path / f"s{len(list(tmp_path.glob('s*.jsonl')))}.jsonl", ops)
-    ranks = start_ranks(["replay", script, *argv], tmp_path)
+    ranks = start_ranks(["replay", script, *argv], tmp_path, **env)
     try:
         (code0, out0, err0), (code1, out1, err1) = ranks.wait()
     finally:
@@ -105,11 +105,16 @@ def header(path: Path) -> dict:
 # ------------------------------------------------------------------ exactness
 
 
+# bit for bit by construction: the bitwise schedule (docs/DESIGN.md §18) restores only
+# where a cold run's chunk ends, so the rest is computed in the cold run's chunks
+BITWISE = {"TIERCHAT_BITWISE": "true"}
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cached_replay_equals_no_cache_on_two_ranks(tmp_path, models_dir, arch):
     argv = flags(arch, tmp_path / "kv", models_dir)
-    cached, summary = replay(tmp_path, SCRIPT, argv)
-    cold, _ = replay(tmp_path, SCRIPT, [*argv, "--no-cache"])
+    cached, summary = replay(tmp_path, SCRIPT, argv, **BITWISE)
+    cold, _ = replay(tmp_path, SCRIPT, [*argv, "--no-cache"], **BITWISE)
     assert shas(cached) == shas(cold)
     assert len(cached) == 5
     by_op = {x["op_index"]: x for x in cached}
@@ -132,10 +137,10 @@ def test_cached_replay_equals_no_cache_on_two_ranks(tmp_path, models_dir, arch):
 def test_restart_restores_from_ssd_and_a_lost_file_falls_back(tmp_path, models_dir, arch):
     kv = tmp_path / "kv"
     argv = flags(arch, kv, models_dir)
-    (first,), _ = replay(tmp_path, ONE_TURN, argv)
+    (first,), _ = replay(tmp_path, ONE_TURN, argv, **BITWISE)
     assert first["cached_tokens"] == 0
     # a new process on the same cache: the same prompt again comes from SSD on both ranks
-    (again,), summary = replay(tmp_path, ONE_TURN, argv)
+    (again,), summary = replay(tmp_path, ONE_TURN, argv, **BITWISE)
     n = again["prompt_tokens"]
     assert again["cached_tokens"] == again["cached_by"]["ssd"] == n - 1
     assert [r["cached_ssd"] for r in summary["cache"]["ranks"]] == [n - 1, n - 1]
@@ -150,7 +155,7 @@ def test_restart_restores_from_ssd_and_a_lost_file_falls_back(tmp_path, models_d
     assert {header(f)["kind"] for f in lost} >= {"tail", "block"}
     for f in lost:
         f.unlink()
-    (after,), summary = replay(tmp_path, ONE_TURN, argv)
+    (after,), summary = replay(tmp_path, ONE_TURN, argv, **BITWISE)
     assert 0 < after["cached_tokens"] < n - 1  # the longest prefix both ranks still hold
     assert after["token_ids_sha256"] == first["token_ids_sha256"]
     cached = [(r["cached_hot"], r["cached_ssd"]) for r in summary["cache"]["ranks"]]
@@ -489,3 +494,22 @@ def test_serve_on_two_ranks(tmp_path, models_dir):
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert codes == [0, 0]
+
+
+def test_a_restart_with_fewer_ranks_does_not_load_the_other_layout(tmp_path, models_dir):
+    kv = tmp_path / "kv"
+    argv = flags("llama", kv, models_dir)
+    (two,), _ = replay(tmp_path, ONE_TURN, argv)
+    script = write(tmp_path / "alone.jsonl", ONE_TURN)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tierchat.cli.main", "replay", script, *argv],
+        capture_output=True,
+        text=True,
+        env=base_env(tmp_path),
+        timeout=TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr
+    (alone,), summary = results(proc.stdout)
+    assert alone["cached_tokens"] == 0  # the same prompt, but only the 2-rank files hold it
+    assert summary["cache"]["ranks"] == []
+    assert len(rank_dirs(kv)) == 3  # rank 0 of 2, rank 1 of 2, one rank alone
