@@ -513,3 +513,18 @@ def test_a_restart_with_fewer_ranks_does_not_load_the_other_layout(tmp_path, mod
     assert alone["cached_tokens"] == 0  # the same prompt, but only the 2-rank files hold it
     assert summary["cache"]["ranks"] == []
     assert len(rank_dirs(kv)) == 3  # rank 0 of 2, rank 1 of 2, one rank alone
+
+
+@pytest.mark.parametrize("arch", ("qwen2", "qwen3_5"))
+def test_pipeline_sharding_equals_no_cache(tmp_path, models_dir, arch):
+    """``TIERCHAT_SHARD=pipeline``: consecutive layers per rank (mlx-lm's pipeline), each
+    rank caching its own layers; the same tokens with and without the cache."""
+    argv = flags(arch, tmp_path / "kv", models_dir)
+    env = {**BITWISE, "TIERCHAT_SHARD": "pipeline"}
+    cached, summary = replay(tmp_path, SCRIPT, argv, **env)
+    cold, _ = replay(tmp_path, SCRIPT, [*argv, "--no-cache"], **env)
+    assert shas(cached) == shas(cold)
+    assert {x["op_index"]: x for x in cached}[6]["cached_by"]["ssd"] > 0
+    layers = summary["cache"]["layer_kinds"]
+    total = {"qwen2": 2, "qwen3_5": 4}[arch]
+    assert 0 < len(layers) < total  # this rank's layers only
