@@ -301,6 +301,11 @@ class _QuietHandle:
         return self.result is not None
 
 
+def _tuples(value: Any) -> Any:
+    """JSON lists back to the tuples a request holds (ids, ``(offset, role)`` pairs)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
 def serve_worker(engine: Any, log: Callable[[str], None] = print) -> bool:
     """The loop of a rank > 0, on its engine thread (``engine.call(...)``): take each of
     rank 0's messages and run it on this rank's engine (load, generate, clear, close,
@@ -332,10 +337,7 @@ def serve_worker(engine: Any, log: Callable[[str], None] = print) -> bool:
             if op == "load":
                 engine._load(msg["spec"], handle)
             elif op == "generate":
-                fields = dict(msg["request"])
-                fields["prompt_ids"] = tuple(fields["prompt_ids"])
-                fields["boundaries"] = tuple((int(e), str(r)) for e, r in fields["boundaries"])
-                fields["teacher_ids"] = tuple(fields["teacher_ids"])
+                fields = {k: _tuples(v) for k, v in msg["request"].items()}
                 engine._generate(GenerateRequest(**fields), handle)
             elif op == "clear":
                 engine._clear_tier(msg["tier"])
