@@ -1,7 +1,7 @@
 """``tierchat cache stats [--json]`` and ``tierchat cache clear hot|ssd|tails|all``.
 
 When a tierchat TUI runs on the same cache directory, both talk to it (its status file
-and request folder, ``tierchat.tui.live_status``): ``stats`` shows the running app's
+and request folder, ``tierchat.core.live_status``): ``stats`` shows the running app's
 figures -- its hot tier, tails and counters live only in its process -- and says so;
 ``clear`` asks the app to clear the tier through its own engine, so its panels stay
 right, and prints what it removed.
@@ -24,8 +24,8 @@ from typing import Any
 
 from tierchat.cli.common import EXIT_FAILED, EXIT_OK, CLIError, start_engine, table
 from tierchat.core.api import plain
+from tierchat.core.live_status import owner_message, read_status, request_clear, wait_cleared
 from tierchat.core.units import fmt_bytes, fmt_seconds
-from tierchat.tui.live_status import read_status, request_clear, wait_cleared
 
 BYTE_FIELDS = ("nbytes", "max_bytes", "peak_memory_bytes", "restore_bytes")
 MEMORY_BYTE_FIELDS = ("active", "peak", "cache", "limit", "device_total", "system_total")
@@ -101,6 +101,9 @@ def run_cache(settings: Any, action: str, args: Any) -> int:
     live = read_status(settings.cache_dir)
     if live is not None:
         return _run_live(settings, action, args, live)
+    busy = owner_message(settings.cache_dir)
+    if busy is not None:  # an owner that writes no status (yet): never act under it
+        raise CLIError(busy, EXIT_FAILED)
     engine = start_engine(settings)
     try:
         if action == "stats":
@@ -123,12 +126,13 @@ def run_cache(settings: Any, action: str, args: Any) -> int:
 def _run_live(settings: Any, action: str, args: Any, live: dict[str, Any]) -> int:
     pid, model = live.get("pid"), live.get("model") or "no model"
     age = max(0.0, time.time() - float(live.get("written_at", 0)))
-    where = f"the running tierchat TUI (pid {pid}, model {model})"
+    process = live.get("process") or "TUI"
+    where = f"the running tierchat {process} (pid {pid}, model {model})"
     if action == "stats":
         as_json = getattr(args, "json", False)
         if not as_json:
             print(f"live figures from {where}, updated {fmt_seconds(age)} ago")
-        source = {"process": "tui", "pid": pid, "written_at": live.get("written_at")}
+        source = {"process": process, "pid": pid, "written_at": live.get("written_at")}
         _print_stats(live["stats"], as_json, source)
         return EXIT_OK
     rid = request_clear(settings.cache_dir, args.tier)
@@ -136,7 +140,7 @@ def _run_live(settings: Any, action: str, args: Any, live: dict[str, Any]) -> in
     if served is None:
         raise CLIError(
             f"{where} did not answer the clear request in {CLEAR_TIMEOUT_S:.0f} s; "
-            "nothing was cleared (quit it, or clear from its F5-F8 keys)",
+            "nothing was cleared (stop it, or clear from its own controls)",
             EXIT_FAILED,
         )
     print(f"cleared {args.tier} in {where}: {served['report']}")

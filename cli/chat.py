@@ -20,7 +20,14 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
-from tierchat.cli.common import EXIT_OK, SSDWatch, new_session, open_store, start_engine
+from tierchat.cli.common import (
+    EXIT_OK,
+    SSDWatch,
+    check_cache_owner,
+    new_session,
+    open_store,
+    start_engine,
+)
 from tierchat.core.text import printable
 from tierchat.core.units import fmt_bytes, fmt_seconds
 
@@ -182,6 +189,9 @@ def run_chat(
     inp, out, err = inp or sys.stdin, out or sys.stdout, err or sys.stderr
     if hasattr(inp, "reconfigure"):  # bytes that are not UTF-8 become U+FFFD, not an exit
         inp.reconfigure(errors="replace")
+    from tierchat.core.live_status import StatusService
+
+    check_cache_owner(settings)
     store = open_store(settings.db_path)
     try:
         engine = start_engine(settings)
@@ -194,7 +204,9 @@ def run_chat(
                     file=out,
                     flush=True,
                 )
-            LineChat(session, inp, out, err).loop()
+            # `tierchat cache stats|clear` in another shell talk to this engine
+            with StatusService(engine, settings.cache_dir, "chat"):
+                LineChat(session, inp, out, err).loop()
         finally:
             engine.close()
     finally:

@@ -117,6 +117,19 @@ def start_engine(settings: Any, model: str | None = None, *, quiet: bool = False
     return engine
 
 
+def check_cache_owner(settings: Any) -> None:
+    """Refuse to run an engine on a cache dir another process owns (issue 22 case 5).
+
+    Raises :class:`CLIError` naming the owner; nothing with ``--no-cache``."""
+    from tierchat.core.live_status import owner_message
+
+    if getattr(settings, "no_cache", False):
+        return
+    busy = owner_message(settings.cache_dir)
+    if busy is not None:
+        raise CLIError(busy)
+
+
 def table(rows: list[tuple], headers: tuple[str, ...] | None = None) -> str:
     """Rows as left-aligned text columns (numbers right-aligned), two spaces apart."""
     cells = [[str(c) for c in r] for r in rows]
@@ -146,6 +159,7 @@ def _is_number(text: str) -> bool:
 
 # cache events that mean the SSD tier lost capacity or turned off (core/cache/ssd.py)
 SSD_LOSS_MARKERS = ("disk full: SSD cap shrunk", "SSD tier off", "SSD write failed")
+SSD_LOSS_MARKERS += ("cannot read", "cannot verify", "retrying writes")
 
 
 class SSDWatch:

@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-queue", type=int, default=64, metavar="N", help="refuse requests past N queued (503)"
     )
+    from tierchat.core.serve_limits import add_limit_flags
+
+    add_limit_flags(p)
 
     p = sub.add_parser(
         "bench",
@@ -288,7 +291,7 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
 
         return run_serve_bench(settings, args)
     if command == "bench" and args.workload:
-        from .workload import run_workload_bench
+        from tierchat.cli.workload import run_workload_bench
 
         return run_workload_bench(settings, args)
     if command == "bench":

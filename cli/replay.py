@@ -49,11 +49,13 @@ from tierchat.cli.common import (
     EXIT_USAGE,
     CLIError,
     SSDWatch,
+    check_cache_owner,
     new_session,
     open_store,
     start_engine,
 )
 from tierchat.core.api import CACHE_KINDS, CACHE_SOURCES, plain
+from tierchat.core.live_status import StatusService
 
 RESULT_FIELDS: tuple[str, ...] = (
     "op_index",
@@ -268,14 +270,18 @@ class Replay:
         self.name = name
         self.out = out
         self.err = err or sys.stderr
+        check_cache_owner(settings)
         self.engine = start_engine(settings)
         self.session = new_session(self.engine, store, settings)
         self.ssd_watch = SSDWatch(self.engine)
+        # `tierchat cache stats|clear` in another shell talk to the current engine
+        self.status = StatusService(self.engine, settings.cache_dir, "replay").start()
         self.results: list[dict[str, Any]] = []
         self.errors = 0
         self.restarts = 0
 
     def close(self) -> None:
+        self.status.stop()
         if self.engine is not None:  # None after a restart whose model load failed
             self.engine.close()
 
@@ -320,6 +326,7 @@ class Replay:
     def restart(self) -> None:
 
         old = self.session
+        self.status.engine = None
         self.engine.close()
         # drop every reference to the old engine (and its model) before loading again,
         # so two copies of the weights never live at once
@@ -329,6 +336,7 @@ class Replay:
         self.session = new_session(self.engine, self.store, self.settings)
         self.session.conversation_id = old.conversation_id
         self.ssd_watch = SSDWatch(self.engine)
+        self.status.engine = self.engine
         self.restarts += 1
 
     def generate(self, op: Op) -> None:

@@ -13,6 +13,13 @@ server-sent events, or not), ``GET /v1/models``, ``GET /health``. Every generati
 ``prefill_tps``, ``generation_tps``. Errors are OpenAI's ``{"error": {...}}`` with its status
 codes. Binding to anything but loopback needs ``--allow-remote`` and an API key
 (``--api-key`` or ``TIERCHAT_API_KEY``), checked as ``Authorization: Bearer <key>``.
+
+Every request is hostile until checked, before any work is queued (issue 22):
+``Host``/``Origin`` (:class:`HostGuard`), the media type, body size, JSON numbers, message
+count, token ids and context (:mod:`tierchat.core.serve_limits`); prompts are built on at
+most ``build_slots`` threads (:func:`off_loop`) and dropped when their client leaves;
+connections are bounded with a header timeout (:func:`guarded_protocol`). SIGTERM and
+SIGINT stop in order (:mod:`tierchat.cli.serve_shutdown`).
 """
 
 from __future__ import annotations
@@ -40,7 +47,17 @@ from starlette.routing import Route
 from tierchat.cli.common import EXIT_OK, EXIT_USAGE, CLIError, start_engine
 from tierchat.core.api import Event, Failed, Finished, GenerateRequest, TokenBatch, TurnMetrics
 from tierchat.core.prompts import PromptBuilder
-from tierchat.core.serve_log import RequestLog, RequestRecord, TrackedEngine
+from tierchat.core.serve_limits import (
+    ServeLimits,
+    check_host,
+    check_origin,
+    check_prompt,
+    context_length,
+    model_vocab,
+    parse_body,
+    vocab_size,
+)
+from tierchat.core.serve_log import RequestLog, RequestRecord, TrackedEngine, log_safe
 from tierchat.core.serve_prompts import (
     APIError,
     ReplyMemory,
@@ -53,6 +70,7 @@ from tierchat.core.serve_prompts import (
 
 API_KEY_ENV = "TIERCHAT_API_KEY"
 DISCONNECT_POLL_S = 0.5
+MAX_NEW_RENDERS = 64  # prefix renders per request: prompt building stays linear (issue 22)
 
 
 def is_loopback(host: str) -> bool:
@@ -78,8 +96,17 @@ class ServeState:
         max_queue: int = 64,
         memory_entries: int = 256,
         memory_path: str | os.PathLike | None = None,
+        limits: ServeLimits | None = None,
+        bind_host: str = "127.0.0.1",
+        build_slots: int = 2,
     ) -> None:
         self.engine = engine
+        self.limits = limits or ServeLimits()
+        self.bind_host = bind_host
+        self.build_slots = build_slots
+        self._build_sem: asyncio.Semaphore | None = None
+        self.draining = False  # a signal came: new requests get 503
+        self.generations: set[Generation] = set()
         self.log = engine.log
         self.api_key = api_key
         self.max_tokens = max_tokens
@@ -95,8 +122,24 @@ class ServeState:
         if tokenizer is None:
             raise APIError("no model is loaded", 503, "server_error", code="model_not_loaded")
         if self._builder is None or self._builder.tokenizer is not tokenizer:
-            self._builder = PromptBuilder(tokenizer)
+            self._builder = PromptBuilder(tokenizer, max_renders=MAX_NEW_RENDERS)
         return self._builder
+
+    def build_semaphore(self) -> asyncio.Semaphore:
+        """At most ``build_slots`` prompts are built at once (on threads), so many large
+        requests cannot starve the event loop's threads or the engine's callers."""
+        if self._build_sem is None:
+            self._build_sem = asyncio.Semaphore(self.build_slots)
+        return self._build_sem
+
+    def abort_all(self, message: str) -> int:
+        """End every open generation with a 503 ``server_shutting_down`` error (streams get
+        it as an error event) and cancel it on the engine. Any thread. Returns how many."""
+        error = APIError(message, 503, "server_error", code="server_shutting_down")
+        gens = list(self.generations)
+        for gen in gens:
+            gen.abort(error)
+        return len(gens)
 
 
 # ---------------------------------------------------------------- responses
@@ -139,38 +182,51 @@ def failure(event: Failed) -> APIError:
     return APIError(event.message, 500, "server_error", code=event.kind)
 
 
+def shutting_down() -> APIError:
+    return APIError("the server is shutting down", 503, "server_error", code="server_shutting_down")
+
+
 def sse(data: Any) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
 def client_label(request: Request, body: dict) -> str:
-    """``host label``: the request's ``user`` field, else the User-Agent's product."""
+    """``host label``: the request's ``user`` field, else the User-Agent's product; control
+    characters escaped (:func:`~tierchat.core.serve_log.log_safe`), as it goes to logs."""
     host = request.client.host if request.client else "?"
     user = body.get("user")
     if isinstance(user, str) and user:
-        return f"{host} {user[:24]}"
+        return f"{host} {log_safe(user[:24])}"
     agent = request.headers.get("user-agent", "").split(" ")[0]
-    return f"{host} {agent[:24]}" if agent else host
+    return f"{host} {log_safe(agent[:24])}" if agent else host
 
 
 # ---------------------------------------------------------------- one generation
 
 
 class Generation:
-    """One request to the engine, read as async events; cancels it if abandoned."""
+    """One request to the engine, read as async events; cancels it if abandoned. Listed
+    in ``state.generations`` while open, so a shutdown can end it (:meth:`abort`)."""
 
     def __init__(self, state: ServeState, request: GenerateRequest, client: str, endpoint: str):
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.queue: asyncio.Queue[Event | APIError] = asyncio.Queue()
+        self.state = state
         self.handle = state.engine.submit(request, self._post, client=client, endpoint=endpoint)
+        state.generations.add(self)
 
-    def _post(self, event: Event) -> None:  # engine thread
+    def _post(self, event: Event | APIError) -> None:  # engine thread
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
         except RuntimeError:  # the loop is gone (server stopped)
             self.handle.cancel()
 
-    async def events(self, http: Request | None = None) -> AsyncIterator[Event]:
+    def abort(self, error: APIError) -> None:
+        """End the events with ``error`` (any thread) and cancel the engine's work."""
+        self._post(error)
+        self.handle.cancel()
+
+    async def events(self, http: Request | None = None) -> AsyncIterator[Event | APIError]:
         try:
             while True:
                 if http is None:
@@ -183,34 +239,97 @@ class Generation:
                             return
                         continue
                 yield event
-                if isinstance(event, Finished | Failed):
+                if isinstance(event, Finished | Failed | APIError):
                     return
         finally:
+            self.state.generations.discard(self)
             if not self.handle.done:
                 self.handle.cancel()
 
 
+class ClientGone(Exception):
+    """The client closed its connection before its request was queued."""
+
+
+async def read_body(http: Request, limit: int) -> bytes:
+    """The request body, at most ``limit`` bytes. Raises :class:`APIError` 413 beyond it
+    (by ``Content-Length`` before reading, or while reading a chunked body)."""
+    too_big = APIError(
+        f"the request body is larger than {limit} bytes", 413, code="request_too_large"
+    )
+    length = http.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def off_loop(state: ServeState, http: Request, fn, *args):
+    """``fn(*args)`` on a worker thread, at most ``state.build_slots`` at once; raises
+    :class:`ClientGone` if the client leaves while it waits or runs (a running build
+    finishes on its thread, holding its slot; its result is dropped)."""
+    sem = state.build_semaphore()
+    while True:
+        try:
+            await asyncio.wait_for(sem.acquire(), DISCONNECT_POLL_S)
+            break
+        except TimeoutError:
+            if await http.is_disconnected():
+                raise ClientGone from None
+    task = asyncio.ensure_future(run_in_threadpool(fn, *args))
+    task.add_done_callback(lambda _: sem.release())
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await http.is_disconnected():
+            raise ClientGone
+
+
 async def _prepare(state: ServeState, http: Request, endpoint: str):
-    """Check the key, the queue and the body; build the request. Raises :class:`APIError`."""
+    """Check the key, the queue and the body; build the request and check its ids and
+    length against the model. Raises :class:`APIError` (or :class:`ClientGone`)."""
     authorize(state, http)
-    try:
-        body = await http.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise APIError("the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise APIError("the request body must be a JSON object")
+    raw = await read_body(http, state.limits.max_body_bytes)
+    body = parse_body(http.headers.get("content-type"), raw)
     params = sampling(body, state.max_tokens, state.seed)
+    explicit = any(body.get(k) is not None for k in ("max_tokens", "max_completion_tokens"))
+    builder = state.builder()
     if endpoint == "chat":
-        builder = state.builder()
-        prompt = await run_in_threadpool(build_chat_prompt, builder, body, state.memory)
+        messages = body.get("messages")
+        if isinstance(messages, list) and len(messages) > state.limits.max_messages:
+            raise APIError(
+                f"{len(messages)} messages is more than this server takes "
+                f"({state.limits.max_messages})",
+                param="messages",
+                code="too_many_messages",
+            )
+        prompt = await off_loop(state, http, build_chat_prompt, builder, body, state.memory)
         ids, boundaries = prompt.prompt.token_ids, prompt.prompt.boundaries
     else:
         if body.get("echo"):
             raise APIError("echo is not supported", param="echo")
         if body.get("suffix"):
             raise APIError("suffix is not supported", param="suffix")
-        builder = state.builder()
-        ids, boundaries = completion_prompt(builder.tokenizer, body), ()
+        ids = await off_loop(state, http, completion_prompt, builder.tokenizer, body)
+        boundaries = ()
+    max_tokens = check_prompt(
+        ids,
+        params.max_tokens,
+        explicit=explicit,
+        # a chat prompt holds ids of the tokenizer and ids the model generated (the reply
+        # memory): only the model's own bound can judge the latter
+        vocab=vocab_size(state.engine) if endpoint != "chat" else model_vocab(state.engine),
+        context=context_length(state.engine),
+        param="messages" if endpoint == "chat" else "prompt",
+    )
+    if await http.is_disconnected():  # gone while its prompt was built: queue nothing
+        raise ClientGone
     waiting = state.engine.queue_depth
     if waiting >= state.max_queue:
         raise APIError(
@@ -218,7 +337,7 @@ async def _prepare(state: ServeState, http: Request, endpoint: str):
         )
     request = GenerateRequest(
         prompt_ids=ids,
-        max_tokens=params.max_tokens,
+        max_tokens=max_tokens,
         temperature=params.temperature,
         top_p=params.top_p,
         seed=params.seed,
@@ -256,10 +375,16 @@ def _finish_reason(metrics: TurnMetrics, matcher: StopMatcher) -> str:
 
 
 async def generate(state: ServeState, http: Request, endpoint: str) -> Response:
+    if state.draining:
+        return error_response(shutting_down())
     try:
         body, params, request = await _prepare(state, http, endpoint)
     except APIError as e:
         return error_response(e)
+    except ClientGone:
+        return Response(status_code=499)
+    if state.draining:  # a signal came while the prompt was built
+        return error_response(shutting_down())
     client = client_label(http, body)
     gen = Generation(state, request, client, endpoint)
     ident = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
@@ -278,6 +403,8 @@ async def generate(state: ServeState, http: Request, endpoint: str) -> Response:
                 gen.handle.cancel()
         elif isinstance(event, Failed):
             return error_response(failure(event))
+        elif isinstance(event, APIError):
+            return error_response(event)
         elif isinstance(event, Finished):
             stopped(state, gen, matcher)
             text = matcher.text
@@ -330,6 +457,8 @@ async def _stream(
                 gen.handle.cancel()
         elif isinstance(event, Failed):
             yield sse(failure(event).body())
+        elif isinstance(event, APIError):
+            yield sse(event.body())
         elif isinstance(event, Finished):
             stopped(state, gen, matcher)
             rest = matcher.flush()
@@ -390,20 +519,99 @@ def create_app(state: ServeState) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
-    return Starlette(
+    app = Starlette(
         routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error}
     )
+    return HostGuard(app, state)
+
+
+class HostGuard:
+    """ASGI middleware: every HTTP request's ``Origin`` header, and its ``Host`` header
+    when the server asks for no key, are checked (:func:`~tierchat.core.serve_limits.
+    check_origin`, ``check_host``) before a route runs, so neither a web page nor a
+    DNS-rebound name can drive or read the server. A server with a key (any non-loopback
+    bind has one) is reached under whatever name its clients use: a rebound page cannot
+    send the key."""
+
+    def __init__(self, app: Any, state: ServeState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            headers = {}
+            for k, v in scope.get("headers", ()):
+                headers.setdefault(k.decode("latin-1").lower(), v.decode("latin-1"))
+            try:
+                if not self.state.api_key:
+                    check_host(headers.get("host"), self.state.bind_host, self.state.limits)
+                check_origin(headers.get("origin"), self.state.limits)
+            except APIError as e:
+                await error_response(e)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def guarded_protocol(limits: ServeLimits) -> type:
+    """uvicorn's h11 protocol with two guards uvicorn lacks for a fresh connection: a
+    connection beyond ``limits.max_connections`` is closed at once, and one whose request
+    headers are not complete within ``limits.header_timeout_s`` is closed then (a
+    half-sent request must not hold a file descriptor for ever: issue 22 case 4)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class GuardedH11Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > limits.max_connections:
+                transport.close()
+                return
+            self._header_timer = self.loop.call_later(limits.header_timeout_s, self._header_timeout)
+
+        def _header_timeout(self) -> None:
+            if self.cycle is None and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_lost(self, exc) -> None:
+            timer = getattr(self, "_header_timer", None)
+            if timer is not None:
+                timer.cancel()
+            super().connection_lost(exc)
+
+    return GuardedH11Protocol
 
 
 class ServerThread:
     """uvicorn serving ``app`` on a thread (port 0: a free port); ``start`` waits until it
-    listens, ``stop`` until it is gone. ``url`` is ``http://host:port``."""
+    listens, ``stop`` until it is gone. ``url`` is ``http://host:port``.
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0) -> None:
+    Connections are bounded by ``limits`` (:func:`guarded_protocol`, uvicorn's
+    ``limit_concurrency``: requests beyond it get 503), headers by h11's 16 KiB, idle
+    keep-alive connections close after 5 s, and a stop waits at most
+    ``graceful_s`` for open responses."""
+
+    def __init__(
+        self,
+        app: Any,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        limits: ServeLimits | None = None,
+        graceful_s: float = 5.0,
+    ) -> None:
         import uvicorn
 
+        limits = limits or ServeLimits()
         config = uvicorn.Config(
-            app, host=host, port=port, log_level="warning", access_log=False, lifespan="off"
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            http=guarded_protocol(limits),
+            limit_concurrency=limits.max_connections,
+            timeout_keep_alive=5,
+            h11_max_incomplete_event_size=16 * 1024,
+            timeout_graceful_shutdown=max(1, int(graceful_s)),
         )
         self.server = uvicorn.Server(config)
         self.host = host
@@ -473,12 +681,20 @@ def _print_record(record: RequestRecord) -> None:
 
 
 def run_serve(settings: Any, args: Any) -> int:
-    """``tierchat serve``: load the model, serve until Ctrl-C (or the console quits)."""
+    """``tierchat serve``: load the model, serve until SIGTERM or SIGINT (Ctrl-C), or the
+    console quits; then stop in order (:mod:`~tierchat.cli.serve_shutdown`)."""
+    from tierchat.cli.common import SSDWatch, check_cache_owner
+    from tierchat.cli.serve_shutdown import Shutdown
+    from tierchat.core.live_status import StatusService
+    from tierchat.core.serve_limits import limits_from_args
+
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     check_bind(args.host, args.allow_remote, api_key)
+    check_cache_owner(settings)
     engine = start_engine(settings)
     log = RequestLog()
     tracked = TrackedEngine(engine, log)
+    limits = limits_from_args(args)
     state = ServeState(
         tracked,
         api_key=api_key,
@@ -487,43 +703,57 @@ def run_serve(settings: Any, args: Any) -> int:
         use_cache=not settings.no_cache,
         max_queue=args.max_queue,
         memory_path=reply_memory_path(settings, engine.model_name),
+        limits=limits,
+        bind_host=args.host,
     )
     app = create_app(state)
     try:
-        server = ServerThread(app, args.host, args.port).start()
+        server = ServerThread(app, args.host, args.port, limits).start()
     except RuntimeError as e:
         engine.close()
         raise CLIError(f"{e} (is the port in use?)") from None
     log.url = f"{server.url}/v1"
+    status = StatusService(engine, settings.cache_dir, "serve").start()
+    shutdown = Shutdown(state, server, engine, bound_s=getattr(args, "shutdown_s", 10.0))
     try:
-        if args.console:
-            _run_console(tracked, log, settings)
-        else:
-            log.subscribe(_print_record)
-            print(
-                f"tierchat serve: {log.url} · model {engine.model_name} · Ctrl-C stops",
-                file=sys.stderr,
-                flush=True,
-            )
-            while server.thread.is_alive():
-                server.thread.join(0.5)
-    except KeyboardInterrupt:
-        print("\ntierchat serve: stopped", file=sys.stderr, flush=True)
-    finally:
+        with shutdown.signals():
+            if args.console:
+                _run_console(tracked, log, settings, shutdown)
+            else:
+                log.subscribe(_print_record)
+                print(
+                    f"tierchat serve: {log.url} · model {engine.model_name} · "
+                    "Ctrl-C or SIGTERM stops",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                watch = SSDWatch(engine)
+                while server.thread.is_alive() and not shutdown.requested.is_set():
+                    server.thread.join(0.5)
+                    watch.check()
+            status.stop()
+            shutdown.run()
+    except BaseException:
+        status.stop()
         server.stop()
         engine.close()
+        raise
     return EXIT_OK
 
 
-def _run_console(engine: TrackedEngine, log: RequestLog, settings: Any) -> None:
+def _run_console(engine: TrackedEngine, log: RequestLog, settings: Any, shutdown: Any) -> None:
+    """The console on the main thread; a signal quits it, then the server stops."""
     try:
-        from tierchat.tui.screens.serve_console import run_console
+        from tierchat.tui.screens.serve_console import ServeConsoleApp
     except ImportError as e:
         raise CLIError(f"the console is not available ({e})") from None
     from tierchat.cli.common import open_store
+    from tierchat.cli.serve_shutdown import quit_ui_later
 
     store = open_store(settings.db_path)
     try:
-        run_console(engine, store, settings, log)
+        app = ServeConsoleApp(engine, store, settings, log)
+        shutdown.on_request = quit_ui_later(app)
+        app.run()
     finally:
         store.close()

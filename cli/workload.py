@@ -56,9 +56,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .bench import WARMUP_SALT, LRUBaseline, _fresh_cache_dir, make_prompt, writer_idle
-from .common import EXIT_OK, EXIT_USAGE, CLIError, open_store, table
-from .replay import (
+from tierchat.cli.bench import WARMUP_SALT, LRUBaseline, _fresh_cache_dir, make_prompt, writer_idle
+from tierchat.cli.common import EXIT_OK, EXIT_USAGE, CLIError, open_store, table
+from tierchat.cli.replay import (
     GENERATING,
     Op,
     Replay,

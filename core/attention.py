@@ -26,6 +26,8 @@ from collections.abc import Iterator
 
 import mlx.core as mx
 
+from .device import device_info
+
 _fast_sdpa = mx.fast.scaled_dot_product_attention
 _local = threading.local()
 
@@ -100,8 +102,4 @@ def chunk_attention(max_query: int, max_scores: int = 1 << 28) -> Iterator[None]
 def default_max_query() -> int:
     """The ``chunk_attention`` setting's ``auto``: 512 query tokens on MLX's CUDA backend
     (where cuDNN SDPA builds a graph per shape), 0 (off) on Metal and the CPU."""
-    try:
-        cuda = mx.cuda.is_available() and mx.default_device() == mx.gpu
-    except AttributeError:  # an MLX build without the cuda module
-        cuda = False
-    return 512 if cuda else 0
+    return 512 if device_info().backend == "cuda" else 0

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 ROLES = ("system", "user", "assistant")
 
 # Each entry brings the schema from version i to i + 1; never edit a released entry.
+# Statements are separated by ``;`` (none inside a string: the entries are split on it).
 MIGRATIONS: tuple[str, ...] = (
     """
     CREATE TABLE conversations (
@@ -78,6 +79,24 @@ MIGRATIONS: tuple[str, ...] = (
     """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def _statements(script: str) -> list[str]:
+    """The SQL statements of ``script``, split where ``sqlite3.complete_statement`` says
+    one ends (so a trigger's ``BEGIN ... ; ... END`` body stays whole)."""
+    out, current = [], ""
+    for piece in script.split(";"):
+        current += piece + ";"
+        if sqlite3.complete_statement(current):
+            if current.strip(" \n\t;"):
+                out.append(current)
+            current = ""
+    if current.strip(" \n\t;"):
+        out.append(current)
+    return out
+
+
+BUSY_TIMEOUT_S = 10.0  # how long a connection waits for another process's lock
 
 
 StoreErrorKind = Literal[
@@ -256,15 +275,29 @@ class ConversationStore:
             _private_file(Path(self.path))
         self._lock = threading.RLock()
         try:
-            conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            conn = sqlite3.connect(
+                self.path, check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_S
+            )
         except sqlite3.Error as e:
             raise store_error(e, self.path, "open the store") from None
         self._conn = _Conn(conn, self.path)
         try:
-            self._migrate()
+            self._setup()
         except StoreError:
             self._conn.close()
             raise
+
+    def _setup(self) -> None:
+        """Set WAL and migrate, retrying while another process holds the file busy: the
+        first switch to WAL can answer SQLITE_BUSY without calling the busy handler."""
+        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        while True:
+            try:
+                return self._migrate()
+            except StoreError as e:
+                if e.kind != "busy" or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
 
     def _migrate(self) -> None:
         conn = self._conn
@@ -277,8 +310,24 @@ class ConversationStore:
             )
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA foreign_keys=ON")
-        for i in range(version, SCHEMA_VERSION):
-            conn.executescript(f"BEGIN; {MIGRATIONS[i]}; PRAGMA user_version = {i + 1}; COMMIT;")
+        if version == SCHEMA_VERSION:
+            return
+        # one writer migrates: BEGIN IMMEDIATE takes the write lock (waiting up to the busy
+        # timeout), and the version is read again under it, so a process that lost the race
+        # finds the schema already there and applies nothing
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            for step in MIGRATIONS[version:SCHEMA_VERSION]:
+                # statement by statement: executescript would commit the open transaction
+                for sql in _statements(step):
+                    conn.execute(sql)
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
 
     def close(self) -> None:
         with self._lock:

@@ -61,6 +61,7 @@ from .cache import layers as L
 from .cache.prefix import PrefixCache, Restored, chunk_ends, probe_specs, schedule_points
 from .cache.rates import Rates
 from .cache.request import CacheRequest, ColdRequest
+from .device import device_info
 from .forward import last_logits_fn, logprobs_of, verify_last_logits
 
 _STOP = object()
@@ -381,8 +382,41 @@ class Engine:
                 warning = self.cache.ssd.reason
             if self.cache.ssd is not None:
                 self.cache.ssd.on_idle = self.release_host_buffers
+                if (
+                    self.cache.rates is not None
+                    and self.cache.rates.prefill_tps <= 0
+                    and device_info().backend == "cuda"
+                ):
+                    self._calibrate_prefill()
         self._gather_rank_stats()
         handle.emit(ModelLoaded(spec, warning=warning))
+
+    def _calibrate_prefill(self, tokens: int = 1536) -> None:
+        """Measure the prefill rate once, at load, for the restore-or-recompute choice
+        (:mod:`.cache.rates`): after a warm-up prefill of ``tokens`` tokens (the first
+        use of each kernel compiles it), a prefill of a length no request has had yet, so
+        it pays the per-shape graph builds a recompute pays. On CUDA only, where computing
+        can beat reading the disk and the two prefills cost well under a second (8B
+        shapes on an H100); elsewhere the rates come from requests."""
+        model, vocab = self.loaded.model, max(2, self.vocab_size or 2)
+        with mx.stream(generation_stream):
+            for n in (tokens, tokens + 67):
+                ids = mx.arange(n)[None] % vocab
+                t0 = time.perf_counter()
+                model(ids, cache=(caches := self._make_cache()))
+                mx.eval([c.state for c in caches])
+                dt = time.perf_counter() - t0
+        self.cache.rates.observe_prefill(tokens + 67, dt)
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The loaded model's vocabulary size (token ids lie in ``[0, vocab_size)``), or
+        None when its config does not say."""
+        if self.loaded is None:
+            return None
+        args = getattr(self.loaded.model, "args", None)
+        value = getattr(args, "vocab_size", None)
+        return value if isinstance(value, int) and value > 0 else None
 
     def _make_cache(self) -> list[Any]:
         model = self.loaded.model

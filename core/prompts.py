@@ -163,11 +163,20 @@ class PromptBuilder:
 
     Measured with demo's template and tokenizer (100 turns, 38k tokens): one-shot
     :func:`build_prompt` 470 ms; a builder's build of the next turn ~120 ms, most of it
-    one whole-text tokenization (the ``canonical`` and fallback check)."""
+    one whole-text tokenization (the ``canonical`` and fallback check).
 
-    def __init__(self, tokenizer: Tokenizer, max_entries: int = 4096) -> None:
+    ``max_renders`` bounds the prefix renders of one build to the last that many messages
+    not yet seen (the others get no span: no boundary, no splice, tokenized with their
+    neighbours), so a build of n unseen messages costs O(n) renders' worth of text, not
+    O(n^2): ``tierchat serve`` sets it, as any client may send a long new conversation
+    (issue 22 case 3). None: every message is rendered once."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, max_entries: int = 4096, max_renders: int | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_entries = max_entries
+        self.max_renders = max_renders
         self._cache: OrderedDict[bytes, _Rendered | None] = OrderedDict()
         self._pieces: OrderedDict[str, list[int]] = OrderedDict()
         self._splices: OrderedDict[tuple, tuple[int, int]] = OrderedDict()
@@ -206,16 +215,28 @@ class PromptBuilder:
         plain = [{"role": m.role, "content": m.content} for m in msgs]
         spans: list[_Span | None] = []
         prev_end = 0
-        digest = b""
-        for i, m in enumerate(msgs):
+        digests, digest = [], b""
+        for m in msgs:
             digest = hashlib.sha256(
                 digest + m.role.encode() + b"\0" + m.content.encode("utf-8", "surrogatepass")
             ).digest()
+            digests.append(digest)
+        with self._lock:
+            unseen = [i for i, d in enumerate(digests) if d not in self._cache]
+        if self.max_renders is not None:
+            unseen = unseen[len(unseen) - self.max_renders :] if self.max_renders else []
+            skipped = set(range(len(msgs))) - set(unseen)
+        else:
+            skipped = set()
+        for i, digest in enumerate(digests):
             with self._lock:
                 hit = digest in self._cache
                 info = self._cache.get(digest)
                 if hit:
                     self._cache.move_to_end(digest)
+            if not hit and i in skipped:
+                spans.append(None)
+                continue
             if not hit:
                 info = _render_message(self.tokenizer, plain, i)
                 self._remember(self._cache, digest, info)

@@ -37,6 +37,15 @@ from tierchat.core.api import (
 
 RequestStatus = Literal["waiting", "running", "done", "failed", "cancelled"]
 
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), 0x7F, *range(0x80, 0xA0))}
+
+
+def log_safe(text: str) -> str:
+    """``text`` with every C0/C1 control character (newline, tab and ESC included) and DEL
+    written as ``\\xNN``: one line that cannot forge another log line or drive the
+    terminal (issue 22 case 10). Client-given text goes through it before any log."""
+    return text.translate(_ESCAPES)
+
 
 @dataclass(frozen=True)
 class RequestRecord:
@@ -96,8 +105,11 @@ class RequestLog:
         self._listeners.append(listener)
 
     def open(self, client: str, endpoint: str) -> RequestRecord:
+        """A new waiting record; ``client`` and ``endpoint`` are stored :func:`log_safe`."""
         with self._lock:
-            record = RequestRecord(next(self._seq), client, endpoint, time.time())
+            record = RequestRecord(
+                next(self._seq), log_safe(client), log_safe(endpoint), time.time()
+            )
             if len(self._records) == self._records.maxlen:
                 self._by_seq.pop(self._records[0].seq, None)
             self._records.append(record)
@@ -108,7 +120,10 @@ class RequestLog:
         return record
 
     def update(self, seq: int, **changes) -> RequestRecord | None:
-        """Replace fields of record ``seq``; None when it already left the log."""
+        """Replace fields of record ``seq`` (an ``error`` stored :func:`log_safe`); None when
+        it already left the log."""
+        if isinstance(changes.get("error"), str):
+            changes["error"] = log_safe(changes["error"])
         with self._lock:
             old = self._by_seq.get(seq)
             if old is None:

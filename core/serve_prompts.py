@@ -77,7 +77,7 @@ class ReplyMemory:
     equals the rendered text.
 
     With a ``path`` the memory survives a restart (JSON lines, appended as replies come,
-    compacted on load): the SSD tier's blocks are keyed by the generated ids, so without
+    compacted on load; the file 0600 in a 0700 dir, as it holds every reply): the SSD tier's blocks are keyed by the generated ids, so without
     them a restarted server would miss from the first re-tokenized reply on. One file per
     model (the caller names it); an unwritable file leaves the memory in RAM only.
     """
@@ -120,7 +120,9 @@ class ReplyMemory:
         assert self.path is not None
         tmp = self.path.with_suffix(".tmp")
         body = "".join(json.dumps([t, list(i)]) + "\n" for t, i in self._entries.items())
-        tmp.write_text(body, encoding="utf-8")
+        tmp.unlink(missing_ok=True)
+        with _private_open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL) as f:
+            f.write(body)
         os.replace(tmp, self.path)
         self._lines = len(self._entries)
 
@@ -128,8 +130,8 @@ class ReplyMemory:
         if self.path is None:
             return
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a", encoding="utf-8") as f:
+            _private_dir(self.path.parent)
+            with _private_open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND) as f:
                 for text, ids in keys.items():
                     f.write(json.dumps([text, list(ids)]) + "\n")
             self._lines += len(keys)
@@ -162,6 +164,28 @@ class ReplyMemory:
             if ids is not None:
                 self._entries.move_to_end(text)
             return ids
+
+
+def _private_dir(path: Path) -> None:
+    """Make ``path`` (and missing parents) 0700, and tighten an existing one: the reply
+    memory holds every reply the server gave (issue 22 case 7)."""
+    missing, p = [], path.absolute()
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        d.mkdir(mode=0o700, exist_ok=True)
+    if path.stat().st_mode & 0o077:
+        path.chmod(0o700)
+
+
+def _private_open(path: Path, flags: int):
+    """A text file opened with ``flags``, created 0600 and tightened to 0600 if it was
+    not (O_NOFOLLOW: never through a link)."""
+    fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    if os.fstat(fd).st_mode & 0o077:
+        os.fchmod(fd, 0o600)
+    return open(fd, "a" if flags & os.O_APPEND else "w", encoding="utf-8")  # noqa: SIM115
 
 
 def _after_think(tokenizer: Tokenizer, ids: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
@@ -223,10 +247,11 @@ def chat_messages(body: Mapping[str, Any], memory: ReplyMemory) -> tuple[list[di
     for i, m in enumerate(raw):
         if not isinstance(m, Mapping):
             raise APIError(f"messages[{i}] must be an object", param=f"messages.{i}")
-        role = ROLES.get(m.get("role"))  # type: ignore[arg-type]
+        given = m.get("role")
+        role = ROLES.get(given) if isinstance(given, str) else None
         if role is None:
             raise APIError(
-                f"messages[{i}].role {m.get('role')!r} is not supported "
+                f"messages[{i}].role {str(given)[:40]!r} is not supported "
                 "(system, developer, user, assistant)",
                 param=f"messages.{i}.role",
             )

@@ -238,3 +238,45 @@ def test_one_flipped_bit_in_every_file(tmp_path, models_dir, capsys, monkeypatch
     assert restarted.corrupt == len(files), seed
     assert len(restarted) == 0
     restarted.close()
+
+
+def test_running_out_of_file_descriptors_deletes_no_cache_file(engines, cold, monkeypatch):
+    """Issue 22 case 4: EMFILE at start (the scan) and at a load is a resource error, not
+    corruption: counted and logged, every file kept, the turn a miss equal to cold."""
+    import tierchat.core.cache.ssd as ssd_mod
+
+    first = fill_and_restart(engines)
+    files = {p: p.read_bytes() for p in ssd_files(first)}
+    assert files
+    real_open = os.open
+    fds = {"out": True}
+
+    def no_fds(path, flags, mode=0o777, **kw):
+        if fds["out"] and str(path).endswith(".safetensors"):
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(path, flags, mode, **kw)
+
+    monkeypatch.setattr(ssd_mod.os, "open", no_fds)
+    e = engines()  # the scan cannot open a file: none indexed, none removed
+    s = e.stats().ssd
+    assert s.entries == 0 and s.corrupt == 0 and s.errors == len(files)
+    assert {p: p.read_bytes() for p in ssd_files(e)} == files
+    e.close()
+
+    fds["out"] = False
+    e = engines()
+    assert e.cache.ssd.wait_verified(60) and e.stats().ssd.entries == len(files)
+    fds["out"] = True  # now loads fail: a miss each, the files stay indexed
+    hot, handle = generate(e, PROMPT)
+    assert_same(*cold, hot, handle)
+    s = e.stats().ssd
+    assert s.corrupt == 0 and s.errors > 0 and s.entries >= len(files)
+    assert any("Too many open files" in t for _, t in e.stats().events)
+    assert all(p.read_bytes() == data for p, data in files.items())
+    e.close()
+
+    fds["out"] = False  # descriptors back: a restart restores from the same files
+    e = engines()
+    again, handle = generate(e, PROMPT)
+    assert_same(*cold, again, handle)
+    assert again.metrics.cached_by["ssd"] > 0 and e.stats().ssd.corrupt == 0

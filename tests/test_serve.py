@@ -19,6 +19,7 @@ from tierchat.core.serve_log import RequestLog, TrackedEngine
 from tierchat.core.serve_prompts import APIError, ReplyMemory, StopMatcher, sampling
 
 SYSTEM = {"role": "system", "content": "You are terse."}
+JSON = {"Content-Type": "application/json"}
 
 
 @pytest.fixture
@@ -176,7 +177,7 @@ def test_bad_requests_get_openai_error_shape_and_status(served):
         ),
     ]
     for raw, message, param in cases:
-        r = httpx.post(url + "/v1/chat/completions", content=raw)
+        r = httpx.post(url + "/v1/chat/completions", content=raw, headers=JSON)
         assert r.status_code == 400, raw
         body = r.json()
         assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}

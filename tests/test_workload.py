@@ -1,7 +1,7 @@
 """``tierchat bench --workload`` (cli/workload.py): the shipped workloads, op kinds, the
 per-kind summary, and the CI-sized workload on tiny:qwen2 and demo against cold runs.
 
-Tokens are asserted, never wall-clock (STYLE.md)."""
+Tokens are asserted, never wall-clock (docs/DESIGN.md §17)."""
 
 from __future__ import annotations
 

@@ -18,11 +18,22 @@ Tensors are contiguous, in name order.
 
 At start the index is rebuilt from headers (length, hcrc, fields, id hash), and a
 background verifier then reads every file once and checks ``dcrc``; a load checks both
-CRCs again. Any failure to read, parse, validate or map an entry makes it *corrupt*:
-counted, logged with the reason, removed when possible, never loaded. The scan takes
+CRCs again. A checksum or format failure makes an entry *corrupt*: counted, logged with
+the reason, removed when possible, never loaded. A resource error (EMFILE, ENFILE,
+ENOMEM, EACCES, EIO...: an ``OSError`` other than a missing file) is not corruption: the
+load is a miss, counted in ``errors`` and logged, and the file stays for a later retry
+(issue 22 case 4). A file found missing leaves the index (someone removed it). The scan takes
 regular files only (``lstat``), never follows a symbolic link, never opens a FIFO or a
 device, counts a failed ``unlink`` instead of raising, and removes a ``.tmp`` file only
 when its writer is gone (PID in the name) or it is older than :data:`STALE_TMP_S`.
+
+One process owns a cache dir (issue 22 case 5): the tier takes an exclusive
+``fcntl.flock`` on ``<cache_dir>/lock`` (:func:`acquire_dir`; shared by the engines of one
+process, released by the last ``close``) and turns itself off, saying who holds it, when
+another process does. A cache dir removed while running is recreated at the next write,
+and index rows whose files went with it are forgotten. A full disk shrinks the cap to
+what is on disk and writes are retried after :data:`RETRY_AFTER_S`; every such change is
+an event (``on_event``) and sets ``reason`` while it lasts.
 
 Determinism: an entry is in the index (``meta``, ``children_of``, ``in``) from the moment
 ``put`` accepts it; until the writer has moved it to disk, ``load`` returns its arrays from
@@ -65,6 +76,7 @@ import numpy as np
 from .blocks import FORMAT_VERSION, KIND_BLOCK, TAIL_KINDS, Entry, EntryMeta, chain_ids
 from .blocks import root_id as _root_id
 from .blocks import tail_id as _tail_id
+from .dir_lock import LOCK_FILE, CacheDirBusy, acquire_dir, release_dir, relock_dir
 
 FORMAT = f"tierchat-kv/{FORMAT_VERSION}"
 PREFIX = b'{"__metadata__":{"hcrc":"'
@@ -73,6 +85,7 @@ DCRC_AT = HCRC_AT + 8 + len(b'","dcrc":"')
 CHUNK = 1 << 20  # bytes read (and checksummed while in cache) at a time
 MAX_HEADER = 16 << 20
 STALE_TMP_S = 600.0  # a .tmp file this old is removed even when its writer may live
+RETRY_AFTER_S = 30.0  # after a full disk, writes at the configured cap are tried again
 
 # safetensors dtype name -> (MLX dtype, numpy dtype of the stored bits)
 DTYPES: dict[str, tuple[mx.Dtype, type]] = {
@@ -471,6 +484,7 @@ class SSDTier:
     on_idle: Callable[[], None] | None = None
     verify_at_start: bool = True
     backpressure_timeout_s: float = 120.0
+    close_timeout_s: float = 60.0  # close waits this long for the writer, then drops the rest
 
     def __init__(
         self,
@@ -483,6 +497,10 @@ class SSDTier:
     ) -> None:
         self.fingerprint = fingerprint
         self.max_bytes = max_bytes
+        self.configured_max_bytes = max_bytes  # max_bytes shrinks on a full disk
+        self._retry_at = 0.0  # monotonic time to try the configured cap again
+        self.cache_root = Path(cache_dir)
+        self._locked = False
         self.queue_size = max(1, queue_size)
         self.max_pending_bytes = max_pending_bytes
         self.dir = Path(cache_dir) / fingerprint[:16]
@@ -513,6 +531,8 @@ class SSDTier:
         self._verified = threading.Event()
         try:
             _private_dirs(Path(cache_dir))
+            acquire_dir(Path(cache_dir))
+            self._locked = True
             if self.dir.is_symlink():
                 raise OSError(errno.ELOOP, "is a symbolic link")
             _private_dirs(self.dir)
@@ -520,11 +540,17 @@ class SSDTier:
             probe.write_bytes(b"")
             probe.unlink()
             self._scan()
-        except OSError as exc:
+        except (OSError, CacheDirBusy) as exc:
             self.enabled = False
-            self.reason = (
-                f"cache dir {self.dir} is not writable ({exc.strerror or exc}); SSD tier off"
-            )
+            if isinstance(exc, CacheDirBusy):
+                self.reason = f"{exc}; SSD tier off (one process owns a cache dir)"
+            else:
+                self.reason = (
+                    f"cache dir {self.dir} is not writable ({exc.strerror or exc}); SSD tier off"
+                )
+            if self._locked:
+                release_dir(self.cache_root)
+                self._locked = False
             self._on_event(f"warning: {self.reason}")
             self._verified.set()
             return
@@ -597,8 +623,13 @@ class SSDTier:
             m = entry_meta(layout.meta, self.fingerprint)
             if m.id + ".safetensors" != ent.name or m.id[:2] != path.parent.name:
                 raise CorruptEntry("id does not match file name")
-        except (CorruptEntry, OSError) as exc:
+        except CorruptEntry as exc:
             self._bad(path, str(exc), remove=True)
+            return None
+        except FileNotFoundError:
+            return None  # removed since listed
+        except OSError as exc:  # EMFILE, EACCES, EIO...: kept for the next start
+            self._count_error(f"cannot read {path.name[:12]} ({exc.strerror or exc}); kept")
             return None
         return FileMeta(**m.meta(), nbytes=st.st_size, atime=st.st_mtime)
 
@@ -679,6 +710,26 @@ class SSDTier:
             self._drop(entry_id)
         self._event(f"corrupt SSD entry {entry_id[:12]} removed: {reason}")
 
+    def _forget(self, entry_id: str) -> None:
+        """Drop an entry whose file is gone (not corrupt: someone removed it)."""
+        with self._lock:
+            if entry_id not in self._index or entry_id in self._pending:
+                return
+            self._drop(entry_id)
+        self._event(f"SSD entry {entry_id[:12]} missing from disk; forgotten")
+
+    def _forget_missing(self) -> int:
+        """Drop every written entry whose file is gone (the dir was removed); returns how
+        many. Writer thread, after recreating the dir."""
+        with self._lock:
+            ids = [i for i in self._index if i not in self._pending]
+        gone = [i for i in ids if not self._path(i).exists()]
+        with self._lock:
+            for entry_id in gone:
+                if entry_id not in self._pending:
+                    self._drop(entry_id)
+        return len(gone)
+
     def meta(self, entry_id: str) -> FileMeta | None:
         with self._lock:
             return self._index.get(entry_id)
@@ -727,6 +778,12 @@ class SSDTier:
         """
         if not self.enabled:
             return [False] * len(entries)
+        if self._retry_at and time.monotonic() >= self._retry_at:
+            with self._lock:
+                self._retry_at = 0.0
+                self.max_bytes = self.configured_max_bytes
+                self.reason = ""
+            self._event(f"SSD: retrying writes at the {self.max_bytes}-byte cap after a full disk")
         # one entry per id: the one carrying the most parts (a put of each in turn would
         # keep that one too)
         best: dict[str, int] = {}
@@ -855,6 +912,8 @@ class SSDTier:
         path = self._path(eid)
         tmp = path.with_name(f"{eid}.{os.getpid()}.{next(self._tmp_seq)}.tmp")
         try:
+            if not self.dir.is_dir():
+                self._recreate_dir()
             _real_dir(path.parent)
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
             fd = os.open(tmp, flags, 0o600)
@@ -883,10 +942,33 @@ class SSDTier:
                     on_disk = self.nbytes - self._pending_bytes
                     self.max_bytes = max(0, min(self.max_bytes, on_disk))
                     self._evict_for(0)
-                    text = f"disk full: SSD cap shrunk to {self.max_bytes} bytes"
+                    self._retry_at = time.monotonic() + RETRY_AFTER_S
+                    text = (
+                        f"disk full: SSD cap shrunk to {self.max_bytes} bytes "
+                        f"(writes retried in {RETRY_AFTER_S:.0f} s)"
+                    )
+                    if self.max_bytes == 0:
+                        text += "; SSD tier off until then"
+                    self.reason = text
                 else:
                     text = f"SSD write failed: {exc.strerror or exc}"
             self._event(text)
+
+    def _recreate_dir(self) -> None:
+        """The cache dir vanished (``rm -rf`` while running): make it again (0700, the
+        lock file too) and forget the entries that went with it (writer thread)."""
+        _private_dirs(self.dir)
+        gone = self._forget_missing()
+        self._event(
+            f"SSD write failed: cache dir {self.dir} was missing; recreated ({gone} "
+            "entries lost with it)"
+        )
+        if self._locked and not (self.cache_root / LOCK_FILE).exists():
+            # the lock file went with the dir: take a new one
+            try:
+                relock_dir(self.cache_root)
+            except (OSError, CacheDirBusy) as exc:
+                self._event(f"SSD: cannot lock {self.cache_root} again: {exc}")
 
     def _evict_for(self, incoming: int) -> None:
         # caller holds the lock; the index is in LRU order
@@ -918,11 +1000,28 @@ class SSDTier:
         """Wait for the start-up verifier to have read every file found at start."""
         return self._verified.wait(timeout)
 
+    def drop_pending(self) -> int:
+        """Forget every entry not yet on disk (its write is abandoned); returns how many.
+        For a bounded exit: what a flush did not write in time."""
+        with self._cond:
+            ids = list(self._pending)
+            for entry_id in ids:
+                self._drop(entry_id)
+            self.write_drops += len(ids)
+        return len(ids)
+
     def close(self) -> None:
+        """Write what is queued (waiting at most ``close_timeout_s``; what is left then is
+        dropped and reported), stop the threads, give back the cache dir's lock."""
         self.drop_reads()
         self._readers.shutdown(wait=True)
         if self.enabled:
-            self.flush()
+            if not self.flush(self.close_timeout_s):
+                dropped = self.drop_pending()
+                self._event(
+                    f"SSD write failed: {dropped} entries not saved at exit "
+                    f"(the writer took over {self.close_timeout_s:g} s)"
+                )
             with self._cond:
                 self._paused = False
                 self._stop = True
@@ -930,6 +1029,9 @@ class SSDTier:
                 self._cond.notify_all()
             self._writer.join(timeout=5)
             self._verifier.join(timeout=5)
+        if self._locked:
+            self._locked = False
+            release_dir(self.cache_root)
 
     # ------------------------------------------------------------------ verifier
     def _verify_loop(self, ids: list[str]) -> None:
@@ -945,11 +1047,13 @@ class SSDTier:
                 try:
                     read_file(self._path(entry_id), keep=False)
                 except FileNotFoundError:
-                    self._condemn(entry_id, "file missing")
-                except (CorruptEntry, OSError) as exc:
+                    self._forget(entry_id)
+                except CorruptEntry as exc:
                     ino = _inode(self._path(entry_id))
                     if ino is not None:
                         self._condemn(entry_id, str(exc), ino)
+                except OSError as exc:  # a resource error: the file stays, unverified
+                    self._count_error(f"cannot verify {entry_id[:12]} ({exc.strerror or exc})")
         finally:
             self._verified.set()
 
@@ -961,8 +1065,10 @@ class SSDTier:
         file is read whole into a staging array (:func:`read_file`), both CRCs checked,
         its header compared with the index, and its tensors viewed in place
         (:func:`arrays_in`). ``expected`` maps names to ``(shape, dtype)`` with
-        ``-1`` for the token axis (:func:`check_arrays`). Any failure: counted corrupt,
-        logged, removed, None.
+        ``-1`` for the token axis (:func:`check_arrays`). A checksum, format or shape
+        failure: counted corrupt, logged, removed, None. A missing file: forgotten, None.
+        Any other failure (EMFILE, ENOMEM, an MLX error): counted in ``errors``, logged,
+        the file kept for a later load, None.
         """
         with self._lock:
             meta = self._index.get(entry_id)
@@ -990,8 +1096,15 @@ class SSDTier:
                 arrays = arrays_in(layout, stage)
             if expected is not None:
                 check_arrays(arrays, expected, len(meta.tokens))
-        except Exception as exc:  # anything at all: a miss, never a restore
-            self._condemn(entry_id, str(exc) or type(exc).__name__)
+        except CorruptEntry as exc:
+            self._condemn(entry_id, str(exc))
+            return None
+        except FileNotFoundError:
+            self._forget(entry_id)
+            return None
+        except Exception as exc:  # EMFILE, ENOMEM, an MLX error...: a miss, file kept
+            text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            self._count_error(f"cannot read {entry_id[:12]} ({text or type(exc).__name__}); kept")
             return None
         if item is None:
             try:

@@ -13,7 +13,8 @@ import time
 import pytest
 from fakes import FakeEngine
 from tierchat.cli.main import main
-from tierchat.tui.live_status import (
+from tierchat.core.live_status import (
+    REQUESTS_DIR,
     STATUS_FILE,
     StatusWriter,
     read_status,
@@ -46,7 +47,7 @@ def test_clear_requests_are_served_once_and_answered(tmp_path):
     writer = StatusWriter(tmp_path)
     writer.write("m", {})
     rid = request_clear(tmp_path, "hot")
-    (tmp_path / "tui-requests" / "clear-bad.json").write_text("{not json")
+    (tmp_path / REQUESTS_DIR / "clear-bad.json").write_text("{not json")
     (request,) = writer.requests()  # the unreadable one is dropped
     assert request["tier"] == "hot" and request["id"] == rid
 
@@ -65,7 +66,7 @@ def test_unanswered_request_is_withdrawn(tmp_path):
     StatusWriter(tmp_path).write("m", {})
     rid = request_clear(tmp_path, "ssd")
     assert wait_cleared(tmp_path, rid, timeout_s=0.2) is None
-    assert not list((tmp_path / "tui-requests").glob("*.json"))
+    assert not list((tmp_path / REQUESTS_DIR).glob("*.json"))
 
 
 @pytest.mark.usefixtures("isolated_settings")

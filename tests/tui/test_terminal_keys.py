@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tierchat.core.live_status import STATUS_FILE
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -362,7 +363,7 @@ def test_every_binding_in_the_help_is_typed(terminal):
     press("confirm_yes", "y")
     press("clear_all", "f8")
     press("confirm_yes", "y")
-    status_path = term.tmp / "kv" / "tui-status.json"
+    status_path = term.tmp / "kv" / STATUS_FILE
 
     def cleared():
         status = json.loads(status_path.read_text())

@@ -33,6 +33,7 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Header
 from tierchat.core.api import CACHE_TIERS, CacheStats, Event, Failed, ModelLoaded, ModelLoading
+from tierchat.core.live_status import StatusWriter
 from tierchat.tui.cache_report import alerts, clear_report
 from tierchat.tui.commands import (
     BranchCommands,
@@ -42,7 +43,6 @@ from tierchat.tui.commands import (
     ModelCommands,
     ToolCommands,
 )
-from tierchat.tui.live_status import StatusWriter
 from tierchat.tui.messages import (
     BranchRequested,
     ConversationChosen,
@@ -203,7 +203,7 @@ class ChatScreen(ChatTools):
     def on_mount(self) -> None:
         cache_dir = getattr(self.tierchat.settings, "cache_dir", None)
         if cache_dir is not None:
-            self._status = StatusWriter(Path(cache_dir))
+            self._status = StatusWriter(Path(cache_dir), process="TUI")
         self._poll_timer = self.set_interval(STATS_POLL_S, self.poll_stats, pause=False)
         self.refresh_conversations()
         rows = self.query_one(ConversationList).rows

@@ -1,0 +1,123 @@
+"""How ``tierchat serve`` stops on SIGTERM or SIGINT (issue 22 case 6).
+
+uvicorn runs on a thread (:class:`~tierchat.cli.serve.ServerThread`), so its own signal
+handlers are never installed (it installs them only on the main thread); these are.
+
+The first signal: new requests get 503 ``server_shutting_down``; every open generation
+ends with that error (a stream gets it as an error event, then ``[DONE]``) and is
+cancelled on the engine; uvicorn stops listening and waits for the responses a few
+seconds; the SSD writer gets ``bound_s`` seconds to write what is queued, and what it did
+not write is dropped and reported; the engine closes; the command exits 0. A second
+signal exits at once (``os._exit``: no interpreter teardown under the engine's MLX
+thread, so no C++ abort), keeping every file already renamed into place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Shutdown:
+    """The stop sequence of one server: :meth:`signals` installs the handlers around the
+    serving loop, which waits on ``requested``; :meth:`run` stops everything in order.
+    ``on_request`` is called from the handler (the console uses it to quit its UI)."""
+
+    def __init__(
+        self,
+        state: Any,
+        server: Any,
+        engine: Any,
+        bound_s: float = 10.0,
+        err: Any = None,
+        on_request: Callable[[], None] | None = None,
+    ) -> None:
+        self.state = state
+        self.server = server
+        self.engine = engine
+        self.bound_s = bound_s
+        self.err = err or sys.stderr
+        self.on_request = on_request
+        self.requested = threading.Event()
+        self.signal_name = ""
+
+    def say(self, text: str) -> None:
+        print(f"tierchat serve: {text}", file=self.err, flush=True)
+
+    def _handler(self, signum: int, _frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.requested.is_set():
+            self.say(f"second {name}: exiting now, queued SSD writes are dropped")
+            os._exit(128 + signum)
+        self.signal_name = name
+        self.state.draining = True
+        self.requested.set()
+        if self.on_request is not None:
+            self.on_request()
+
+    @contextlib.contextmanager
+    def signals(self) -> Iterator[Shutdown]:
+        """Install the SIGTERM/SIGINT handlers (main thread only) for the ``with`` body."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        old = {s: signal.signal(s, self._handler) for s in SIGNALS}
+        try:
+            yield self
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+
+    def run(self) -> dict[str, int]:
+        """Stop: refuse new requests, end open streams, stop uvicorn, write the SSD queue
+        within ``bound_s``, close the engine. Returns ``{"streams", "written",
+        "dropped"}`` (streams ended, SSD entries written and dropped during the stop)."""
+        why = self.signal_name or "stop"
+        self.say(f"{why}: stopping (new requests get 503; open streams end with an error)")
+        self.state.draining = True
+        streams = self.state.abort_all(f"the server is shutting down ({why})")
+        self.server.stop(timeout_s=10.0)
+        deadline = time.monotonic() + self.bound_s
+        written = dropped = 0
+        cache = getattr(self.engine, "cache", None)
+        ssd = getattr(cache, "ssd", None)
+        if ssd is not None and ssd.enabled:
+            persisted, drops = ssd.saves_persisted, ssd.write_drops
+            queued = ssd.queue_depth
+            if queued:
+                self.say(f"writing {queued} queued SSD entries (at most {self.bound_s:g} s)")
+            if not ssd.flush(max(0.0, deadline - time.monotonic())):
+                ssd.drop_pending()
+            # what the engine still stores as it closes gets what is left of the bound
+            ssd.close_timeout_s = max(0.5, deadline - time.monotonic())
+            self.engine.close()
+            written = ssd.saves_persisted - persisted
+            dropped = ssd.write_drops - drops
+        else:
+            self.engine.close()
+        tail = f"; {dropped} SSD entries not saved" if dropped else ""
+        self.say(f"stopped ({streams} open requests ended, {written} SSD entries written{tail})")
+        return {"streams": streams, "written": written, "dropped": dropped}
+
+
+def quit_ui_later(app: Any) -> Callable[[], None]:
+    """A handler hook that asks a Textual app running on this (the main) thread's event
+    loop to exit, safely from a signal handler (``call_soon_threadsafe``)."""
+
+    def request() -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        loop.call_soon_threadsafe(app.exit)
+
+    return request

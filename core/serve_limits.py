@@ -1,0 +1,328 @@
+"""What ``tierchat serve`` checks before any work is queued. Pure Python: no MLX, no HTTP.
+
+A request from the network is hostile until checked (issue 22). A server on loopback is
+reachable by every web page the user opens (a ``text/plain`` POST needs no CORS
+preflight) and, through DNS rebinding, under a name that resolves to 127.0.0.1. So:
+
+- :func:`check_host` / :func:`check_origin`: the ``Host`` header must name a loopback
+  address or a configured host, and an ``Origin`` header (sent by browsers) a loopback
+  origin or a configured one; otherwise 403.
+- :func:`parse_body`: ``application/json`` only, at most ``max_body_bytes``; JSON numbers
+  finite (no ``NaN``, ``Infinity``, ``1e400``), integers of at most
+  :data:`MAX_INT_DIGITS` digits, nesting at most :data:`MAX_DEPTH` deep.
+- :func:`check_prompt`: every token id in ``[0, vocab)`` (an id past the embedding table
+  reads out-of-bounds memory or crashes the process), and prompt + reply within the
+  model's context: 400 ``context_length_exceeded`` as OpenAI answers, before any prefill.
+
+Every failure is an :class:`~tierchat.core.serve_prompts.APIError` in OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from tierchat.core.serve_prompts import APIError
+
+MAX_INT_DIGITS = 20  # a 64-bit seed has 20 digits; more is never a real parameter
+MAX_DEPTH = 64  # JSON nesting: a chat body is 5 deep
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """Bounds on what one request may ask. Sizes in bytes, times in seconds.
+
+    ``allowed_hosts``: extra names accepted in ``Host`` (beyond loopback and the bound
+    address); ``allowed_origins``: extra browser origins (``scheme://host[:port]``, or
+    ``*`` for any). ``max_connections`` and ``header_timeout_s`` go to uvicorn
+    (``limit_concurrency``, and a header timeout on each new connection)."""
+
+    max_body_bytes: int = 4 << 20
+    max_messages: int = 1024
+    max_connections: int = 256
+    header_timeout_s: float = 10.0
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = field(default=())
+
+
+# ---------------------------------------------------------------- Host and Origin
+
+
+def is_loopback_name(host: str) -> bool:
+    """``localhost`` (and ``*.localhost``) or a loopback IP address (``[::1]`` too)."""
+    host = host.strip().lower().rstrip(".")
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def host_name(value: str) -> str:
+    """The host of a ``Host`` header value: the port and an IPv6 literal's brackets off."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1 : value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def check_host(value: str | None, bound: str, limits: ServeLimits) -> None:
+    """Accept a missing ``Host`` (HTTP/1.0), a loopback one, the address the server is
+    bound to (when not a wildcard) or a configured name. Raises :class:`APIError` 403."""
+    if value is None:
+        return
+    name = host_name(value)
+    allowed = {h.lower() for h in limits.allowed_hosts}
+    if bound not in ("0.0.0.0", "::", ""):
+        allowed.add(host_name(bound))
+    if is_loopback_name(name) or name in allowed or "*" in allowed:
+        return
+    raise APIError(
+        f"Host {printable_header(value)!r} is not allowed: use a loopback address, or "
+        "start the server with --allowed-host NAME",
+        403,
+        "permission_error",
+        code="host_not_allowed",
+    )
+
+
+def check_origin(value: str | None, limits: ServeLimits) -> None:
+    """Accept no ``Origin`` (not a browser), a loopback origin (``http://localhost:3000``)
+    or a configured one. Raises :class:`APIError` 403 (``null`` included)."""
+    if value is None:
+        return
+    allowed = {o.rstrip("/").lower() for o in limits.allowed_origins}
+    origin = value.strip().rstrip("/").lower()
+    if "*" in allowed or origin in allowed:
+        return
+    parts = urlsplit(origin)
+    if parts.scheme in ("http", "https") and parts.hostname and is_loopback_name(parts.hostname):
+        return
+    raise APIError(
+        f"Origin {printable_header(value)!r} is not allowed: a web page cannot drive this "
+        "server; start it with --allowed-origin ORIGIN to let one",
+        403,
+        "permission_error",
+        code="origin_not_allowed",
+    )
+
+
+def printable_header(value: str, limit: int = 80) -> str:
+    return "".join(c if c.isprintable() else "?" for c in value[:limit])
+
+
+# ---------------------------------------------------------------- the body
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise APIError(f"number {text[:24]} is out of range")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise APIError(f"integer of {len(text)} digits is out of range")
+    return int(text)
+
+
+def _no_constant(name: str) -> Any:
+    raise APIError(f"{name} is not a JSON number")
+
+
+def _depth(obj: Any, limit: int) -> int:
+    """Nesting depth of parsed JSON, iteratively (no recursion on hostile input)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        node, d = stack.pop()
+        if d > limit:
+            return d
+        deepest = max(deepest, d)
+        if isinstance(node, dict):
+            stack.extend((v, d + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, d + 1) for v in node)
+    return deepest
+
+
+def parse_body(content_type: str | None, raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object. Raises :class:`APIError`: 415 unless the media
+    type is ``application/json``; 400 for bad JSON, non-finite or huge numbers, nesting
+    deeper than :data:`MAX_DEPTH` or a body that is not an object."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        raise APIError(
+            f"Content-Type must be application/json, not {printable_header(media) or 'none'!r}",
+            415,
+            code="unsupported_media_type",
+        )
+    try:
+        body = json.loads(
+            raw,
+            parse_float=_finite,
+            parse_int=_bounded_int,
+            parse_constant=_no_constant,
+        )
+    except APIError:
+        raise
+    except RecursionError:  # the C decoder's own depth guard ("[" * 2000)
+        raise APIError("the request body nests too deeply") from None
+    except (ValueError, UnicodeDecodeError):
+        raise APIError("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    if _depth(body, MAX_DEPTH) > MAX_DEPTH:
+        raise APIError(f"the request body nests deeper than {MAX_DEPTH} levels")
+    return body
+
+
+# ---------------------------------------------------------------- the prompt
+
+
+def check_prompt(
+    ids: Sequence[int],
+    max_tokens: int,
+    *,
+    explicit: bool,
+    vocab: int | None,
+    context: int | None,
+    param: str = "messages",
+) -> int:
+    """Check a prompt's ids and length; return the ``max_tokens`` to generate.
+
+    Ids must lie in ``[0, vocab)`` (unchecked when ``vocab`` is None). The prompt must
+    leave room for one token in ``context``; a client's own ``max_tokens`` (``explicit``)
+    must fit beside the prompt, as OpenAI checks, while the server's default is capped to
+    the room left. Raises :class:`APIError` 400 (``invalid_token_id`` or
+    ``context_length_exceeded``)."""
+    if vocab is not None:
+        bad = next((i for i in ids if not 0 <= i < vocab), None)
+        if bad is not None:
+            raise APIError(
+                f"token id {bad} is outside the vocabulary [0, {vocab})",
+                param="prompt",
+                code="invalid_token_id",
+            )
+    if context is None:
+        return max_tokens
+    n = len(ids)
+    if n >= context or (explicit and n + max_tokens > context):
+        asked = f"{n} in the prompt" + (f" + {max_tokens} to generate" if explicit else "")
+        raise APIError(
+            f"this model's maximum context length is {context} tokens; the request asks for "
+            f"{asked}",
+            param="max_tokens" if n < context else param,
+            code="context_length_exceeded",
+        )
+    return min(max_tokens, context - n)
+
+
+def _config_int(engine: Any, keys: tuple[str, ...]) -> int | None:
+    """The first positive int among ``keys`` in the loaded model's args, or in its
+    ``text_config`` (multimodal wrappers such as Qwen3.5 keep the text model's there)."""
+    loaded = getattr(engine, "loaded", None)
+    args = getattr(getattr(loaded, "model", None), "args", None)
+    text = getattr(args, "text_config", None)
+    for source in (args, text):
+        for key in keys:
+            value = source.get(key) if isinstance(source, dict) else getattr(source, key, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def model_vocab(engine: Any) -> int | None:
+    """The model's embedding rows (``vocab_size`` of its args or their ``text_config``),
+    or None when its config does not say. The model may generate any of these ids, even
+    past the ones its tokenizer names."""
+    return _config_int(engine, ("vocab_size",))
+
+
+def vocab_size(engine: Any) -> int | None:
+    """The number of valid token ids of the engine's model: :func:`model_vocab`, else the
+    tokenizer's size (``len(tokenizer)``, added tokens included, or its ``vocab_size``);
+    None when none is known."""
+    rows = model_vocab(engine)
+    if rows is not None:
+        return rows
+    tokenizer = getattr(engine, "tokenizer", None)
+    try:
+        return len(tokenizer)  # type: ignore[arg-type]
+    except TypeError:
+        size = getattr(tokenizer, "vocab_size", None)
+        return size if isinstance(size, int) and size > 0 else None
+
+
+def context_length(engine: Any) -> int | None:
+    """The model's context length in tokens: the engine's, else ``max_position_embeddings``
+    of the args' ``text_config``; None when unknown."""
+    value = getattr(engine, "context_length", None)
+    if isinstance(value, int) and value > 0:
+        return value
+    return _config_int(engine, ("max_position_embeddings", "max_seq_len", "n_ctx"))
+
+
+def add_limit_flags(parser: Any) -> None:
+    """The ``tierchat serve`` flags of :class:`ServeLimits` (and the shutdown bound)."""
+    d = ServeLimits()
+    parser.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also accept this Host header (repeatable; loopback names always pass)",
+    )
+    parser.add_argument(
+        "--allowed-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let web pages from ORIGIN (scheme://host[:port], or *) call the server",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=d.max_body_bytes,
+        metavar="N",
+        help=f"refuse larger request bodies with 413 (default {d.max_body_bytes})",
+    )
+    parser.add_argument(
+        "--max-messages",
+        type=int,
+        default=d.max_messages,
+        metavar="N",
+        help=f"refuse chats of more messages (default {d.max_messages})",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=d.max_connections,
+        metavar="N",
+        help=f"open connections at most (default {d.max_connections}; past it: closed, 503)",
+    )
+    parser.add_argument(
+        "--shutdown-s",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="on SIGTERM/SIGINT, wait at most S seconds to write queued SSD entries",
+    )
+
+
+def limits_from_args(args: Any) -> ServeLimits:
+    """:class:`ServeLimits` from the flags of :func:`add_limit_flags`."""
+    d = ServeLimits()
+    return ServeLimits(
+        max_body_bytes=getattr(args, "max_body_bytes", d.max_body_bytes),
+        max_messages=getattr(args, "max_messages", d.max_messages),
+        max_connections=getattr(args, "max_connections", d.max_connections),
+        allowed_hosts=tuple(getattr(args, "allowed_host", ()) or ()),
+        allowed_origins=tuple(getattr(args, "allowed_origin", ()) or ()),
+    )
