@@ -95,6 +95,7 @@ def run_rank(
         raise CLIError(str(e)) from None
     if ranks is None:  # a group of one: nothing to share
         return dispatch(args, settings)
+    settings = rank_settings(settings, ranks.rank, ranks.size)
     if not ranks.is_main:
         return run_worker(settings)
     tui = args.command is None or getattr(args, "console", False)
@@ -119,6 +120,17 @@ def run_rank(
         sys.stdout.flush()
         os._exit(code or EXIT_FAILED)
     return code
+
+
+def rank_settings(settings: Any, rank: int, size: int) -> Any:
+    """``settings`` with this rank's own cache dir, ``<cache_dir>/rank<R>-of-<N>``: each
+    rank owns (locks) its dir, also where several ranks share one machine and one
+    ``--cache-dir``, and a layout of another size is another dir."""
+    import dataclasses
+
+    return dataclasses.replace(
+        settings, cache_dir=Path(settings.cache_dir) / f"rank{rank}-of-{size}"
+    )
 
 
 def run_worker(settings: Any) -> int:
