@@ -800,11 +800,21 @@ class Engine:
         a snapshot, so one round may not do: a fixpoint, ``m`` falls every round). Then
         each restores with ``max_position=m``. A rank whose load fails there (a file
         lost since the index was read) lands lower: the ranks restore once more at the
-        lowest, and start cold if they still differ. The first token is always computed
-        (no kept logprobs across ranks: each rank would have to keep them alike)."""
+        lowest, and start cold if they still differ.
+
+        The same prompt again (every rank's resident cache can be cut back to all of it,
+        with the logprobs kept from before) restores it whole on every rank, or on none:
+        a rank that could hands its resident back, cut to the prompt, and the ranks
+        restore ``N - 1`` as above."""
         r = self.ranks
         cache = turn.cache if isinstance(turn, CacheRequest) else None
         prompt = turn.prompt if cache is not None else []
+        repeat = cache.restore_repeat(prompt) if cache is not None else None
+        if r.all_min(int(repeat is not None))[0]:
+            self._restored_by = dict(repeat.cached_by)
+            return repeat
+        if repeat is not None:
+            cache.set_resident(prompt, repeat.caches, len(prompt), repeat.first_logprobs)
         m = len(prompt) - 1
         for _ in range(64):
             plan = cache.plan(prompt, turn.ids, points, cache.resident, m) if m > 0 else None
