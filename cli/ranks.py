@@ -10,7 +10,9 @@ what rank 0 runs, on its own shard, until rank 0 ends.
 
 Rank 0's output is the command's; mlx.launch forwards stdin to every rank (rank 0 reads
 it) and prints each rank's output. The TUI needs a terminal, which mlx.launch does not
-give rank 0: under several ranks use ``chat``, ``serve`` or ``replay``.
+give rank 0, so ``tierchat --hostfile hosts.json`` without a command keeps this process
+as rank 0 and starts the others itself (:func:`start_workers`, ring backend). Each rank
+works in its own cache dir (:func:`rank_settings`). docs/DESIGN.md §19.
 """
 
 from __future__ import annotations

@@ -39,7 +39,8 @@ import mlx.core as mx
 
 from .api import RankStats
 
-# variables a launcher sets for every rank (mlx.launch: MLX_RANK; mpirun: OMPI_*, PMI_*)
+# variables a launcher sets for every rank (mlx.launch: MLX_RANK; mpirun: OMPI_*, PMI_*);
+# cli/ranks.py reads the same without importing MLX
 _RANK_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -53,14 +54,6 @@ def launched() -> bool:
     """True when this process was started as one rank of several (by ``mlx.launch`` or
     ``mpirun``); reads the environment only, joins nothing."""
     return any(os.environ.get(v) for v in _RANK_VARS)
-
-
-def launched_rank() -> int:
-    """This process's rank as the launcher set it (0 when not launched)."""
-    for v in _RANK_VARS:
-        if os.environ.get(v, "").isdigit():
-            return int(os.environ[v])
-    return 0
 
 
 _LEVELS = ("ok", "soft", "hard")
