@@ -101,8 +101,10 @@ class Ranks:
         self.rank = group.rank()
         self.size = group.size()
         self.timeout_s = float(timeout_s)
-        # ring, MPI and JACCL reduce on the CPU; NCCL on the GPU's default stream
-        self.stream = None if mx.cuda.is_available() else mx.cpu
+        # ring, MPI and JACCL reduce on the CPU; NCCL (mlx.launch sets NCCL_HOST_IP for
+        # it) on the GPU's default stream
+        nccl = bool(os.environ.get("NCCL_HOST_IP")) and mx.cuda.is_available()
+        self.stream = None if nccl else mx.cpu
         self.failed = ""  # set by the watchdog or a collective that raised
         self.on_timeout: Callable[[str], None] | None = None
         self._lock = threading.Lock()
