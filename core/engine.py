@@ -576,6 +576,17 @@ class Engine:
                 turn.first_token(caches)
                 if pos < n:  # the last prompt token went through the first decode step
                     handle.emit(PrefillProgress(total, total, total / ttft if ttft else 0.0))
+                # what the turn reused and its TTFT are known now: the stats show them
+                # while it decodes (the decode rate comes with the finished record below)
+                self._last = TurnMetrics(
+                    prompt_tokens=n,
+                    cached_tokens=start,
+                    cached_by=dict(restored.cached_by),
+                    cached_kind=dict(restored.cached_kind),
+                    prefill_tokens=n - start,
+                    ttft_s=ttft,
+                    prefill_tps=(n - start) / ttft if ttft > 0 else 0.0,
+                )
             tokens.append(tok)
             if len(logprobs) < record:
                 logprobs.append(np.array(lp.astype(mx.float32)))

@@ -1,13 +1,54 @@
-"""Publishing a directory built in steps (model conversions, tiny and shape models)."""
+"""Publishing a directory built in steps (model conversions, tiny and shape models), and
+cleaning up after builds that were killed.
+
+Every temp entry a build makes beside its target is hidden and carries the builder's pid:
+``.<name>.tmp-<pid>-<random>`` (a directory from :func:`staged_dir`, a file from
+:func:`temp_file`). A build killed at any point (SIGKILL, a power cut) leaves it behind;
+:func:`remove_stale_temps` removes those whose process is gone, so the next start never
+deletes what a live process is still writing. Readers (the model picker) skip hidden
+entries, so a half-built directory is never offered as a model.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+_TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)-[^/]+$")
+"""A temp entry of this module: ``.<name>.tmp-<pid>-<random>[.suffix]``."""
+
+_LEGACY_TEMP = re.compile(r"^\.(?:.+\.tmp-[a-z0-9_]{8}|[^.]+-[a-z0-9_]{8}\.gguf)$")
+"""Temp names of builds before the pid was in the name (``.demo.tmp-k3j2h1g0``,
+``.demo-k3j2h1g0.gguf``): no owner to ask, so they go by age."""
+
+LEGACY_TEMP_AGE_S = 3600.0
+"""A temp entry without a pid is stale when untouched this long (s); a conversion writes
+to it at least every few seconds."""
+
+
+def temp_prefix(name: str) -> str:
+    """The prefix of this process's temp entries for a build of ``name``."""
+    return f".{name}.tmp-{os.getpid()}-"
+
+
+@contextlib.contextmanager
+def temp_file(target: Path, suffix: str = "") -> Iterator[Path]:
+    """A new empty temp file beside ``target`` (named as the module docstring says),
+    removed when the block ends, whatever happens in it."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=temp_prefix(target.name), suffix=suffix, dir=target.parent)
+    os.close(fd)
+    path = Path(name)
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -17,14 +58,15 @@ def staged_dir(target: Path, done: Callable[[Path], bool]) -> Iterator[Path]:
 
     ``done(target)`` says whether ``target`` is already complete: then another process
     finished the same build first and its copy is kept. An incomplete ``target`` (left by
-    a crash) is replaced. The temp dir is removed in every case.
+    a crash) is replaced. The temp dir is removed in every case but a killed process;
+    :func:`remove_stale_temps` removes it then.
 
     Raises:
         OSError: the temp dir cannot be made, or the rename fails and ``target`` is still
             not complete.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(target.name), dir=target.parent))
     tmp.chmod(0o755)  # mkdtemp makes it 0700
     try:
         yield tmp
@@ -37,3 +79,65 @@ def staged_dir(target: Path, done: Callable[[Path], bool]) -> Iterator[Path]:
                     raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    if os.name == "nt":  # os.kill(pid, 0) would send CTRL_C_EVENT there: assume alive
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _last_write(path: Path) -> float:
+    """The newest mtime of ``path`` and, for a directory, its entries (a file being
+    written inside a directory does not touch the directory's own mtime)."""
+    times = [path.lstat().st_mtime]
+    if path.is_dir() and not path.is_symlink():
+        times += [child.lstat().st_mtime for child in path.iterdir()]
+    return max(times)
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether ``name`` is a temp entry of a build (this module's names, or older ones)."""
+    return bool(_TEMP.match(name) or _LEGACY_TEMP.match(name))
+
+
+def remove_stale_temps(folder: Path, *, now: float | None = None) -> list[Path]:
+    """Remove the temp entries in ``folder`` (not below it) that no live process writes:
+    those whose pid is not running, and pid-less ones (older builds) untouched for
+    :data:`LEGACY_TEMP_AGE_S`. Returns what was removed; never raises (a folder that
+    cannot be listed, an entry that cannot be removed, are left as they are).
+
+    A pid reused by an unrelated process keeps its entry until that process ends (a
+    leftover, never a deletion under a live build).
+    """
+    now = time.time() if now is None else now
+    removed: list[Path] = []
+    try:
+        entries = list(Path(folder).iterdir())
+    except OSError:
+        return removed
+    for path in entries:
+        match = _TEMP.match(path.name)
+        try:
+            if match is not None:
+                stale = not _pid_alive(int(match["pid"]))
+            elif _LEGACY_TEMP.match(path.name):
+                stale = now - _last_write(path) > LEGACY_TEMP_AGE_S
+            else:
+                continue
+            if not stale:
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        except OSError:
+            continue
+        removed.append(path)
+    return removed

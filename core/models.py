@@ -28,7 +28,6 @@ import importlib.util
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
@@ -40,6 +39,7 @@ from mlx import nn
 
 from . import shapes, tiny
 from .device import compute_dtype, dtype_name
+from .files import remove_stale_temps, temp_file
 from .gguf import GGUFError, convert_gguf
 
 Progress = Callable[[int, int, str], None]
@@ -171,18 +171,14 @@ def _assemble_gemma(target: Path) -> None:
 
 def _convert(name: str, assemble, target: Path, progress: Progress | None) -> Path:
     """Assemble a GGUF into a temp file next to ``target``, convert it, delete the GGUF."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".gguf", dir=target.parent)
-    os.close(fd)
-    try:
-        if progress:
-            progress(0, 1, f"assembling the {name} GGUF")
-        assemble(Path(tmp))
-        convert_gguf(Path(tmp), target, progress)
-    except GGUFError as e:
-        raise ModelError(f"model {name!r}: {e}") from e
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    with temp_file(target, suffix=".gguf") as tmp:
+        try:
+            if progress:
+                progress(0, 1, f"assembling the {name} GGUF")
+            assemble(tmp)
+            convert_gguf(tmp, target, progress)
+        except GGUFError as e:
+            raise ModelError(f"model {name!r}: {e}") from e
     return target
 
 
@@ -205,6 +201,7 @@ def resolve_model_dir(spec: str, models_dir: Path, progress: Progress | None = N
             a GGUF that cannot be read, or a repo id that is neither cached nor downloadable.
     """
     models_dir = Path(models_dir).expanduser()
+    remove_stale_temps(models_dir)  # left by a build that was killed (core/files.py)
     if spec == DEMO:
         target = models_dir / DEMO
         return target if _is_converted(target) else _convert(DEMO, _assemble_demo, target, progress)

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from textual.app import App
 from textual.binding import Binding, BindingType
 from textual.clock import Clock
+from textual.driver import Driver
 from textual.screen import Screen
 from tierchat.core.api import EngineLike
 from tierchat.tui.screens.chat import ChatScreen
@@ -25,6 +26,7 @@ from tierchat.tui.screens.model_picker import ModelPickerScreen
 from tierchat.tui.screens.prompt import EditMessageScreen, PromptScreen
 from tierchat.tui.screens.raw_message import RawMessageScreen
 from tierchat.tui.screens.search import SearchScreen
+from tierchat.tui.terminal import driver_class
 from tierchat.tui.widgets.chat_input import ChatInput
 from tierchat.tui.widgets.conversation_list import ConversationList
 from tierchat.tui.widgets.transcript import Transcript
@@ -91,6 +93,10 @@ class TierchatApp(App[None]):
             seed=s.seed,
             use_cache=not s.no_cache,
         )
+
+    def get_driver_class(self) -> type[Driver]:
+        """Textual's driver, reading ESC-prefixed Alt keys as Alt keys (tui/terminal.py)."""
+        return driver_class(super().get_driver_class())
 
     def get_default_screen(self) -> Screen:
         return ChatScreen(clock=self.clock)

@@ -37,7 +37,8 @@ CLEAR_TEXT: dict[str, tuple[str, str]] = {
 
 def clear_report(tier: str, before: CacheStats | None, after: CacheStats | None) -> str:
     """What a clear of ``tier`` removed from *each* tier, measured from the snapshots
-    (a tier the clear also touched is reported too, e.g. checkpoint files on the SSD)."""
+    (a tier the clear also touched is reported too, e.g. checkpoint files on the SSD, and
+    the resident cache a clear of RAM drops)."""
     if before is None or after is None:
         return f"Cleared {tier}."
     parts = []
@@ -56,6 +57,12 @@ def clear_report(tier: str, before: CacheStats | None, after: CacheStats | None)
     ckpt = before.tails.checkpoints - after.tails.checkpoints
     if ckpt > 0:
         parts.append(f"checkpoints −{ckpt}")
+    # the resident cache (the last request's live cache, in RAM beside the hot tier's
+    # entries) goes with a clear of RAM: a clear that dropped only it was not a no-op
+    tokens = before.resident.tokens - after.resident.tokens
+    if tokens > 0:
+        freed = max(before.resident.nbytes - after.resident.nbytes, 0)
+        parts.append(f"resident cache −{tokens} tokens ({fmt_bytes(freed)})")
     if not parts:
         return f"Cleared {tier}: it was already empty."
     return f"Cleared {tier}: " + " · ".join(parts) + "."

@@ -3,7 +3,8 @@
 Pure Python over a ``ConversationStore``. JSON carries everything the store holds (ids,
 roles, content, generated token ids, meta with the turn's metrics, the selected branch);
 Markdown is for reading: the active path as a chat, or the tree as an outline where the
-branches on the active path are marked ``●``.
+branches on the active path are marked ``●``. A message cut inside a code block (a
+stopped reply, the token cap) gets its fence closed, so the rest of the file stays text.
 """
 
 from __future__ import annotations
@@ -19,6 +20,33 @@ ExportFormat = Literal["md", "json"]
 ExportScope = Literal["path", "tree"]
 
 ROLE_TITLES = {"system": "System", "user": "You", "assistant": "Assistant"}
+
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
+
+
+def close_fences(text: str) -> str:
+    """``text`` with a closing fence added when it ends inside a fenced code block.
+
+    Fences as CommonMark defines them (spec 0.31, "Fenced code blocks"): an opening line
+    of three or more backticks or tildes, indented at most three spaces (a backtick
+    fence's info string holds no backtick); the block closes at a line of the same
+    character, at least as long, with nothing but spaces after it. Text that closes its
+    blocks is returned unchanged.
+    """
+    open_fence = ""
+    for line in text.splitlines():
+        match = _FENCE.match(line)
+        if match is None:
+            continue
+        fence, rest = match.groups()
+        if not open_fence:
+            if not (fence[0] == "`" and "`" in rest):
+                open_fence = fence
+        elif fence[0] == open_fence[0] and len(fence) >= len(open_fence) and not rest.strip():
+            open_fence = ""
+    if not open_fence:
+        return text
+    return text + ("" if text.endswith("\n") else "\n") + open_fence
 
 
 def _node_dict(node: Node, *, active: bool) -> dict[str, Any]:
@@ -85,12 +113,13 @@ def export_conversation(
     lines = [f"# {title}", ""]
     system = (settings or {}).get("system")
     if system and not (path and path[0].role == "system"):
-        lines += ["## System", "", system, ""]
+        lines += ["## System", "", close_fences(system), ""]
     if scope == "path":
         for node in path:
             model = (node.meta or {}).get("model")
             head = ROLE_TITLES.get(node.role, node.role)
-            lines += [f"## {head}" + (f" · {model}" if model else ""), "", node.content, ""]
+            title = f"## {head}" + (f" · {model}" if model else "")
+            lines += [title, "", close_fences(node.content), ""]
         return "\n".join(lines).rstrip() + "\n"
 
     roots, children = _tree(store, conversation_id)
@@ -98,7 +127,8 @@ def export_conversation(
 
     def walk(node: Node, depth: int) -> None:
         mark = "●" if node.id in active else "○"
-        text = node.content.strip().replace("\n", "\n" + "  " * (depth + 1) + "  ")
+        text = close_fences(node.content.strip())
+        text = text.replace("\n", "\n" + "  " * (depth + 1) + "  ")
         lines.append(f"{'  ' * depth}- {mark} **{ROLE_TITLES.get(node.role, node.role)}**: {text}")
         for child in children.get(node.id, []):
             walk(child, depth + 1)

@@ -41,7 +41,10 @@ def is_mlx_model_dir(path: Path) -> bool:
 
 def local_model_dirs(*roots: Path | None, max_depth: int = 2) -> list[Path]:
     """MLX model directories under ``roots`` (down to ``max_depth``), sorted, without the
-    converted built-ins (``demo``, ``demo-gemma``, ``tiny-*``: offered by name)."""
+    converted built-ins (``demo``, ``demo-gemma``, ``tiny-*``: offered by name) and
+    without hidden directories: a build in progress, or one that was killed, is a hidden
+    temp directory (``.demo.tmp-<pid>-…``, core/files.py) that may already hold a
+    ``config.json`` and a half-written ``*.safetensors``."""
     builtin_names = {spec for spec, _ in BUILTIN_MODELS if ":" not in spec}
     found: set[Path] = set()
 
@@ -53,7 +56,9 @@ def local_model_dirs(*roots: Path | None, max_depth: int = 2) -> list[Path]:
         if depth >= max_depth:
             return
         try:
-            children = sorted(p for p in path.iterdir() if p.is_dir())
+            children = sorted(
+                p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")
+            )
         except OSError:
             return
         for child in children:

@@ -134,7 +134,10 @@ class TurnRunner:
         if self.stream_view is None:
             return
         self.screen.query_one(ActivityBar).hide()
+        first = not self.stream_view.text
         await self.stream_view.stream_to(event.text)
+        if first:  # the engine's last-turn record is this turn's from its first token on
+            self.screen.poll_stats()
 
     async def finished(self, event: ReplyFinished) -> None:
         """The session has stored (and selected) the reply: show it as stored."""

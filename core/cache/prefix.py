@@ -263,8 +263,12 @@ class PrefixCache:
     def _flush_evictions(self) -> None:
         tails, blocks = self._evicted_batch
         if blocks or tails:
-            parts = [f"{blocks} blocks"] if blocks else []
-            parts += [f"{tails} tails/checkpoints"] if tails else []
+            parts = [f"{blocks} block{'s' * (blocks != 1)}"] if blocks else []
+            parts += (
+                [f"{tails} tail{'s' * (tails != 1)}/checkpoint{'s' * (tails != 1)}"]
+                if tails
+                else []
+            )
             self.log("hot: evicted " + ", ".join(parts))
             self._evicted_batch = [0, 0]
 
@@ -519,6 +523,7 @@ class PrefixCache:
         self._ssd_read = 0
         limit = len(prompt) - 1
         # misses: the prompt's full blocks that a tier does not hold at lookup time
+        hot_misses = self.hot_misses
         for i in ids[: max(limit, 0) // self.block_size]:
             if i not in self.hot:
                 self.hot_misses += 1
@@ -565,6 +570,9 @@ class PrefixCache:
         if self.ssd is not None:
             self.ssd.drop_reads()
         self.tail_misses += 1
+        if self.hot_misses == hot_misses:
+            # a cold lookup is a hot miss even when the prompt has no full block
+            self.hot_misses += 1
         return Restored(caches=fresh(), choice=choice)
 
     def _choose(self, plan: Plan, prompt, ids, points, resident, max_position):

@@ -10,6 +10,9 @@ waits for the action each key must run, and checks effects in the SQLite store.
 
 ``test_every_binding_in_the_help_is_typed`` fails when a binding is added without a step
 here: every ``(binding id, key)`` the help lists must be typed once.
+
+:class:`TmuxTerminal` runs the same app in a tmux pane (its own server socket) where a
+test must also read the screen (``capture-pane``): what the transcript shows.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import fcntl
 import json
 import os
 import pty
+import shlex
+import shutil
 import sqlite3
 import struct
 import subprocess
@@ -42,6 +47,7 @@ KEY_BYTES: dict[str, bytes] = {
     "enter": b"\r",
     "ctrl+j": b"\n",
     "shift+enter": b"\x1b[13;2u",  # kitty keyboard protocol; plain xterm sends \r
+    "alt+enter": b"\x1b\r",  # the ESC prefix: xterm (metaSendsEscape), tmux, iTerm2
     "tab": b"\t",
     "up": b"\x1b[A",
     "down": b"\x1b[B",
@@ -195,6 +201,90 @@ class Terminal:
         os.close(self.master)
 
 
+class TmuxTerminal(Terminal):
+    """The app in a tmux pane: bytes go in with ``send-keys -H``, ``screen()`` reads the
+    pane. One tmux server per terminal (its socket in ``tmp``), killed by :meth:`close`.
+
+    ``COLUMNS``/``LINES`` are set for the app: started from pytest, the pane's app
+    otherwise read a 4-column-wide input from ``shutil.get_terminal_size()`` and
+    Textual's TextArea crashed wrapping its placeholder at width 0."""
+
+    def __init__(self, tmp: Path, *, cols: int = 100, rows: int = 30, args=()) -> None:
+        self.tmp = tmp
+        self.trace_path = tmp / "trace.jsonl"
+        self.db = tmp / "data" / "conversations.sqlite"
+        self.output = bytearray()
+        self.seen = 0
+        self.socket = str(tmp / "tmux.sock")
+        command = [
+            sys.executable,
+            str(HERE / "fake_app.py"),
+            "--data-dir",
+            str(tmp / "data"),
+            "--cache-dir",
+            str(tmp / "kv"),
+            "--trace",
+            str(self.trace_path),
+            *args,
+        ]
+        env = (
+            "-e",
+            f"PYTHONPATH={os.pathsep.join(sys.path)}",
+            "-e",
+            "TERM=xterm-256color",
+            "-e",
+            f"COLUMNS={cols}",
+            "-e",
+            f"LINES={rows}",
+        )
+        shell = " ".join(shlex.quote(c) for c in command)
+        self._tmux("-f", "/dev/null", "new-session", "-d", "-x", str(cols), "-y", str(rows),
+                   *env, "-c", str(ROOT), shell, ";", "set-option", "remain-on-exit", "on")  # fmt: skip
+        self.proc = _Pane(self)
+        try:
+            self.wait_for(lambda r: r.get("ready"), "the app to start")
+        except BaseException:
+            self.close()
+            raise
+
+    def _tmux(self, *args: str) -> str:
+        return subprocess.run(
+            ["tmux", "-S", self.socket, *args], check=True, capture_output=True, text=True
+        ).stdout
+
+    def write(self, data: bytes) -> None:
+        self._tmux("send-keys", "-t", "0", "-H", *(f"{b:02x}" for b in data))
+
+    def screen(self) -> str:
+        """The pane's text now, one line per row."""
+        return self._tmux("capture-pane", "-p", "-t", "0")
+
+    @property
+    def output(self) -> bytes:  # what wait_for shows when the app exits
+        return self._tmux("capture-pane", "-p", "-t", "0", "-S", "-").encode()
+
+    @output.setter
+    def output(self, _value) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.write(b"\x11")  # ctrl+q
+            self.until(lambda: self.proc.poll() is not None, "the app to quit", 5)
+        subprocess.run(["tmux", "-S", self.socket, "kill-server"], capture_output=True)
+
+
+class _Pane:
+    """``poll()`` as on a ``Popen``: None while the pane's command runs."""
+
+    def __init__(self, term: TmuxTerminal) -> None:
+        self.term = term
+
+    def poll(self) -> int | None:
+        dead = self.term._tmux("list-panes", "-t", "0", "-F", "#{pane_dead}").strip()
+        return None if dead == "0" else 0
+
+
 @pytest.fixture
 def terminal(tmp_path):
     term = Terminal(
@@ -257,15 +347,21 @@ def test_every_binding_in_the_help_is_typed(terminal):
         press("newline", "ctrl+j")
         term.write(b"b")
         press("newline", "shift+enter")
-        send(b"c")
+        term.write(b"c")
+        press("newline", "alt+enter")
+        send(b"d")
 
     generating(multiline)
-    assert user_messages(term)[-1] == "a\nb\nc"
+    assert user_messages(term)[-1] == "a\nb\nc\nd"
 
     # -- screen keys from the input
     generating(lambda: press("regenerate", "ctrl+r"))
     press("swipe_prev", "alt+left")
     press("swipe_next", "alt+right")
+    term.write(b"stop me too\r")
+    term.wait_for(lambda r: r.get("streaming") is True, "streaming")
+    press("interrupt", "ctrl+c")  # stops the reply; the app stays (the next steps run)
+    term.wait_for(lambda r: r.get("streaming") is False, "the stop")
     term.write(b"stop me please\r")
     term.wait_for(lambda r: r.get("streaming") is True, "streaming")
     press("stop", "escape")
@@ -303,10 +399,7 @@ def test_every_binding_in_the_help_is_typed(terminal):
     def edit() -> None:
         press("edit", "e")
         term.wait_for(lambda r: r.get("screen") == "EditMessageScreen" and "focus" in r, "edit")
-        # TextArea's own keys are non-priority bindings, run after the key bubbled up:
-        # text in the same read would overtake them, so wait for the cursor to move.
-        term.press("end", "cursor_line_end")
-        term.write(b" (edited)")
+        term.write(b" (edited)")  # the cursor starts at the end
         press("edit_save", "ctrl+s")
 
     generating(edit)
@@ -380,3 +473,57 @@ def test_every_binding_in_the_help_is_typed(terminal):
 
     missing = sorted(set(bindings) - typed - TOOL_BINDINGS)
     assert not missing, f"bindings the help lists but this test never typed: {missing}"
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+def test_daily_keys_and_literal_text_in_tmux(tmp_path):
+    """Issue 21 in tmux with real bytes: the user's text shows as typed; Ctrl+C stops a
+    reply and the app stays; Alt+arrows swipe as ``ESC [1;3D`` and as ``ESC ESC [D``;
+    Alt+Enter is a newline; the edit dialog's cursor starts at the end."""
+    term = TmuxTerminal(tmp_path, args=("--token-delay", "0.03"))
+    try:
+        # -- literal text, with a line break by Alt+Enter (ESC CR)
+        term.write(b"In HTML, what does <br> do? compute 2*3*4\x1b\rroses are _red_\r")
+        term.wait_for(lambda r: r.get("streaming") is False, "the reply")
+        assert user_messages(term) == ["In HTML, what does <br> do? compute 2*3*4\nroses are _red_"]
+        screen = term.until(
+            lambda: "compute 2*3*4" in term.screen() and term.screen(),
+            "the text shown",
+        )
+        assert "In HTML, what does <br> do? compute 2*3*4" in screen
+        assert "roses are _red_" in screen.split("compute 2*3*4", 1)[1].splitlines()[1]
+
+        # -- Ctrl+C during a reply stops it; the app stays
+        term.write(b"tell me a long story\r")
+        term.wait_for(lambda r: r.get("streaming") is True, "streaming")
+        term.press("ctrl+c", "stop")
+        term.wait_for(lambda r: r.get("streaming") is False, "the stop")
+        assert term.proc.poll() is None
+        assert "Do you want to quit" not in term.screen()
+        stopped = term.rows(
+            "SELECT json_extract(meta, '$.finish_reason') FROM nodes WHERE role='assistant' "
+            "ORDER BY id DESC LIMIT 1"
+        )
+        assert stopped == [("cancelled",)]
+
+        # -- Alt+arrows in both encodings swipe between two replies
+        term.write(b"\x12")  # ctrl+r: a second reply
+        term.wait_for(lambda r: r.get("streaming") is False, "the second reply")
+        for encoded in (b"\x1b[1;3D", b"\x1b\x1b[C", b"\x1b\x1b[D", b"\x1b[1;3C"):
+            term.write(encoded)
+            record = term.wait_for(lambda r: "action" in r, f"the action of {encoded!r}")
+            assert record["action"].startswith("swipe(") and record["ok"], (encoded, record)
+        term.until(lambda: "2/2 " in term.screen(), "the last reply shown, 2/2")
+
+        # -- the edit dialog: type at once, the text goes after the message
+        term.write(b"\x1b")  # onto the messages
+        term.wait_for(lambda r: r.get("action") == "screen.select(-1)", "the message cursor")
+        term.press("home", "screen.select_edge(0)")
+        term.press("e", "screen.edit")
+        term.wait_for(lambda r: r.get("screen") == "EditMessageScreen" and "focus" in r, "edit")
+        term.write(b" (edited)")
+        term.until(lambda: "(edited)" in term.screen(), "the typed text")
+        term.write(b"\x13")  # ctrl+s
+        term.until(lambda: any(m.endswith("_red_ (edited)") for m in user_messages(term)), "edit")
+    finally:
+        term.close()

@@ -108,8 +108,11 @@ class ChatScreen(ChatTools):
     ]
 
     # Priority: F6/F7 are TextArea keys, Esc must stop a reply whatever has the focus.
+    # Ctrl+C stops a reply too (as in every terminal chat); idle, "stop" is unavailable
+    # and Ctrl+C reaches Textual's own binding (the quit hint).
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "stop", "Stop", id="stop", priority=True),
+        Binding("ctrl+c", "stop", "Stop", id="interrupt", show=False, priority=True),
         Binding("ctrl+r", "regenerate", "Regenerate", id="regenerate"),
         Binding("alt+left", "swipe(-1)", "Prev branch", id="swipe_prev"),
         Binding("alt+right", "swipe(1)", "Next branch", id="swipe_next"),
@@ -214,6 +217,11 @@ class ChatScreen(ChatTools):
         self.poll_stats()
         if not self.tierchat.engine.model_name:
             self.load_model(self.tierchat.settings.model)
+
+    def watch_loading_model(self, spec: str) -> None:
+        # the engine has no cache while it loads: the panels say "loading", not "off"
+        self.query_one(CachePanels).loading = spec
+        self.query_one(CacheSummary).loading = spec
 
     def on_resize(self) -> None:
         narrow = self.size.width < WIDE_COLUMNS

@@ -69,6 +69,7 @@ class EditMessageScreen(ModalScreen[str | None]):
     def on_mount(self) -> None:
         area = self.query_one(TextArea)
         area.cursor_blink = not self.app.is_headless
+        area.move_cursor(area.document.end)  # to go on typing, as in the chat input
         area.focus()
 
     @dataclass

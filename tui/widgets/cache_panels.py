@@ -86,7 +86,7 @@ class MemoryPanel(Panel):
     def show(self, stats: CacheStats) -> None:
         m: MemoryStats = stats.memory
         self.set_gauge(self.query_one("#memory-gauge", ProgressBar), m.active, m.limit)
-        limit = fmt_bytes(m.limit) if m.limit else "no limit"
+        limit = f"{fmt_bytes(m.limit)} ({ceiling_source(m)})" if m.limit else "no limit"
         self.query_one("#memory-text", Static).update(f"active {fmt_bytes(m.active)} / {limit}")
         self.query_one("#memory-peak", Static).update(
             f"peak {fmt_bytes(m.peak)} · MLX cache {fmt_bytes(m.cache)}"
@@ -94,6 +94,16 @@ class MemoryPanel(Panel):
         for level in ("ok", "soft", "hard"):
             self.set_class(m.level == level, f"-{level}")
         self.border_subtitle = f"pressure {m.level}"
+
+
+def ceiling_source(m: MemoryStats) -> str:
+    """What bounds the memory ceiling now: ``"limit"`` (``--memory-limit`` or 90% of the
+    device) or ``"free RAM"`` (what this process holds plus what the system has free,
+    which moves as other programs take or give back memory; core/memory.py)."""
+    in_use = m.active + m.cache
+    if m.system_total > 0 and m.limit == in_use + m.system_available:
+        return "free RAM"
+    return "limit"
 
 
 class TierPanel(Panel):
@@ -112,10 +122,13 @@ class TierPanel(Panel):
         if self.tier == "hot":
             yield Static("", classes="line when-on", id="hot-resident", markup=False)
 
-    def show(self, stats: CacheStats) -> None:
+    def show(self, stats: CacheStats, loading: str = "") -> None:
         t: TierStats = getattr(stats, self.tier)
         off = not (stats.enabled and t.enabled) or stats.supported is False
-        self.set_off((t.reason or stats.reason or "caching off") if off else None)
+        if loading:
+            self.set_off(f"loading {loading}…")
+        else:
+            self.set_off((t.reason or stats.reason or "caching off") if off else None)
         self.set_gauge(self.query_one(ProgressBar), t.nbytes, t.max_bytes)
         noun = "entries" if self.tier == "hot" else "files"
         size = self.query_one(f"#{self.tier}-size", Static)
@@ -124,8 +137,11 @@ class TierPanel(Panel):
         )
         if self.tier == "hot":
             # hits count every hot entry used: blocks and MRU tails (core/api.py); the
-            # resident cache (the last request's, reused in place) is RAM too, counted apart
-            counters = f"hits {t.hits} · misses {t.misses} · evicted {t.evictions}"
+            # resident cache (the last request's, reused in place) is RAM too, counted apart.
+            # Evicted: every entry the tier dropped, blocks (hot.evictions) and tails and
+            # checkpoints (tails.evictions), as the Events log counts them.
+            evicted = t.evictions + stats.tails.evictions
+            counters = f"hits {t.hits} · misses {t.misses} · evicted {evicted}"
             r = getattr(stats, "resident", None)
             if r is not None:
                 self.query_one("#hot-resident", Static).update(
@@ -194,6 +210,7 @@ class TailsPanel(Panel):
         )
         self.query_one("#tails-saved", Static).update(
             f"saved {fmt_count(t.tokens_saved)} tokens · {fmt_bytes(t.nbytes)}"
+            f" · evicted {t.evictions}"
         )
 
 
@@ -258,7 +275,8 @@ class LastTurnPanel(Panel):
             "prefilled": fmt_count(lt.prefill_tokens),
             "ttft": fmt_seconds(lt.ttft_s),
             "prefill_tps": fmt_rate(lt.prefill_tps, lt.prefill_tokens),
-            "decode_tps": f"{lt.generation_tps:.1f} tok/s",
+            # 0 while the turn still decodes (the rate comes when it ends)
+            "decode_tps": f"{lt.generation_tps:.1f} tok/s" if lt.generation_tps else "—",
         }
         if not lt.prompt_tokens:
             values = dict.fromkeys(values, "—")
@@ -288,8 +306,10 @@ class EventsPanel(Panel):
         self._last_seq = 0
 
     def compose(self) -> ComposeResult:
-        # wrap: an event line is never cut off; continuation lines are indented
-        log = RichLog(max_lines=500, wrap=True, markup=False, id="events-log")
+        # wrap: an event line is never cut off. min_width=1: RichLog renders a line at
+        # least min_width wide (78 by default) and this log is ~40 columns, so the rest of
+        # a longer line was cropped away, without an ellipsis ("resident 1" for 135).
+        log = RichLog(max_lines=500, wrap=True, markup=False, min_width=1, id="events-log")
         log.can_focus = False
         yield log
 
@@ -303,9 +323,11 @@ class EventsPanel(Panel):
                 log.write(line)
 
 
-def cache_summary(stats: CacheStats | None) -> str:
+def cache_summary(stats: CacheStats | None, loading: str = "") -> str:
     """The panels in one line, for narrow terminals: hot and SSD use, tail hit rate, the
-    last turn's reuse and TTFT, memory pressure."""
+    last turn's reuse and TTFT, memory pressure. ``loading``: the model being loaded."""
+    if loading:
+        return f"cache (F2): loading {loading}…"
     if stats is None:
         return "cache (F2): waiting for the engine…"
     if stats.supported is False or not stats.enabled:
@@ -333,12 +355,17 @@ class CacheSummary(Static):
     """
 
     stats: reactive[CacheStats | None] = reactive(None)
+    loading: reactive[str] = reactive("")
+    """The model being loaded ("" when none): the line says so instead of "off"."""
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__("", id=id, markup=False)
 
-    def watch_stats(self, stats: CacheStats | None) -> None:
-        self.update(cache_summary(stats))
+    def watch_stats(self) -> None:
+        self.update(cache_summary(self.stats, self.loading))
+
+    def watch_loading(self) -> None:
+        self.update(cache_summary(self.stats, self.loading))
 
 
 class CachePanels(VerticalScroll):
@@ -351,6 +378,9 @@ class CachePanels(VerticalScroll):
 
     stats: reactive[CacheStats | None] = reactive(None, init=False)
     """The newest snapshot; ``None`` until the first poll."""
+    loading: reactive[str] = reactive("", init=False)
+    """The model being loaded ("" when none): the panels say so instead of "caching off"
+    (the engine has no cache while it loads)."""
 
     def __init__(self, *, clock: Clock | None = None, id: str | None = None) -> None:
         super().__init__(id=id)
@@ -370,14 +400,28 @@ class CachePanels(VerticalScroll):
         yield LastTurnPanel(clock=self._clock, id="last-turn-panel")
         yield EventsPanel(clock=self._clock)
 
-    def watch_stats(self, stats: CacheStats | None) -> None:
+    def watch_stats(self) -> None:
+        self._show()
+
+    def watch_loading(self) -> None:
+        self._show()
+
+    def _show(self) -> None:
+        stats, loading = self.stats, self.loading
         if stats is None:
             return
-        state = {None: "model loading", True: "on", False: "off"}[stats.supported]
-        if not stats.enabled and stats.supported is not False:
-            state = "disabled"
-        self.query_one("#cache-model", Static).update(
-            f"{stats.model or 'no model'} · cache {state} · block {stats.block_size} tokens"
-        )
+        if loading:
+            header = f"loading {loading}… · cache on when it is ready"
+        elif not stats.model:
+            header = "no model loaded · F4 picks one"
+        else:
+            state = {None: "pending", True: "on", False: "off"}[stats.supported]
+            if not stats.enabled and stats.supported is not False:
+                state = "disabled"
+            header = f"{stats.model} · cache {state} · block {stats.block_size} tokens"
+        self.query_one("#cache-model", Static).update(header)
         for panel in self.query(Panel):
-            panel.show(stats)
+            if isinstance(panel, TierPanel):
+                panel.show(stats, loading)
+            else:
+                panel.show(stats)

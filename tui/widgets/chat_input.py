@@ -1,5 +1,10 @@
 """The multi-line chat input: Enter sends, a second key inserts a newline (both remappable).
 
+Newline keys: Ctrl+J (LF, which every terminal sends) and Alt+Enter (ESC CR, read as
+Alt+Enter by ``tui/terminal.py``). Shift+Enter is bound too, but most terminals (tmux,
+xterm, GNOME Terminal) send it as a plain CR, the same bytes as Enter; only terminals
+speaking the kitty keyboard protocol tell the two apart.
+
 Key order: the app checks priority bindings when it *reads* a key, but a typed character
 reaches the TextArea later, through the input's own message queue. So "hi" + Enter in
 one terminal read (tmux, expect scripts, a fast typist) would run the send binding before
@@ -42,7 +47,12 @@ class ChatInput(TextArea):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("enter", "send", "Send", id="send", priority=True),
         Binding(
-            "shift+enter,ctrl+j", "newline", "Newline", id="newline", priority=True, show=False
+            "ctrl+j,alt+enter,shift+enter",
+            "newline",
+            "Newline (Shift+Enter: only terminals with the kitty keyboard protocol)",
+            id="newline",
+            priority=True,
+            show=False,  # the placeholder names the keys; the footer keeps its room
         ),
         Binding("escape", "screen.select(-1)", "Messages", id="to_messages", show=False),
     ]
@@ -63,7 +73,7 @@ class ChatInput(TextArea):
             show_line_numbers=False,
             tab_behavior="focus",
             highlight_cursor_line=False,
-            placeholder="Message…  (Enter sends, Ctrl+J newline, F1 help)",
+            placeholder="Message… (Enter sends, Ctrl+J/Alt+Enter newline, F1 help)",
         )
 
     def on_mount(self) -> None:

@@ -112,8 +112,11 @@ class BranchBar(Static):
 
 
 class MessageView(Vertical):
-    """One message: a role line, the markdown body, and for a reply its branch bar and
-    metrics line. Replies stream into the markdown with ``Markdown.get_stream()``.
+    """One message: a role line, the body, and for a reply its branch bar and metrics
+    line. Replies stream into the markdown with ``Markdown.get_stream()``.
+
+    Only a reply is Markdown. What the user typed (a message, a system prompt) is shown
+    as typed: ``<br>``, ``2*3*4`` and the line breaks of a poem are text, not markup.
 
     A reply's ``<think>…</think>`` reasoning is shown apart, in a collapsed
     :class:`Collapsible` (``t`` on the message, or a click, toggles it); the body shows
@@ -139,6 +142,7 @@ class MessageView(Vertical):
     MessageView.-streaming { border-left: outer $accent; }
     MessageView > .role { height: 1; color: $text-muted; text-style: bold; }
     MessageView > Markdown { margin: 0; padding: 0; background: transparent; }
+    MessageView > Static.message-body { height: auto; }
     .message-body > MarkdownBlock:last-child { margin-bottom: 0; }
     MessageView > .metrics { height: auto; color: $text-muted; }
     MessageView > Collapsible {
@@ -168,9 +172,12 @@ class MessageView(Vertical):
         reasoning, answer, closed = self._parts(self.info.content)
         if reasoning is not None:
             yield self._think_box(reasoning, closed)
-        yield Markdown(
-            answer or ("…" if self.has_class("-streaming") else ""), classes="message-body"
-        )
+        if self.info.role == "assistant":
+            yield Markdown(
+                answer or ("…" if self.has_class("-streaming") else ""), classes="message-body"
+            )
+        else:
+            yield Static(answer, classes="message-body", markup=False)
         if self.info.role in ("user", "assistant"):
             yield BranchBar(self.info.node_id, classes="branch-bar")
         if self.info.role == "assistant":
@@ -237,7 +244,15 @@ class MessageView(Vertical):
 
     @property
     def markdown(self) -> Markdown:
+        """The body of a reply (a ``NoMatches`` error for a user or system message)."""
         return self.query_one(Markdown)
+
+    @property
+    def body(self) -> Markdown | Static:
+        """The widget showing the content: Markdown for a reply, literal text otherwise."""
+        return self.query_one(
+            ".message-body", Markdown if self.info.role == "assistant" else Static
+        )
 
     @property
     def text(self) -> str:
@@ -246,6 +261,9 @@ class MessageView(Vertical):
 
     async def _show_content(self, content: str) -> None:
         reasoning, answer, closed = self._parts(content)
+        if self.info.role != "assistant":
+            self.body.update(answer)
+            return
         await self._show_reasoning(reasoning, closed)
         await self.markdown.update(answer)
 
