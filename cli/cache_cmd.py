@@ -51,6 +51,12 @@ def flatten(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
             rows.extend(flatten(value, name + "."))
         elif isinstance(value, dict):
             rows.extend((f"{name}.{k}", v) for k, v in value.items())
+        elif isinstance(value, (tuple, list)) and value and is_dataclass(value[0]):
+            for i, item in enumerate(value):  # ranks: one block of rows per rank
+                rows.extend(flatten(item, f"{name}.{i}."))
+        elif isinstance(value, list) and value and isinstance(value[0], dict):
+            for i, item in enumerate(value):  # the same, in plain-JSON form
+                rows.extend(flatten(item, f"{name}.{i}."))
         elif isinstance(value, (tuple, list)):
             rows.append((name, ", ".join(map(str, value)) or "-"))
         else:
@@ -60,6 +66,8 @@ def flatten(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
 
 def is_bytes(name: str) -> bool:
     leaf = name.rsplit(".", 1)[-1]
+    if name.startswith("ranks.") and leaf.endswith("_bytes"):
+        return True
     return leaf in BYTE_FIELDS or (name.startswith("memory.") and leaf in MEMORY_BYTE_FIELDS)
 
 

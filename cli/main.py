@@ -60,6 +60,33 @@ def _settings_parser() -> argparse.ArgumentParser:
         g.add_argument("--" + dest.replace("_", "-"), dest=dest, metavar=metavar, help=text)
     g.add_argument("--no-cache", dest="no_cache", action="store_true", help="prefix cache off")
     g.add_argument("--config", dest="config", metavar="PATH", help="config file (TOML)")
+    r = p.add_argument_group("several ranks (one model across machines, MLX distributed)")
+    r.add_argument(
+        "--hostfile",
+        dest="hostfile",
+        metavar="PATH",
+        help="run on every host of this mlx.distributed_config hostfile through mlx.launch",
+    )
+    r.add_argument(
+        "--backend",
+        dest="backend",
+        metavar="NAME",
+        help="mlx.launch backend: ring, jaccl, mpi, nccl",
+    )
+    r.add_argument(
+        "--starting-port",
+        dest="starting_port",
+        type=int,
+        metavar="PORT",
+        help="mlx.launch ring backend: first port, one more per rank (default 32323)",
+    )
+    r.add_argument(
+        "--rank-timeout",
+        dest="rank_timeout",
+        type=float,
+        metavar="S",
+        help="rank 0 fails when a rank makes no progress for S seconds (default 120)",
+    )
     return p
 
 
@@ -193,12 +220,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help, or a usage error argparse already printed
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     try:
+        from tierchat.cli import ranks
         from tierchat.config.settings import SettingsError, load_settings
 
+        if getattr(args, "hostfile", None) and not ranks.launched():
+            argv = list(sys.argv[1:] if argv is None else argv)
+            how = (args.hostfile, getattr(args, "backend", None))
+            how += (getattr(args, "starting_port", None),)
+            if args.command is None or getattr(args, "console", False):
+                ranks.start_workers(argv, *how)  # the TUI: this process is rank 0
+            else:
+                return ranks.relaunch(argv, *how)
         try:
             settings = load_settings(overrides(args), config_path=getattr(args, "config", None))
         except SettingsError as e:
             raise CLIError(str(e), EXIT_USAGE) from None
+        if ranks.launched():
+            return ranks.run_rank(args, settings, _dispatch, getattr(args, "rank_timeout", None))
         return _dispatch(args, settings)
     except CLIError as e:
         error(e.message)

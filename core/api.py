@@ -271,6 +271,28 @@ class MemoryStats:
 
 
 @dataclass(frozen=True)
+class RankStats:
+    """One rank's cache and memory figures when a model runs across several ranks
+    (issue 20); rank 0 gathers them after each load, request and clear.
+
+    Bytes in ``*_bytes``; ``memory_level`` is "ok", "soft" or "hard"; ``cached_hot`` and
+    ``cached_ssd``: the tokens the rank's last restore took from each tier."""
+
+    rank: int
+    hot_bytes: int = 0
+    hot_max_bytes: int = 0
+    hot_entries: int = 0
+    ssd_bytes: int = 0
+    ssd_max_bytes: int = 0
+    ssd_entries: int = 0
+    memory_active_bytes: int = 0
+    memory_limit_bytes: int = 0
+    memory_level: str = "ok"
+    cached_hot: int = 0
+    cached_ssd: int = 0
+
+
+@dataclass(frozen=True)
 class CacheStats:
     """One immutable snapshot of the whole cache, taken by ``Engine.stats()``.
 
@@ -293,6 +315,8 @@ class CacheStats:
     memory: MemoryStats = MemoryStats()
     last_turn: TurnMetrics = TurnMetrics()
     events: tuple[tuple[int, str], ...] = ()
+    # every rank's figures when the model runs across several (rank 0 first), else ()
+    ranks: tuple[RankStats, ...] = ()
 
 
 class Tokenizer(Protocol):

@@ -22,6 +22,8 @@ so its TTFT has no forward at all (:meth:`~.cache.prefix.PrefixCache.restore_rep
 from __future__ import annotations
 
 import atexit
+import contextlib
+import dataclasses
 import gc
 import hashlib
 import queue
@@ -39,6 +41,7 @@ from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 from mlx_lm.sample_utils import make_sampler
 
 from ..config.settings import Settings
+from . import distributed as dist
 from . import memory as memory_mod
 from .api import (
     CacheStats,
@@ -49,13 +52,14 @@ from .api import (
     ModelLoaded,
     ModelLoading,
     PrefillProgress,
+    RankStats,
     RequestHandle,
     TokenBatch,
     TurnMetrics,
 )
 from .attention import chunk_attention, default_max_query
 from .cache import layers as L
-from .cache.prefix import PrefixCache, chunk_ends, probe_specs, schedule_points
+from .cache.prefix import PrefixCache, Restored, chunk_ends, probe_specs, schedule_points
 from .cache.rates import Rates
 from .cache.request import CacheRequest, ColdRequest
 from .device import device_info
@@ -113,6 +117,12 @@ class Engine:
         self._last = TurnMetrics()
         self._kv_profile = None
         self._release_queued = threading.Event()
+        # several ranks (issue 20): set on the engine thread by the first load
+        self.ranks: dist.Ranks | None = None
+        self.rank_stats: tuple[RankStats, ...] = ()
+        self._in_request = False
+        self._handle: RequestHandle | None = None
+        self._restored_by: dict[str, int] = {}
         self._chunk_attention = 0  # max query tokens of the plain-ops attention path
         self._last_logits = None  # set when this model's prompts use the folded schedule
         self.monitor = memory_mod.MemoryMonitor(
@@ -137,6 +147,9 @@ class Engine:
         self, request: GenerateRequest, on_event: EventCallback | None = None
     ) -> RequestHandle:
         handle = RequestHandle(on_event)
+        if self.ranks is not None and self.ranks.failed:
+            handle.emit(Failed(self.ranks.failed, kind="error"))
+            return handle
         self._jobs.put((self._generate, request, handle))
         return handle
 
@@ -151,7 +164,10 @@ class Engine:
         box: list = []
         self._control.put((tier, done, box))
         self._jobs.put((self._drain_control, None, None))
-        done.wait(60)
+        deadline = time.monotonic() + 60
+        while not done.wait(0.25) and time.monotonic() < deadline:
+            if self.ranks is not None and self.ranks.failed:
+                raise dist.RankError(self.ranks.failed)
         if box and isinstance(box[0], Exception):
             raise box[0]
 
@@ -185,7 +201,10 @@ class Engine:
     def close(self) -> None:
         if self._thread.is_alive():
             self._jobs.put(_STOP)
-            self._thread.join(timeout=60)
+            # a thread blocked in a collective with a rank that stopped answering never
+            # takes the job: do not wait for it
+            if self.ranks is None or not self.ranks.failed:
+                self._thread.join(timeout=60)
 
     def stats(self) -> CacheStats:
         """One immutable snapshot; safe to call from any thread."""
@@ -201,6 +220,7 @@ class Engine:
                 layer_kinds=self.layer_kinds,
                 memory=mem,
                 last_turn=self._last,
+                ranks=self.rank_stats,
             )
         hot, ssd, tails, snaps, resident = cache.tier_stats()
         return CacheStats(
@@ -218,6 +238,7 @@ class Engine:
             memory=mem,
             last_turn=self._last,
             events=tuple(cache.events),
+            ranks=self.rank_stats,
         )
 
     # ------------------------------------------------------------------ thread
@@ -225,6 +246,10 @@ class Engine:
         while True:
             job = self._jobs.get()
             if job is _STOP:
+                try:
+                    self._send_to_ranks({"op": "close"})
+                except dist.RankError as exc:
+                    self._on_log(str(exc))
                 if self.cache is not None:
                     self.cache.close()
                 # free the weights and the resident cache now, and MLX's buffer cache with
@@ -243,6 +268,9 @@ class Engine:
                 fn(arg, handle)
             except Exception as exc:  # an engine error never kills the thread
                 self._on_log(f"engine error: {exc!r}")
+                if self.ranks is not None and not self.ranks.failed:
+                    # the other ranks may be anywhere in this job now: out of step
+                    self.ranks.failed = f"the ranks are out of step after {exc!r}"
                 if handle is not None and not handle.done:
                     handle.emit(Failed(f"{type(exc).__name__}: {exc}"))
 
@@ -266,16 +294,19 @@ class Engine:
         mx.clear_cache()
 
     def _drain_control(self, _arg=None, _handle=None) -> None:
+        if self._in_request and self.ranks is not None:
+            return  # the workers are in the request: clear between requests, on all ranks
         while True:
             try:
                 tier, done, box = self._control.get_nowait()
             except queue.Empty:
                 return
             try:
-                if self.cache is not None:
-                    box.append(self.cache.clear(tier))
-                elif tier not in ("hot", "ssd", "tails", "all", "resident"):
+                if tier not in ("hot", "ssd", "tails", "all", "resident"):
                     raise ValueError(f"unknown tier {tier!r}")
+                self._send_to_ranks({"op": "clear", "tier": tier})
+                if self.cache is not None or self.ranks is not None:
+                    box.append(self._clear_tier(tier))
             except Exception as exc:
                 box.append(exc)
             finally:
@@ -289,11 +320,19 @@ class Engine:
             handle.emit(ModelLoading(spec, done, total, message))
 
         s = self.settings
+        self._handle = handle
         self._chunk_attention = (
             default_max_query() if s.chunk_attention is None else s.chunk_attention
         )
         try:
-            loaded = load_model(spec, models_dir=Path(s.models_dir), progress=progress)
+            ranks = self._join_ranks()
+            self._send_to_ranks({"op": "load", "spec": spec})
+            group = ranks.group if ranks is not None else None
+            loaded = self._agree_loaded(
+                lambda: load_model(
+                    spec, models_dir=Path(s.models_dir), progress=progress, group=group
+                )
+            )
         except Exception as exc:  # the current model and its cache stay as they were
             handle.emit(Failed(str(exc), kind="load"))
             return
@@ -319,6 +358,8 @@ class Engine:
             fn = last_logits_fn(loaded.model)
             if fn is not None and verify_last_logits(loaded.model, fn, self._make_cache):
                 self._last_logits = fn
+        if self.ranks is not None and not self.ranks.all_min(int(self._last_logits is not None))[0]:
+            self._last_logits = None  # one schedule on every rank
         # probe: two tokens through a throwaway cache give every cached array's shape
         loaded.model(mx.array([[0, 0]]), cache=caches)
         mx.eval([c.state for c in caches])
@@ -339,8 +380,9 @@ class Engine:
                 writer_queue=s.writer_queue,
                 pin_system=s.pin_system,
                 exact_prefix=self._last_logits is not None,
+                # across ranks every rank restores: a per-rank choice would split them
                 rates=Rates(Path(s.cache_dir) / f"rates-{fingerprint[:16]}.json")
-                if s.choose_recompute
+                if s.choose_recompute and self.ranks is None
                 else None,
             )
             if self.cache.ssd is not None and not self.cache.ssd.enabled:
@@ -350,6 +392,7 @@ class Engine:
                 rates = self.cache.rates
                 if rates is not None and rates.prefill_tps <= 0 and device_info().backend == "cuda":
                     self._calibrate_prefill()
+        self._gather_rank_stats()
         handle.emit(ModelLoaded(spec, warning=warning))
 
     def _calibrate_prefill(self, tokens: int = 1536) -> None:
@@ -401,6 +444,7 @@ class Engine:
 
     # ------------------------------------------------------------------ generate
     def _generate(self, req: GenerateRequest, handle: RequestHandle) -> None:
+        self._handle = handle  # the rank watchdog fails it if a rank stops answering
         if self.loaded is None:
             handle.emit(Failed("no model loaded", kind="error"))
             return
@@ -410,10 +454,12 @@ class Engine:
         if handle.cancelled:  # cancelled while queued: no restore, no token
             handle.emit(Failed("cancelled before it started", kind="cancelled"))
             return
+        if not self._share_request(req, handle):
+            return
         n = len(req.prompt_ids)
         self._apply_memory_pressure()
         try:
-            chunk = self._plan_chunk(n)
+            chunk = self._agreed_chunk(n)
         except memory_mod.PrefillRefused as exc:
             handle.emit(Failed(str(exc), kind="refused"))
             if self.cache is not None:
@@ -426,12 +472,18 @@ class Engine:
             turn = cache.begin(req.prompt_ids, points, req.boundaries, self._make_cache)
         else:
             turn = ColdRequest(self._make_cache, cache.ssd if cache is not None else None)
+        self._in_request, self._handle = True, handle
         try:
             # restore, prefill, decode and capture on the one stream generate_step decodes
             # on: no cross-stream waits between them
-            with mx.stream(generation_stream), chunk_attention(self._chunk_attention):
+            with (
+                mx.stream(generation_stream),
+                chunk_attention(self._chunk_attention),
+                self._watched("a request"),
+            ):
                 self._generate_one(req, handle, points, chunk if fold else 0, turn)
         finally:
+            self._in_request, self._handle = False, None
             turn.close()
             if turn.read_ssd:
                 self.release_host_buffers()
@@ -449,7 +501,7 @@ class Engine:
         prompt = list(req.prompt_ids)
         n = len(prompt)
         model = self.loaded.model
-        restored = turn.restore()
+        restored = self._restore(turn, points) if self.ranks is not None else turn.restore()
         restore_s = time.perf_counter() - t0
         caches = restored.caches
         start = restored.position
@@ -467,7 +519,7 @@ class Engine:
         first_logprobs = restored.first_logprobs if start == n else None
         for end in ends:
             self._drain_control()
-            if handle.cancelled:
+            if self._cancelled(handle):
                 kept = turn.cancel(caches, pos)
                 why = f"cancelled during prefill; kept {kept} of {n} tokens"
                 handle.emit(Failed(why, kind="cancelled", kept_tokens=kept))
@@ -502,6 +554,7 @@ class Engine:
             forced = iter(req.teacher_ids)
             sampler = lambda logprobs: mx.array([next(forced, 0)])  # noqa: E731
             eos, record, max_tokens = set(), len(req.teacher_ids), len(req.teacher_ids)
+        sampler, stop_flags = self._share_sampler(sampler, handle)
         detok = self.loaded.tokenizer.detokenizer
         detok.reset()
         tokens: list[int] = []
@@ -547,7 +600,7 @@ class Engine:
             detok.add_token(tok)
             handle.emit(TokenBatch((tok,), detok.last_segment))
             self._drain_control()
-            if handle.cancelled:
+            if self._stopped(handle, stop_flags, len(tokens) - 1):
                 reason = "cancelled"
                 break
         if first_logprobs is not None and len(tokens) == 1:
@@ -589,6 +642,7 @@ class Engine:
             restore_choice=restored.choice.describe() if restored.choice else "",
         )
         self._last = metrics
+        self._gather_rank_stats()  # before Finished: the caller's next stats() has them
         handle.emit(Finished(tuple(tokens), detok.text, metrics))
         self._apply_memory_pressure()
 
@@ -663,3 +717,203 @@ class Engine:
             new_tokens=n - 1,
         )
         return chunk
+
+    # ------------------------------------------------------------------ ranks (issue 20)
+    # One model across several ranks: rank 0's engine sends each job to the workers
+    # (core/distributed.py) and every rank runs the same steps on its shard. Each method
+    # is a no-op (or the one-rank behaviour) when the engine runs alone.
+    def _join_ranks(self) -> dist.Ranks | None:
+        """This process's ranks (joined on the first load), or None when alone.
+
+        Raises:
+            dist.RankError: the ranks failed before (a rank lost or silent).
+        """
+        if self.ranks is None and dist.launched():
+            self.ranks = dist.current()
+            if self.ranks is not None:
+                self.ranks.on_timeout = self._rank_timeout
+        if self.ranks is not None and self.ranks.failed:
+            raise dist.RankError(self.ranks.failed)
+        return self.ranks
+
+    def _send_to_ranks(self, message: dict) -> None:
+        """Rank 0: send ``message`` to every worker (a no-op elsewhere, or once the ranks
+        failed)."""
+        r = self.ranks
+        if r is None or not r.is_main or r.failed:
+            return
+        with r.section(f"sending {message['op']}"):
+            r.broadcast(message)
+
+    def _watched(self, stage: str):
+        return self.ranks.section(stage) if self.ranks is not None else contextlib.nullcontext()
+
+    def _rank_timeout(self, message: str) -> None:
+        # the watchdog thread: the engine thread is blocked in a collective
+        self._on_log(message)
+        handle = self._handle
+        if handle is not None and not handle.done:
+            handle.emit(Failed(message, kind="error"))
+
+    def _agree_loaded(self, load: Callable[[], Any]) -> Any:
+        """``load()`` on every rank; raises ModelError on all of them when any failed."""
+        from .models import ModelError
+
+        if self.ranks is None:
+            return load()
+        loaded, why = None, ""
+        try:
+            loaded = load()
+        except Exception as exc:  # noqa: BLE001 -- reported below, on every rank
+            why = str(exc)
+        oks = [row[0] for row in self.ranks.gather([int(loaded is not None)])]
+        failed = [r for r, ok in enumerate(oks) if not ok]
+        if failed:
+            ranks = ", ".join(map(str, failed))
+            raise ModelError(why or f"rank {ranks} could not load the model (see its log)")
+        return loaded
+
+    def _share_request(self, req: GenerateRequest, handle: RequestHandle) -> bool:
+        """Rank 0: send ``req`` to the workers (after the checks that fail a request on
+        rank 0 alone). False (the handle failed) when the ranks failed before."""
+        r = self.ranks
+        if r is None or not r.is_main:
+            return True
+        if r.failed:
+            handle.emit(Failed(r.failed, kind="error"))
+            return False
+        self._send_to_ranks({"op": "generate", "request": dataclasses.asdict(req)})
+        return True
+
+    def _agreed_chunk(self, n: int) -> int:
+        """:meth:`_plan_chunk`, the smallest over the ranks (one schedule on all).
+
+        Raises:
+            memory_mod.PrefillRefused: a rank has no chunk that fits its memory.
+        """
+        refused = None
+        try:
+            chunk = self._plan_chunk(n)
+        except memory_mod.PrefillRefused as exc:
+            chunk, refused = 0, exc
+        if self.ranks is None:
+            if refused is not None:
+                raise refused
+            return chunk
+        agreed = self.ranks.all_min(chunk)[0]
+        if agreed == 0:
+            raise refused or memory_mod.PrefillRefused(0, 0, 0, n - 1)
+        return agreed
+
+    def _restore(self, turn: CacheRequest | ColdRequest, points: list[int]):
+        """The restore of a request on every rank at one position (a ``Restored``).
+
+        Each rank holds its own shard's K/V and states, so each restores from its own
+        tiers, at a position all of them can reach: the ranks plan (no loads) with a
+        limit ``m`` (``N - 1`` first), take the smallest position any of them can plan,
+        and repeat with it until every rank plans exactly ``m`` (state layers land only on
+        a snapshot, so one round may not do: a fixpoint, ``m`` falls every round). Then
+        each restores with ``max_position=m``. A rank whose load fails there (a file
+        lost since the index was read) lands lower: the ranks restore once more at the
+        lowest, and start cold if they still differ.
+
+        The same prompt again (every rank's resident cache can be cut back to all of it,
+        with the logprobs kept from before) restores it whole on every rank, or on none:
+        a rank that could hands its resident back, cut to the prompt, and the ranks
+        restore ``N - 1`` as above."""
+        r = self.ranks
+        cache = turn.cache if isinstance(turn, CacheRequest) else None
+        prompt = turn.prompt if cache is not None else []
+        repeat = cache.restore_repeat(prompt) if cache is not None else None
+        if r.all_min(int(repeat is not None))[0]:
+            self._restored_by = dict(repeat.cached_by)
+            return repeat
+        if repeat is not None:
+            cache.set_resident(prompt, repeat.caches, len(prompt), repeat.first_logprobs)
+        m = len(prompt) - 1
+        for _ in range(64):
+            plan = cache.plan(prompt, turn.ids, points, cache.resident, m) if m > 0 else None
+            lo = r.all_min(plan.position if plan is not None else 0)[0]
+            if lo == m or lo <= 0:
+                m = max(lo, 0)
+                break
+            m = lo
+        else:
+            m = 0
+        for _ in range(2):
+            if cache is not None:
+                turn.max_position = m
+            restored = turn.restore()
+            lo, neg_hi = r.all_min([restored.position, -restored.position])
+            if lo == -neg_hi:
+                break
+            if cache is not None:
+                cache.log(f"ranks restored {lo} to {-neg_hi} tokens: again at {lo}")
+            m = lo
+        else:
+            if cache is not None:
+                cache.log("ranks still differ after a second restore: cold on every rank")
+            restored = Restored(caches=self._make_cache())
+        self._restored_by = dict(restored.cached_by)
+        return restored
+
+    def _cancelled(self, handle: RequestHandle) -> bool:
+        """Whether to stop the prefill: rank 0's cancel, on every rank."""
+        r = self.ranks
+        if r is None:
+            return handle.cancelled
+        return r.all_max(int(r.is_main and handle.cancelled))[0] > 0
+
+    def _share_sampler(self, sampler, handle: RequestHandle):
+        """``(sampler, stop flags)``: rank 0's tokens and cancels on every rank
+        (:meth:`dist.Ranks.share_sampler`); ``(sampler, None)`` when alone."""
+        if self.ranks is None:
+            return sampler, None
+        return self.ranks.share_sampler(sampler, lambda: handle.cancelled)
+
+    def _stopped(self, handle: RequestHandle, flags, i: int) -> bool:
+        """Whether decode stops after token ``i``: the cancel rank 0 sent with it."""
+        if flags is None:
+            return handle.cancelled
+        self.ranks.tick()
+        return bool(flags[i].item())
+
+    def _clear_tier(self, tier: str) -> str:
+        """Clear ``tier`` of this rank's cache (rank 0 sent the same to every worker)."""
+        msg = self.cache.clear(tier) if self.cache is not None else f"cleared {tier}: no cache"
+        if self.ranks is not None:
+            self._gather_rank_stats()
+            msg += f" (on each of {self.ranks.size} ranks)"
+        return msg
+
+    def _close_model(self) -> None:
+        """A worker's side of rank 0's engine closing: flush and drop the model."""
+        if self.cache is not None:
+            self.cache.close()
+        self.cache, self.loaded, self.model_name, self.supported = None, None, "", None
+        self._restored_by = {}
+
+    def _gather_rank_stats(self) -> None:
+        """Every rank's cache and memory figures, into ``rank_stats`` (on every rank)."""
+        r = self.ranks
+        if r is None or r.failed:
+            return
+        cache, mem = self.cache, self.monitor.stats()
+        hot, ssd = (cache.hot, cache.ssd) if cache is not None else (None, None)
+        mine = RankStats(
+            rank=r.rank,
+            hot_bytes=hot.nbytes if hot is not None else 0,
+            hot_max_bytes=hot.max_bytes if hot is not None else 0,
+            hot_entries=len(hot) if hot is not None else 0,
+            ssd_bytes=ssd.nbytes if ssd is not None else 0,
+            ssd_max_bytes=ssd.max_bytes if ssd is not None else 0,
+            ssd_entries=len(ssd) if ssd is not None else 0,
+            memory_active_bytes=mem.active,
+            memory_limit_bytes=mem.limit,
+            memory_level=mem.level,
+            cached_hot=self._restored_by.get("hot", 0),
+            cached_ssd=self._restored_by.get("ssd", 0),
+        )
+        with r.section("gathering rank stats"):
+            rows = r.gather(dist.stats_vector(mine))
+        self.rank_stats = tuple(dist.stats_from_vector(i, row) for i, row in enumerate(rows))

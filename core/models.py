@@ -315,32 +315,46 @@ def model_fingerprint(identity: str, model_dir: Path, dtype: str) -> str:
 
 
 def load_model(
-    spec: str, *, models_dir: Path | None = None, progress: Progress | None = None
+    spec: str,
+    *,
+    models_dir: Path | None = None,
+    progress: Progress | None = None,
+    group: Any = None,
 ) -> LoadedModel:
     """Resolve ``spec`` (see module docstring) and load it with ``mlx_lm``.
 
     ``models_dir`` defaults to :func:`default_models_dir`. Weights are cast per the
-    device policy (CPU: float32); ``LoadedModel.dtype`` records it.
+    device policy (CPU: float32); ``LoadedModel.dtype`` records it. ``group``: an
+    ``mx.distributed`` group of more than one rank: the model is loaded lazily and this
+    rank keeps its shard only (:func:`shard_model`).
 
     Raises:
-        ModelError: the spec cannot be resolved, or the directory does not load.
+        ModelError: the spec cannot be resolved, the directory does not load, or the
+            model cannot be sharded over ``group``.
     """
     import mlx_lm
 
     models_dir = Path(models_dir) if models_dir is not None else default_models_dir()
     model_dir = resolve_model_dir(spec, models_dir, progress)
     if spec.startswith("shape:"):
-        return _load_shape(spec, model_dir, progress)
+        return _sharded(_load_shape(spec, model_dir, progress), group)
+    sharded = group is not None and group.size() > 1
     try:
-        model, tokenizer, config = mlx_lm.load(str(model_dir), return_config=True)
+        model, tokenizer, config = mlx_lm.load(str(model_dir), return_config=True, lazy=sharded)
     except Exception as e:  # noqa: BLE001 - mlx_lm raises many kinds; all mean "cannot load"
         msg = f"model {spec!r}: cannot load {model_dir} ({type(e).__name__}: {e})"
         raise ModelError(msg) from e
     if spec.startswith("tiny:"):
         tokenizer = tiny.load_tiny_tokenizer(model_dir)
+    mode = shard_model(spec, model, group) if sharded else None
     dtype, quantized = _apply_dtype(model, config)
     is_repo = not Path(spec).expanduser().exists() and spec.count("/") == 1
     identity = spec if is_repo else str(model_dir.resolve())
+    fingerprint = model_fingerprint(identity, model_dir, dtype)
+    extra: dict = {}
+    if mode is not None:
+        fingerprint = layout_fingerprint(fingerprint, mode, group.rank(), group.size())
+        extra["shard"] = {"mode": mode, "rank": group.rank(), "size": group.size()}
     return LoadedModel(
         name=spec,
         model=model,
@@ -349,9 +363,53 @@ def load_model(
         config=config,
         dtype=dtype,
         eos_token_ids=set(tokenizer.eos_token_ids),
-        fingerprint=model_fingerprint(identity, model_dir, dtype),
+        fingerprint=fingerprint,
         quantized=quantized,
+        extra=extra,
     )
+
+
+def shard_model(spec: str, model: nn.Module, group: Any) -> str:
+    """Keep this rank's shard of ``model`` over ``group`` (in place) and return the mode:
+    ``"tensor"`` (``model.shard``: every layer split across the ranks, mlx-lm's tensor
+    parallelism) where the model has it, else ``"pipeline"`` (``model.model.pipeline``:
+    consecutive layers per rank), as ``mlx_lm.utils.sharded_load`` chooses.
+    ``TIERCHAT_SHARD=pipeline`` prefers the pipeline where a model has both.
+
+    Raises:
+        ModelError: the model has neither (it runs on one rank only).
+    """
+    tensor = hasattr(model, "shard")
+    pipeline = hasattr(model, "model") and hasattr(model.model, "pipeline")
+    if pipeline and (not tensor or os.environ.get("TIERCHAT_SHARD") == "pipeline"):
+        model.model.pipeline(group)
+        return "pipeline"
+    if tensor:
+        model.shard(group)
+        return "tensor"
+    raise ModelError(
+        f"model {spec!r} cannot run across {group.size()} ranks: its mlx-lm class has "
+        "neither shard (tensor parallel) nor pipeline; run it on one rank"
+    )
+
+
+def layout_fingerprint(fingerprint: str, mode: str, rank: int, size: int) -> str:
+    """``fingerprint`` salted with a shard layout (mode, rank, world size): the prefix
+    cache keys block ids and the SSD directory by it, so one rank's files never load on
+    another rank or in another layout."""
+    key = f"{fingerprint}/{mode}/rank{rank}of{size}"
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _sharded(loaded: LoadedModel, group: Any) -> LoadedModel:
+    """A ``shape:`` model (built whole in memory) cut to this rank's shard."""
+    if group is None or group.size() <= 1:
+        return loaded
+    mode = shard_model(loaded.name, loaded.model, group)
+    mx.eval(loaded.model.parameters())
+    loaded.fingerprint = layout_fingerprint(loaded.fingerprint, mode, group.rank(), group.size())
+    loaded.extra["shard"] = {"mode": mode, "rank": group.rank(), "size": group.size()}
+    return loaded
 
 
 def _shape_spec(spec: str) -> tuple[str, int]:

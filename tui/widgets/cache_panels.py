@@ -388,7 +388,10 @@ class CachePanels(VerticalScroll):
         self.can_focus = False  # Tab cycles list, transcript and input
 
     def compose(self) -> ComposeResult:
+        from tierchat.tui.widgets.ranks_panel import RanksPanel  # builds on Panel (here)
+
         yield Static("cache: waiting for the engine…", id="cache-model", markup=False)
+        yield RanksPanel(clock=self._clock, id="ranks-panel")  # several ranks only
         yield MemoryPanel(clock=self._clock, id="memory-panel")
         yield TierPanel("hot", "Hot tier (RAM)", clock=self._clock)
         yield TierPanel("ssd", "SSD tier", clock=self._clock)

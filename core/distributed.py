@@ -1,0 +1,353 @@
+"""Several ranks, one model: MLX distributed groups, the messages rank 0 sends its workers,
+agreement between ranks and a watchdog (issue 20; docs/DESIGN.md §19).
+
+Processes are started by ``mlx.launch`` (ring, MPI, JACCL or NCCL backends), which sets
+``MLX_RANK`` and the backend's variables; :func:`current` then joins the group with
+``mx.distributed.init()``. Rank 0 runs the UI (chat, serve, replay, cache commands); every
+other rank runs a worker (:class:`Worker`) with no UI. All ranks run the same forward on
+their own shard of the model, so every collective (the model's own ``all_sum`` calls and
+the ones here) is made by every rank in the same order, on its engine thread.
+
+The protocol, all over ``mx.distributed`` collectives:
+
+- **Messages** (:meth:`Ranks.broadcast`): rank 0 sends a JSON object (``load``,
+  ``generate``, ``clear``, ``close``, ``exit``) as its byte length, then its bytes as a
+  ``uint8`` array; every other rank contributes zeros to the same two ``all_sum`` calls
+  (as mlx-lm's server shares requests, ``mlx_lm/server.py`` ``_share_object``). Workers
+  wait for the next message as long as rank 0 is idle.
+- **Agreement** (:meth:`Ranks.all_min`, :meth:`Ranks.all_max`): the prefill chunk, the
+  restore position and cancels are decided by every rank together.
+- **Tokens**: rank 0 samples; each decode step's ``all_sum`` carries its token and its
+  stop flag inside the step's graph (:meth:`Ranks.share_sampler`).
+- **Faults**: a rank whose process ends breaks the ring's sockets, so the next collective
+  raises ``RuntimeError`` on the others. A rank that stops answering leaves them blocked
+  in a collective: on rank 0 a watchdog thread (:meth:`Ranks.section`) reports it after
+  ``timeout_s`` without progress, with the stage it was in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import mlx.core as mx
+
+from .api import RankStats
+
+# variables a launcher sets for every rank (mlx.launch: MLX_RANK; mpirun: OMPI_*, PMI_*);
+# cli/ranks.py reads the same without importing MLX
+_RANK_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class RankError(RuntimeError):
+    """A rank died, stopped answering or failed where the others did not; the message
+    names the rank (or the stage) and what happened."""
+
+
+def launched() -> bool:
+    """True when this process was started as one rank of several (by ``mlx.launch`` or
+    ``mpirun``); reads the environment only, joins nothing."""
+    return any(os.environ.get(v) for v in _RANK_VARS)
+
+
+_LEVELS = ("ok", "soft", "hard")
+_STAT_FIELDS = (
+    "hot_bytes",
+    "hot_max_bytes",
+    "hot_entries",
+    "ssd_bytes",
+    "ssd_max_bytes",
+    "ssd_entries",
+    "memory_active_bytes",
+    "memory_limit_bytes",
+    "memory_level",
+    "cached_hot",
+    "cached_ssd",
+)
+
+
+def stats_vector(s: RankStats) -> list[int]:
+    """``s`` as the fixed integer vector :meth:`Ranks.gather` sums."""
+    return [
+        _LEVELS.index(s.memory_level) if f == "memory_level" else int(getattr(s, f))
+        for f in _STAT_FIELDS
+    ]
+
+
+def stats_from_vector(rank: int, row: Sequence[int]) -> RankStats:
+    values: dict[str, Any] = dict(zip(_STAT_FIELDS, (int(x) for x in row), strict=True))
+    values["memory_level"] = _LEVELS[min(max(values["memory_level"], 0), 2)]
+    return RankStats(rank=rank, **values)
+
+
+class Ranks:
+    """This process's place in a group of ranks, and the collectives tierchat makes.
+
+    Every method that communicates must be called by every rank, in the same order, on
+    the engine thread (MLX streams belong to the thread that made them). Arrays are
+    evaluated before a method returns, so a dead peer raises here (``RuntimeError`` from
+    the backend, re-raised as :class:`RankError`, :attr:`failed` set); inside a model
+    forward the engine sets :attr:`failed` when its job raises.
+    """
+
+    def __init__(self, group: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.group = group
+        self.rank = group.rank()
+        self.size = group.size()
+        self.timeout_s = float(timeout_s)
+        # ring, MPI and JACCL reduce on the CPU; NCCL (mlx.launch sets NCCL_HOST_IP for
+        # it) on the GPU's default stream
+        nccl = bool(os.environ.get("NCCL_HOST_IP")) and mx.cuda.is_available()
+        self.stream = None if nccl else mx.cpu
+        self.failed = ""  # set by the watchdog or a collective that raised
+        self.on_timeout: Callable[[str], None] | None = None
+        self._lock = threading.Lock()
+        self._section: str | None = None
+        self._last_tick = 0.0
+        self._watchdog: threading.Thread | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # ------------------------------------------------------------------ collectives
+    def _sum(self, x: mx.array) -> mx.array:
+        out = mx.distributed.all_sum(x, group=self.group, stream=self.stream)
+        try:
+            mx.eval(out)
+        except RuntimeError as exc:
+            self.failed = self.failed or f"a rank was lost: {exc}"
+            raise RankError(f"a rank was lost ({exc})") from exc
+        self.tick()
+        return out
+
+    def broadcast(self, message: dict | None = None) -> dict:
+        """Rank 0's ``message`` (a JSON-able dict) on every rank; other ranks pass None.
+
+        Raises:
+            RankError: a rank was lost while sending.
+        """
+        if self.is_main:
+            data = json.dumps(message, separators=(",", ":")).encode()
+            size = self._sum(mx.array([len(data)], dtype=mx.int64)).item()
+            payload = mx.array(memoryview(data), dtype=mx.uint8)
+        else:
+            size = self._sum(mx.zeros((1,), dtype=mx.int64)).item()
+            payload = mx.zeros((int(size),), dtype=mx.uint8)
+        got = self._sum(payload)
+        return message if self.is_main else json.loads(bytes(memoryview(got)))
+
+    def all_min(self, values: Sequence[int] | int) -> list[int]:
+        """The element-wise minimum of every rank's ``values`` (integers; one shape on all
+        ranks); an int gives a one-element list."""
+        x = mx.array([values] if isinstance(values, int) else list(values), dtype=mx.int64)
+        out = mx.distributed.all_min(x, group=self.group, stream=self.stream)
+        return self._eval_list(out)
+
+    def all_max(self, values: Sequence[int] | int) -> list[int]:
+        """The element-wise maximum, as :meth:`all_min`."""
+        x = mx.array([values] if isinstance(values, int) else list(values), dtype=mx.int64)
+        out = mx.distributed.all_max(x, group=self.group, stream=self.stream)
+        return self._eval_list(out)
+
+    def _eval_list(self, out: mx.array) -> list[int]:
+        try:
+            mx.eval(out)
+        except RuntimeError as exc:
+            self.failed = self.failed or f"a rank was lost: {exc}"
+            raise RankError(f"a rank was lost ({exc})") from exc
+        self.tick()
+        return [int(v) for v in out.tolist()]
+
+    def gather(self, row: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``row`` (integers, one length on all ranks), indexed by rank: one
+        ``all_sum`` of a ``(size, len(row))`` matrix where each rank fills its own row."""
+        x = mx.zeros((self.size, len(row)), dtype=mx.int64)
+        x[self.rank] = mx.array(list(row), dtype=mx.int64)
+        return [[int(v) for v in r] for r in self._sum(x).tolist()]
+
+    def share_sampler(
+        self, sampler: Callable[[mx.array], mx.array], stop: Callable[[], bool]
+    ) -> tuple[Callable[[mx.array], mx.array], list[mx.array]]:
+        """A sampler for ``generate_step`` whose tokens are rank 0's on every rank.
+
+        Rank 0 samples with ``sampler`` and adds ``stop()`` (read when the step's graph is
+        built); the other ranks contribute zeros made to depend on their logprobs, so the
+        ``all_sum`` comes after the step's forward (and its collectives) on every rank.
+        Returns the sampler and the list it appends each step's stop flag to (an int32
+        array of shape ``()``, lazy; step ``i``'s flag is element ``i``).
+        """
+        flags: list[mx.array] = []
+
+        def shared(logprobs: mx.array) -> mx.array:
+            if self.is_main:
+                y = sampler(logprobs).astype(mx.int32)
+                mine = mx.concatenate([y.reshape(-1), mx.array([int(stop())], mx.int32)])
+            else:
+                mine = mx.depends(mx.zeros((2,), dtype=mx.int32), logprobs)
+            both = mx.distributed.all_sum(mine, group=self.group, stream=self.stream)
+            flags.append(both[1])
+            return both[:1]
+
+        return shared, flags
+
+    # ------------------------------------------------------------------ watchdog
+    def tick(self) -> None:
+        """Progress: the watchdog's clock starts again."""
+        self._last_tick = time.monotonic()
+
+    @contextmanager
+    def section(self, stage: str) -> Iterator[None]:
+        """On rank 0, watch the block: if it makes no progress (:meth:`tick`) for
+        ``timeout_s`` seconds, :attr:`failed` is set and ``on_timeout(message)`` is
+        called from the watchdog thread (the engine thread stays blocked in the
+        collective; the caller reports and exits). A no-op on workers."""
+        if not self.is_main:
+            yield
+            return
+        self._start_watchdog()
+        with self._lock:
+            outer, self._section = self._section, stage
+        self.tick()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._section = outer  # sections nest: the request goes on being watched
+
+    def _start_watchdog(self) -> None:
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(
+                target=self._watch, name="tierchat-rank-watchdog", daemon=True
+            )
+            self._watchdog.start()
+
+    def _watch(self) -> None:
+        while not self.failed:
+            time.sleep(min(0.25, self.timeout_s / 4))
+            with self._lock:
+                stage = self._section
+            if stage is None:
+                continue
+            idle = time.monotonic() - self._last_tick
+            if idle > self.timeout_s:
+                self.failed = (
+                    f"a rank stopped answering: no progress for {idle:.0f} s during {stage} "
+                    f"(timeout {self.timeout_s:g} s, {self.size} ranks)"
+                )
+                if self.on_timeout is not None:
+                    self.on_timeout(self.failed)
+                return
+
+
+_current: Ranks | None = None
+_init_lock = threading.Lock()
+
+
+def current(timeout_s: float | None = None) -> Ranks | None:
+    """This process's :class:`Ranks` (joining the group on the first call), or None when
+    it was not launched as one of several ranks. Call it on the engine thread.
+
+    Raises:
+        RankError: launched, but the group could not be joined, or has one rank.
+    """
+    global _current
+    if not launched():
+        return None
+    with _init_lock:
+        if _current is None:
+            try:
+                group = mx.distributed.init(strict=True)
+            except Exception as exc:  # noqa: BLE001 -- every backend raises its own kind
+                raise RankError(f"cannot join the ranks ({type(exc).__name__}: {exc})") from exc
+            if timeout_s is None:
+                timeout_s = float(os.environ.get("TIERCHAT_RANK_TIMEOUT", DEFAULT_TIMEOUT_S))
+            _current = Ranks(group, timeout_s)
+        if timeout_s is not None:
+            _current.timeout_s = float(timeout_s)
+        return _current if _current.size > 1 else None
+
+
+class _QuietHandle:
+    """A worker's request handle: the same engine code runs, nobody listens."""
+
+    def __init__(self) -> None:
+        self.result = None
+        self.chunk_ends: tuple[int, ...] = ()
+        self.logprobs: list = []
+        self.restored_position = 0
+
+    def emit(self, event: Any) -> None:
+        from .api import TERMINAL
+
+        if isinstance(event, TERMINAL):
+            self.result = event
+
+    cancelled = False
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+
+def _tuples(value: Any) -> Any:
+    """JSON lists back to the tuples a request holds (ids, ``(offset, role)`` pairs)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def serve_worker(engine: Any, log: Callable[[str], None] = print) -> bool:
+    """The loop of a rank > 0, on its engine thread (``engine.call(...)``): take each of
+    rank 0's messages and run it on this rank's engine (load, generate, clear, close,
+    exit).
+
+    Returns True when rank 0 said exit, or ended after closing its engine (a clean end);
+    False when it was lost with a model loaded or a message failed here (reported
+    through ``log``).
+
+    Raises:
+        RankError: this process is not a worker of a group.
+    """
+    from .api import Failed, GenerateRequest
+
+    ranks = engine._join_ranks()
+    if ranks is None or ranks.is_main:
+        raise RankError("serve_worker runs on ranks > 0 of a launched group")
+    while True:
+        try:
+            msg = ranks.broadcast()
+        except RankError as exc:
+            if engine.loaded is None:
+                return True
+            log(f"rank {ranks.rank}: rank 0 was lost ({exc})")
+            return False
+        op = msg.get("op")
+        handle = _QuietHandle()
+        try:
+            if op == "load":
+                engine._load(msg["spec"], handle)
+            elif op == "generate":
+                fields = {k: _tuples(v) for k, v in msg["request"].items()}
+                engine._generate(GenerateRequest(**fields), handle)
+            elif op == "clear":
+                engine._clear_tier(msg["tier"])
+            elif op == "close":
+                engine._close_model()
+            elif op == "exit":
+                return True
+            else:
+                log(f"rank {ranks.rank}: unknown message {op!r} from rank 0")
+                return False
+        except RankError as exc:
+            log(f"rank {ranks.rank}: {op}: {exc}")
+            return False
+        except Exception as exc:  # noqa: BLE001 -- this rank is out of step: stop it
+            log(f"rank {ranks.rank}: {op} failed: {type(exc).__name__}: {exc}")
+            return False
+        if isinstance(handle.result, Failed) and handle.result.kind not in ("cancelled",):
+            log(f"rank {ranks.rank}: {op}: {handle.result.message}")
