@@ -255,7 +255,8 @@ class Engine:
                 # free the weights and the resident cache now, and MLX's buffer cache with
                 # them, so a restart in the same process (replay, the bench) never holds
                 # two models' memory at once
-                self.cache, self.loaded = None, None
+                # (the folded schedule's head closure holds the model's weights too)
+                self.cache, self.loaded, self._last_logits = None, None, None
                 gc.collect()
                 mx.clear_cache()
                 # MLX wants each thread to destroy its own streams before it ends, or the

@@ -231,3 +231,17 @@ def test_core_never_imports_textual():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_closing_an_engine_frees_the_model(tmp_path, models_dir):
+    """A restart in one process (replay, the bench) must not hold two models: after close,
+    nothing of the engine keeps the weights (the folded schedule's head closure included)."""
+    import gc
+    import weakref
+
+    engine = make_engine("tiny:llama", tmp_path, models_dir, bitwise=False)
+    trunk = weakref.ref(engine.loaded.model.model)
+    assert engine._last_logits is not None
+    engine.close()
+    gc.collect()
+    assert trunk() is None
