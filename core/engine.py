@@ -252,11 +252,13 @@ class Engine:
                     self._on_log(str(exc))
                 if self.cache is not None:
                     self.cache.close()
-                # free the weights and the resident cache now, and MLX's buffer cache with
-                # them, so a restart in the same process (replay, the bench) never holds
-                # two models' memory at once
-                # (the folded schedule's head closure holds the model's weights too)
-                self.cache, self.loaded, self._last_logits = None, None, None
+                    # the RAM tiers' arrays go now (the SSD tier's index stays readable)
+                    self.cache.hot.clear()
+                    self.cache.drop_resident()
+                # free the weights now, and MLX's buffer cache with them, so a restart in
+                # the same process (replay, the bench) never holds two models' memory at
+                # once (the folded schedule's head closure holds the trunk's weights too)
+                self.loaded, self._last_logits = None, None
                 gc.collect()
                 mx.clear_cache()
                 # MLX wants each thread to destroy its own streams before it ends, or the
