@@ -365,7 +365,7 @@ def stopped(state: ServeState, gen: Generation, matcher: StopMatcher) -> None:
     """A reply cut at a stop string was cancelled on the engine; the log shows it done."""
     seq = getattr(gen.handle, "log_seq", None)
     if matcher.stopped and seq is not None:
-        state.log.update(seq, status="done", finish_reason="stop")
+        state.log.update(seq, status="done", metrics_changes={"finish_reason": "stop"})
 
 
 def _finish_reason(metrics: TurnMetrics, matcher: StopMatcher) -> str:
@@ -667,13 +667,14 @@ def check_bind(host: str, allow_remote: bool, api_key: str | None) -> None:
 def _print_record(record: RequestRecord) -> None:
     if record.status in ("waiting", "running"):
         return
-    by = ", ".join(f"{k} {v}" for k, v in record.cached_by.items() if v) or "none"
+    m = record.metrics
+    by = ", ".join(f"{k} {v}" for k, v in m.cached_by.items() if v) or "none"
     line = (
         f"#{record.seq} {record.client} {record.endpoint} {record.status}: "
-        f"prompt {record.prompt_tokens}, cached {record.cached_tokens} "
-        f"({by}), prefilled {record.prefill_tokens}, "
-        f"TTFT {record.ttft_s:.2f}s (+{record.wait_s:.2f}s queued), "
-        f"{record.generation_tokens} tok at {record.generation_tps:.1f} tok/s"
+        f"prompt {m.prompt_tokens}, cached {m.cached_tokens} "
+        f"({by}), prefilled {m.prefill_tokens}, "
+        f"TTFT {m.ttft_s:.2f}s (+{record.wait_s:.2f}s queued), "
+        f"{m.generation_tokens} tok at {m.generation_tps:.1f} tok/s"
     )
     if record.error:
         line += f" ({record.error})"

@@ -508,6 +508,18 @@ class Engine:
         restore_s = time.perf_counter() - t0
         caches = restored.caches
         start = restored.position
+
+        def reuse(ttft: float) -> TurnMetrics:  # what the turn reused, known at its first token
+            return TurnMetrics(
+                prompt_tokens=n,
+                cached_tokens=start,
+                cached_by=dict(restored.cached_by),
+                cached_kind=dict(restored.cached_kind),
+                prefill_tokens=n - start,
+                ttft_s=ttft,
+                prefill_tps=(n - start) / ttft if ttft > 0 else 0.0,
+            )
+
         ends = chunk_ends(start, points, fold_chunk)
         handle.chunk_ends = tuple(ends)
 
@@ -585,15 +597,7 @@ class Engine:
                     handle.emit(PrefillProgress(total, total, total / ttft if ttft else 0.0))
                 # what the turn reused and its TTFT are known now: the stats show them
                 # while it decodes (the decode rate comes with the finished record below)
-                self._last = TurnMetrics(
-                    prompt_tokens=n,
-                    cached_tokens=start,
-                    cached_by=dict(restored.cached_by),
-                    cached_kind=dict(restored.cached_kind),
-                    prefill_tokens=n - start,
-                    ttft_s=ttft,
-                    prefill_tps=(n - start) / ttft if ttft > 0 else 0.0,
-                )
+                self._last = reuse(ttft)
             tokens.append(tok)
             if len(logprobs) < record:
                 logprobs.append(np.array(lp.astype(mx.float32)))
@@ -628,14 +632,8 @@ class Engine:
         handle.restored_position = start
         ttft = ttft if ttft is not None else t_end - t0
         g = len(tokens)
-        metrics = TurnMetrics(
-            prompt_tokens=n,
-            cached_tokens=start,
-            cached_by=dict(restored.cached_by),
-            cached_kind=dict(restored.cached_kind),
-            prefill_tokens=n - start,
-            ttft_s=ttft,
-            prefill_tps=(n - start) / ttft if ttft > 0 else 0.0,
+        metrics = dataclasses.replace(
+            reuse(ttft),
             generation_tokens=g,
             generation_tps=(g - 1) / (t_end - t_first) if g > 1 and t_end > t_first else 0.0,
             peak_memory_bytes=int(mx.get_peak_memory()),

@@ -22,8 +22,6 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from tierchat.core.api import (
-    CACHE_KINDS,
-    CACHE_SOURCES,
     CacheStats,
     EngineLike,
     Event,
@@ -33,6 +31,7 @@ from tierchat.core.api import (
     GenerateRequest,
     RequestHandle,
     TokenBatch,
+    TurnMetrics,
 )
 
 RequestStatus = Literal["waiting", "running", "done", "failed", "cancelled"]
@@ -58,17 +57,10 @@ class RequestRecord:
     endpoint: str
     submitted_at: float  # time.time()
     status: RequestStatus = "waiting"
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    cached_by: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CACHE_SOURCES, 0))
-    cached_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CACHE_KINDS, 0))
-    prefill_tokens: int = 0
-    ttft_s: float = 0.0
     wait_s: float = 0.0
-    generation_tokens: int = 0
-    generation_tps: float = 0.0
-    finish_reason: str = ""
     error: str = ""
+    # what the engine reported: the prompt length from the start, the rest when it ends
+    metrics: TurnMetrics = field(default_factory=lambda: TurnMetrics(finish_reason=""))
 
 
 @dataclass(frozen=True)
@@ -119,15 +111,19 @@ class RequestLog:
         self._notify(record)
         return record
 
-    def update(self, seq: int, **changes) -> RequestRecord | None:
-        """Replace fields of record ``seq`` (an ``error`` stored :func:`log_safe`); None when
-        it already left the log."""
+    def update(
+        self, seq: int, metrics_changes: dict | None = None, **changes
+    ) -> RequestRecord | None:
+        """Replace fields of record ``seq`` (an ``error`` stored :func:`log_safe`) and, with
+        ``metrics_changes``, fields of its metrics; None when it already left the log."""
         if isinstance(changes.get("error"), str):
             changes["error"] = log_safe(changes["error"])
         with self._lock:
             old = self._by_seq.get(seq)
             if old is None:
                 return None
+            if metrics_changes:
+                changes["metrics"] = replace(changes.get("metrics", old.metrics), **metrics_changes)
             new = replace(old, **changes)
             if new.status == "failed" and old.status != "failed":
                 self._failed += 1
@@ -218,7 +214,8 @@ class TrackedEngine:
         def watch(event: Event) -> None:
             if not state["running"] and not isinstance(event, Failed | Finished):
                 state["running"] = True
-                self.log.update(seq, status="running", prompt_tokens=len(request.prompt_ids))
+                n = len(request.prompt_ids)
+                self.log.update(seq, status="running", metrics_changes={"prompt_tokens": n})
             if isinstance(event, TokenBatch) and not state["first_token_at"]:
                 state["first_token_at"] = time.perf_counter()
             if isinstance(event, Finished):
@@ -228,16 +225,8 @@ class TrackedEngine:
                 self.log.update(
                     seq,
                     status="cancelled" if cancelled else "done",
-                    prompt_tokens=m.prompt_tokens,
-                    cached_tokens=m.cached_tokens,
-                    cached_by=dict(m.cached_by),
-                    cached_kind=dict(m.cached_kind),
-                    prefill_tokens=m.prefill_tokens,
-                    ttft_s=m.ttft_s,
                     wait_s=max(0.0, first - t_submit - m.ttft_s),
-                    generation_tokens=m.generation_tokens,
-                    generation_tps=m.generation_tps,
-                    finish_reason=m.finish_reason,
+                    metrics=m,
                 )
             elif isinstance(event, Failed):
                 status = "cancelled" if event.kind == "cancelled" else "failed"

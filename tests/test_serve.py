@@ -341,7 +341,7 @@ def test_a_reply_cut_at_a_stop_string_is_logged_done(served):
         model="m", messages=[{"role": "user", "content": "x STOP"}], stop="STOP"
     )
     (record,) = state.log.snapshot().records
-    assert (record.status, record.finish_reason) == ("done", "stop")
+    assert (record.status, record.metrics.finish_reason) == ("done", "stop")
 
 
 def test_cli_refuses_a_remote_bind_without_flag_and_key(isolated_settings, monkeypatch, capsys):

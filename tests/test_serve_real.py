@@ -87,7 +87,7 @@ def test_cached_tokens_grow_turn_by_turn_streaming_and_not(llama):
         messages.append({"role": "assistant", "content": text})
     snap = llama.state.log.snapshot()
     assert [r.status for r in snap.records] == ["done"] * 3
-    assert snap.records[-1].cached_tokens == previous.prompt_tokens_details.cached_tokens
+    assert snap.records[-1].metrics.cached_tokens == previous.prompt_tokens_details.cached_tokens
 
 
 def test_two_clients_interleaved_both_reuse_their_prefixes(llama):

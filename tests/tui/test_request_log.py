@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import time
 
+from tierchat.core.api import TurnMetrics
 from tierchat.core.serve_log import RequestRecord
 from tierchat.tui.widgets.request_log import COLUMNS, record_cells
 
 
-def cells(**kw) -> dict[str, str]:
+def cells(wait_s: float = 0.0, **metrics) -> dict[str, str]:
     base = dict(seq=7, client="127.0.0.1", endpoint="chat", submitted_at=0.0, status="done")
-    row = record_cells(RequestRecord(**{**base, **kw}), clock_time=time.gmtime)
+    record = RequestRecord(**base, wait_s=wait_s, metrics=TurnMetrics(**metrics))
+    row = record_cells(record, clock_time=time.gmtime)
     return dict(zip((key for key, _ in COLUMNS), row, strict=True))
 
 

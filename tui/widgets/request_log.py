@@ -44,10 +44,11 @@ STATUS_LABELS = {
 
 def record_cells(record: RequestRecord, clock_time=time.localtime) -> tuple[str, ...]:
     """The row of one request, in :data:`COLUMNS` order."""
-    finished = record.status in ("done", "cancelled") and record.prompt_tokens > 0
+    m = record.metrics
+    finished = record.status in ("done", "cancelled") and m.prompt_tokens > 0
     source = ""
-    if finished and record.cached_tokens:
-        source = f"{fmt_cached_by(record.cached_by)} | {fmt_cached_kind(record.cached_kind)}"
+    if finished and m.cached_tokens:
+        source = f"{fmt_cached_by(m.cached_by)} | {fmt_cached_kind(m.cached_kind)}"
     elif record.status == "failed":
         source = record.error[:60]
     return (
@@ -56,13 +57,13 @@ def record_cells(record: RequestRecord, clock_time=time.localtime) -> tuple[str,
         record.client,
         record.endpoint,
         STATUS_LABELS.get(record.status, record.status),
-        fmt_count(record.prompt_tokens) if record.prompt_tokens else "",
-        fmt_count(record.cached_tokens) if finished else "",
+        fmt_count(m.prompt_tokens) if m.prompt_tokens else "",
+        fmt_count(m.cached_tokens) if finished else "",
         source,
-        fmt_count(record.prefill_tokens) if finished else "",
-        fmt_seconds(record.ttft_s) if finished else "",
+        fmt_count(m.prefill_tokens) if finished else "",
+        fmt_seconds(m.ttft_s) if finished else "",
         fmt_seconds(record.wait_s) if finished else "",
-        f"{record.generation_tps:.1f}" if finished else "",
+        f"{m.generation_tps:.1f}" if finished else "",
     )
 
 
