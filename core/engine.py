@@ -356,7 +356,8 @@ class Engine:
             return
         self.supported, self.reason = True, ""
         self.layer_kinds = tuple(f"{lf.name}:{lf.kind}" for lf in leaves)
-        if not s.bitwise and not any(lf.snapshots for lf in leaves):
+        bitwise = s.bitwise if s.bitwise is not None else device_info().kind == "cpu"
+        if not bitwise and not any(lf.snapshots for lf in leaves):
             # models without recurrent state: the last chunk gives the first token
             fn = last_logits_fn(loaded.model)
             if fn is not None and verify_last_logits(loaded.model, fn, self._make_cache):

@@ -19,7 +19,7 @@ def make_engine(model: str, tmp: Path, models_dir: Path, **overrides) -> Engine:
     """A loaded engine on ``model`` with small blocks and its cache under ``tmp``, on the
     bitwise schedule unless ``bitwise=False`` is given (tests of the folded schedule)."""
     values = dict(
-        bitwise=True,
+        bitwise=True,  # the CPU's default too; explicit, so a GPU runs the same tests
         block_size=16,
         cache_dir=tmp / "kv",
         models_dir=models_dir,
