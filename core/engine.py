@@ -532,6 +532,8 @@ class Engine:
         # before the next chunk moves them
         total = n - start
         pos = start
+        if ends:  # the prefill starts: its first chunk may take long (a CPU, a long prompt)
+            handle.emit(PrefillProgress(0, total, 0.0))
         first_logprobs = restored.first_logprobs if start == n else None
         for end in ends:
             self._drain_control()

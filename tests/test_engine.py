@@ -59,7 +59,7 @@ def test_prefill_progress_counts_up_to_the_tokens_prefilled(engine):
     progress = [e for e in events if isinstance(e, PrefillProgress)]
     # chunk by chunk, then the last prompt token with the first decode step: the count
     # ends at the tokens the turn's metrics say were prefilled
-    assert [p.done for p in progress] == [16, 32, 48, 64, 80, 96, 99, 100]
+    assert [p.done for p in progress] == [0, 16, 32, 48, 64, 80, 96, 99, 100]
     assert all(p.total == 100 for p in progress)
     assert isinstance(events[-1], Finished)
     assert events[-1].metrics.prefill_tokens == progress[-1].done

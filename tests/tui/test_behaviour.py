@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from textual.widgets import ProgressBar
 from tierchat.core.conversation import ConversationStore
 from tierchat.tui.widgets.activity import ActivityBar
 from tierchat.tui.widgets.cache_panels import CachePanels
@@ -169,6 +170,9 @@ async def test_prefill_progress_is_shown_then_hidden(make_app, engine):
                 break
         assert bar.has_class("-active")
         assert bar.label.startswith("prefill 0/")
+        # the first chunk is running: an indeterminate bar, not one stuck at 0%
+        assert bar.label.endswith("first chunk running")
+        assert bar.query_one(ProgressBar).total is None
         engine.prefill_gate.set()
         await settle(pilot)
         assert not bar.has_class("-active")

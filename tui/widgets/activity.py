@@ -38,8 +38,16 @@ class ActivityBar(Horizontal):
         self.query_one(ProgressBar).update(total=max(total, 1), progress=min(done, max(total, 1)))
 
     def show_prefill(self, done: int, total: int, tps: float) -> None:
+        """Prefill progress after each chunk; while the first chunk runs (``done`` 0, up
+        to ``prefill_chunk`` tokens in one step) the bar is indeterminate, not stuck at 0%."""
         rate = f" · {tps:.0f} tok/s" if tps else ""
-        self._show(f"prefill {fmt_count(done)}/{fmt_count(total)} tokens{rate}", done, total)
+        label = f"prefill {fmt_count(done)}/{fmt_count(total)} tokens{rate}"
+        if done <= 0:
+            self.add_class("-active")
+            self.query_one("#activity-label", Static).update(f"{label} · first chunk running")
+            self.query_one(ProgressBar).update(total=None)
+            return
+        self._show(label, done, total)
 
     def show_loading(self, model: str, done: int, total: int, note: str) -> None:
         """Model load progress; before the first step is done (a long GGUF assembly
