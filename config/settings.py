@@ -72,11 +72,10 @@ class Settings:
     chunk_attention: int | None = None
     # bit-identical to a cold run on every model: chunks end at message ends and N-1,
     # restores only there. Off: models without recurrent state fold the last prompt token
-    # into the last chunk (one forward fewer a turn) and restore the exact common prefix;
-    # outputs equal a cold run's within float rounding (docs/DESIGN.md §7). None (auto):
-    # off on a GPU, where every forward has a fixed floor; on on the CPU, where the folded
-    # chunk's extra work (its last layer for every token) outweighs the saved forward
-    bitwise: bool | None = None
+    # into the last chunk (one forward fewer a turn; on the CPU only for short last
+    # chunks) and restore the exact common prefix; outputs equal a cold run's within
+    # float rounding (docs/DESIGN.md §7)
+    bitwise: bool = False
     # per request, read the SSD tier or compute its tokens again, whichever the measured
     # disk and prefill rates say is faster (core/cache/rates.py); off: always read it
     choose_recompute: bool = True
@@ -168,12 +167,6 @@ def _to_bool(v: Any) -> bool:
     if isinstance(v, str) and v.strip().lower() in _TRUE | _FALSE:
         return v.strip().lower() in _TRUE
     raise ValueError("must be a boolean (true/false, 1/0, yes/no, on/off)")
-
-
-def _auto_bool(v: Any) -> bool | None:
-    if v is None or (isinstance(v, str) and v.strip().lower() in ("auto", "")):
-        return None
-    return _to_bool(v)
 
 
 def _to_int(v: Any) -> int:
@@ -320,7 +313,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "block_size": _positive_int,
     "prefill_chunk": _positive_int,
     "chunk_attention": _chunk_attention,
-    "bitwise": _auto_bool,
+    "bitwise": _to_bool,
     "choose_recompute": _to_bool,
     "hot_bytes": _size,
     "ssd_bytes": _size,

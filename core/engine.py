@@ -66,6 +66,10 @@ from .device import device_info
 from .forward import last_logits_fn, logprobs_of, verify_last_logits
 
 _STOP = object()
+# the CPU's limit on a folded last chunk, per layer (docs/DESIGN.md §7): a 1-token forward of
+# demo (24 layers, float32) costs about what 20 tokens' share of a prefill does, and the
+# folded chunk's extra work is one layer of its tokens
+FOLD_TOKENS_PER_LAYER = 20
 _live_engines: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -125,6 +129,7 @@ class Engine:
         self._restored_by: dict[str, int] = {}
         self._chunk_attention = 0  # max query tokens of the plain-ops attention path
         self._last_logits = None  # set when this model's prompts use the folded schedule
+        self._fold_limit: int | None = None  # longest folded last chunk (None: any)
         self.monitor = memory_mod.MemoryMonitor(
             limit_bytes=settings.memory_limit,
             soft_fraction=settings.memory_soft_fraction,
@@ -356,12 +361,17 @@ class Engine:
             return
         self.supported, self.reason = True, ""
         self.layer_kinds = tuple(f"{lf.name}:{lf.kind}" for lf in leaves)
-        bitwise = s.bitwise if s.bitwise is not None else device_info().kind == "cpu"
-        if not bitwise and not any(lf.snapshots for lf in leaves):
+        if not s.bitwise and not any(lf.snapshots for lf in leaves):
             # models without recurrent state: the last chunk gives the first token
             fn = last_logits_fn(loaded.model)
             if fn is not None and verify_last_logits(loaded.model, fn, self._make_cache):
                 self._last_logits = fn
+        # a folded chunk also computes its last layer for every token (a prefill that
+        # ends before N skips that layer's output lazily): on the CPU, where a forward has
+        # no fixed floor to save, fold only chunks of at most FOLD_TOKENS_PER_LAYER tokens
+        # per layer (a GPU folds every last chunk)
+        cpu = device_info().kind == "cpu"
+        self._fold_limit = FOLD_TOKENS_PER_LAYER * len(leaves) if cpu else None
         if self.ranks is not None and not self.ranks.all_min(int(self._last_logits is not None))[0]:
             self._last_logits = None  # one schedule on every rank
         # probe: two tokens through a throwaway cache give every cached array's shape
@@ -522,6 +532,14 @@ class Engine:
             )
 
         ends = chunk_ends(start, points, fold_chunk)
+        limit = self._fold_limit
+        if (
+            fold_chunk
+            and limit is not None
+            and ends
+            and ends[-1] - max([start, *ends[:-1]]) > limit
+        ):
+            ends[-1] = n - 1  # too long to fold here: the last token goes to decode
         handle.chunk_ends = tuple(ends)
 
         # prefill [start, n - 1) in the schedule's chunks, one eval per chunk (the last one

@@ -147,10 +147,9 @@ def test_bench_runs_on_a_shape_model(capsys, tmp_path, models_dir, monkeypatch):
     rows = {(r["system"], r["case"]): r for r in doc["rows"]}
     assert doc["repeat"] == 2 and all(len(r["ttft_runs_s"]) == 2 for r in doc["rows"])
     # every cold run was cold, every hit a hit. tierchat's exact hit is the whole prompt
-    # (the resident cache and its kept logprobs); its nearest restore lands on the first
-    # prompt's N-1 (a schedule point of the CPU's bitwise schedule): the exact common
-    # prefix saves under a block
-    for system, exact, nearest in (("tierchat", 40, 39), ("mlx-lm LRU", 39, 40)):
+    # (the resident cache and its kept logprobs); its nearest restore lands on the exact
+    # common prefix (the folded schedule of a model without state layers)
+    for system, exact, nearest in (("tierchat", 40, 40), ("mlx-lm LRU", 39, 40)):
         assert rows[(system, "cold")]["cached_runs"] == [0, 0]
         assert rows[(system, "exact hot")]["cached_runs"] == [exact, exact]
         assert rows[(system, "nearest hot")]["cached_runs"] == [nearest, nearest]
