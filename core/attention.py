@@ -14,6 +14,15 @@ matrix fits ``max_scores`` elements; longer chunks keep cuDNN (far faster there:
 prefill takes 0.32 s with it and 1.49 s without). Same chunk shapes take the same path, so
 a cold run and a cached run of one schedule compute the same numbers.
 
+On the CPU the same path runs every attention (prefill chunks and decode steps), for
+another reason: MLX's CPU ``exp`` (inside its ``softmax`` and its SDPA fallback) is a
+scalar polynomial, and a chunk's softmax over a long context is most of a small model's
+prefill. ``libm``'s ``pow`` is faster: measured on this project's 2-core x86 machine,
+``mx.power(e, x)`` takes 2.8 ms for 500K scores against 7.1 ms for ``mx.exp(x)``, with a
+largest relative error of 1.3e-6 against float64 (``exp``'s: 1.8e-6). So the softmax
+there is ``power(e, s - max)`` normalised (:func:`pow_softmax`), when a probe at first
+use says ``pow`` is the faster of the two on this machine (:func:`pow_is_faster`).
+
 It applies only inside the ``with`` block, on the thread that runs it (the engine thread),
 so mlx-lm's own generation in the same process (the bench's baseline) runs as it ships.
 """
@@ -21,8 +30,12 @@ so mlx-lm's own generation in the same process (the bench's baseline) runs as it
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -32,12 +45,96 @@ _fast_sdpa = mx.fast.scaled_dot_product_attention
 _local = threading.local()
 
 
-def _limits() -> tuple[int, int] | None:
-    return getattr(_local, "limits", None)
+Softmax = Callable[[mx.array], mx.array]
+
+ALL_QUERIES = 1 << 30  # ``max_query`` of a plan that takes every query length
+
+
+def mlx_softmax(scores: mx.array) -> mx.array:
+    """MLX's own softmax over the last axis, computed in float32 (``precise``)."""
+    return mx.softmax(scores, axis=-1, precise=True)
+
+
+def pow_softmax(scores: mx.array) -> mx.array:
+    """Softmax over the last axis as ``e ** (s - max(s))`` normalised, in float32, returned
+    in ``scores``' dtype. The same formula as :func:`mlx_softmax` with ``libm``'s ``pow``
+    in place of MLX's ``exp`` (see the module doc); a row of all ``-inf`` gives NaN, as
+    ``mx.softmax`` does."""
+    s = scores.astype(mx.float32)
+    shifted = s - mx.max(s, axis=-1, keepdims=True)
+    p = mx.power(mx.array(math.e, dtype=mx.float32), shifted)
+    return (p / mx.sum(p, axis=-1, keepdims=True)).astype(scores.dtype)
+
+
+@functools.cache
+def pow_is_faster(elements: int = 1 << 19, repeats: int = 3) -> bool:
+    """Whether ``mx.power(e, x)`` beats ``mx.exp(x)`` on the CPU for ``elements`` float32
+    values in [-30, 0] (best of ``repeats``; about 20 ms, once per process)."""
+    with mx.stream(mx.cpu):
+        x = mx.random.uniform(-30.0, 0.0, (elements,), key=mx.random.key(0))
+        base = mx.array(math.e, dtype=mx.float32)
+        mx.eval(x, base)
+
+        def best(fn: Callable[[], mx.array]) -> float:
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                mx.eval(fn())
+                times.append(time.perf_counter() - t0)
+            return min(times)
+
+        return best(lambda: mx.power(base, x)) < best(lambda: mx.exp(x))
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Which attentions run as :func:`explicit_attention`: query lengths from
+    ``min_query`` to ``max_query`` whose score matrix has at most ``max_scores`` elements,
+    with ``softmax``. ``max_query`` 0: none (MLX's fast kernel everywhere)."""
+
+    max_query: int = 0
+    min_query: int = 2
+    max_scores: int = 1 << 28
+    softmax: Softmax = mlx_softmax
+
+    def takes(self, batch: int, heads: int, length: int, keys: int) -> bool:
+        """Whether an attention of these sizes runs as :func:`explicit_attention`."""
+        scores = batch * heads * length * keys
+        return self.min_query <= length <= self.max_query and scores <= self.max_scores
+
+
+OFF = AttentionPlan()
+
+
+def plan_attention(max_query: int | None, backend: str | None = None) -> AttentionPlan:
+    """The plan for the ``chunk_attention`` setting (``max_query``; None: auto) on
+    ``backend`` (default: this process's). CUDA: prefill chunks of 2 to ``max_query``
+    (auto 512) tokens with MLX's softmax. CPU: every attention up to ``max_query`` query
+    tokens (auto: all of them, decode steps included) with :func:`pow_softmax` where
+    :func:`pow_is_faster`. Metal: auto is off. ``max_query`` 0 is off everywhere."""
+    backend = backend or device_info().backend
+    if backend == "cpu":
+        if max_query == 0:
+            return OFF
+        softmax = pow_softmax if pow_is_faster() else mlx_softmax
+        limit = ALL_QUERIES if max_query is None else max_query
+        return AttentionPlan(max_query=limit, min_query=1, softmax=softmax)
+    if max_query is None:
+        max_query = 512 if backend == "cuda" else 0
+    return AttentionPlan(max_query=max_query) if max_query > 1 else OFF
+
+
+def _plan() -> AttentionPlan | None:
+    return getattr(_local, "plan", None)
 
 
 def explicit_attention(
-    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | str | None
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    scale: float,
+    mask: mx.array | str | None,
+    softmax: Softmax = mlx_softmax,
 ) -> mx.array:
     """``softmax(q kᵀ · scale + mask) v`` with grouped-query heads, in MLX ops.
 
@@ -45,6 +142,7 @@ def explicit_attention(
     with ``n_heads`` a multiple of ``n_kv_heads``; ``mask``: ``"causal"`` (the last ``L``
     of ``S`` positions, bottom-right aligned as in ``mx.fast.scaled_dot_product_attention``),
     an additive or boolean array broadcastable to ``(B, n_heads, L, S)``, or None.
+    ``softmax``: over the scores' last axis (:func:`mlx_softmax` or :func:`pow_softmax`).
     Returns ``(B, n_heads, L, head_dim)`` in ``q``'s dtype.
     """
     b, n_heads, length, dim = q.shape
@@ -54,8 +152,11 @@ def explicit_attention(
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"unsupported attention mask {mask!r}")
+        # an additive (L, S) mask: one add over the scores, where a select over all of
+        # them costs as much as the softmax on the CPU (same values: s + 0 = s)
         visible = mx.arange(keys - length, keys)[:, None] >= mx.arange(keys)[None]
-        scores = mx.where(visible, scores, mx.array(-mx.inf, scores.dtype))
+        zero, minus_inf = mx.array(0, scores.dtype), mx.array(-mx.inf, scores.dtype)
+        scores = scores + mx.where(visible, zero, minus_inf)
     elif mask is not None:
         if mask.ndim == 4:  # (B, 1 or n_heads, L, S) -> the grouped scores' 5 axes
             heads = (n_kv, rep) if mask.shape[1] == n_heads else (1, 1)
@@ -64,42 +165,35 @@ def explicit_attention(
             scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
         else:
             scores = scores + mask
-    weights = mx.softmax(scores, axis=-1, precise=True)
+    weights = softmax(scores)
     return (weights @ v[:, :, None]).reshape(b, n_heads, length, dim)
 
 
 def _sdpa(q, k, v, *, scale, mask=None, sinks=None, **kwargs):
-    limits = _limits()
-    if limits is not None and sinks is None and not kwargs:
-        max_query, max_scores = limits
-        length = q.shape[2]
-        scores = q.shape[0] * q.shape[1] * length * k.shape[2]
-        if 1 < length <= max_query and scores <= max_scores:
-            return explicit_attention(q, k, v, scale, mask)
+    plan = _plan()
+    if plan is not None and sinks is None and not kwargs:
+        if plan.takes(q.shape[0], q.shape[1], q.shape[2], k.shape[2]):
+            return explicit_attention(q, k, v, scale, mask, plan.softmax)
     if sinks is not None:
         kwargs["sinks"] = sinks
     return _fast_sdpa(q, k, v, scale=scale, mask=mask, **kwargs)
 
 
 @contextlib.contextmanager
-def chunk_attention(max_query: int, max_scores: int = 1 << 28) -> Iterator[None]:
-    """Within the block, on this thread, attention of chunks of 2 to ``max_query`` query
-    tokens whose score matrix has at most ``max_scores`` elements runs as
-    :func:`explicit_attention`; ``max_query`` 0 changes nothing."""
-    if max_query <= 1:
+def chunk_attention(plan: AttentionPlan | int) -> Iterator[None]:
+    """Within the block, on this thread, the attentions ``plan`` takes
+    (:meth:`AttentionPlan.takes`; an int: CUDA's plan for chunks of 2 to that many
+    tokens) run as :func:`explicit_attention`; a plan that takes none changes nothing."""
+    if isinstance(plan, int):
+        plan = AttentionPlan(max_query=plan) if plan > 1 else OFF
+    if plan.max_query < plan.min_query:
         yield
         return
     if mx.fast.scaled_dot_product_attention is not _sdpa:
         mx.fast.scaled_dot_product_attention = _sdpa  # installed once; a no-op elsewhere
-    before = _limits()
-    _local.limits = (max_query, max_scores)
+    before = _plan()
+    _local.plan = plan
     try:
         yield
     finally:
-        _local.limits = before
-
-
-def default_max_query() -> int:
-    """The ``chunk_attention`` setting's ``auto``: 512 query tokens on MLX's CUDA backend
-    (where cuDNN SDPA builds a graph per shape), 0 (off) on Metal and the CPU."""
-    return 512 if device_info().backend == "cuda" else 0
+        _local.plan = before

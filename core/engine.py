@@ -57,7 +57,7 @@ from .api import (
     TokenBatch,
     TurnMetrics,
 )
-from .attention import chunk_attention, default_max_query
+from .attention import OFF, chunk_attention, plan_attention
 from .cache import layers as L
 from .cache.prefix import PrefixCache, Restored, chunk_ends, probe_specs, schedule_points
 from .cache.rates import Rates
@@ -127,7 +127,7 @@ class Engine:
         self._in_request = False
         self._handle: RequestHandle | None = None
         self._restored_by: dict[str, int] = {}
-        self._chunk_attention = 0  # max query tokens of the plain-ops attention path
+        self._attention = OFF  # which attentions run in plain MLX ops (core/attention.py)
         self._last_logits = None  # set when this model's prompts use the folded schedule
         self._fold_limit: int | None = None  # longest folded last chunk (None: any)
         self.monitor = memory_mod.MemoryMonitor(
@@ -329,9 +329,7 @@ class Engine:
 
         s = self.settings
         self._handle = handle
-        self._chunk_attention = (
-            default_max_query() if s.chunk_attention is None else s.chunk_attention
-        )
+        self._attention = plan_attention(s.chunk_attention)
         try:
             ranks = self._join_ranks()
             self._send_to_ranks({"op": "load", "spec": spec})
@@ -361,17 +359,22 @@ class Engine:
             return
         self.supported, self.reason = True, ""
         self.layer_kinds = tuple(f"{lf.name}:{lf.kind}" for lf in leaves)
+        # on the CPU the folded chunk's last layer computes its output for the last token
+        # only (core/forward.py); not across ranks, whose pipeline stages pass whole chunks
+        cpu = device_info().kind == "cpu"
+        split = cpu and self.ranks is None
+        fn = None
         if not s.bitwise and not any(lf.snapshots for lf in leaves):
             # models without recurrent state: the last chunk gives the first token
-            fn = last_logits_fn(loaded.model)
+            fn = last_logits_fn(loaded.model, split_last_layer=split)
             if fn is not None and verify_last_logits(loaded.model, fn, self._make_cache):
                 self._last_logits = fn
-        # a folded chunk also computes its last layer for every token (a prefill that
-        # ends before N skips that layer's output lazily): on the CPU, where a forward has
-        # no fixed floor to save, fold only chunks of at most FOLD_TOKENS_PER_LAYER tokens
-        # per layer (a GPU folds every last chunk)
-        cpu = device_info().kind == "cpu"
-        self._fold_limit = FOLD_TOKENS_PER_LAYER * len(leaves) if cpu else None
+        # a folded chunk that computes its last layer for every token (a prefill that ends
+        # before N skips that layer's output lazily) costs more than it saves on the CPU,
+        # where a forward has no fixed floor: there, unless the last layer splits, fold only
+        # chunks of at most FOLD_TOKENS_PER_LAYER tokens per layer (a GPU folds every one)
+        splits = fn is not None and split and fn.splits() > 0
+        self._fold_limit = FOLD_TOKENS_PER_LAYER * len(leaves) if cpu and not splits else None
         if self.ranks is not None and not self.ranks.all_min(int(self._last_logits is not None))[0]:
             self._last_logits = None  # one schedule on every rank
         # probe: two tokens through a throwaway cache give every cached array's shape
@@ -482,7 +485,7 @@ class Engine:
             # on: no cross-stream waits between them
             with (
                 mx.stream(generation_stream),
-                chunk_attention(self._chunk_attention),
+                chunk_attention(self._attention),
                 self._watched("a request"),
             ):
                 self._generate_one(req, handle, points, chunk if fold else 0, turn)

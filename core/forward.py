@@ -14,22 +14,69 @@ of. :func:`last_logits_fn` runs the model's trunk (``model.model``) and applies 
 models differ in their heads (soft-capping, scaling), so the engine checks the result
 against the model's own forward once at load (:func:`verify_last_logits`) and folds only
 where they agree.
+
+A folded chunk computes its last layer for every token, where a prefill that ends before N
+skips that layer's output lazily (only its K/V are needed). On a GPU that is a small part
+of a chunk; on the CPU, where the attention over a long context is most of a small
+model's chunk, it doubled a 2-layer model's chunk. With ``split_last_layer`` the last
+layer runs twice inside the one graph: on the chunk's first ``L - 1`` tokens (its output
+unused, so MLX computes only their K/V) and on the last token, which attends to all of
+them: the last layer's attention and MLP for one position only, every other layer once
+for the whole chunk (:class:`_SplitLastLayer`). It applies where the last layer's cache is
+a plain ``KVCache`` and its mask is causal; elsewhere that layer runs whole.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 LastLogits = Callable[[mx.array, list[Any]], mx.array]
 
 
-def last_logits_fn(model: Any) -> LastLogits | None:
+class _SplitLastLayer:
+    """Stands in for a trunk's last layer during one call: runs it on the first ``L - 1``
+    positions (output unused: only their K/V are computed) and then on the last position,
+    returning ``(B, 1, D)``. ``split`` counts the calls it split (0: it ran whole, e.g. a
+    window cache or an array mask)."""
+
+    def __init__(self, layer: Any) -> None:
+        self.layer = layer
+        self.signature = inspect.signature(layer.__call__)
+        self.split = 0
+
+    def __getattr__(self, name: str) -> Any:  # a trunk that reads its layers' attributes
+        return getattr(self.layer, name)
+
+    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        try:
+            bound = self.signature.bind(x, *args, **kwargs)
+        except TypeError:
+            return self.layer(x, *args, **kwargs)
+        mask = bound.arguments.get("mask")
+        cache = bound.arguments.get("cache")
+        n = x.shape[1]
+        if n < 2 or type(cache) not in (KVCache, QuantizedKVCache) or mask not in ("causal", None):
+            return self.layer(x, *args, **kwargs)
+        head = dict(bound.arguments)
+        head.update(x=x[:, :-1], mask="causal" if n > 2 else None)
+        last = dict(bound.arguments)
+        last.update(x=x[:, -1:], mask=None)
+        self.layer(**head)  # K/V of the first n - 1 positions go into the cache (lazily)
+        self.split += 1
+        return self.layer(**last)
+
+
+def last_logits_fn(model: Any, split_last_layer: bool = False) -> LastLogits | None:
     """``f(tokens, cache) -> logits`` of the last position, shape ``(1, vocab)``, for
     ``tokens`` of shape ``(1, L)``, updating ``cache`` as ``model(tokens, cache)`` does;
-    None when the model does not have the usual trunk + head layout."""
+    None when the model does not have the usual trunk + head layout. With
+    ``split_last_layer`` the trunk's last layer computes its output for the last position
+    only (module doc); ``f.splits()`` says how many calls did."""
     trunk = getattr(model, "model", None)
     if trunk is None or not callable(trunk):
         return None
@@ -41,11 +88,26 @@ def last_logits_fn(model: Any) -> LastLogits | None:
         head = getattr(embed, "as_linear", None)
     if head is None:
         return None
+    layers = getattr(trunk, "layers", None)
+    if not isinstance(layers, list) or not layers:
+        split_last_layer = False
+    counted = [0]
 
     def last_logits(tokens: mx.array, cache: list[Any]) -> mx.array:
-        hidden = trunk(tokens, cache=cache)
+        if split_last_layer and tokens.shape[1] > 1:
+            original = layers[-1]
+            proxy = _SplitLastLayer(original)
+            layers[-1] = proxy
+            try:
+                hidden = trunk(tokens, cache=cache)
+            finally:
+                layers[-1] = original
+            counted[0] += proxy.split
+        else:
+            hidden = trunk(tokens, cache=cache)
         return head(hidden[:, -1:, :])[:, -1, :]
 
+    last_logits.splits = lambda: counted[0]  # type: ignore[attr-defined]
     return last_logits
 
 

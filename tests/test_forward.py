@@ -8,7 +8,17 @@ import threading
 import mlx.core as mx
 import pytest
 from engine_kit import assert_same, generate, make_engine, random_prompt
-from tierchat.core.attention import _fast_sdpa, chunk_attention, explicit_attention
+from mlx.utils import tree_flatten
+from tierchat.core.attention import (
+    ALL_QUERIES,
+    OFF,
+    _fast_sdpa,
+    chunk_attention,
+    explicit_attention,
+    mlx_softmax,
+    plan_attention,
+    pow_softmax,
+)
 from tierchat.core.forward import last_logits_fn, verify_last_logits
 from tierchat.core.tiny import TINY_ARCHS
 
@@ -67,8 +77,91 @@ def test_a_head_that_differs_is_not_folded(tmp_path, models_dir):
         engine.close()
 
 
+KV_ARCHS = [a for a in TINY_ARCHS if a not in STATE_ARCHS]
+
+
+@pytest.mark.parametrize("arch", KV_ARCHS)
+def test_split_last_layer_equals_the_models_own_forward(tmp_path, models_dir, arch):
+    """The last layer run on L-1 tokens and then on the last one gives the model's own
+    last-position logits and the same cache, on a fresh cache and after a prefix; it
+    splits where that layer has a plain KV cache (a rotating window runs whole)."""
+    engine = make_engine(f"tiny:{arch}", tmp_path, models_dir, bitwise=False)
+    try:
+        model = engine.loaded.model
+        split = last_logits_fn(model, split_last_layer=True)
+        assert split is not None
+        tokens = mx.array([random_prompt(40, seed=3)])
+        for prefix in (0, 17):
+            want_cache, got_cache = engine._make_cache(), engine._make_cache()
+            if prefix:
+                for c in (want_cache, got_cache):
+                    model(tokens[:, :prefix], cache=c)
+            want = model(tokens[:, prefix:], cache=want_cache)[:, -1, :]
+            got = split(tokens[:, prefix:], got_cache)
+            assert float(mx.abs(got - want).max()) < 1e-5
+            for a, b in zip(want_cache, got_cache, strict=True):
+                assert a.offset == b.offset
+                arrays = [
+                    (x, y)
+                    for (_, x), (_, y) in zip(
+                        tree_flatten(a.state), tree_flatten(b.state), strict=True
+                    )
+                    if isinstance(x, mx.array)
+                ]
+                assert arrays
+                for x, y in arrays:
+                    assert x.shape == y.shape and float(mx.abs(x - y).max()) < 1e-5
+        windowed = type(engine._make_cache()[-1]).__name__ == "RotatingKVCache"
+        assert split.splits() == (0 if windowed else 2)
+    finally:
+        engine.close()
+
+
+def test_a_split_last_layer_folds_long_last_chunks_on_the_cpu(tmp_path, models_dir):
+    """On the CPU a model whose last layer splits folds a last chunk of any length (one
+    forward to N); one whose last layer is a rotating window folds only short ones."""
+    prompt = random_prompt(90, seed=5)
+    for arch, ends in (("qwen2", (90,)), ("llama_sliding", (89,))):
+        engine = make_engine(f"tiny:{arch}", tmp_path / arch, models_dir, bitwise=False)
+        cold = make_engine(
+            f"tiny:{arch}", tmp_path / f"{arch}-cold", models_dir, bitwise=True, no_cache=True
+        )
+        try:
+            a, ha = generate(cold, prompt, max_tokens=4)
+            b, hb = generate(engine, prompt, max_tokens=4)
+            assert_same(a, ha, b, hb)
+            assert hb.chunk_ends == ends
+        finally:
+            engine.close()
+            cold.close()
+
+
+def test_pow_softmax_equals_mlx_softmax():
+    mx.random.seed(1)
+    scores = mx.random.normal((2, 3, 7, 50)) * 10
+    scores = scores + mx.where(mx.random.uniform(shape=(7, 50)) > 0.8, -mx.inf, 0.0)
+    want, got = mlx_softmax(scores), pow_softmax(scores)
+    assert float(mx.abs(got - want).max()) < 1e-6
+    assert float(mx.abs(got.sum(-1) - 1).max()) < 1e-5
+    half = pow_softmax(scores.astype(mx.bfloat16))
+    assert half.dtype == mx.bfloat16
+
+
+def test_attention_plans():
+    cpu = plan_attention(None, "cpu")
+    assert cpu.takes(1, 4, 1, 100) and cpu.takes(1, 4, 4096, 4096)  # decode and prefill
+    assert cpu.max_query == ALL_QUERIES and cpu.softmax in (pow_softmax, mlx_softmax)
+    assert plan_attention(0, "cpu") is OFF and not OFF.takes(1, 4, 8, 8)
+    cuda = plan_attention(None, "cuda")
+    assert cuda.softmax is mlx_softmax and cuda.takes(1, 4, 512, 4096)
+    assert not cuda.takes(1, 4, 1, 4096) and not cuda.takes(1, 4, 513, 4096)
+    assert plan_attention(None, "metal") is OFF
+    assert plan_attention(64, "metal").max_query == 64
+
+
+@pytest.mark.parametrize("softmax", [mlx_softmax, pow_softmax])
 @pytest.mark.parametrize("mask", ["causal", None, "array", "bool"])
-def test_explicit_attention_equals_mlx_sdpa(mask):
+def test_explicit_attention_equals_mlx_sdpa(mask, softmax):
     mx.random.seed(0)
     q = mx.random.normal((1, 8, 5, 16))
     k = mx.random.normal((1, 2, 20, 16))
@@ -78,7 +171,7 @@ def test_explicit_attention_equals_mlx_sdpa(mask):
         "bool": mx.random.uniform(shape=(1, 1, 5, 20)) > 0.3,
     }.get(mask, mask)
     want = _fast_sdpa(q, k, v, scale=0.25, mask=m)
-    got = explicit_attention(q, k, v, 0.25, m)
+    got = explicit_attention(q, k, v, 0.25, m, softmax)
     assert float(mx.abs(want - got).max()) < 1e-5
 
 
