@@ -66,14 +66,15 @@ class Settings:
     data_dir: Path = field(default_factory=user_data_dir)
     block_size: int = 256
     prefill_chunk: int = 2048
-    # prefill chunks of at most this many tokens compute attention with plain MLX ops
-    # instead of cuDNN SDPA, which builds a graph per new length (core/attention.py);
-    # None: auto (512 on CUDA, off on Metal and the CPU); 0: off
+    # attentions of at most this many query tokens run in plain MLX ops
+    # (core/attention.py): on CUDA prefill chunks, instead of cuDNN SDPA, which builds a
+    # graph per new length; on the CPU every attention, with a softmax through pow;
+    # None: auto (512 on CUDA, all on the CPU, off on Metal); 0: off
     chunk_attention: int | None = None
     # bit-identical to a cold run on every model: chunks end at message ends and N-1,
     # restores only there. Off: models without recurrent state fold the last prompt token
-    # into the last chunk (one forward fewer a turn; on the CPU only for short last
-    # chunks) and restore the exact common prefix; outputs equal a cold run's within
+    # into the last chunk (one forward fewer a turn; on the CPU its last layer runs the
+    # last token only) and restore the exact common prefix; outputs equal a cold run's within
     # float rounding (docs/DESIGN.md §7)
     bitwise: bool = False
     # per request, read the SSD tier or compute its tokens again, whichever the measured
