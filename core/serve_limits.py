@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from tierchat.core.serve_prompts import APIError
+from .serve_prompts import APIError
 
 MAX_INT_DIGITS = 20  # a 64-bit seed has 20 digits; more is never a real parameter
 MAX_DEPTH = 64  # JSON nesting: a chat body is 5 deep
