@@ -31,7 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from tierchat.core.api import plain
+from .api import plain
 
 STATUS_FILE = "live-status.json"
 REQUESTS_DIR = "live-requests"
@@ -278,6 +278,6 @@ def owner_message(cache_dir: Path) -> str | None:
 
 
 def _dir_owner(cache_dir: Path) -> dict[str, Any] | None:
-    from tierchat.core.cache.dir_lock import dir_owner
+    from .cache.dir_lock import dir_owner
 
     return dir_owner(cache_dir)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from tierchat.core.serve_prompts import APIError
+from .serve_prompts import APIError
 
 MAX_INT_DIGITS = 20  # a 64-bit seed has 20 digits; more is never a real parameter
 MAX_DEPTH = 64  # JSON nesting: a chat body is 5 deep
@@ -269,6 +269,16 @@ def context_length(engine: Any) -> int | None:
     return _config_int(engine, ("max_position_embeddings", "max_seq_len", "n_ctx"))
 
 
+# The count flags of ServeLimits: (field, help with ``{}`` for the default). The flag is
+# the field's name with dashes (``--max-body-bytes``); one table for the parser and
+# limits_from_args.
+_COUNT_FLAGS = (
+    ("max_body_bytes", "refuse larger request bodies with 413 (default {})"),
+    ("max_messages", "refuse chats of more messages (default {})"),
+    ("max_connections", "open connections at most (default {}; past it: closed, 503)"),
+)
+
+
 def add_limit_flags(parser: Any) -> None:
     """The ``tierchat serve`` flags of :class:`ServeLimits` (and the shutdown bound)."""
     d = ServeLimits()
@@ -286,27 +296,15 @@ def add_limit_flags(parser: Any) -> None:
         metavar="ORIGIN",
         help="let web pages from ORIGIN (scheme://host[:port], or *) call the server",
     )
-    parser.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=d.max_body_bytes,
-        metavar="N",
-        help=f"refuse larger request bodies with 413 (default {d.max_body_bytes})",
-    )
-    parser.add_argument(
-        "--max-messages",
-        type=int,
-        default=d.max_messages,
-        metavar="N",
-        help=f"refuse chats of more messages (default {d.max_messages})",
-    )
-    parser.add_argument(
-        "--max-connections",
-        type=int,
-        default=d.max_connections,
-        metavar="N",
-        help=f"open connections at most (default {d.max_connections}; past it: closed, 503)",
-    )
+    for name, help_text in _COUNT_FLAGS:
+        default = getattr(d, name)
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            type=int,
+            default=default,
+            metavar="N",
+            help=help_text.format(default),
+        )
     parser.add_argument(
         "--shutdown-s",
         type=float,
@@ -320,9 +318,7 @@ def limits_from_args(args: Any) -> ServeLimits:
     """:class:`ServeLimits` from the flags of :func:`add_limit_flags`."""
     d = ServeLimits()
     return ServeLimits(
-        max_body_bytes=getattr(args, "max_body_bytes", d.max_body_bytes),
-        max_messages=getattr(args, "max_messages", d.max_messages),
-        max_connections=getattr(args, "max_connections", d.max_connections),
+        **{name: getattr(args, name, getattr(d, name)) for name, _ in _COUNT_FLAGS},
         allowed_hosts=tuple(getattr(args, "allowed_host", ()) or ()),
         allowed_origins=tuple(getattr(args, "allowed_origin", ()) or ()),
     )

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tierchat.core.api import Tokenizer
-from tierchat.core.prompts import Prompt, PromptBuilder
+from .api import Tokenizer
+from .prompts import Prompt, PromptBuilder
 
 THINK_END = "</think>"
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}

@@ -35,7 +35,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from tierchat.core.api import (
+from .api import (
     EngineLike,
     Event,
     EventCallback,
@@ -44,8 +44,8 @@ from tierchat.core.api import (
     GenerateRequest,
     RequestHandle,
 )
-from tierchat.core.conversation import ConversationStore, Node, PathEntry
-from tierchat.core.prompts import Prompt, PromptBuilder
+from .conversation import ConversationStore, Node, PathEntry
+from .prompts import Prompt, PromptBuilder
 
 
 class SessionError(Exception):

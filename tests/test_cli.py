@@ -269,3 +269,31 @@ def test_bench_tiny(capsys, tiny, tmp_path):
 def test_bench_bad_lengths(capsys, tiny):
     code, _, err = run(capsys, ["bench", *tiny, "--lengths", "512,x"])
     assert code == 2 and err.startswith("error: --lengths")
+
+
+def test_serve_limit_flags_fill_serve_limits(capsys):
+    """Each ``serve`` limit flag reaches its :class:`ServeLimits` field, and ``--help``
+    names every one with its default."""
+    from tierchat.cli.main import build_parser
+    from tierchat.core.serve_limits import ServeLimits, limits_from_args
+
+    parser = build_parser()
+    assert limits_from_args(parser.parse_args(["serve"])) == ServeLimits()
+    argv = ["serve", "--max-body-bytes", "9", "--max-messages", "3", "--max-connections", "2"]
+    argv += ["--allowed-host", "a", "--allowed-host", "b", "--allowed-origin", "*"]
+    assert limits_from_args(parser.parse_args(argv)) == ServeLimits(
+        max_body_bytes=9,
+        max_messages=3,
+        max_connections=2,
+        allowed_hosts=("a", "b"),
+        allowed_origins=("*",),
+    )
+    assert main(["serve", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    d = ServeLimits()
+    for text in (
+        f"--max-body-bytes N refuse larger request bodies with 413 (default {d.max_body_bytes})",
+        f"--max-messages N refuse chats of more messages (default {d.max_messages})",
+        f"--max-connections N open connections at most (default {d.max_connections}; past it:",
+    ):
+        assert text in out

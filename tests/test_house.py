@@ -1,4 +1,4 @@
-"""House rules over the source tree: design pointers resolve, one import style in cli/.
+"""House rules over the source tree: design pointers resolve, one import style per package.
 
 Reads the repository's files as text (no imports of the modules), so it runs in well
 under a second.
@@ -58,8 +58,8 @@ def test_no_pointer_to_a_file_outside_the_repo():
 
 
 def test_cli_tui_and_config_import_absolutely():
-    """``from tierchat.x import ...``, never ``from .x`` (one style; core/ is not held to it
-    yet)."""
+    """``from tierchat.x import ...``, never ``from .x`` (one style; core/ has its own,
+    below)."""
     relative = []
     for d in ("cli", "tui", "config"):
         for path in sorted((ROOT / d).rglob("*.py")):
@@ -67,6 +67,23 @@ def test_cli_tui_and_config_import_absolutely():
                 if isinstance(node, ast.ImportFrom) and node.level:
                     relative.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not relative, relative
+
+
+def test_core_imports_relatively():
+    """core/ imports its own modules one way, relatively (``from .api import ...``,
+    ``from ..config.settings import ...``): never ``tierchat.`` by name."""
+    absolute = []
+    for path in sorted((ROOT / "core").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            if any(n == "tierchat" or n.startswith("tierchat.") for n in names):
+                absolute.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not absolute, absolute
 
 
 def test_one_home_for_size_count_and_duration_formatters():

@@ -15,8 +15,9 @@ store work is in core (``ConversationStore.search``/``delete_message``/
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from textual import on
 from textual.app import SuspendNotSupported
@@ -37,6 +38,8 @@ from tierchat.tui.widgets.transcript import MessageView, Transcript
 
 if TYPE_CHECKING:
     from tierchat.tui.screens.chat import ChatScreen
+
+_T = TypeVar("_T")
 
 ROLE_NAMES = {"user": "your", "assistant": "the assistant's", "system": "the system"}
 
@@ -153,16 +156,26 @@ class ChatTools(Screen):
 
     # ------------------------------------------------------------------ one message
 
-    def action_raw_message(self) -> None:
+    def _ask_about_target(
+        self, failed: str, ask: Callable[[Any, int], _T]
+    ) -> tuple[MessageView, _T] | None:
+        """The message under the cursor and ``ask(store, node_id)`` for it, through
+        ``attempt`` (``failed`` titles its error notification); None when there is no
+        message there, or the store failed or answered None."""
         target = self._message_target()
         if target is None:
+            return None
+        store, node_id = self.chat.tierchat.store, target.info.node_id
+        ok, answer = self.chat.attempt(failed, lambda: ask(store, node_id))
+        if not ok or answer is None:
+            return None
+        return target, answer
+
+    def action_raw_message(self) -> None:
+        asked = self._ask_about_target("Cannot read the message", lambda s, i: s.get_node(i))
+        if asked is None:
             return
-        node_id = target.info.node_id
-        ok, node = self.chat.attempt(
-            "Cannot read the message", lambda: self.chat.tierchat.store.get_node(node_id)
-        )
-        if not ok or node is None:
-            return
+        _target, node = asked
         title = f"Raw text · {ROLE_NAMES.get(node.role, node.role)} message"
         self.app.push_screen(RawMessageScreen(node.content, title))
 
@@ -193,15 +206,11 @@ class ChatTools(Screen):
 
     def action_delete_message(self) -> None:
         """Delete the message under the cursor; what follows it moves up (confirmed)."""
-        target = self._message_target()
-        if target is None:
+        asked = self._ask_about_target("Cannot delete", lambda s, i: s.children(i))
+        if asked is None:
             return
-        node_id = target.info.node_id
-        chat = self.chat
-        store = chat.tierchat.store
-        ok, kids = chat.attempt("Cannot delete", lambda: store.children(node_id))
-        if not ok or kids is None:
-            return
+        target, kids = asked
+        store, node_id = self.chat.tierchat.store, target.info.node_id
         if len(kids) > 1:
             self.notify(
                 f"This message has {len(kids)} branches after it. Delete a branch with "
@@ -222,26 +231,17 @@ class ChatTools(Screen):
                 body += " Two messages of one role will then follow each other."
         else:
             body = f"{who.capitalize()} message is deleted (it is the last of its branch)."
-
-        async def done(confirmed: bool | None) -> None:
-            if confirmed:
-                ok, _ = chat.attempt("Delete failed", lambda: store.delete_message(node_id))
-                if ok:
-                    await self._after_delete("Deleted the message.")
-
-        self.app.push_screen(ConfirmScreen("Delete message?", body, confirm_label="Delete"), done)
+        self._confirm_delete(
+            "Delete message?", body, lambda: store.delete_message(node_id), "Deleted the message."
+        )
 
     def action_delete_branch(self) -> None:
         """Delete the message under the cursor and everything after it (confirmed)."""
-        target = self._message_target()
-        if target is None:
+        asked = self._ask_about_target("Cannot delete", lambda s, i: s.subtree_size(i))
+        if asked is None:
             return
-        node_id = target.info.node_id
-        chat = self.chat
-        store = chat.tierchat.store
-        ok, size = chat.attempt("Cannot delete", lambda: store.subtree_size(node_id))
-        if not ok or size is None:
-            return
+        target, size = asked
+        store, node_id = self.chat.tierchat.store, target.info.node_id
         who = ROLE_NAMES.get(target.info.role, target.info.role)
         after = size - 1
         body = (
@@ -250,14 +250,21 @@ class ChatTools(Screen):
             if after
             else f"{who.capitalize()} message is deleted (nothing follows it)."
         )
+        note = f"Deleted {size} message{'s' if size != 1 else ''}."
+        self._confirm_delete("Delete branch?", body, lambda: store.delete_subtree(node_id), note)
+
+    def _confirm_delete(self, title: str, body: str, delete: Callable[[], Any], note: str) -> None:
+        """Ask ``title``/``body`` in a :class:`ConfirmScreen`; on Delete, run ``delete()``
+        through ``attempt`` ("Delete failed" on error) and refresh the chat, notifying
+        ``note``."""
 
         async def done(confirmed: bool | None) -> None:
             if confirmed:
-                ok, _ = chat.attempt("Delete failed", lambda: store.delete_subtree(node_id))
+                ok, _ = self.chat.attempt("Delete failed", delete)
                 if ok:
-                    await self._after_delete(f"Deleted {size} message{'s' if size != 1 else ''}.")
+                    await self._after_delete(note)
 
-        self.app.push_screen(ConfirmScreen("Delete branch?", body, confirm_label="Delete"), done)
+        self.app.push_screen(ConfirmScreen(title, body, confirm_label="Delete"), done)
 
     async def _after_delete(self, note: str) -> None:
         chat = self.chat
