@@ -139,11 +139,12 @@ def explicit_attention(
     """``softmax(q kᵀ · scale + mask) v`` with grouped-query heads, in MLX ops.
 
     ``q``: ``(B, n_heads, L, head_dim)``; ``k``, ``v``: ``(B, n_kv_heads, S, head_dim)``
-    with ``n_heads`` a multiple of ``n_kv_heads``; ``mask``: ``"causal"`` (the last ``L``
+    with ``n_heads`` a multiple of ``n_kv_heads`` (``v``'s head size may differ from
+    ``q``'s and ``k``'s, as in DeepSeek-V2's attention); ``mask``: ``"causal"`` (the last ``L``
     of ``S`` positions, bottom-right aligned as in ``mx.fast.scaled_dot_product_attention``),
     an additive or boolean array broadcastable to ``(B, n_heads, L, S)``, or None.
     ``softmax``: over the scores' last axis (:func:`mlx_softmax` or :func:`pow_softmax`).
-    Returns ``(B, n_heads, L, head_dim)`` in ``q``'s dtype.
+    Returns ``(B, n_heads, L, v_head_dim)`` in ``q``'s dtype.
     """
     b, n_heads, length, dim = q.shape
     n_kv, keys = k.shape[1], k.shape[2]
@@ -166,7 +167,7 @@ def explicit_attention(
         else:
             scores = scores + mask
     weights = softmax(scores)
-    return (weights @ v[:, :, None]).reshape(b, n_heads, length, dim)
+    return (weights @ v[:, :, None]).reshape(b, n_heads, length, v.shape[-1])
 
 
 def _sdpa(q, k, v, *, scale, mask=None, sinks=None, **kwargs):

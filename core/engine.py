@@ -56,7 +56,7 @@ from .api import (
     TokenBatch,
     TurnMetrics,
 )
-from .attention import OFF, chunk_attention, plan_attention
+from .attention import OFF, chunk_attention, mlx_softmax, plan_attention, pow_softmax
 from .cache import layers as L
 from .cache.prefix import PrefixCache, chunk_ends, probe_specs, schedule_points
 from .cache.rates import Rates
@@ -363,27 +363,36 @@ class Engine(RankSeams):
         # on the CPU the folded chunk's last layer computes its output for the last token
         # only (core/forward.py); not across ranks, whose pipeline stages pass whole chunks
         cpu = device_info().kind == "cpu"
-        split = cpu and self.ranks is None
-        fn = None
+        splits = False  # the folded chunk's last layer runs the last token only
         if not s.bitwise and not any(lf.snapshots for lf in leaves):
-            # models without recurrent state: the last chunk gives the first token
-            fn = last_logits_fn(loaded.model, split_last_layer=split)
-            if fn is not None and verify_last_logits(loaded.model, fn, self._make_cache):
-                self._last_logits = fn
+            # models without recurrent state: the last chunk gives the first token (with
+            # its last layer split where that checks out, else whole)
+            for split in (True, False) if cpu and self.ranks is None else (False,):
+                fn = last_logits_fn(loaded.model, split_last_layer=split)
+                if fn is not None and verify_last_logits(loaded.model, fn, self._make_cache):
+                    self._last_logits, splits = fn, split and fn.splits() > 0
+                    break
         # a folded chunk that computes its last layer for every token (a prefill that ends
         # before N skips that layer's output lazily) costs more than it saves on the CPU,
         # where a forward has no fixed floor: there, unless the last layer splits, fold only
         # chunks of at most FOLD_TOKENS_PER_LAYER tokens per layer (a GPU folds every one)
-        splits = fn is not None and split and fn.splits() > 0
         self._fold_limit = FOLD_TOKENS_PER_LAYER * len(leaves) if cpu and not splits else None
-        if self.ranks is not None and not self.ranks.all_min(int(self._last_logits is not None))[0]:
-            self._last_logits = None  # one schedule on every rank
+        if self.ranks is not None:
+            # one schedule and one softmax on every rank (pow_is_faster is timed per process)
+            pow_ = self._attention.softmax is pow_softmax
+            fold, pow_ = self.ranks.all_min([int(self._last_logits is not None), int(pow_)])
+            if not fold:
+                self._last_logits = None
+            if not pow_:
+                self._attention = dataclasses.replace(self._attention, softmax=mlx_softmax)
         # probe: two tokens through a throwaway cache give every cached array's shape
         loaded.model(mx.array([[0, 0]]), cache=caches)
         mx.eval([c.state for c in caches])
         spec_shapes = probe_specs(leaves, caches)
         if not s.no_cache:
             kv = f"{loaded.fingerprint}/kv{s.kv_bits}g{s.kv_group_size}"
+            if self._attention.softmax is pow_softmax:  # entries of one softmax only
+                kv += "/pow-softmax"
             fingerprint = hashlib.sha256(kv.encode()).hexdigest()
             self.cache = PrefixCache(
                 fingerprint=fingerprint,

@@ -22,8 +22,9 @@ model's chunk, it doubled a 2-layer model's chunk. With ``split_last_layer`` the
 layer runs twice inside the one graph: on the chunk's first ``L - 1`` tokens (its output
 unused, so MLX computes only their K/V) and on the last token, which attends to all of
 them: the last layer's attention and MLP for one position only, every other layer once
-for the whole chunk (:class:`_SplitLastLayer`). It applies where the last layer's cache is
-a plain ``KVCache`` and its mask is causal; elsewhere that layer runs whole.
+for the whole chunk (:class:`_SplitLastLayer`). It applies where the last layer takes only
+the hidden states, a causal mask and a plain ``KVCache``, and its RoPE does not depend on
+the call's length; elsewhere that layer runs whole.
 """
 
 from __future__ import annotations
@@ -38,11 +39,25 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 LastLogits = Callable[[mx.array, list[Any]], mx.array]
 
 
+def _causal(mask: Any) -> bool:
+    return mask is None or (isinstance(mask, str) and mask == "causal")
+
+
+def _position_dependent_rope(layer: Any) -> bool:
+    """Whether ``layer`` holds a RoPE whose frequencies depend on the call's length
+    (mlx-lm's ``DynamicNTKScalingRoPE`` and the copies named alike): the split's two calls
+    would rotate its keys with other bases than one call does."""
+    modules = getattr(layer, "modules", None)
+    return callable(modules) and any("Dynamic" in type(m).__name__ for m in modules())
+
+
 class _SplitLastLayer:
     """Stands in for a trunk's last layer during one call: runs it on the first ``L - 1``
     positions (output unused: only their K/V are computed) and then on the last position,
-    returning ``(B, 1, D)``. ``split`` counts the calls it split (0: it ran whole, e.g. a
-    window cache or an array mask)."""
+    returning ``(B, 1, D)``. ``split`` counts the calls it split; it runs the layer whole
+    (once, as the trunk called it) unless the call has only the hidden states, a causal
+    mask (or none) and a plain ``KVCache`` (or ``QuantizedKVCache``): other per-token
+    arguments, array masks and window caches are not cut."""
 
     def __init__(self, layer: Any) -> None:
         self.layer = layer
@@ -57,17 +72,24 @@ class _SplitLastLayer:
             bound = self.signature.bind(x, *args, **kwargs)
         except TypeError:
             return self.layer(x, *args, **kwargs)
-        mask = bound.arguments.get("mask")
-        cache = bound.arguments.get("cache")
+        first = next(iter(bound.arguments))  # the hidden states, whatever their name
+        given = set(bound.arguments)
         n = x.shape[1]
-        if n < 2 or type(cache) not in (KVCache, QuantizedKVCache) or mask not in ("causal", None):
+        if (
+            n < 2
+            or not given <= {first, "mask", "cache"}
+            or not _causal(bound.arguments.get("mask"))
+            or type(bound.arguments.get("cache")) not in (KVCache, QuantizedKVCache)
+        ):
             return self.layer(x, *args, **kwargs)
-        head = dict(bound.arguments)
-        head.update(x=x[:, :-1], mask="causal" if n > 2 else None)
-        last = dict(bound.arguments)
-        last.update(x=x[:, -1:], mask=None)
-        self.layer(**head)  # K/V of the first n - 1 positions go into the cache (lazily)
-        self.split += 1
+        cache = bound.arguments["cache"]
+        takes_mask = "mask" in self.signature.parameters
+        head = {first: x[:, :-1], "cache": cache}
+        last = {first: x[:, -1:], "cache": cache}
+        if takes_mask:
+            head["mask"], last["mask"] = ("causal" if n > 2 else None), None
+        self.layer(**head)
+        self.split += 1  # the first n - 1 positions' K/V are in the cache (lazily)
         return self.layer(**last)
 
 
@@ -89,7 +111,7 @@ def last_logits_fn(model: Any, split_last_layer: bool = False) -> LastLogits | N
     if head is None:
         return None
     layers = getattr(trunk, "layers", None)
-    if not isinstance(layers, list) or not layers:
+    if not isinstance(layers, list) or not layers or _position_dependent_rope(layers[-1]):
         split_last_layer = False
     counted = [0]
 

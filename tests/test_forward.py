@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from engine_kit import assert_same, generate, make_engine, random_prompt
@@ -118,6 +119,50 @@ def test_split_last_layer_equals_the_models_own_forward(tmp_path, models_dir, ar
         engine.close()
 
 
+class _Layer:
+    """A stand-in last layer: records the calls it gets and writes one K per position."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, x, mask=None, cache=None):
+        self.calls.append((x.shape[1], mask))
+        cache.update_and_fetch(x[:, None], x[:, None])
+        return x
+
+
+def test_the_split_cuts_only_a_causal_kv_call():
+    """The proxy splits a call of hidden states, a causal mask (or none) and a plain
+    KVCache; an array mask, another argument, a window cache or a layer with a
+    length-dependent RoPE run whole, once."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+    from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
+    from tierchat.core.forward import _position_dependent_rope, _SplitLastLayer
+
+    x = mx.zeros((1, 5, 4))
+    layer = _Layer()
+    split = _SplitLastLayer(layer)
+    out = split(x, "causal", KVCache())
+    assert out.shape == (1, 1, 4) and layer.calls == [(4, "causal"), (1, None)]
+    assert split.split == 1
+    for args, kwargs in (
+        ((mx.zeros((5, 5)), KVCache()), {}),  # an array mask
+        (("causal", RotatingKVCache(max_size=8)), {}),  # a window
+        (("causal", KVCache()), {"attn_scale": mx.ones((5, 1))}),  # a per-token argument
+    ):
+        layer = _Layer()
+
+        def call(x, mask=None, cache=None, attn_scale=None, layer=layer):
+            layer.calls.append((x.shape[1], mask if isinstance(mask, str) else "array"))
+            return x
+
+        out = _SplitLastLayer(call)(x, *args, **kwargs)
+        assert out.shape == (1, 5, 4) and len(layer.calls) == 1
+    block = nn.Module()
+    block.rope = DynamicNTKScalingRoPE(8, 16, traditional=False, base=10000.0, factor=4.0)
+    assert _position_dependent_rope(block) and not _position_dependent_rope(nn.Linear(2, 2))
+
+
 def test_a_split_last_layer_folds_long_last_chunks_on_the_cpu(tmp_path, models_dir):
     """On the CPU a model whose last layer splits folds a last chunk of any length (one
     forward to N); one whose last layer is a rotating window folds only short ones."""
@@ -159,6 +204,47 @@ def test_folded_schedule_with_quantized_kv(tmp_path, models_dir):
     finally:
         engine.close()
         cold.close()
+
+
+@pytest.mark.parametrize("softmax", [mlx_softmax, pow_softmax])
+def test_explicit_attention_with_a_value_head_size_of_its_own(softmax):
+    """DeepSeek-V2-style attention: V's head size differs from Q's and K's."""
+    mx.random.seed(2)
+    q, k = mx.random.normal((1, 4, 3, 24)), mx.random.normal((1, 4, 10, 24))
+    v = mx.random.normal((1, 4, 10, 16))
+    want = _fast_sdpa(q, k, v, scale=0.2, mask="causal")
+    got = explicit_attention(q, k, v, 0.2, "causal", softmax)
+    assert got.shape == want.shape == (1, 4, 3, 16)
+    assert float(mx.abs(want - got).max()) < 1e-5
+
+
+def test_a_model_whose_split_fails_still_folds_whole(tmp_path, models_dir, monkeypatch):
+    """Where the split last layer does not check out at load, the engine folds with the
+    layer whole, and on the CPU only short last chunks (the length limit is back)."""
+    import tierchat.core.engine as engine_mod
+
+    real = engine_mod.last_logits_fn
+
+    def split_breaks(model, split_last_layer=False):
+        fn = real(model, split_last_layer=split_last_layer)
+        if not split_last_layer:
+            return fn
+
+        def broken(tokens, cache):
+            raise TypeError("a layer the proxy cannot call")
+
+        return broken
+
+    monkeypatch.setattr(engine_mod, "last_logits_fn", split_breaks)
+    engine = make_engine("tiny:qwen2", tmp_path, models_dir, bitwise=False)
+    try:
+        assert engine._last_logits is not None and engine._fold_limit == 40  # 2 layers
+        b, hb = generate(engine, random_prompt(90, seed=5), max_tokens=2)
+        assert hb.chunk_ends == (89,)
+        c, hc = generate(engine, random_prompt(90, seed=5) + b.token_ids + (7, 8, 9), 2)
+        assert hc.chunk_ends[-1] == 95  # a short last chunk folds
+    finally:
+        engine.close()
 
 
 def test_pow_softmax_equals_mlx_softmax():
