@@ -162,10 +162,10 @@ def explicit_attention(
         if mask.ndim == 4:  # (B, 1 or n_heads, L, S) -> the grouped scores' 5 axes
             heads = (n_kv, rep) if mask.shape[1] == n_heads else (1, 1)
             mask = mask.reshape(mask.shape[0], *heads, *mask.shape[2:])
-        if mask.dtype == mx.bool_:
-            scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
-        else:
-            scores = scores + mask
+        if mask.dtype == mx.bool_:  # made additive at the mask's own size, then added
+            zero, minus_inf = mx.array(0, scores.dtype), mx.array(-mx.inf, scores.dtype)
+            mask = mx.where(mask, zero, minus_inf)
+        scores = scores + mask
     weights = softmax(scores)
     return (weights @ v[:, :, None]).reshape(b, n_heads, length, v.shape[-1])
 
