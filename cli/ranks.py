@@ -82,13 +82,17 @@ def relaunch(
     return EXIT_FAILED  # pragma: no cover - execv does not return
 
 
+_WORKERS: list[Any] = []  # worker ranks this process started itself (the TUI's ring)
+
+
 def run_rank(
     args: Any, settings: Any, dispatch: Callable[[Any, Any], int], timeout_s: float | None
 ) -> int:
     """A launched process: join the ranks; rank 0 runs ``dispatch(args, settings)``,
-    the others :func:`run_worker`. When the ranks failed (a rank lost or silent past the
-    timeout), rank 0 exits at once with code 1 after its error line: its engine thread
-    may still be blocked in a collective."""
+    the others :func:`run_worker`. Rank 0 ends the process itself, without the
+    interpreter's teardown, once its command is done; when the ranks failed (a rank lost
+    or silent past the timeout), with code 1 after its error line: its engine thread may
+    still be blocked in a collective."""
     from tierchat.core import distributed as dist
 
     try:
@@ -113,15 +117,19 @@ def run_rank(
     finally:
         if not ranks.failed:
             # every engine is closed: the workers end cleanly, not on a broken socket
-            try:
-                ranks.broadcast({"op": "exit"})
-            except dist.RankError:
-                pass
+            ranks.send_exit()
     if ranks.failed:
         print(f"error: {ranks.failed}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(code or EXIT_FAILED)
-    return code
+        code = code or EXIT_FAILED
+    elif _WORKERS:
+        return code  # the TUI's own ring: its exit handler waits for the workers it started
+    # every engine is closed and the workers were told to exit: skip the interpreter's
+    # teardown, which would destroy the group's communicator after the workers left
+    # (NCCL on two H200s: "NCCL error ... unhandled cuda error" and exit code 1 at the
+    # end of a successful replay) or with a blocked engine thread
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def rank_settings(settings: Any, rank: int, size: int) -> Any:
@@ -215,6 +223,7 @@ def start_workers(
         procs.append(p)
     print(f"tierchat: {len(procs)} worker rank(s) started; their log: {tmp}", file=sys.stderr)
     atexit.register(stop_workers, procs)
+    _WORKERS.extend(procs)
     return procs
 
 

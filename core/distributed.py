@@ -143,6 +143,30 @@ class Ranks:
         got = self._sum(payload)
         return message if self.is_main else json.loads(bytes(memoryview(got)))
 
+    def send_exit(self) -> bool:
+        """Rank 0, after its last engine closed: tell the workers to exit. The collective
+        runs on a thread of its own that then ends its MLX streams, as an engine thread
+        does (the process's main thread sending it after an engine restart failed on
+        NCCL, two H200s: "NCCL error ... unhandled cuda error", rank 0 exit code 1).
+        Returns whether it was sent (False: a rank was lost, or no answer within the
+        timeout)."""
+        sent: list[bool] = []
+
+        def job() -> None:
+            try:
+                self.broadcast({"op": "exit"})
+                sent.append(True)
+            except RankError:
+                pass
+            finally:
+                mx.synchronize()
+                mx.clear_streams()
+
+        thread = threading.Thread(target=job, name="tierchat-ranks-exit", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        return bool(sent)
+
     def all_min(self, values: Sequence[int] | int) -> list[int]:
         """The element-wise minimum of every rank's ``values`` (integers; one shape on all
         ranks); an int gives a one-element list."""
