@@ -10,8 +10,16 @@ from __future__ import annotations
 
 import pytest
 from engine_kit import assert_same, generate, make_engine, random_prompt
-from tierchat.core.cache.blocks import KIND_TAIL, LOGPROBS, tail_id
-from tierchat.core.cache.ssd import SSDTier, read_file
+from tierchat.core.cache.blocks import (
+    KIND_BLOCK,
+    KIND_TAIL,
+    LOGPROBS,
+    EntryMeta,
+    chain_ids,
+    root_id,
+    tail_id,
+)
+from tierchat.core.cache.ssd import CorruptEntry, SSDTier, _meta_strings, entry_meta, read_file
 
 BS = 16
 PROMPT = random_prompt(45, seed=11)  # 2 blocks and a 13-token tail
@@ -159,3 +167,23 @@ def test_corrupt_logprobs_in_a_file_are_never_used(tmp_path, models_dir, monkeyp
         assert read_file(path)[0].meta["logprobs"] == "1"
     finally:
         e.close()
+
+
+def test_header_flag_round_trips_and_older_headers_read_without_it():
+    """The ``logprobs`` header field is written only where set; a header without it (files
+    written before) reads as an entry without kept logprobs; a block claiming them is
+    corrupt (only a prompt tail ends at a prompt's end)."""
+    fp = "ab" * 32
+    root = root_id(fp)
+    tokens = (5, 6, 7)
+    kept = EntryMeta(tail_id(root, tokens), root, KIND_TAIL, 0, tokens, "user", logprobs=True)
+    strings = _meta_strings(kept, fp)
+    assert strings["logprobs"] == "1" and entry_meta(strings, fp) == kept
+    older = {k: v for k, v in strings.items() if k != "logprobs"}
+    assert entry_meta(older, fp).logprobs is False
+    plain = EntryMeta(tail_id(root, tokens), root, KIND_TAIL, 0, tokens, "user")
+    assert "logprobs" not in _meta_strings(plain, fp)
+    block_id = chain_ids(root, tokens, len(tokens), 1)[0]
+    block = EntryMeta(block_id, root, KIND_BLOCK, 0, tokens, "user", logprobs=True)
+    with pytest.raises(CorruptEntry, match="kept logprobs"):
+        entry_meta(_meta_strings(block, fp), fp)
