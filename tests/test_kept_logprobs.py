@@ -187,3 +187,34 @@ def test_header_flag_round_trips_and_older_headers_read_without_it():
     block = EntryMeta(block_id, root, KIND_BLOCK, 0, tokens, "user", logprobs=True)
     with pytest.raises(CorruptEntry, match="kept logprobs"):
         entry_meta(_meta_strings(block, fp), fp)
+
+
+def test_restore_or_recompute_choice_still_holds_for_the_whole_prompt(tmp_path, models_dir):
+    """After a restart the kept tail's plan (N tokens, 0 prefilled) goes through the
+    restore-or-recompute choice (core/cache/rates.py) like any SSD plan: read when the
+    disk is estimated fast, computed again when it is (made) slow; equal to cold both ways."""
+    import json
+
+    prompt = random_prompt(690, seed=31)  # 10 blocks of 64 and a 50-token tail
+    model = "tiny:llama"
+    cold = cold_run(model, tmp_path, models_dir, prompt)
+    e = make_engine(model, tmp_path, models_dir, bitwise=False, block_size=64)
+    generate(e, prompt, max_tokens=3)  # a 690-token prefill: a measured rate
+    e.close()
+    (path,) = (tmp_path / "kv").glob("rates-*.json")
+    rates = json.loads(path.read_text())
+    assert rates["prefill_tps"] > 0
+    for read_bps, taken in ((1e15, "ssd "), (1.0, "recompute ")):
+        path.write_text(json.dumps({**rates, "read_bps": read_bps}))
+        e = make_engine(model, tmp_path, models_dir, bitwise=False, block_size=64)
+        try:
+            out, handle = generate(e, prompt)
+            assert_same(*cold, out, handle)
+            m = out.metrics
+            assert m.restore_choice.startswith(taken), m
+            if taken == "ssd ":
+                assert m.prefill_tokens == 0 and m.cached_by["ssd"] == len(prompt), m
+            else:
+                assert m.cached_tokens == 0 and m.prefill_tokens == len(prompt), m
+        finally:
+            e.close()
