@@ -623,10 +623,11 @@ class PrefixCache:
                 tail = self._fetch(plan.tail.id)
                 if tail is None:
                     bad = plan.tail.id
-            kept = None
+            kept = kept_from = None
             if bad is None and plan.kept is not None:
                 got = tail if plan.kept is plan.tail else self._fetch(plan.kept.id)
                 kept = got[0].arrays.get(LOGPROBS) if got is not None else None
+                kept_from = got[1] if got is not None and got is not tail else None
                 if kept is None:
                     bad = plan.kept.id
             if bad is not None:
@@ -638,7 +639,7 @@ class PrefixCache:
                 continue
             if self.ssd is not None:
                 self.ssd.drop_reads()
-            out = self._fill(plan, loaded, tail, resident, fresh)
+            out = self._fill(plan, loaded, tail, resident, fresh, kept_from)
             out.choice, out.ssd_bytes = choice, self._ssd_read
             if kept is not None:
                 out.first_logprobs = kept
@@ -672,7 +673,12 @@ class PrefixCache:
         self.log(choice.describe())
         return (ram if choice.taken == "recompute" else plan), choice
 
-    def _fill(self, plan: Plan, loaded, tail, resident: Resident | None, fresh) -> Restored:
+    def _fill(
+        self, plan: Plan, loaded, tail, resident: Resident | None, fresh, kept_from=None
+    ) -> Restored:
+        """Fill the cache as ``plan`` says from the ``loaded`` blocks and ``tail`` (entry,
+        source); ``kept_from``: the source of a kept-logprobs tail loaded only for them
+        (every leaf cut from the resident cache), which counts as a source too."""
         P, bs = plan.position, self.block_size
         caches = resident.caches if plan.cut else fresh()
         live = L.leaf_map(caches)
@@ -702,6 +708,7 @@ class PrefixCache:
 
         out = Restored(P, nbytes=copied, caches=caches)
         sources = [src for _, _, src in loaded] + ([tail[1]] if tail else [])
+        sources += [kept_from] if kept_from else []
         self.hot_hits += sources.count("hot")
         if plan.cut:
             self.resident_hits += 1
