@@ -58,6 +58,7 @@ from .api import (
 )
 from .attention import OFF, chunk_attention, mlx_softmax, plan_attention, pow_softmax
 from .cache import layers as L
+from .cache.blocks import LOGPROBS
 from .cache.prefix import PrefixCache, chunk_ends, probe_specs, schedule_points
 from .cache.rates import Rates
 from .cache.request import CacheRequest, ColdRequest
@@ -386,9 +387,11 @@ class Engine(RankSeams):
             if not pow_:
                 self._attention = dataclasses.replace(self._attention, softmax=mlx_softmax)
         # probe: two tokens through a throwaway cache give every cached array's shape
-        loaded.model(mx.array([[0, 0]]), cache=caches)
+        logits = loaded.model(mx.array([[0, 0]]), cache=caches)
         mx.eval([c.state for c in caches])
         spec_shapes = probe_specs(leaves, caches)
+        # and the first-token logprobs a prompt tail keeps (folded schedule)
+        spec_shapes[LOGPROBS] = ((logits.shape[-1],), logits.dtype)
         if not s.no_cache:
             kv = f"{loaded.fingerprint}/kv{s.kv_bits}g{s.kv_group_size}"
             if self._attention.softmax is pow_softmax:  # entries of one softmax only
@@ -570,7 +573,7 @@ class Engine(RankSeams):
                 computed.append(first_logprobs)
             else:
                 model(tokens_in, cache=caches)
-            computed += [c.state for c in caches] + turn.chunk(caches, pos, end)
+            computed += [c.state for c in caches] + turn.chunk(caches, pos, end, first_logprobs)
             if end == ends[-1]:
                 # the last chunk runs on the GPU while generate_step builds the first decode
                 # step behind it on the same stream (its progress event is sent at launch)

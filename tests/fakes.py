@@ -386,16 +386,19 @@ class FakeEngine:
     def _lookup(self, prompt: tuple[int, ...]) -> tuple[dict[str, int], dict[str, int]]:
         """Cached tokens of ``prompt`` by tier and by entry kind: the whole prompt when it is
         the last request's (the resident cache with its first-token logprobs, as the real
-        engine on a plain attention model), else at most all but the last token (fed to
-        get logits)."""
+        engine on a plain attention model), or through the tail that an earlier request of
+        the same prompt kept with its first token's logprobs (the folded schedule: a
+        prompt that does not end on a block end, every block still held), else at most
+        all but the last token (fed to get logits)."""
         cached_by = dict.fromkeys(CACHE_SOURCES, 0)
         cached_kind = dict.fromkeys(CACHE_KINDS, 0)
         if prompt == self._resident:
             cached_by["hot"] = cached_kind["resident"] = len(prompt)
             self._resident_hits += 1
             return cached_by, cached_kind
-        limit = len(prompt) - 1
         bs = self.block_size
+        kept = prompt in self._checkpoints and len(prompt) % bs != 0
+        limit = len(prompt) - (0 if kept else 1)
         n_blocks = 0
         while (n_blocks + 1) * bs <= limit:
             key = prompt[: (n_blocks + 1) * bs]
@@ -412,6 +415,13 @@ class FakeEngine:
             n_blocks += 1
         done = n_blocks * bs
         cached_kind["block"] = done
+        if kept and n_blocks == len(prompt) // bs:
+            cached_by["hot"] += limit - done
+            cached_kind["tail"] = limit - done  # the kept tail: no token prefilled
+            self._tail_counts["hits"] += 1
+            self._tail_counts["tokens_saved"] += limit - done
+            return cached_by, cached_kind
+        limit = len(prompt) - 1
         if done < limit and prompt in self._checkpoints:
             cached_by["hot"] += limit - done
             cached_kind["checkpoint"] = limit - done  # regenerate: exact state at N-1

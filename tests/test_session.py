@@ -273,7 +273,8 @@ def test_fake_engine_stats_and_clear(engine):
     assert r.metrics.cached_kind["resident"] == len(prompt)  # the same prompt again
     engine.clear("resident")
     r = engine.submit(GenerateRequest(prompt)).wait(TIMEOUT)
-    assert r.metrics.cached_tokens == len(prompt) - 1  # else never the whole prompt
+    # the whole prompt through the tail that kept its first token's logprobs
+    assert r.metrics.cached_tokens == len(prompt) and r.metrics.cached_kind["tail"] > 0
     assert r.metrics.cached_tokens + r.metrics.prefill_tokens == r.metrics.prompt_tokens
     engine.clear("hot")
     s = engine.stats()
@@ -282,6 +283,7 @@ def test_fake_engine_stats_and_clear(engine):
     engine.clear("tails")
     r = engine.submit(GenerateRequest(prompt)).wait(TIMEOUT)
     assert r.metrics.cached_by["ssd"] > 0  # hot was cleared, SSD still holds the blocks
+    assert r.metrics.prefill_tokens >= 1  # no tail kept the logprobs any more
     engine.clear("all")
     assert engine.stats().ssd.entries == 0
     with pytest.raises(ValueError):

@@ -8,7 +8,9 @@ entry (the chained-hash scheme of vLLM's automatic prefix caching and oMLX's blo
 
 A *tail* entry holds the tokens after a full block, ``[j * block_size, p)``: the sliceable
 K/V of those tokens plus, for state layers, the snapshot at ``p``. Its id hashes the parent
-block id and the tail tokens. Tails are what make a regenerate prefill one token.
+block id and the tail tokens. Tails are what make a regenerate prefill one token; a prompt
+tail captured at ``N`` on the folded schedule also keeps the logprobs of the first reply
+token (:data:`LOGPROBS`), so a regenerate restored through it prefills none.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ KIND_TAIL = "tail"
 KIND_SEQ = "seq"
 KIND_BOUNDARY = "boundary"
 TAIL_KINDS = (KIND_TAIL, KIND_SEQ, KIND_BOUNDARY)
+
+# the array key of a prompt tail's kept first-token logprobs (shape (vocab,))
+LOGPROBS = "logprobs"
 
 ROLE_PRIORITY = {"assistant": 0, "user": 1, "tail": 2, "system": 3}
 
@@ -84,7 +89,9 @@ class EntryMeta:
     """What names and describes a cached span of one prefix: tokens
     ``[start, start + len(tokens))`` after the entry ``parent``. ``window`` says every window
     leaf's K/V slice is present; ``snapshot`` says every state leaf's snapshot (at the end)
-    is. The SSD tier's index holds these for its files."""
+    is; ``logprobs`` says the entry (a prompt tail ending at the prompt's end) carries
+    the logprobs the first reply token is sampled from, under :data:`LOGPROBS`. The SSD
+    tier's index holds these for its files."""
 
     id: str
     parent: str
@@ -94,6 +101,7 @@ class EntryMeta:
     role: str
     window: bool = True
     snapshot: bool = False
+    logprobs: bool = False
 
     @property
     def end(self) -> int:
@@ -108,7 +116,8 @@ class EntryMeta:
 class Entry(EntryMeta):
     """An entry with its data. ``arrays`` maps ``"<leaf>.<part>"`` to evaluated MLX arrays:
     ``"3.k"``/``"3.v"`` K/V slices ``(B, n_kv_heads, len(tokens), head_dim)`` for KV and
-    window leaves, and ``"5.s0"``... the snapshot of a state leaf at the entry's end."""
+    window leaves, ``"5.s0"``... the snapshot of a state leaf at the entry's end, and
+    :data:`LOGPROBS` the kept first-token logprobs when ``logprobs`` is set."""
 
     arrays: dict[str, Any] = field(default_factory=dict, repr=False)
     nbytes: int = 0

@@ -1,7 +1,10 @@
 """The prefix cache: lookup, all-or-nothing restore, and store, over the resident cache,
 the hot tier and the SSD tier.
 
-A restore for a prompt of ``N`` tokens lands on one position ``P <= N - 1`` (docs/DESIGN.md §9):
+A restore for a prompt of ``N`` tokens lands on one position ``P <= N - 1`` (docs/DESIGN.md §9),
+or on ``N`` itself with the first token's logprobs kept from before: the resident cache of
+the same prompt (:meth:`PrefixCache.restore_repeat`), or, on the folded schedule, through
+the prompt's tail entry that kept them (:meth:`PrefixCache.plan`):
 
 - **Allowed positions.** ``P`` is a point of the prompt's prefill schedule
   (:func:`schedule_points`: multiples of the chunk size, message ends, ``N - 1``), or the
@@ -41,6 +44,7 @@ from .blocks import (
     KIND_BLOCK,
     KIND_SEQ,
     KIND_TAIL,
+    LOGPROBS,
     ChainHasher,
     Entry,
     role_at,
@@ -133,19 +137,29 @@ class Restored:
 class Plan:
     """A restore at ``position``: leaves in ``cut`` from the resident cache, the others
     from ``blocks`` (chain indices) and ``tail`` (an entry after block ``position // bs``,
-    of which the first ``tail_tokens`` are used)."""
+    of which the first ``tail_tokens`` are used). ``kept``: the prompt tail whose kept
+    logprobs give the first token, when ``position`` is the whole prompt (it is ``tail``
+    too, unless every leaf is cut from the resident cache)."""
 
     position: int
     cut: frozenset[str] = frozenset()
     blocks: tuple[int, ...] = ()
     tail: Any = None
     tail_tokens: int = 0
+    kept: Any = None
+
+    def entry_ids(self) -> list[str]:
+        """The ids of the entries after the chain's blocks: the tail, and the kept
+        logprobs' tail where that is another entry."""
+        return list(dict.fromkeys(t.id for t in (self.tail, self.kept) if t is not None))
 
 
 def probe_specs(leaves: Sequence[L.Leaf], caches: list[Any]) -> Spec:
     """Shapes and dtypes of every cached array, read off a cache that has seen >= 1 token.
 
     The token axis of slices is recorded as -1. Used to validate entries before restore.
+    The caller may add ``spec[LOGPROBS]``, the first-token logprobs' ``((vocab,), dtype)``:
+    without it no tail keeps them.
     """
     live = L.leaf_map(caches)
     spec: Spec = {}
@@ -217,6 +231,8 @@ class PrefixCache:
         self._chain = ChainHasher(self.root, block_size)
         self.leaves = tuple(leaves)
         self.spec = spec
+        # ((vocab,), dtype) of the first-token logprobs a prompt tail may keep (None: none)
+        self.logprobs_spec = spec.get(LOGPROBS)
         self.block_size = block_size
         self.pin_system = pin_system
         self.kv = [lf for lf in leaves if lf.kind == L.KIND_KV]
@@ -335,9 +351,15 @@ class PrefixCache:
         """The furthest allowed position at which every leaf can be rebuilt, or None.
 
         ``ids``: the prompt's chain ids; ``points``: its schedule (:func:`schedule_points`);
-        ``max_position``: no plan beyond this many tokens (None: up to ``N - 1``);
-        ``use_ssd``: False plans from the resident cache and the hot tier only.
+        ``max_position``: no plan beyond this many tokens (None: up to ``N - 1``, or ``N``
+        through the prompt's tail that kept its first token's logprobs, on the folded
+        schedule: :meth:`_plan_kept`); ``use_ssd``: False plans from the resident cache
+        and the hot tier only.
         """
+        if self.exact_prefix and (max_position is None or max_position >= len(prompt)):
+            kept = self._plan_kept(prompt, ids, resident, use_ssd)
+            if kept is not None:
+                return kept
         limit = len(prompt) - 1
         if max_position is not None:
             limit = min(limit, max_position)
@@ -398,6 +420,50 @@ class PrefixCache:
                     return plan
         return best
 
+    def _kept_tail(self, prompt: Sequence[int], ids: Sequence[str], use_ssd: bool):
+        """The prompt's tail entry (hot ``Entry`` or SSD ``FileMeta``) that ends exactly at
+        the prompt's end and kept its first token's logprobs, or None."""
+        n, bs = len(prompt), self.block_size
+        j, r = divmod(n, bs)
+        if not r or self.logprobs_spec is None or len(ids) < j:
+            return None
+        parent = ids[j - 1] if j else self.root
+        seg = tuple(prompt[j * bs : n])
+        tid = tail_id(parent, seg)
+        found = self.hot.peek(tid)
+        if found is None and use_ssd and self.ssd is not None:
+            found = self.ssd.meta(tid)
+        if (
+            found is None
+            or not found.logprobs
+            or found.kind != KIND_TAIL
+            or found.start != j * bs
+            or tuple(found.tokens) != seg
+        ):
+            return None
+        return found
+
+    def _plan_kept(self, prompt, ids, resident: Resident | None, use_ssd: bool) -> Plan | None:
+        """A restore of the whole prompt (``N``) through its tail that kept the first
+        token's logprobs (:meth:`_kept_tail`): every leaf rebuilt at ``N`` from the
+        resident cache, the chain's blocks and that tail. None where any leaf cannot be."""
+        kept = self._kept_tail(prompt, ids, use_ssd)
+        if kept is None:
+            return None
+        n, bs = len(prompt), self.block_size
+        prompt = tuple(prompt)
+        held = [self._held(i, use_ssd) for i in ids[: n // bs]]
+        common, live = 0, None
+        if resident is not None:
+            common = _common(resident.tokens, prompt)
+            live = L.leaf_map(resident.caches)
+        after = {n // bs: [(len(kept.tokens), kept)]}
+        plan = self._plan_at(n, prompt, held, after, resident, common, live)
+        if plan is None:
+            return None
+        plan.kept = kept
+        return plan
+
     def _plan_at(self, P, prompt, held, after, resident, common, live) -> Plan | None:
         bs = self.block_size
         j, r = divmod(P, bs)
@@ -451,7 +517,10 @@ class PrefixCache:
         if self.ssd is None or self.ssd.meta(entry_id) is None:
             return None
         meta = self.ssd.meta(entry_id)
-        e = self.ssd.load(entry_id, expected=self._expected_by_flags[meta.window, meta.snapshot])
+        expected = self._expected_by_flags[meta.window, meta.snapshot]
+        if meta.logprobs and self.logprobs_spec is not None:
+            expected = {**expected, LOGPROBS: self.logprobs_spec}
+        e = self.ssd.load(entry_id, expected=expected)
         if e is None:
             return None
         self._ssd_read += meta.nbytes
@@ -541,8 +610,7 @@ class PrefixCache:
             bad = None
             if self.ssd is not None:  # start the disk reads of every entry needed at once
                 wanted = [ids[i] for i in plan.blocks if ids[i] not in self.hot]
-                if plan.tail is not None and plan.tail.id not in self.hot:
-                    wanted.append(plan.tail.id)
+                wanted += [i for i in plan.entry_ids() if i not in self.hot]
                 self.ssd.read_ahead(wanted)
             for i in plan.blocks:
                 got = self._fetch(ids[i])
@@ -555,6 +623,13 @@ class PrefixCache:
                 tail = self._fetch(plan.tail.id)
                 if tail is None:
                     bad = plan.tail.id
+            kept = kept_from = None
+            if bad is None and plan.kept is not None:
+                got = tail if plan.kept is plan.tail else self._fetch(plan.kept.id)
+                kept = got[0].arrays.get(LOGPROBS) if got is not None else None
+                kept_from = got[1] if got is not None and got is not tail else None
+                if kept is None:
+                    bad = plan.kept.id
             if bad is not None:
                 self.restore_errors += 1
                 self.log(f"entry {bad[:12]} could not be loaded: evicted")
@@ -564,8 +639,11 @@ class PrefixCache:
                 continue
             if self.ssd is not None:
                 self.ssd.drop_reads()
-            out = self._fill(plan, loaded, tail, resident, fresh)
+            out = self._fill(plan, loaded, tail, resident, fresh, kept_from)
             out.choice, out.ssd_bytes = choice, self._ssd_read
+            if kept is not None:
+                out.first_logprobs = kept
+                self.log(f"first token of {plan.position} from the tail's kept logprobs")
             return out
         if self.ssd is not None:
             self.ssd.drop_reads()
@@ -583,8 +661,7 @@ class PrefixCache:
         if self.ssd is None or self.rates is None:
             return plan, None
         on_ssd = [ids[i] for i in plan.blocks if ids[i] not in self.hot]
-        if plan.tail is not None and plan.tail.id not in self.hot:
-            on_ssd.append(plan.tail.id)
+        on_ssd += [i for i in plan.entry_ids() if i not in self.hot]
         nbytes = sum(m.nbytes for m in map(self.ssd.meta, on_ssd) if m is not None)
         if not nbytes:
             return plan, None
@@ -596,7 +673,12 @@ class PrefixCache:
         self.log(choice.describe())
         return (ram if choice.taken == "recompute" else plan), choice
 
-    def _fill(self, plan: Plan, loaded, tail, resident: Resident | None, fresh) -> Restored:
+    def _fill(
+        self, plan: Plan, loaded, tail, resident: Resident | None, fresh, kept_from=None
+    ) -> Restored:
+        """Fill the cache as ``plan`` says from the ``loaded`` blocks and ``tail`` (entry,
+        source); ``kept_from``: the source of a kept-logprobs tail loaded only for them
+        (every leaf cut from the resident cache), which counts as a source too."""
         P, bs = plan.position, self.block_size
         caches = resident.caches if plan.cut else fresh()
         live = L.leaf_map(caches)
@@ -626,6 +708,7 @@ class PrefixCache:
 
         out = Restored(P, nbytes=copied, caches=caches)
         sources = [src for _, _, src in loaded] + ([tail[1]] if tail else [])
+        sources += [kept_from] if kept_from else []
         self.hot_hits += sources.count("hot")
         if plan.cut:
             self.resident_hits += 1
@@ -672,6 +755,7 @@ class PrefixCache:
         boundaries=(),
         end_kind: str | None = None,
         defer_kv: bool = False,
+        logprobs: Any = None,
     ) -> list[Entry]:
         """Entries to store after the cache reached position ``end`` (= its offset).
 
@@ -682,6 +766,9 @@ class PrefixCache:
         :meth:`commit`. ``defer_kv``: leave out the KV leaves' slices, which the live
         cache keeps anyway; :meth:`complete` adds them later (after the first token), so
         a prefill copies only what a later chunk would overwrite (windows, states).
+        ``logprobs``: the first reply token's logprobs (shape ``(vocab,)``) when ``end`` is
+        the end of the prompt ``tokens``; a prompt tail (``KIND_TAIL``) then keeps them
+        (where they match ``spec[LOGPROBS]``), so a restore reaches the whole prompt.
         """
         bs = self.block_size
         live = L.leaf_map(caches)
@@ -735,15 +822,29 @@ class PrefixCache:
             parent = ids[j - 1] if j else self.root
             seg = tuple(tokens[j * bs : end])
             tid = tail_id(parent, seg)
+            keep = None
+            if end_kind == KIND_TAIL and end == len(tokens) and self._fits(logprobs):
+                keep = logprobs
             held = self.hot.get(tid)
-            if held is not None:
+            if held is not None and (keep is None or held.logprobs):
                 self._persist(held)
             else:
                 role = "assistant" if end_kind == KIND_SEQ else role_at(boundaries, end)
-                out.append(
-                    self._entry(live, tid, parent, end_kind, j * bs, seg, role, True, defer_kv)
-                )
+                e = self._entry(live, tid, parent, end_kind, j * bs, seg, role, True, defer_kv)
+                if keep is not None:
+                    e.arrays[LOGPROBS], e.logprobs = keep, True
+                out.append(e)
         return out
+
+    def _fits(self, logprobs: Any) -> bool:
+        """Whether first-token ``logprobs`` have the shape and dtype entries keep."""
+        spec = self.logprobs_spec
+        return (
+            logprobs is not None
+            and spec is not None
+            and tuple(logprobs.shape) == tuple(spec[0])
+            and logprobs.dtype == spec[1]
+        )
 
     def complete(self, caches, entries: list[Entry]) -> None:
         """Add the KV leaves' slices to entries captured with ``defer_kv`` (the live cache

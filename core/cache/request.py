@@ -6,8 +6,8 @@ cache needs around it, in the order a request meets it (docs/DESIGN.md §9)::
     req = prefix_cache.begin(prompt, points, boundaries, fresh)  # the SSD writer waits
     restored = req.restore()                   # resident cut, hot / SSD entries, or fresh
     for end in chunk_ends(restored.position, points):
-        model(prompt[pos:end], cache=caches)
-        mx.eval(states + req.chunk(caches, pos, end))  # window slices, state snapshots
+        model(prompt[pos:end], cache=caches)   # at N (folded): the first token's logprobs
+        mx.eval(states + req.chunk(caches, pos, end, logprobs))  # windows, states, tail
     req.first_token(caches)                    # the KV slices, then the writer resumes
     req.finish(caches, prompt + reply, first_logprobs)  # store the end, keep it resident
     req.close()                                # always (``finally``); or req.cancel(...)
@@ -88,14 +88,27 @@ class CacheRequest:
             self.cache.rates.observe_read(restored.ssd_bytes, self._restored_at - t0)
         return restored
 
-    def chunk(self, caches: list[Any], start: int, end: int) -> list[mx.array]:
+    def chunk(
+        self, caches: list[Any], start: int, end: int, first_logprobs: Any = None
+    ) -> list[mx.array]:
         """Capture what the chunk ``[start, end)`` just computed into ``caches`` (lazy):
         window slices and state snapshots, which a later chunk would overwrite, and the
-        prompt's tail entry at ``N - 1`` (at ``N`` on the folded schedule). Returns the arrays to evaluate with the chunk
-        (one eval). KV slices wait for :meth:`first_token` (the live cache keeps them)."""
-        kind = KIND_TAIL if end >= len(self.prompt) - 1 else self._checkpoint_kind
+        prompt's tail entry at ``N - 1`` (at ``N`` on the folded schedule, keeping
+        ``first_logprobs``, the first token's logprobs of shape ``(vocab,)`` that chunk
+        gave). Returns the arrays to evaluate with the chunk (one eval). KV slices wait
+        for :meth:`first_token` (the live cache keeps them)."""
+        n = len(self.prompt)
+        kind = KIND_TAIL if end >= n - 1 else self._checkpoint_kind
         entries = self.cache.capture(
-            caches, self.prompt, self.ids, start, end, self.boundaries, kind, defer_kv=True
+            caches,
+            self.prompt,
+            self.ids,
+            start,
+            end,
+            self.boundaries,
+            kind,
+            defer_kv=True,
+            logprobs=first_logprobs if end == n else None,
         )
         self._deferred.extend(entries)
         return [a for e in entries for a in e.arrays.values()]
@@ -165,7 +178,9 @@ class ColdRequest:
     def restore(self) -> Restored:
         return Restored(caches=self.fresh())
 
-    def chunk(self, caches: list[Any], start: int, end: int) -> list[mx.array]:
+    def chunk(
+        self, caches: list[Any], start: int, end: int, first_logprobs: Any = None
+    ) -> list[mx.array]:
         return []
 
     def first_token(self, caches: list[Any]) -> None:

@@ -13,7 +13,9 @@ The header must begin with ``{"__metadata__":{"hcrc":"XXXXXXXX","dcrc":"XXXXXXXX
 digits left out, and ``dcrc`` the CRC-32 of the data bytes: every byte of the file is
 covered (CRC-32 catches every 1-bit error and every burst of up to 32 bits). The rest of
 the metadata holds the format, model fingerprint, entry id, parent id, kind, start, token
-ids, role and flags; a block's tokens must hash to its id (a tail's to its tail id).
+ids, role and flags (``window``, ``snapshot``, and ``logprobs`` when a prompt tail keeps
+its first token's logprobs, tensor ``logprobs``); a block's tokens must hash to its id (a
+tail's to its tail id).
 Tensors are contiguous, in name order.
 
 At start the index is rebuilt from headers (length, hcrc, fields, id hash), and a
@@ -73,7 +75,15 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from .blocks import FORMAT_VERSION, KIND_BLOCK, TAIL_KINDS, Entry, EntryMeta, chain_ids
+from .blocks import (
+    FORMAT_VERSION,
+    KIND_BLOCK,
+    KIND_TAIL,
+    TAIL_KINDS,
+    Entry,
+    EntryMeta,
+    chain_ids,
+)
 from .blocks import root_id as _root_id
 from .blocks import tail_id as _tail_id
 from .dir_lock import LOCK_FILE, CacheDirBusy, acquire_dir, release_dir, relock_dir
@@ -390,6 +400,8 @@ def entry_meta(meta: dict[str, str], fingerprint: str) -> EntryMeta:
             role=meta["role"],
             window={"1": True, "0": False}[meta["window"]],
             snapshot={"1": True, "0": False}[meta["snapshot"]],
+            # files written before kept logprobs existed have no such field
+            logprobs={"1": True, "0": False}[meta.get("logprobs", "0")],
         )
     except (KeyError, ValueError, TypeError) as exc:
         raise CorruptEntry(f"bad metadata: {exc}") from None
@@ -407,6 +419,8 @@ def entry_meta(meta: dict[str, str], fingerprint: str) -> EntryMeta:
         raise CorruptEntry("tokens do not hash to the entry id")
     if m.start < 0 or (m.parent == _root_id(fingerprint) and m.start != 0):
         raise CorruptEntry("bad start")
+    if m.logprobs and m.kind != KIND_TAIL:
+        raise CorruptEntry(f"kept logprobs in a {m.kind} entry")
     return m
 
 
@@ -422,6 +436,8 @@ def _meta_strings(e: EntryMeta, fingerprint: str) -> dict[str, str]:
         "role": e.role,
         "window": "1" if e.window else "0",
         "snapshot": "1" if e.snapshot else "0",
+        # only where set: an entry without kept logprobs writes the format it always did
+        **({"logprobs": "1"} if e.logprobs else {}),
     }
 
 
@@ -789,7 +805,8 @@ class SSDTier:
         best: dict[str, int] = {}
         for i, e in enumerate(entries):
             j = best.get(e.id)
-            if j is None or (e.window, e.snapshot) > (entries[j].window, entries[j].snapshot):
+            f = entries[j] if j is not None else None
+            if f is None or (e.window, e.snapshot, e.logprobs) > (f.window, f.snapshot, f.logprobs):
                 best[e.id] = i
         accepted, flat, offset = [], [], 0
         results = [False] * len(entries)
@@ -802,6 +819,7 @@ class SSDTier:
                     old is not None
                     and (old.window or not e.window)
                     and (old.snapshot or not e.snapshot)
+                    and (old.logprobs or not e.logprobs)
                 ):
                     continue
             names = sorted(e.arrays)
