@@ -181,12 +181,10 @@ def _sdpa(q, k, v, *, scale, mask=None, sinks=None, **kwargs):
 
 
 @contextlib.contextmanager
-def chunk_attention(plan: AttentionPlan | int) -> Iterator[None]:
+def chunk_attention(plan: AttentionPlan) -> Iterator[None]:
     """Within the block, on this thread, the attentions ``plan`` takes
-    (:meth:`AttentionPlan.takes`; an int: CUDA's plan for chunks of 2 to that many
-    tokens) run as :func:`explicit_attention`; a plan that takes none changes nothing."""
-    if isinstance(plan, int):
-        plan = AttentionPlan(max_query=plan) if plan > 1 else OFF
+    (:meth:`AttentionPlan.takes`) run as :func:`explicit_attention`; a plan that takes
+    none changes nothing."""
     if plan.max_query < plan.min_query:
         yield
         return

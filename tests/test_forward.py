@@ -14,6 +14,7 @@ from mlx.utils import tree_flatten
 from tierchat.core.attention import (
     ALL_QUERIES,
     OFF,
+    AttentionPlan,
     _fast_sdpa,
     chunk_attention,
     explicit_attention,
@@ -307,7 +308,7 @@ def test_chunk_attention_applies_to_short_chunks_on_its_thread_only():
 
     attention.explicit_attention = spy
     try:
-        with chunk_attention(16):
+        with chunk_attention(AttentionPlan(max_query=16)):
             probe(8)  # short: plain ops
             probe(32)  # longer than max_query: the fast kernel
             t = threading.Thread(target=probe, args=(8,), name="other")
