@@ -124,3 +124,34 @@ def test_conversation_settings_dialog(snap_compare, make_app):
         await pilot.pause()
 
     assert snap_compare(make_app(), terminal_size=SNAP_SIZE, run_before=run_before)
+
+
+# A default terminal (80×24) and a slightly larger one: the narrow layout, panels folded
+# into the summary line; the app must fit and every key hint stay readable.
+SMALL_SIZES = [pytest.param((80, 24), id="80x24"), pytest.param((100, 30), id="100x30")]
+
+
+@pytest.mark.parametrize("size", SMALL_SIZES)
+def test_empty_app_small(snap_compare, make_app, size):
+    assert snap_compare(make_app(), terminal_size=size, run_before=quiet)
+
+
+@pytest.mark.parametrize("size", SMALL_SIZES)
+def test_chat_small(snap_compare, make_app, size):
+    async def run_before(pilot):
+        await send(pilot, "What is a KV cache? Answer in one line.")
+        await quiet(pilot)
+        assert not chat_screen(pilot.app).panels_visible
+
+    assert snap_compare(make_app(), terminal_size=size, run_before=run_before)
+
+
+@pytest.mark.parametrize("size", SMALL_SIZES)
+def test_clear_confirm_modal_small(snap_compare, make_app, size):
+    async def run_before(pilot):
+        await send(pilot, "Fill the cache a little.")
+        await quiet(pilot)
+        await pilot.press("f8")
+        await pilot.pause()
+
+    assert snap_compare(make_app(), terminal_size=size, run_before=run_before)

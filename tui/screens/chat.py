@@ -204,6 +204,7 @@ class ChatScreen(ChatTools):
         )
 
     def on_mount(self) -> None:
+        self._fit_width(self.app.size.width)
         cache_dir = getattr(self.tierchat.settings, "cache_dir", None)
         if cache_dir is not None:
             self._status = StatusWriter(Path(cache_dir), process="TUI")
@@ -224,7 +225,13 @@ class ChatScreen(ChatTools):
         self.query_one(CacheSummary).loading = spec
 
     def on_resize(self) -> None:
-        narrow = self.size.width < WIDE_COLUMNS
+        self._fit_width(self.size.width)
+
+    def _fit_width(self, width: int) -> None:
+        """Panels beside the chat only from ``WIDE_COLUMNS`` on. Also runs at mount with
+        the terminal's width, before the first layout: at 80 columns, list + chat + panels
+        would leave the input a few cells, which Textual's ``TextArea`` cannot render."""
+        narrow = width < WIDE_COLUMNS
         if narrow != self._narrow:
             self._narrow = narrow
             self.panels_visible = not narrow  # each layout starts with its own default
