@@ -199,7 +199,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--turns", type=int, default=4, metavar="N", help="--serve: user turns")
     p.add_argument(
-        "--turn-tokens", type=int, default=200, metavar="N", help="--serve: tokens per user turn"
+        "--turn-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--serve: tokens per user turn (default 200; with --clients: 100, the first turn)",
+    )
+    p.add_argument(
+        "--clients",
+        metavar="N,N,...",
+        help="--serve: instead, N concurrent streaming clients per round (e.g. 1,4,8,16) "
+        "against tierchat serve and mlx_lm.server: tokens/s and TTFT per N (serve_clients)",
+    )
+    p.add_argument(
+        "--system-tokens",
+        type=int,
+        default=1500,
+        metavar="N",
+        help="--serve --clients: the shared system prompt's tokens (default 1500)",
     )
     return parser
 
@@ -286,7 +303,17 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
         from tierchat.cli.serve import run_serve
 
         return run_serve(settings, args)
+    if command == "bench" and args.serve and args.clients:
+        from tierchat.cli.serve_clients import run_clients_bench
+
+        if args.turn_tokens is None:
+            args.turn_tokens = 100
+        return run_clients_bench(settings, args)
+    if command == "bench" and args.clients:
+        raise CLIError("--clients needs --serve", EXIT_USAGE)
     if command == "bench" and args.serve:
+        if args.turn_tokens is None:
+            args.turn_tokens = 200
         from tierchat.cli.serve_bench import run_serve_bench
 
         return run_serve_bench(settings, args)
