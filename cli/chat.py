@@ -48,7 +48,7 @@ def metrics_line(m: Any) -> str:
 
 
 class LineChat:
-    """The read-eval-print loop over a :class:`~tierchat.core.session.ChatSession`."""
+    """The read-eval-print loop over a :class:`~tierchat.core.chat.session.ChatSession`."""
 
     def __init__(self, session: Any, inp: TextIO, out: TextIO, err: TextIO) -> None:
         self.session = session
@@ -91,8 +91,8 @@ class LineChat:
 
     def command(self, line: str) -> bool:
         """Run a /command; False to quit."""
-        from tierchat.core.conversation import StoreError
-        from tierchat.core.session import SessionError
+        from tierchat.core.chat.session import SessionError
+        from tierchat.core.chat.store import StoreError
 
         name, _, rest = line.partition(" ")
         try:
@@ -131,7 +131,7 @@ class LineChat:
     def stream(self, start) -> None:
         """Start a turn with ``start()`` and print its reply as it streams."""
         from tierchat.core.api import Failed, Finished, TokenBatch
-        from tierchat.core.conversation import StoreError
+        from tierchat.core.chat.store import StoreError
 
         try:
             turn = start()

@@ -40,7 +40,7 @@ def open_store(path):
     from pathlib import Path
 
     from tierchat.config.settings import user_data_dir
-    from tierchat.core.conversation import ConversationStore, StoreError
+    from tierchat.core.chat.store import ConversationStore, StoreError
 
     try:
         data_dir = Path(path).parent
@@ -59,8 +59,8 @@ def open_store(path):
 
 
 def new_session(engine: Any, store: Any, settings: Any):
-    """A :class:`~tierchat.core.session.ChatSession` with the settings' generation options."""
-    from tierchat.core.session import ChatSession
+    """A :class:`~tierchat.core.chat.session.ChatSession` with the settings' generation options."""
+    from tierchat.core.chat.session import ChatSession
 
     return ChatSession(
         engine,
@@ -89,7 +89,7 @@ def _load_progress(spec: str):
 
 
 def start_engine(settings: Any, model: str | None = None, *, quiet: bool = False):
-    """A new :class:`~tierchat.core.engine.Engine` with ``model`` (default
+    """A new :class:`~tierchat.core.engine.engine.Engine` with ``model`` (default
     ``settings.model``) loaded. A load warning (SSD tier off, caching unsupported for the
     model) goes to stderr unless ``quiet``.
 
@@ -97,7 +97,7 @@ def start_engine(settings: Any, model: str | None = None, *, quiet: bool = False
     (and on Ctrl-C). The caller closes the returned engine.
     """
     from tierchat.core.api import Failed
-    from tierchat.core.engine import Engine
+    from tierchat.core.engine.engine import Engine
 
     spec = model or settings.model
     engine = Engine(settings)

@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-queue", type=int, default=64, metavar="N", help="refuse requests past N queued (503)"
     )
-    from tierchat.core.serve_limits import add_limit_flags
+    from tierchat.core.serve.limits import add_limit_flags
 
     add_limit_flags(p)
 
@@ -304,7 +304,7 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
 
         return run_serve(settings, args)
     if command == "bench" and args.serve and args.clients:
-        from tierchat.cli.serve_clients import run_clients_bench
+        from tierchat.cli.bench.clients import run_clients_bench
 
         if args.turn_tokens is None:
             args.turn_tokens = 100
@@ -314,15 +314,15 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
     if command == "bench" and args.serve:
         if args.turn_tokens is None:
             args.turn_tokens = 200
-        from tierchat.cli.serve_bench import run_serve_bench
+        from tierchat.cli.bench.serve import run_serve_bench
 
         return run_serve_bench(settings, args)
     if command == "bench" and args.workload:
-        from tierchat.cli.workload import run_workload_bench
+        from tierchat.cli.bench.workload import run_workload_bench
 
         return run_workload_bench(settings, args)
     if command == "bench":
-        from tierchat.cli.bench import run_bench
+        from tierchat.cli.bench.main import run_bench
 
         return run_bench(settings, args)
     raise CLIError(f"unknown command {command!r}", EXIT_USAGE)
@@ -334,7 +334,7 @@ def run_tui(settings: Any) -> int:
         from tierchat.tui.app import run_app
     except ImportError as e:
         raise CLIError(f"the TUI is not available ({e}); try `tierchat chat`") from None
-    from tierchat.core.engine import Engine
+    from tierchat.core.engine.engine import Engine
 
     store = open_store(settings.db_path)
     engine = Engine(settings)
@@ -347,7 +347,7 @@ def run_tui(settings: Any) -> int:
 
 
 def run_models(settings: Any) -> int:
-    from tierchat.core.models import list_models
+    from tierchat.core.models.loading import list_models
 
     rows = [
         (m.name, "yes" if m.available else "no", m.description, m.note)
@@ -369,7 +369,7 @@ def run_config(settings: Any) -> int:
 def _device_line() -> str:
     """The device and compute dtype (imports MLX); says so when MLX cannot load."""
     try:
-        from tierchat.core.device import describe_device
+        from tierchat.core.engine.device import describe_device
     except ImportError as e:  # a Linux install without tierchat[cpu] or tierchat[cuda]
         return f"unavailable: MLX does not load ({e}); install tierchat[cpu] or tierchat[cuda]"
     return describe_device()

@@ -26,7 +26,7 @@ from typing import Any
 
 from tierchat.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CLIError
 
-RANK_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")  # core/distributed.py reads them
+RANK_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")  # core/engine/distributed.py reads them
 
 
 def launched() -> bool:
@@ -93,7 +93,7 @@ def run_rank(
     interpreter's teardown, once its command is done; when the ranks failed (a rank lost
     or silent past the timeout), with code 1 after its error line: its engine thread may
     still be blocked in a collective."""
-    from tierchat.core import distributed as dist
+    from tierchat.core.engine import distributed as dist
 
     try:
         ranks = dist.current(timeout_s)
@@ -146,8 +146,8 @@ def rank_settings(settings: Any, rank: int, size: int) -> Any:
 def run_worker(settings: Any) -> int:
     """A rank > 0: an engine with no UI, running rank 0's messages until rank 0 ends.
     Exit code 0 when rank 0 ended cleanly, 1 when it was lost or this rank failed."""
-    from tierchat.core.distributed import serve_worker
-    from tierchat.core.engine import Engine
+    from tierchat.core.engine.distributed import serve_worker
+    from tierchat.core.engine.engine import Engine
 
     def log(text: str) -> None:
         print(text, file=sys.stderr, flush=True)

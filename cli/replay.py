@@ -295,8 +295,8 @@ class Replay:
         print(f"error: {self.name}:{op.index + 1}: {op.op}: {message}", file=self.err, flush=True)
 
     def run(self, ops: Sequence[Op]) -> int:
-        from tierchat.core.conversation import StoreError
-        from tierchat.core.session import SessionError
+        from tierchat.core.chat.session import SessionError
+        from tierchat.core.chat.store import StoreError
 
         for op in ops:
             try:

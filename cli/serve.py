@@ -3,9 +3,9 @@
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming with
 server-sent events, or not), ``GET /v1/models``, ``GET /health``. Every generation is a
 ``GenerateRequest`` submitted to the one engine through a
-:class:`~tierchat.core.serve_log.TrackedEngine`, so requests queue for the engine's thread
+:class:`~tierchat.core.serve.log.TrackedEngine`, so requests queue for the engine's thread
 (its depth shows in ``/health``, the console and the log) and hit the same prefix cache as
-``tierchat chat``. Prompts are built as the chat builds them (:mod:`tierchat.core.serve_prompts`).
+``tierchat chat``. Prompts are built as the chat builds them (:mod:`tierchat.core.serve.prompts`).
 
 ``usage`` is OpenAI's (``prompt_tokens``, ``completion_tokens``, ``total_tokens``,
 ``prompt_tokens_details.cached_tokens``) plus ``usage.tierchat``: cached tokens by tier
@@ -16,7 +16,7 @@ codes. Binding to anything but loopback needs ``--allow-remote`` and an API key
 
 Every request is hostile until checked, before any work is queued (issue 22):
 ``Host``/``Origin`` (:class:`HostGuard`), the media type, body size, JSON numbers, message
-count, token ids and context (:mod:`tierchat.core.serve_limits`); prompts are built on at
+count, token ids and context (:mod:`tierchat.core.serve.limits`); prompts are built on at
 most ``build_slots`` threads (:func:`off_loop`) and dropped when their client leaves;
 connections are bounded with a header timeout (:func:`guarded_protocol`). SIGTERM and
 SIGINT stop in order (:mod:`tierchat.cli.serve_shutdown`).
@@ -46,8 +46,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from tierchat.cli.common import EXIT_OK, EXIT_USAGE, CLIError, start_engine
 from tierchat.core.api import Event, Failed, Finished, GenerateRequest, TokenBatch, TurnMetrics
-from tierchat.core.prompts import PromptBuilder
-from tierchat.core.serve_limits import (
+from tierchat.core.chat.prompts import PromptBuilder
+from tierchat.core.serve.limits import (
     ServeLimits,
     check_host,
     check_origin,
@@ -57,8 +57,8 @@ from tierchat.core.serve_limits import (
     parse_body,
     vocab_size,
 )
-from tierchat.core.serve_log import RequestLog, RequestRecord, TrackedEngine, log_safe
-from tierchat.core.serve_prompts import (
+from tierchat.core.serve.log import RequestLog, RequestRecord, TrackedEngine, log_safe
+from tierchat.core.serve.prompts import (
     APIError,
     ReplyMemory,
     Sampling,
@@ -192,7 +192,7 @@ def sse(data: Any) -> str:
 
 def client_label(request: Request, body: dict) -> str:
     """``host label``: the request's ``user`` field, else the User-Agent's product; control
-    characters escaped (:func:`~tierchat.core.serve_log.log_safe`), as it goes to logs."""
+    characters escaped (:func:`~tierchat.core.serve.log.log_safe`), as it goes to logs."""
     host = request.client.host if request.client else "?"
     user = body.get("user")
     if isinstance(user, str) and user:
@@ -527,7 +527,7 @@ def create_app(state: ServeState) -> Starlette:
 
 class HostGuard:
     """ASGI middleware: every HTTP request's ``Origin`` header, and its ``Host`` header
-    when the server asks for no key, are checked (:func:`~tierchat.core.serve_limits.
+    when the server asks for no key, are checked (:func:`~tierchat.core.serve.limits
     check_origin`, ``check_host``) before a route runs, so neither a web page nor a
     DNS-rebound name can drive or read the server. A server with a key (any non-loopback
     bind has one) is reached under whatever name its clients use: a rebound page cannot
@@ -687,7 +687,7 @@ def run_serve(settings: Any, args: Any) -> int:
     from tierchat.cli.common import SSDWatch, check_cache_owner
     from tierchat.cli.serve_shutdown import Shutdown
     from tierchat.core.live_status import StatusService
-    from tierchat.core.serve_limits import limits_from_args
+    from tierchat.core.serve.limits import limits_from_args
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     check_bind(args.host, args.allow_remote, api_key)

@@ -67,7 +67,7 @@ class Settings:
     block_size: int = 256
     prefill_chunk: int = 2048
     # attentions of at most this many query tokens run in plain MLX ops
-    # (core/attention.py): on CUDA prefill chunks, instead of cuDNN SDPA, which builds a
+    # (core/engine/attention.py): on CUDA prefill chunks, instead of cuDNN SDPA, which builds a
     # graph per new length; on the CPU every attention, with a softmax through pow;
     # None: auto (512 on CUDA, all on the CPU, off on Metal); 0: off
     chunk_attention: int | None = None

@@ -22,8 +22,8 @@ import mlx.core as mx
 import tierchat.core  # noqa: F401  (OpenBLAS before mlx)
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from tierchat.core.api import Finished
-from tierchat.core.engine import Engine
-from tierchat.core.session import ChatSession, TurnHandle
+from tierchat.core.chat.session import ChatSession, TurnHandle
+from tierchat.core.engine.engine import Engine
 
 SYSTEM = "You are a careful assistant. Answer briefly, and keep every answer short please."
 USERS = [

@@ -32,9 +32,9 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import LRUPromptCache
 from tierchat.config.settings import Settings
 from tierchat.core.api import Finished, GenerateRequest
-from tierchat.core.conversation import ConversationStore
-from tierchat.core.engine import Engine
-from tierchat.core.session import ChatSession
+from tierchat.core.chat.session import ChatSession
+from tierchat.core.chat.store import ConversationStore
+from tierchat.core.engine.engine import Engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chat_script import SCRIPT, SYSTEM, mlx_lm_prefill, play  # noqa: E402  (one script dir)
@@ -89,7 +89,7 @@ def run_ours(args, tmp: Path) -> list[dict]:
 
 def run_mlx_lm(args, rows: list[dict]) -> None:
     """mlx-lm's server flow over the same prompts and forced replies (its own model copy)."""
-    from tierchat.core.models import load_model
+    from tierchat.core.models.loading import load_model
 
     model = load_model(
         args.model, models_dir=Path(args.models_dir) if args.models_dir else None
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as d:
         rows = run_ours(args, Path(d))
         run_mlx_lm(args, rows)
-    from tierchat.core.device import describe_device
+    from tierchat.core.engine.device import describe_device
 
     print(f"{args.model} · {describe_device()} · teacher forcing over {args.tokens} tokens")
     head = f"{'op':<17}{'prompt':>7} | {'cached':>7}{'top-1':>7}{'max|dlp|':>10}{'first':>6}{'bitwise':>8} |"

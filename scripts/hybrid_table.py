@@ -29,10 +29,10 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import LRUPromptCache
 from tierchat.config.settings import Settings
 from tierchat.core.api import GenerateRequest
-from tierchat.core.conversation import ConversationStore
-from tierchat.core.engine import Engine
-from tierchat.core.session import ChatSession
-from tierchat.core.tiny import TINY_ARCHS
+from tierchat.core.chat.session import ChatSession
+from tierchat.core.chat.store import ConversationStore
+from tierchat.core.engine.engine import Engine
+from tierchat.core.models.tiny import TINY_ARCHS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chat_script import SCRIPT, SYSTEM, USERS, mlx_lm_prefill, play  # noqa: E402  (one script dir)
@@ -82,7 +82,7 @@ def run_ours(model: str, tmp: Path, block_size: int, max_tokens: int, repeat: in
 
 def run_mlx_lm(rows, model_dir: Path):
     """mlx-lm's server flow over the same prompts (main thread, its own model copy)."""
-    from tierchat.core.models import load_model
+    from tierchat.core.models.loading import load_model
 
     loaded = load_model(str(model_dir))
     model = loaded.model

@@ -52,7 +52,7 @@ def make_engine(args: argparse.Namespace, settings, *, supported: bool = True):
 
         name = args.model if supported else "tiny:unknown-arch"
         return FakeEngine(name, supported=supported)
-    from tierchat.core.engine import Engine
+    from tierchat.core.engine.engine import Engine
 
     return Engine(settings)  # the app loads settings.model itself, with progress
 
@@ -184,7 +184,7 @@ STATES: tuple[State, ...] = (
 
 
 async def shoot(state: State, args, out: Path, suffix: str) -> Path:
-    from tierchat.core.conversation import ConversationStore
+    from tierchat.core.chat.store import ConversationStore
     from tierchat.tui.app import TierchatApp
 
     with tempfile.TemporaryDirectory(prefix="tierchat-shots-") as tmp:

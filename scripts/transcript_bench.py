@@ -132,8 +132,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from fakes import FakeEngine
-    from tierchat.core.conversation import ConversationStore
-    from tierchat.core.session import ChatSession
+    from tierchat.core.chat.session import ChatSession
+    from tierchat.core.chat.store import ConversationStore
 
     print(
         f"{'turns':>5} {'messages':>8} {'old ms':>8} {'path ms':>8} {'speedup':>8} "

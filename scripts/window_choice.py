@@ -19,7 +19,7 @@ import numpy as np
 import tierchat.core  # noqa: F401  (OpenBLAS before mlx)
 from tierchat.config.settings import Settings
 from tierchat.core.cache import layers as L
-from tierchat.core.models import load_model
+from tierchat.core.models.loading import load_model
 
 
 def main(argv=None) -> int:

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 from tierchat.config.settings import Settings
 from tierchat.core.api import Finished, GenerateRequest
-from tierchat.core.conversation import ConversationStore
-from tierchat.core.engine import Engine
-from tierchat.core.session import ChatSession
+from tierchat.core.chat.session import ChatSession
+from tierchat.core.chat.store import ConversationStore
+from tierchat.core.engine.engine import Engine
 
 LOGPROB_TOL = 1e-4  # float32: cached vs cold logprobs of the first tokens
 

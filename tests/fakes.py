@@ -3,7 +3,7 @@
 ``FakeTokenizer`` is byte-level-ish: every character is one id, except a few common
 character pairs that ``encode`` merges into one id. ``FakeEngine`` "generates" one id per
 character, so re-tokenizing a reply gives different ids than were generated -- the same
-trap a real BPE tokenizer sets, which the splicing in ``core/prompts.py`` must handle.
+trap a real BPE tokenizer sets, which the splicing in ``core/chat/prompts.py`` must handle.
 
 ``FakeEngine`` implements ``EngineLike`` (core/api.py): one worker thread serves requests in
 order, like the real engine's MLX thread. Replies are deterministic ("Reply N to: <last

@@ -1,4 +1,4 @@
-"""``tierchat bench`` plumbing (cli/bench.py): prompts, the disk read measurement, the
+"""``tierchat bench`` plumbing (cli/bench/main.py): prompts, the disk read measurement, the
 ratio columns, and a run on a (shrunk) ``shape:`` model with JSON out."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import importlib.util
 import json
 
 import pytest
-from tierchat.cli import bench
+from tierchat.cli.bench import main as bench
 from tierchat.cli.main import main
-from tierchat.core import shapes
+from tierchat.core.models import shapes
 
 pytestmark = pytest.mark.usefixtures("isolated_settings")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 from engine_kit import Lockstep
-from tierchat.core.tiny import TINY_ARCHS
+from tierchat.core.models.tiny import TINY_ARCHS
 
 SYSTEM = "You are a careful assistant. Answer briefly, and keep every answer short."
 USERS = [
@@ -115,7 +115,7 @@ def test_exactness_quantized_kv(lockstep):
 
 def test_prompts_exceed_windows_and_blocks(lockstep):
     """The matrix's prompts are longer than the tiny sliding window and several blocks."""
-    from tierchat.core.tiny import SLIDING_WINDOW
+    from tierchat.core.models.tiny import SLIDING_WINDOW
 
     pair = lockstep("tiny:gemma3")
     pair.run("new_conversation", SYSTEM)

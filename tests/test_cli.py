@@ -275,7 +275,7 @@ def test_serve_limit_flags_fill_serve_limits(capsys):
     """Each ``serve`` limit flag reaches its :class:`ServeLimits` field, and ``--help``
     names every one with its default."""
     from tierchat.cli.main import build_parser
-    from tierchat.core.serve_limits import ServeLimits, limits_from_args
+    from tierchat.core.serve.limits import ServeLimits, limits_from_args
 
     parser = build_parser()
     assert limits_from_args(parser.parse_args(["serve"])) == ServeLimits()

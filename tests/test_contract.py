@@ -22,8 +22,8 @@ from tierchat.core.api import (
     PrefillProgress,
     TokenBatch,
 )
-from tierchat.core.conversation import ConversationStore
-from tierchat.core.session import ChatSession
+from tierchat.core.chat.session import ChatSession
+from tierchat.core.chat.store import ConversationStore
 
 TIMEOUT = 120
 SYSTEM = "You answer in one short line."
@@ -168,9 +168,9 @@ def test_clear_all_empties_every_tier(session, engine):
 
 
 def test_the_draft_count_is_the_prompt_the_engine_reads(session, engine):
-    """The TUI's live token count (core/draft.py) counts with the engine's tokenizer what
+    """The TUI's live token count (core/chat/draft.py) counts with the engine's tokenizer what
     ``send`` will submit: the prompt length the engine then reports, on both engines."""
-    from tierchat.core.draft import count_draft
+    from tierchat.core.chat.draft import count_draft
 
     turn(lambda cb: session.send(QUESTION, on_event=cb))
     follow = "And a second question, counted while typed?"

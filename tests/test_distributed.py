@@ -361,9 +361,9 @@ def test_tui_runs_on_rank_0_in_its_terminal(tmp_path, models_dir):
 DRIVER = """
 import json, sys
 from tierchat.config.settings import Settings
-from tierchat.core import distributed as dist
+from tierchat.core.engine import distributed as dist
 from tierchat.core.api import Failed, GenerateRequest, PrefillProgress, TokenBatch
-from tierchat.core.engine import Engine
+from tierchat.core.engine.engine import Engine
 
 cache_dir, models_dir = sys.argv[1], sys.argv[2]
 s = Settings(model="tiny:llama", cache_dir=cache_dir, models_dir=models_dir, block_size=16,
@@ -448,7 +448,7 @@ def test_a_model_with_neither_shard_nor_pipeline_is_refused_on_every_rank(tmp_pa
 def test_layout_is_part_of_the_cache_key():
     """Rank, world size and mode salt the fingerprint the SSD directory is named from: a
     restart with another layout never reads these files."""
-    from tierchat.core.models import layout_fingerprint
+    from tierchat.core.models.loading import layout_fingerprint
 
     keys = {
         layout_fingerprint("f" * 64, mode, rank, size)

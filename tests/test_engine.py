@@ -191,7 +191,7 @@ def test_call_runs_on_the_engine_thread_after_queued_jobs(engine):
 def test_buffer_cache_is_cleared_on_the_engine_thread_after_ssd_work(engine, monkeypatch):
     import threading
 
-    from tierchat.core import engine as engine_mod
+    from tierchat.core.engine import engine as engine_mod
 
     cleared = []
     real = engine_mod.mx.clear_cache
@@ -224,8 +224,8 @@ def test_core_never_imports_textual():
 
     code = (
         "import sys\n"
-        "import tierchat.core.engine, tierchat.core.session, tierchat.core.models\n"
-        "import tierchat.core.cache.prefix, tierchat.core.memory, tierchat.config.settings\n"
+        "import tierchat.core.engine.engine, tierchat.core.chat.session, tierchat.core.models.loading\n"
+        "import tierchat.core.cache.prefix, tierchat.core.memory.pressure, tierchat.config.settings\n"
         "assert 'textual' not in sys.modules, 'textual was imported'\n"
         "assert 'mlx.core' in sys.modules\n"
     )

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from engine_kit import assert_same, generate, make_engine, random_prompt
-from tierchat.core import memory as memory_mod
 from tierchat.core.api import Failed, GenerateRequest
+from tierchat.core.memory import pressure as memory_mod
 
 
 def test_refusal_leaves_every_tier_usable(tmp_path, models_dir):

@@ -25,7 +25,7 @@ CHILD = textwrap.dedent(
     """
     import shutil, sys, time
     from pathlib import Path
-    from tierchat.core import models
+    from tierchat.core.models import loading as models
 
     source, target, point = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 
@@ -113,7 +113,7 @@ def test_a_conversion_killed_at_any_point_leaves_nothing_after_the_next_start(
     assert not (models_dir / "demo").exists()
 
     # the next start: resolving any model cleans the models dir first
-    from tierchat.core.models import resolve_model_dir
+    from tierchat.core.models.loading import resolve_model_dir
 
     resolve_model_dir("tiny:llama", models_dir)
     assert temps(models_dir) == []

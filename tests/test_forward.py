@@ -1,5 +1,5 @@
-"""The folded schedule's pieces: the last chunk gives the first token (core/forward.py),
-and short chunks' attention in plain MLX ops (core/attention.py)."""
+"""The folded schedule's pieces: the last chunk gives the first token (core/engine/forward.py),
+and short chunks' attention in plain MLX ops (core/engine/attention.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from engine_kit import assert_same, generate, make_engine, random_prompt
 from mlx.utils import tree_flatten
-from tierchat.core.attention import (
+from tierchat.core.engine.attention import (
     ALL_QUERIES,
     OFF,
     AttentionPlan,
@@ -22,8 +22,8 @@ from tierchat.core.attention import (
     plan_attention,
     pow_softmax,
 )
-from tierchat.core.forward import last_logits_fn, verify_last_logits
-from tierchat.core.tiny import TINY_ARCHS
+from tierchat.core.engine.forward import last_logits_fn, verify_last_logits
+from tierchat.core.models.tiny import TINY_ARCHS
 
 STATE_ARCHS = {"qwen3_next", "qwen3_5", "mamba2", "falcon_h1", "baichuan_m1"}
 
@@ -138,7 +138,7 @@ def test_the_split_cuts_only_a_causal_kv_call():
     length-dependent RoPE run whole, once."""
     from mlx_lm.models.cache import KVCache, RotatingKVCache
     from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
-    from tierchat.core.forward import _position_dependent_rope, _SplitLastLayer
+    from tierchat.core.engine.forward import _position_dependent_rope, _SplitLastLayer
 
     x = mx.zeros((1, 5, 4))
     layer = _Layer()
@@ -222,7 +222,7 @@ def test_explicit_attention_with_a_value_head_size_of_its_own(softmax):
 def test_a_model_whose_split_fails_still_folds_whole(tmp_path, models_dir, monkeypatch):
     """Where the split last layer does not check out at load, the engine folds with the
     layer whole, and on the CPU only short last chunks (the length limit is back)."""
-    import tierchat.core.engine as engine_mod
+    import tierchat.core.engine.engine as engine_mod
 
     real = engine_mod.last_logits_fn
 
@@ -297,7 +297,7 @@ def test_chunk_attention_applies_to_short_chunks_on_its_thread_only():
         out = before(q, k, v, scale=1.0, mask="causal")
         calls.append(out.shape)
 
-    import tierchat.core.attention as attention
+    import tierchat.core.engine.attention as attention
 
     seen = []
     real = attention.explicit_attention

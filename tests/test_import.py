@@ -1,4 +1,4 @@
-"""Import a conversation from its JSON export (core/importer.py and
+"""Import a conversation from its JSON export (core/chat/importer.py and
 ``ConversationStore.import_conversation``): export -> import gives an equal conversation,
 and a malformed file is an error that stores nothing."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from tierchat.core.conversation import ConversationStore
-from tierchat.core.importer import ImportFormatError, parse_export, read_export
+from tierchat.core.chat.importer import ImportFormatError, parse_export, read_export
+from tierchat.core.chat.store import ConversationStore
 from tierchat.tui.export import export_conversation
 
 
@@ -170,7 +170,7 @@ def test_a_failure_inside_the_insert_rolls_back(store, monkeypatch):
 def test_unreadable_or_huge_files(tmp_path, monkeypatch):
     with pytest.raises(ImportFormatError, match="cannot read"):
         read_export(tmp_path / "missing.json")
-    from tierchat.core import importer
+    from tierchat.core.chat import importer
 
     big = tmp_path / "big.json"
     big.write_text("x" * 100)

@@ -1,4 +1,4 @@
-"""Memory readings, levels, the budget policy and the prefill guard (core/memory.py).
+"""Memory readings, levels, the budget policy and the prefill guard (core/memory/pressure.py).
 
 Levels and budgets run on injected readings. The prefill estimate is compared with peaks
 measured by MLX (``mx.reset_peak_memory()``, a real prefill, ``mx.get_peak_memory()``):
@@ -12,9 +12,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
-from tierchat.core import memory as M
 from tierchat.core.api import MemoryStats
-from tierchat.core.models import load_model
+from tierchat.core.memory import pressure as M
+from tierchat.core.models.loading import load_model
 from tierchat.core.units import fmt_bytes
 
 GB = 10**9

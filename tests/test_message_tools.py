@@ -10,11 +10,11 @@ import sys
 
 import pytest
 from fakes import FakeEngine
-from tierchat.core.code_blocks import CodeBlock, fenced_blocks
-from tierchat.core.conversation import ConversationError, ConversationStore
-from tierchat.core.draft import count_draft
-from tierchat.core.editor import EditorError, edit_text, editor_command
-from tierchat.core.session import ChatSession
+from tierchat.core.chat.code_blocks import CodeBlock, fenced_blocks
+from tierchat.core.chat.draft import count_draft
+from tierchat.core.chat.editor import EditorError, edit_text, editor_command
+from tierchat.core.chat.session import ChatSession
+from tierchat.core.chat.store import ConversationError, ConversationStore
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Model specs, tiny models, GGUF conversion (core/models.py, core/tiny.py, core/gguf.py)."""
+"""Model specs, tiny models, GGUF conversion (core/models/loading.py, core/models/tiny.py, core/models/gguf.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from mlx_lm.models.cache import (
     KVCache,
     RotatingKVCache,
 )
-from tierchat.core import models
-from tierchat.core.gguf import convert_gguf, hf_tensor_name
-from tierchat.core.models import ModelError, list_models, load_model
-from tierchat.core.tiny import TINY_ARCHS
+from tierchat.core.models import loading as models
+from tierchat.core.models.gguf import convert_gguf, hf_tensor_name
+from tierchat.core.models.loading import ModelError, list_models, load_model
+from tierchat.core.models.tiny import TINY_ARCHS
 
 EXPECTED_CACHES = {
     "llama": {KVCache},
@@ -145,7 +145,7 @@ def _write_tiny_qwen2_gguf(path, rng) -> dict[str, np.ndarray]:
     (Q8_0 tensors as the values after quantization)."""
     import gguf
     from gguf.quants import dequantize, quantize
-    from tierchat.core.tiny import _bytes_to_unicode
+    from tierchat.core.models.tiny import _bytes_to_unicode
 
     hidden, ff, heads, kv, head_dim = 32, 64, 2, 1, 16
     chars = [_bytes_to_unicode()[b] for b in range(256)]

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 from fakes import END_ID, FakeTokenizer
-from tierchat.core.prompts import Prompt, PromptBuilder, build_prompt, common_prefix_len
+from tierchat.core.chat.prompts import Prompt, PromptBuilder, build_prompt, common_prefix_len
 
 USERS = ["hello there", "tell me more about the weather", "and then?", "thanks, that is all"]
 
@@ -168,7 +168,7 @@ def test_piecewise_tokenization_that_changes_text_falls_back():
 
 
 def test_nodes_are_accepted(tmp_path):
-    from tierchat.core.conversation import ConversationStore
+    from tierchat.core.chat.store import ConversationStore
 
     tok = FakeTokenizer()
     with ConversationStore(tmp_path / "c.sqlite") as store:
@@ -186,7 +186,7 @@ def _demo_tokenizer(name: str, models_dir):
     """The tokenizer of demo model ``name`` as the engine loads it (mlx-lm's wrapper); the
     model directory is converted into ``models_dir`` if needed (shared with the other slow
     tests). Skipped when core.models or the demo packages are not installed."""
-    models = pytest.importorskip("tierchat.core.models")
+    models = pytest.importorskip("tierchat.core.models.loading")
     try:
         target = models.resolve_model_dir(name, models_dir)
     except models.ModelError as e:

@@ -20,12 +20,12 @@ from tierchat.cli.chat import LineChat
 from tierchat.cli.common import SSDWatch
 from tierchat.cli.main import main
 from tierchat.config.settings import SettingsError, load_settings
-from tierchat.core import memory as M
 from tierchat.core.api import Finished, TokenBatch, TurnMetrics
 from tierchat.core.cache import ssd as ssd_mod
 from tierchat.core.cache.blocks import chain_ids
 from tierchat.core.cache.ssd import SSDTier
-from tierchat.core.conversation import ConversationStore, StoreError, store_error
+from tierchat.core.chat.store import ConversationStore, StoreError, store_error
+from tierchat.core.memory import pressure as M
 from tierchat.core.text import printable
 
 MODEL = "tiny:llama"

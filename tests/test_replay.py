@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from tierchat.cli.main import main
 from tierchat.cli.replay import RESULT_FIELDS, ScriptError, parse_script, token_ids_sha256
-from tierchat.core.tiny import TINY_ARCHS
+from tierchat.core.models.tiny import TINY_ARCHS
 
 SOURCES = {"hot", "ssd"}
 KINDS = {"resident", "block", "tail", "checkpoint"}

@@ -1,14 +1,14 @@
 """Full-text search in the conversation store: the FTS5 index (a migration fills it from
 the messages already stored), kept in step on insert, edit and delete, and the query
-built from typed text (core/search.py)."""
+built from typed text (core/chat/search.py)."""
 
 from __future__ import annotations
 
 import sqlite3
 
 import pytest
-from tierchat.core.conversation import MIGRATIONS, ConversationError, ConversationStore
-from tierchat.core.search import fts_query, split_marks
+from tierchat.core.chat.search import fts_query, split_marks
+from tierchat.core.chat.store import MIGRATIONS, ConversationError, ConversationStore
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ import pytest
 from fakes import END_ID, FakeEngine, FakeTokenizer
 from tierchat.cli.common import CLIError
 from tierchat.cli.serve import ServerThread, ServeState, check_bind, create_app, is_loopback
-from tierchat.core.serve_log import RequestLog, TrackedEngine
-from tierchat.core.serve_prompts import APIError, ReplyMemory, StopMatcher, sampling
+from tierchat.core.serve.log import RequestLog, TrackedEngine
+from tierchat.core.serve.prompts import APIError, ReplyMemory, StopMatcher, sampling
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 JSON = {"Content-Type": "application/json"}

@@ -4,7 +4,7 @@ mlx_lm.server (a subprocess on 127.0.0.1) in one run."""
 from __future__ import annotations
 
 import pytest
-from tierchat.cli.serve_bench import report, serve_bench
+from tierchat.cli.bench.serve import report, serve_bench
 from tierchat.config.settings import Settings
 
 

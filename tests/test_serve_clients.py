@@ -7,9 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from tierchat.cli.common import CLIError
-from tierchat.cli.main import main
-from tierchat.cli.serve_clients import (
+from tierchat.cli.bench.clients import (
     MLX_LM,
     TIERCHAT,
     TURNS,
@@ -18,6 +16,8 @@ from tierchat.cli.serve_clients import (
     parse_counts,
     summarize,
 )
+from tierchat.cli.common import CLIError
+from tierchat.cli.main import main
 from tierchat.config.settings import Settings
 
 BLOCK = 16

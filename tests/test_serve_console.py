@@ -17,8 +17,8 @@ from textual.clock import MockClock
 from textual.widgets import DataTable, Static
 from tierchat.cli.serve import ServerThread, ServeState, create_app
 from tierchat.config.settings import Settings
-from tierchat.core.conversation import ConversationStore
-from tierchat.core.serve_log import RequestLog, TrackedEngine
+from tierchat.core.chat.store import ConversationStore
+from tierchat.core.serve.log import RequestLog, TrackedEngine
 
 pytestmark = pytest.mark.anyio
 SIZE = (160, 40)
@@ -160,7 +160,7 @@ async def test_chat_pane_turns_go_through_the_same_queue(console):
 
 def test_console_imports_no_mlx():
     code = (
-        "import sys, tierchat.tui.screens.serve_console, tierchat.core.serve_log; "
+        "import sys, tierchat.tui.screens.serve_console, tierchat.core.serve.log; "
         "assert not any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules), 'mlx'; "
         "assert 'uvicorn' not in sys.modules and 'starlette' not in sys.modules"
     )

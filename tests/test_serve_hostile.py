@@ -19,10 +19,10 @@ import openai
 import pytest
 from engine_kit import make_engine
 from tierchat.cli.serve import ServerThread, ServeState, _print_record, create_app
+from tierchat.core.chat.prompts import PromptBuilder
 from tierchat.core.live_status import STATUS_FILE, StatusService
-from tierchat.core.prompts import PromptBuilder
-from tierchat.core.serve_limits import ServeLimits, context_length, vocab_size
-from tierchat.core.serve_log import RequestLog, TrackedEngine
+from tierchat.core.serve.limits import ServeLimits, context_length, vocab_size
+from tierchat.core.serve.log import RequestLog, TrackedEngine
 
 JSON = {"Content-Type": "application/json"}
 NORMAL = [{"role": "user", "content": "the quick brown fox jumps over a lazy dog"}]
@@ -401,7 +401,7 @@ def test_7_files_the_server_writes_are_owner_only(served):
 
 
 def test_7_an_old_world_readable_reply_memory_is_tightened(tmp_path):
-    from tierchat.core.serve_prompts import ReplyMemory
+    from tierchat.core.serve.prompts import ReplyMemory
 
     folder = tmp_path / "serve-replies"
     folder.mkdir(mode=0o755)

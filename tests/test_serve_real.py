@@ -11,7 +11,7 @@ import openai
 import pytest
 from engine_kit import make_engine
 from tierchat.cli.serve import ServerThread, ServeState, create_app
-from tierchat.core.serve_log import RequestLog, TrackedEngine
+from tierchat.core.serve.log import RequestLog, TrackedEngine
 
 MAX_TOKENS = 8
 WORDS = "the quick brown fox jumps over a lazy dog while seven ships sail past".split()

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from engine_kit import make_engine
 from tierchat.cli.serve import ServerThread, ServeState, create_app
-from tierchat.core.serve_log import RequestLog, TrackedEngine
+from tierchat.core.serve.log import RequestLog, TrackedEngine
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 

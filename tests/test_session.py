@@ -15,8 +15,8 @@ from tierchat.core.api import (
     PrefillProgress,
     TokenBatch,
 )
-from tierchat.core.conversation import ConversationStore
-from tierchat.core.session import ChatSession, SessionError
+from tierchat.core.chat.session import ChatSession, SessionError
+from tierchat.core.chat.store import ConversationStore
 
 TIMEOUT = 5
 
@@ -318,7 +318,7 @@ def test_fake_engine_unsupported_model_and_fixed_clock():
 
 
 def test_settings_are_saved_with_the_conversation_and_used(engine, store):
-    from tierchat.core.session import ConversationSettings
+    from tierchat.core.chat.session import ConversationSettings
 
     s = ChatSession(engine, store, max_tokens=64, temperature=0.0, seed=7)
     cid = s.new_conversation(title="a")
@@ -337,7 +337,7 @@ def test_settings_are_saved_with_the_conversation_and_used(engine, store):
 
 
 def test_regenerate_at_temperature_samples_a_new_seed_each_time(engine, store):
-    from tierchat.core.session import ConversationSettings
+    from tierchat.core.chat.session import ConversationSettings
 
     s = ChatSession(engine, store)
     s.new_conversation()

@@ -9,12 +9,12 @@ import sys
 import textwrap
 import time
 
-from tierchat.core.conversation import SCHEMA_VERSION, ConversationStore
+from tierchat.core.chat.store import SCHEMA_VERSION, ConversationStore
 
 OPENER = textwrap.dedent(
     """
     import sys, time
-    from tierchat.core.conversation import ConversationStore
+    from tierchat.core.chat.store import ConversationStore
     start = float(sys.argv[2])
     while time.time() < start:
         time.sleep(0.001)

@@ -1,4 +1,4 @@
-"""``tierchat bench --workload`` (cli/workload.py): the shipped workloads, op kinds, the
+"""``tierchat bench --workload`` (cli/bench/workload.py): the shipped workloads, op kinds, the
 per-kind summary, and the CI-sized workload on tiny:qwen2 and demo against cold runs.
 
 Tokens are asserted, never wall-clock (docs/DESIGN.md §17)."""
@@ -10,14 +10,14 @@ import json
 from collections import Counter
 
 import pytest
-from tierchat.cli import workload
+from tierchat.cli.bench import workload
 from tierchat.cli.common import CLIError
 from tierchat.cli.main import main
 from tierchat.cli.replay import parse_script
 from tierchat.config.settings import Settings
-from tierchat.core import shapes
 from tierchat.core.api import Finished, GenerateRequest
-from tierchat.core.engine import Engine
+from tierchat.core.engine.engine import Engine
+from tierchat.core.models import shapes
 
 pytestmark = pytest.mark.usefixtures("isolated_settings")
 SYSTEMS = (workload.TIERCHAT, workload.MLX_LM)

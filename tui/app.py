@@ -38,7 +38,7 @@ class TierchatApp(App[None]):
     """Chat with a local model and watch its prefix KV cache.
 
     Args:
-        engine: an ``EngineLike`` (``tierchat.core.engine.Engine``, or a fake in tests).
+        engine: an ``EngineLike`` (``tierchat.core.engine.engine.Engine``, or a fake in tests).
         store: the ``ConversationStore`` the session reads and writes.
         settings: ``tierchat.config.settings.Settings`` (model, sampling, keymap, ...).
         clock: a ``textual.clock.Clock`` or a ``() -> seconds`` callable for the progress
@@ -81,7 +81,7 @@ class TierchatApp(App[None]):
         self.set_keymap(self.keymap)
 
     def _make_session(self) -> Any:
-        from tierchat.core.session import ChatSession
+        from tierchat.core.chat.session import ChatSession
 
         s = self.settings
         return ChatSession(

@@ -4,7 +4,7 @@
 Counting tokenizes (the prompt builder renders the template and encodes the draft: up to
 ~100 ms on a long conversation), so it is debounced (:data:`DEBOUNCE_S` after the last
 keystroke) and runs in a thread worker, never on the UI thread; a count for text that has
-changed since is dropped. Only the tokenizer object is used (core/draft.py): no MLX.
+changed since is dropped. Only the tokenizer object is used (core/chat/draft.py): no MLX.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from textual.timer import Timer
-from tierchat.core.draft import DraftCount, count_draft
+from tierchat.core.chat.draft import DraftCount, count_draft
 
 if TYPE_CHECKING:
     from tierchat.tui.screens.chat import ChatScreen

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from tierchat.core.conversation import ConversationStore, Node
+from tierchat.core.chat.store import ConversationStore, Node
 
 ExportFormat = Literal["md", "json"]
 ExportScope = Literal["path", "tree"]

@@ -488,7 +488,7 @@ class SSDTier:
 
     ``on_idle``, when set, is called on the writer thread each time the writer has emptied
     its queue: the copies it read from the host are free by then (the engine then clears
-    MLX's buffer cache, see :meth:`~tierchat.core.engine.Engine.release_host_buffers`).
+    MLX's buffer cache, see :meth:`~tierchat.core.engine.engine.Engine.release_host_buffers`).
 
     Test hooks: ``write_delay_s`` (every write sleeps this long first) and
     ``write_jitter_s`` (plus a random ``[0, write_jitter_s)``), as instance or class

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from textual.clock import MockClock
 from tierchat.config.settings import Settings
-from tierchat.core.conversation import ConversationStore
+from tierchat.core.chat.store import ConversationStore
 from tui_kit import FlakyEngine, fixed_clock
 
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(HERE.parent))  # tests/ for fakes
 
 from fakes import FakeEngine  # noqa: E402
 from tierchat.config.settings import Settings  # noqa: E402
-from tierchat.core.conversation import ConversationStore  # noqa: E402
+from tierchat.core.chat.store import ConversationStore  # noqa: E402
 from tierchat.tui.app import TierchatApp  # noqa: E402
 
 

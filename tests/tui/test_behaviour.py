@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from textual.widgets import ProgressBar
-from tierchat.core.conversation import ConversationStore
+from tierchat.core.chat.store import ConversationStore
 from tierchat.tui.widgets.activity import ActivityBar
 from tierchat.tui.widgets.cache_panels import CachePanels
 from tierchat.tui.widgets.chat_input import ChatInput
@@ -230,7 +230,7 @@ def test_importing_the_tui_with_a_fake_engine_does_not_import_mlx():
         import sys
         sys.path.insert(0, {str(tests)!r})
         from fakes import FakeEngine
-        from tierchat.core.conversation import ConversationStore
+        from tierchat.core.chat.store import ConversationStore
         from tierchat.config.settings import Settings
         from tierchat.tui.app import TierchatApp
         engine = FakeEngine("demo")

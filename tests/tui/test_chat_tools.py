@@ -12,7 +12,7 @@ import sys
 import pytest
 from test_palette import run_command, type_query
 from textual.widgets import Input, OptionList, TextArea
-from tierchat.core.draft import count_draft
+from tierchat.core.chat.draft import count_draft
 from tierchat.tui.commands import TOOL_COMMANDS
 from tierchat.tui.draft_meter import DEBOUNCE_S
 from tierchat.tui.screens.code_blocks import CodeBlocksScreen

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from tierchat.core.session import ConversationSettings
+from tierchat.core.chat.session import ConversationSettings
 from tierchat.tui.cache_report import clear_report
 from tierchat.tui.screens.conversation_settings import ConversationSettingsScreen
 from tierchat.tui.widgets.cache_panels import CacheSummary, cache_summary

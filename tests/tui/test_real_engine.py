@@ -1,7 +1,7 @@
 """End to end through the real engine on ``tiny:llama``: the app loads the model itself,
 then send, regenerate, swipe and clear the hot tier; assert on the store and the stats.
 
-Skipped cleanly while ``tierchat.core.engine`` (or MLX) cannot be imported.
+Skipped cleanly while ``tierchat.core.engine.engine`` (or MLX) cannot be imported.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from textual.clock import MockClock
 from tierchat.config.settings import Settings
-from tierchat.core.conversation import ConversationStore
+from tierchat.core.chat.store import ConversationStore
 from tui_kit import chat_screen, fixed_clock, send, settle
 
-engine_module = pytest.importorskip("tierchat.core.engine")
+engine_module = pytest.importorskip("tierchat.core.engine.engine")
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 

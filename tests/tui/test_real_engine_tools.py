@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from textual.clock import MockClock
 from tierchat.config.settings import Settings
-from tierchat.core.conversation import ConversationStore
+from tierchat.core.chat.store import ConversationStore
 from tierchat.tui.draft_meter import DEBOUNCE_S
 from tierchat.tui.widgets.chat_input import ChatInput
 from tui_kit import chat_screen, fixed_clock, settle
 
-engine_module = pytest.importorskip("tierchat.core.engine")
+engine_module = pytest.importorskip("tierchat.core.engine.engine")
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from tierchat.core.api import TurnMetrics
-from tierchat.core.serve_log import RequestRecord
+from tierchat.core.serve.log import RequestRecord
 from tierchat.tui.widgets.request_log import COLUMNS, record_cells
 
 

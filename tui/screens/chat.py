@@ -250,7 +250,7 @@ class ChatScreen(ChatTools):
                 return str(describe())
             real = type(self.tierchat.engine).__module__.startswith("tierchat.core")
             if not given and real and "mlx.core" in sys.modules:
-                from tierchat.core.device import describe_device
+                from tierchat.core.engine.device import describe_device
 
                 given = describe_device()
         except Exception:  # noqa: BLE001 - a header detail, never a crash

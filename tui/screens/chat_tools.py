@@ -9,8 +9,8 @@ screen's state (``conversation_id``, ``selected``, ``streaming``) and helpers
 so an error is a notification, never a crash. The screens it opens are in
 ``screens/search.py``, ``screens/raw_message.py``, ``screens/code_blocks.py``; the
 store work is in core (``ConversationStore.search``/``delete_message``/
-``import_conversation``, ``core/importer.py``, ``core/code_blocks.py``,
-``core/editor.py``, ``core/draft.py``).
+``import_conversation``, ``core/chat/importer.py``, ``core/chat/code_blocks.py``,
+``core/chat/editor.py``, ``core/chat/draft.py``).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from textual.app import SuspendNotSupported
 from textual.binding import Binding, BindingType
 from textual.screen import Screen
 from textual.widgets import TextArea
-from tierchat.core.code_blocks import CodeBlock, fenced_blocks
-from tierchat.core.editor import EditorError, edit_text
-from tierchat.core.importer import read_export
+from tierchat.core.chat.code_blocks import CodeBlock, fenced_blocks
+from tierchat.core.chat.editor import EditorError, edit_text
+from tierchat.core.chat.importer import read_export
 from tierchat.tui.draft_meter import DraftMeter
 from tierchat.tui.screens.code_blocks import CodeBlocksScreen, block_label
 from tierchat.tui.screens.confirm import ConfirmScreen

@@ -1,5 +1,5 @@
 """Pick one fenced code block of a message and copy it (the app's clipboard path,
-``App.copy_to_clipboard``): a list of the blocks (core/code_blocks.py), Enter or the
+``App.copy_to_clipboard``): a list of the blocks (core/chat/code_blocks.py), Enter or the
 block's number copies it."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from textual.content import Content
 from textual.screen import ModalScreen
 from textual.widgets import OptionList, Static
 from textual.widgets.option_list import Option
-from tierchat.core.code_blocks import CodeBlock
+from tierchat.core.chat.code_blocks import CodeBlock
 
 PREVIEW_LINES = 3
 

@@ -20,7 +20,7 @@ from textual.containers import Grid, Vertical
 from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Static, TextArea
-from tierchat.core.session import ConversationSettings
+from tierchat.core.chat.session import ConversationSettings
 
 
 class ConversationSettingsScreen(ModalScreen[ConversationSettings | None]):

@@ -16,7 +16,7 @@ from textual.content import Content
 from textual.screen import ModalScreen
 from textual.widgets import Input, OptionList, Static
 from textual.widgets.option_list import Option
-from tierchat.core.search import SearchHit
+from tierchat.core.chat.search import SearchHit
 
 SearchScope = Literal["here", "all"]
 

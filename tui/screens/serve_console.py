@@ -7,7 +7,7 @@ clear tiers as in the chat. F10 switches to the chat screen, whose turns go thro
 same engine queue (and show in the log as client "chat"), and back.
 
 Nothing here imports MLX: the engine is an ``EngineLike`` (the server's
-``TrackedEngine``) and the log a :class:`~tierchat.core.serve_log.RequestLog`.
+``TrackedEngine``) and the log a :class:`~tierchat.core.serve.log.RequestLog`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Header
 from tierchat.core.api import CacheStats, EngineLike
-from tierchat.core.serve_log import RequestLog
+from tierchat.core.serve.log import RequestLog
 from tierchat.tui import app as app_module
 from tierchat.tui.app import TierchatApp
 from tierchat.tui.cache_report import clear_report

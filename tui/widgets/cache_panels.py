@@ -99,7 +99,7 @@ class MemoryPanel(Panel):
 def ceiling_source(m: MemoryStats) -> str:
     """What bounds the memory ceiling now: ``"limit"`` (``--memory-limit`` or 90% of the
     device) or ``"free RAM"`` (what this process holds plus what the system has free,
-    which moves as other programs take or give back memory; core/memory.py)."""
+    which moves as other programs take or give back memory; core/memory/pressure.py)."""
     in_use = m.active + m.cache
     if m.system_total > 0 and m.limit == in_use + m.system_available:
         return "free RAM"

@@ -1,7 +1,7 @@
 """The server's traffic: a queue line and one table row per request.
 
 :class:`RequestLogView` holds one reactive, ``snapshot`` (a
-:class:`~tierchat.core.serve_log.LogSnapshot`); its watcher adds rows for new requests and
+:class:`~tierchat.core.serve.log.LogSnapshot`); its watcher adds rows for new requests and
 updates the cells of the ones that changed (``DataTable.update_cell``). Polling is the
 screen's job.
 """
@@ -14,7 +14,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.reactive import reactive
 from textual.widgets import DataTable, Static
-from tierchat.core.serve_log import LogSnapshot, RequestRecord
+from tierchat.core.serve.log import LogSnapshot, RequestRecord
 from tierchat.core.units import fmt_count, fmt_seconds
 from tierchat.tui.format import fmt_cached_by, fmt_cached_kind
 

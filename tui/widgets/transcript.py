@@ -121,7 +121,7 @@ class MessageView(Vertical):
     A reply's ``<think>…</think>`` reasoning is shown apart, in a collapsed
     :class:`Collapsible` (``t`` on the message, or a click, toggles it); the body shows
     the answer only. The stored content keeps the reasoning: whether the next prompt does
-    is the chat template's choice (``core/prompts.py``).
+    is the chat template's choice (``core/chat/prompts.py``).
     """
 
     DEFAULT_CSS = """

@@ -5,7 +5,7 @@ For each prompt length N (tokens; deterministic text) and each of ``--repeat`` p
 (default 3; every measured prompt has its own first word, so no two share a prefix), with
 one generated token per request; each row shows the run with the median TTFT:
 
-tierchat rows (through the :class:`~tierchat.core.engine.Engine`):
+tierchat rows (through the :class:`~tierchat.core.engine.engine.Engine`):
   cold           a fresh cache: prefill N
   exact hot      the same prompt again (a regenerate): the resident cache cut back to N
                  and the first token sampled from the logprobs kept from the request
@@ -27,7 +27,7 @@ exact or shorter checkpoints there, which is the point of the comparison.
 The two systems take turns, request by request: each prompt's cold, exact hot and nearest
 hot request runs on tierchat and on mlx-lm one after the other (who goes first alternates
 from prompt to prompt). mlx-lm runs on the engine thread (:meth:`Engine.call
-<tierchat.core.engine.Engine.call>`) with the engine's model, so no two threads touch MLX
+<tierchat.core.engine.engine.Engine.call>`) with the engine's model, so no two threads touch MLX
 at once (docs/DESIGN.md §2) and both systems meet the same GPU state: clocks, memory in use,
 other load. A GPU's speed drifts by up to 2x over minutes, so rows measured minutes apart
 would compare the machine with itself, not the systems.
@@ -347,7 +347,7 @@ class LRURequest(NamedTuple):
 
 class LRUBaseline:
     """mlx-lm's ``LRUPromptCache`` as ``mlx_lm/server.py`` uses it, on the engine thread
-    (:meth:`Engine.call <tierchat.core.engine.Engine.call>`) with the engine's model: its
+    (:meth:`Engine.call <tierchat.core.engine.engine.Engine.call>`) with the engine's model: its
     own cache, never the engine's."""
 
     def __init__(self, engine: Any, key: str) -> None:
@@ -531,7 +531,7 @@ def run_bench(settings: Any, args: Any) -> int:
     add_speedups(rows)
     add_ratios(rows, disk)
     rows.sort(key=lambda r: (r["length"], r["system"] != "tierchat"))
-    from tierchat.core.device import describe_device, device_info
+    from tierchat.core.engine.device import describe_device, device_info
 
     device = describe_device(measured.dtype)
     print(f"model {settings.model} · block size {settings.block_size} · {device}")

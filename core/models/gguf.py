@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .files import staged_dir
+from ..files import staged_dir
 
 Progress = Callable[[int, int, str], None]
 

@@ -3,7 +3,7 @@ expression, and the hits the store returns (``ConversationStore.search``).
 
 The store keeps an FTS5 index of every node's content (``nodes_fts``, an external-content
 table over ``nodes``, kept in step by triggers on insert, update and delete; see
-``core/conversation.py`` MIGRATIONS). FTS5 syntax (https://sqlite.org/fts5.html §3) would
+``core/chat/store.py`` MIGRATIONS). FTS5 syntax (https://sqlite.org/fts5.html §3) would
 let a stray quote or ``AND`` in the typed text become a syntax error or an operator, so
 :func:`fts_query` turns the text into plain terms: every word quoted, all required, the
 last one a prefix (so results appear while a word is still being typed).

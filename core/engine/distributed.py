@@ -37,7 +37,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .api import RankStats
+from ..api import RankStats
 
 # variables a launcher sets for every rank (mlx.launch: MLX_RANK; mpirun: OMPI_*, PMI_*);
 # cli/ranks.py reads the same without importing MLX
@@ -308,7 +308,7 @@ class _QuietHandle:
         self.restored_position = 0
 
     def emit(self, event: Any) -> None:
-        from .api import TERMINAL
+        from ..api import TERMINAL
 
         if isinstance(event, TERMINAL):
             self.result = event
@@ -337,7 +337,7 @@ def serve_worker(engine: Any, log: Callable[[str], None] = print) -> bool:
     Raises:
         RankError: this process is not a worker of a group.
     """
-    from .api import Failed, GenerateRequest
+    from ..api import Failed, GenerateRequest
 
     ranks = engine._join_ranks()
     if ranks is None or ranks.is_main:

@@ -51,7 +51,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .api import Tokenizer
+from ..api import Tokenizer
 
 SENTINEL = "TIERCHAT7SENTINEL3CONTENT"
 

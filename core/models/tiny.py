@@ -35,7 +35,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .files import staged_dir
+from ..files import staged_dir
 
 TINY_ARCHS: tuple[str, ...] = (
     "llama",

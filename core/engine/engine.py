@@ -39,10 +39,8 @@ from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 from mlx_lm.sample_utils import make_sampler
 
-from ..config.settings import Settings
-from . import distributed as dist
-from . import memory as memory_mod
-from .api import (
+from ...config.settings import Settings
+from ..api import (
     CacheStats,
     EventCallback,
     Failed,
@@ -56,15 +54,17 @@ from .api import (
     TokenBatch,
     TurnMetrics,
 )
+from ..cache import layers as L
+from ..cache.blocks import LOGPROBS
+from ..cache.prefix import PrefixCache, chunk_ends, probe_specs, schedule_points
+from ..cache.rates import Rates
+from ..cache.request import CacheRequest, ColdRequest
+from ..memory import pressure as memory_mod
+from . import distributed as dist
 from .attention import OFF, chunk_attention, mlx_softmax, plan_attention, pow_softmax
-from .cache import layers as L
-from .cache.blocks import LOGPROBS
-from .cache.prefix import PrefixCache, chunk_ends, probe_specs, schedule_points
-from .cache.rates import Rates
-from .cache.request import CacheRequest, ColdRequest
 from .device import device_info
-from .engine_ranks import RankSeams
 from .forward import last_logits_fn, logprobs_of, verify_last_logits
+from .ranks import RankSeams
 
 _STOP = object()
 # the CPU's limit on a folded last chunk, per layer (docs/DESIGN.md §7): a 1-token forward of
@@ -129,7 +129,7 @@ class Engine(RankSeams):
         self._in_request = False
         self._handle: RequestHandle | None = None
         self._restored_by: dict[str, int] = {}
-        self._attention = OFF  # which attentions run in plain MLX ops (core/attention.py)
+        self._attention = OFF  # which attentions run in plain MLX ops (core/engine/attention.py)
         self._last_logits = None  # set when this model's prompts use the folded schedule
         self._fold_limit: int | None = None  # longest folded last chunk (None: any)
         self.monitor = memory_mod.MemoryMonitor(
@@ -324,7 +324,7 @@ class Engine(RankSeams):
 
     # ------------------------------------------------------------------ load
     def _load(self, spec: str, handle: RequestHandle) -> None:
-        from .models import load_model
+        from ..models.loading import load_model
 
         def progress(done: int, total: int, message: str = "") -> None:
             handle.emit(ModelLoading(spec, done, total, message))
@@ -362,7 +362,7 @@ class Engine(RankSeams):
         self.supported, self.reason = True, ""
         self.layer_kinds = tuple(f"{lf.name}:{lf.kind}" for lf in leaves)
         # on the CPU the folded chunk's last layer computes its output for the last token
-        # only (core/forward.py); not across ranks, whose pipeline stages pass whole chunks
+        # only (core/engine/forward.py); not across ranks, whose pipeline stages pass whole chunks
         cpu = device_info().kind == "cpu"
         splits = False  # the folded chunk's last layer runs the last token only
         if not s.bitwise and not any(lf.snapshots for lf in leaves):
@@ -551,7 +551,7 @@ class Engine(RankSeams):
         # prefill [start, n - 1) in the schedule's chunks, one eval per chunk (the last one
         # asynchronous, overlapping the first decode step's graph building), and the last
         # prompt token through the first decode step; on the folded schedule the last
-        # chunk ends at n and gives the first token's logprobs itself (core/forward.py).
+        # chunk ends at n and gives the first token's logprobs itself (core/engine/forward.py).
         # The request object captures window slices and state snapshots per chunk,
         # before the next chunk moves them
         total = n - start

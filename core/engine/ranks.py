@@ -14,11 +14,11 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from ..api import Failed, GenerateRequest, RankStats, RequestHandle
+from ..cache.prefix import Restored
+from ..cache.request import CacheRequest, ColdRequest
+from ..memory import pressure as memory_mod
 from . import distributed as dist
-from . import memory as memory_mod
-from .api import Failed, GenerateRequest, RankStats, RequestHandle
-from .cache.prefix import Restored
-from .cache.request import CacheRequest, ColdRequest
 
 
 class RankSeams:
@@ -64,7 +64,7 @@ class RankSeams:
 
     def _agree_loaded(self, load: Callable[[], Any]) -> Any:
         """``load()`` on every rank; raises ModelError on all of them when any failed."""
-        from .models import ModelError
+        from ..models.loading import ModelError
 
         if self.ranks is None:
             return load()

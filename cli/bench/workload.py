@@ -8,18 +8,18 @@ parser (a ``.gz`` file is gunzipped first); every generating op must be greedy (
 in ``cli/workloads/`` (see its README).
 
 tierchat runs the script as ``tierchat replay`` does (:class:`~tierchat.cli.replay.Replay`:
-a :class:`~tierchat.core.session.ChatSession` over the engine and a throwaway store).
+a :class:`~tierchat.core.chat.session.ChatSession` over the engine and a throwaway store).
 Before each generating op the prompt is built once, with the session's own prompt builder,
 for the path that op will generate on; mlx-lm gets those token ids, and tierchat's session
 must build the same ones (checked; a difference is an error). mlx-lm's side is
-:class:`~tierchat.cli.bench.LRUBaseline`: ``fetch_nearest_cache``, ``generate_step``
+:class:`~tierchat.cli.bench.main.LRUBaseline`: ``fetch_nearest_cache``, ``generate_step``
 (``prefill_step_size`` 2048) until ``max_tokens`` or an EOS token, ``insert_cache`` of
 prompt + generated tokens, 10 entries, on the engine thread with the engine's model. It
 sees the same conversation (tierchat's replies are spliced into later prompts), so a
 regenerate or an edit hits or misses in its trie as it would in ``mlx_lm.server``.
 
 Who goes first alternates from request to request; before each request of either system
-the SSD writer has written what earlier requests stored (:func:`~tierchat.cli.bench.
+the SSD writer has written what earlier requests stored (:func:`~tierchat.cli.bench.main
 writer_idle`). A ``restart`` closes tierchat's engine and opens a new one on the same cache
 dir (hot tier, tails and resident cache gone; the SSD tier stays; the page cache is not
 dropped, as after an app restart) and waits for its start-up verifier; mlx-lm's LRU is
@@ -56,7 +56,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierchat.cli.bench import WARMUP_SALT, LRUBaseline, _fresh_cache_dir, make_prompt, writer_idle
+from tierchat.cli.bench.main import (
+    WARMUP_SALT,
+    LRUBaseline,
+    _fresh_cache_dir,
+    make_prompt,
+    writer_idle,
+)
 from tierchat.cli.common import EXIT_OK, EXIT_USAGE, CLIError, open_store, table
 from tierchat.cli.replay import (
     GENERATING,
@@ -68,7 +74,7 @@ from tierchat.cli.replay import (
     token_ids_sha256,
 )
 
-WORKLOADS_DIR = Path(__file__).resolve().parent / "workloads"
+WORKLOADS_DIR = Path(__file__).resolve().parents[1] / "workloads"
 NAMED: dict[str, str] = {"chat": "chat.jsonl.gz", "chat-ci": "chat-ci.jsonl"}
 KINDS: tuple[str, ...] = (
     "new conversation",
@@ -150,14 +156,14 @@ def op_kinds(ops: Sequence[Op]) -> dict[int, str]:
 
 
 def next_prompt(session: Any, op: Op):
-    """The :class:`~tierchat.core.prompts.Prompt` that ``session`` will submit for the
+    """The :class:`~tierchat.core.chat.prompts.Prompt` that ``session`` will submit for the
     generating ``op`` (built with its own builder, for the path the op generates on),
     without changing the conversation.
 
     Raises:
         SessionError: as the op itself would (no such turn, nothing to regenerate).
     """
-    from tierchat.core.session import SessionError
+    from tierchat.core.chat.session import SessionError
 
     settings = session.settings()
     if op.op == "regenerate":
@@ -231,7 +237,7 @@ class WorkloadRun:
             self.lru.clear()
 
     def run(self, ops: Sequence[Op]) -> WorkloadResult:
-        from tierchat.core.session import SessionError
+        from tierchat.core.chat.session import SessionError
 
         kinds = op_kinds(ops)
         total = len(kinds)
@@ -464,7 +470,7 @@ def run_workload_bench(settings: Any, args: Any) -> int:
             warmup=warmup == "unrelated",
             log=log,
         )
-    from tierchat.core.device import describe_device, device_info
+    from tierchat.core.engine.device import describe_device, device_info
 
     summary = summarize(result.rows)
     device = describe_device(result.dtype)

@@ -42,8 +42,8 @@ from typing import Any, Literal
 
 import mlx.core as mx
 
-from .api import MemoryStats
-from .units import fmt_bytes, fmt_bytes_exact
+from ..api import MemoryStats
+from ..units import fmt_bytes, fmt_bytes_exact
 
 Level = Literal["ok", "soft", "hard"]
 

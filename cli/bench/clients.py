@@ -16,7 +16,7 @@ requests. The ratio columns: tierchat's tokens/s over mlx-lm's (> 1: tierchat an
 and tierchat's TTFT p90 over mlx-lm's (< 1: tierchat's first tokens come sooner).
 
 Each server starts once (tierchat on a fresh temporary cache dir, in this process on a
-thread as :class:`~tierchat.cli.serve_bench.Ours`; mlx-lm as shipped: ``python -m mlx_lm
+thread as :class:`~tierchat.cli.bench.serve.Ours`; mlx-lm as shipped: ``python -m mlx_lm
 server`` with its defaults, so its batched path), is warmed with one short unrelated
 request, then runs the rounds in order. The clients are threads of this process; the
 tierchat server shares their interpreter, mlx-lm's has its own.
@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierchat.cli.bench import WARMUP_SALT, make_prompt
+from tierchat.cli.bench.main import WARMUP_SALT, make_prompt
+from tierchat.cli.bench.serve import FILLER, TOPICS, MlxLm, Ours, chat
+from tierchat.cli.bench.workload import p90, ratio_text
 from tierchat.cli.common import EXIT_OK, EXIT_USAGE, CLIError, table
-from tierchat.cli.serve_bench import FILLER, TOPICS, MlxLm, Ours, chat
-from tierchat.cli.workload import p90, ratio_text
 
 TIERCHAT, MLX_LM = "tierchat", "mlx-lm"
 TURNS = 2  # user turns per client
@@ -240,8 +240,8 @@ def clients_bench(
     """Every round of :func:`run_round` on tierchat serve (a fresh temporary cache dir),
     then (with ``baseline``) on mlx_lm.server, same model directory."""
     from tierchat.cli.common import start_engine
-    from tierchat.core.device import describe_device
-    from tierchat.core.models import resolve_model_dir
+    from tierchat.core.engine.device import describe_device
+    from tierchat.core.models.loading import resolve_model_dir
 
     with tempfile.TemporaryDirectory(prefix="tierchat-clients-bench-") as tmp:
         fresh = {"cache_dir": Path(tmp) / "kv", "data_dir": Path(tmp) / "data", "no_cache": False}

@@ -2,7 +2,7 @@
 
 Clients resend the whole message list on every turn, with the assistant replies as text
 (often with the reasoning removed). The prompt is built with the chat's
-:class:`~tierchat.core.prompts.PromptBuilder`, so its ids are the ones ``tierchat chat``
+:class:`~tierchat.core.chat.prompts.PromptBuilder`, so its ids are the ones ``tierchat chat``
 would use; a :class:`ReplyMemory` of recent replies maps an assistant message's text back to
 the ids the model generated, and the builder splices them in where the rendered text
 matches (docs/DESIGN.md §4). Turn k+1's prompt then extends turn k's sequence token-exactly and
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .api import Tokenizer
-from .prompts import Prompt, PromptBuilder
+from ..api import Tokenizer
+from ..chat.prompts import Prompt, PromptBuilder
 
 THINK_END = "</think>"
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}

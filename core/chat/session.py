@@ -2,7 +2,7 @@
 
 Used by the line chat, ``tierchat replay`` and the TUI. Every generating call (``send``,
 ``regenerate``, ``edit``) builds the prompt of the active path with
-:func:`tierchat.core.prompts.build_prompt`, submits it, and returns a :class:`TurnHandle`.
+:func:`tierchat.core.chat.prompts.build_prompt`, submits it, and returns a :class:`TurnHandle`.
 
 What is stored, and when (events arrive on the engine thread):
 
@@ -35,7 +35,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from .api import (
+from ..api import (
     EngineLike,
     Event,
     EventCallback,
@@ -44,8 +44,8 @@ from .api import (
     GenerateRequest,
     RequestHandle,
 )
-from .conversation import ConversationStore, Node, PathEntry
 from .prompts import Prompt, PromptBuilder
+from .store import ConversationStore, Node, PathEntry
 
 
 class SessionError(Exception):

@@ -190,7 +190,7 @@ class Ours:
 
     def start(self):
         from tierchat.cli.serve import ServerThread, ServeState, create_app, reply_memory_path
-        from tierchat.core.serve_log import RequestLog, TrackedEngine
+        from tierchat.core.serve.log import RequestLog, TrackedEngine
 
         engine = start_engine(self.settings, quiet=True)
         tracked = TrackedEngine(engine, RequestLog())
@@ -292,7 +292,7 @@ def serve_bench(
 ) -> list[Turn]:
     """Replay the chat through tierchat (a fresh temporary cache dir) and mlx-lm; returns
     every request's :class:`Turn`, tierchat's first."""
-    from tierchat.core.models import resolve_model_dir
+    from tierchat.core.models.loading import resolve_model_dir
 
     with tempfile.TemporaryDirectory(prefix="tierchat-serve-bench-") as tmp:
         fresh = {"cache_dir": Path(tmp) / "kv", "data_dir": Path(tmp) / "data", "no_cache": False}

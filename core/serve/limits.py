@@ -14,7 +14,7 @@ preflight) and, through DNS rebinding, under a name that resolves to 127.0.0.1. 
   reads out-of-bounds memory or crashes the process), and prompt + reply within the
   model's context: 400 ``context_length_exceeded`` as OpenAI answers, before any prefill.
 
-Every failure is an :class:`~tierchat.core.serve_prompts.APIError` in OpenAI's shape.
+Every failure is an :class:`~tierchat.core.serve.prompts.APIError` in OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from .serve_prompts import APIError
+from .prompts import APIError
 
 MAX_INT_DIGITS = 20  # a 64-bit seed has 20 digits; more is never a real parameter
 MAX_DEPTH = 64  # JSON nesting: a chat body is 5 deep

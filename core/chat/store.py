@@ -59,7 +59,7 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE conversations ADD COLUMN settings TEXT NOT NULL DEFAULT '{}';
     """,
-    # full-text index of every message (core/search.py), kept in step by triggers, and
+    # full-text index of every message (core/chat/search.py), kept in step by triggers, and
     # filled from the messages already stored
     """
     CREATE VIRTUAL TABLE nodes_fts USING fts5(
@@ -667,7 +667,7 @@ class ConversationStore:
         self, text: str, *, conversation_id: int | None = None, limit: int = 50
     ) -> list[SearchHit]:
         """Messages whose content holds every word of ``text`` (the last word as a prefix;
-        :func:`~tierchat.core.search.fts_query`), best match first (FTS5 ``bm25``), newest
+        :func:`~tierchat.core.chat.search.fts_query`), best match first (FTS5 ``bm25``), newest
         first among equals; in one conversation or, when ``conversation_id`` is None, in
         all. Every branch is searched, not only the active path. ``[]`` for text without a
         word. Raises :class:`ConversationError` for an unknown conversation."""
@@ -702,7 +702,7 @@ class ConversationStore:
     # ------------------------------------------------------------------ import
 
     def import_conversation(self, conversation: ImportedConversation) -> int:
-        """Store a conversation read by :func:`~tierchat.core.importer.parse_export` as a
+        """Store a conversation read by :func:`~tierchat.core.chat.importer.parse_export` as a
         new one (new ids; contents, token ids, meta, times, settings and the selected
         branch as exported), in one transaction: on any error nothing is stored. Returns
         the new id."""

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from .api import (
+from ..api import (
     CacheStats,
     EngineLike,
     Event,
