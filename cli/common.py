@@ -118,7 +118,7 @@ def start_engine(settings: Any, model: str | None = None, *, quiet: bool = False
 
 
 def check_cache_owner(settings: Any) -> None:
-    """Refuse to run an engine on a cache dir another process owns (issue 22 case 5).
+    """Refuse to run an engine on a cache dir another process owns (docs/DESIGN.md §8.4).
 
     Raises :class:`CLIError` naming the owner; nothing with ``--no-cache``."""
     from tierchat.core.live_status import owner_message
@@ -164,7 +164,7 @@ SSD_LOSS_MARKERS += ("cannot read", "cannot verify", "retrying writes")
 
 class SSDWatch:
     """Turns the engine's cache events into at most one stderr line per change: the SSD
-    tier turning off, shrinking on a full disk, or failing writes (issue 12 case 12)."""
+    tier turning off, shrinking on a full disk, or failing writes (docs/DESIGN.md §8.4)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine

@@ -1,4 +1,4 @@
-"""One model across several ranks (issue 20): ``--hostfile`` and the workers.
+"""One model across several ranks (docs/DESIGN.md §19): ``--hostfile`` and the workers.
 
 ``tierchat --hostfile hosts.json COMMAND ...`` runs ``mlx.launch --hostfile hosts.json --
 python -m tierchat.cli.main COMMAND ...`` (the hostfile format ``mlx.distributed_config``

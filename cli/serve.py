@@ -14,7 +14,7 @@ server-sent events, or not), ``GET /v1/models``, ``GET /health``. Every generati
 codes. Binding to anything but loopback needs ``--allow-remote`` and an API key
 (``--api-key`` or ``TIERCHAT_API_KEY``), checked as ``Authorization: Bearer <key>``.
 
-Every request is hostile until checked, before any work is queued (issue 22):
+Every request is hostile until checked, before any work is queued (docs/DESIGN.md §15):
 ``Host``/``Origin`` (:class:`HostGuard`), the media type, body size, JSON numbers, message
 count, token ids and context (:mod:`tierchat.core.serve.limits`); prompts are built on at
 most ``build_slots`` threads (:func:`off_loop`) and dropped when their client leaves;
@@ -70,7 +70,7 @@ from tierchat.core.serve.prompts import (
 
 API_KEY_ENV = "TIERCHAT_API_KEY"
 DISCONNECT_POLL_S = 0.5
-MAX_NEW_RENDERS = 64  # prefix renders per request: prompt building stays linear (issue 22)
+MAX_NEW_RENDERS = 64  # prefix renders per request: prompt building stays linear (docs/DESIGN.md §15)
 
 
 def is_loopback(host: str) -> bool:
@@ -556,7 +556,7 @@ def guarded_protocol(limits: ServeLimits) -> type:
     """uvicorn's h11 protocol with two guards uvicorn lacks for a fresh connection: a
     connection beyond ``limits.max_connections`` is closed at once, and one whose request
     headers are not complete within ``limits.header_timeout_s`` is closed then (a
-    half-sent request must not hold a file descriptor for ever: issue 22 case 4)."""
+    half-sent request must not hold a file descriptor for ever: docs/DESIGN.md §15)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class GuardedH11Protocol(H11Protocol):

@@ -1,4 +1,4 @@
-"""How ``tierchat serve`` stops on SIGTERM or SIGINT (issue 22 case 6).
+"""How ``tierchat serve`` stops on SIGTERM or SIGINT (docs/DESIGN.md §15).
 
 uvicorn runs on a thread (:class:`~tierchat.cli.serve.ServerThread`), so its own signal
 handlers are never installed (it installs them only on the main thread); these are.

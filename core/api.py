@@ -273,7 +273,7 @@ class MemoryStats:
 @dataclass(frozen=True)
 class RankStats:
     """One rank's cache and memory figures when a model runs across several ranks
-    (issue 20); rank 0 gathers them after each load, request and clear.
+    (docs/DESIGN.md §19); rank 0 gathers them after each load, request and clear.
 
     Bytes in ``*_bytes``; ``memory_level`` is "ok", "soft" or "hard"; ``cached_hot`` and
     ``cached_ssd``: the tokens the rank's last restore took from each tier."""

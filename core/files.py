@@ -81,8 +81,13 @@ def staged_dir(target: Path, done: Callable[[Path], bool]) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _pid_alive(pid: int) -> bool:
-    if os.name == "nt":  # os.kill(pid, 0) would send CTRL_C_EVENT there: assume alive
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's counts). ``pid <= 0`` is never alive
+    (``os.kill(0, 0)`` would signal our own process group); on Windows, where
+    ``os.kill(pid, 0)`` would send CTRL_C_EVENT, every pid is taken as alive."""
+    if pid <= 0:
+        return False
+    if os.name == "nt":
         return True
     try:
         os.kill(pid, 0)
@@ -90,7 +95,27 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:  # another user's process
         return True
+    except OSError:
+        return False
     return True
+
+
+def private_dirs(path: Path, *, tighten: bool = False) -> None:
+    """Create directory ``path`` and its missing parents, each 0700 (``mkdir(parents=True)``
+    would make the parents 0777 minus the umask). ``tighten``: an existing ``path`` that
+    group or others may read is made 0700 too.
+
+    Raises:
+        OSError: a part cannot be created (read-only, full disk, a file in the way).
+    """
+    missing, p = [], Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        d.mkdir(mode=0o700, exist_ok=True)
+    if tighten and Path(path).stat().st_mode & 0o077:
+        Path(path).chmod(0o700)
 
 
 def _last_write(path: Path) -> float:
@@ -126,7 +151,7 @@ def remove_stale_temps(folder: Path, *, now: float | None = None) -> list[Path]:
         match = _TEMP.match(path.name)
         try:
             if match is not None:
-                stale = not _pid_alive(int(match["pid"]))
+                stale = not pid_alive(int(match["pid"]))
             elif _LEGACY_TEMP.match(path.name):
                 stale = now - _last_write(path) > LEGACY_TEMP_AGE_S
             else:

@@ -31,12 +31,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from .api import plain
+from .api import CACHE_TIERS, plain
+from .files import pid_alive
 
 STATUS_FILE = "live-status.json"
 REQUESTS_DIR = "live-requests"
 FORMAT_VERSION = 2
-CACHE_TIERS = ("hot", "ssd", "tails", "all")
 KEEP_CLEARS = 8
 
 
@@ -55,20 +55,6 @@ def write_atomic(path: Path, data: dict[str, Any]) -> None:
         except OSError:
             pass
         raise
-
-
-def pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    except OSError:
-        return False
-    return True
 
 
 class StatusWriter:

@@ -16,3 +16,10 @@ del _CONTROL[ord("\n")], _CONTROL[ord("\t")]
 def printable(text: str) -> str:
     """``text`` without C0/C1 control characters (``\\n`` and ``\\t`` kept)."""
     return text.translate(_CONTROL)
+
+
+def one_line(value: str, limit: int = 80) -> str:
+    """The first ``limit`` characters of ``value`` for a one-line message (a header a
+    client sent, quoted in an error): every unprintable character, newline and tab
+    included, becomes ``?``."""
+    return "".join(c if c.isprintable() else "?" for c in value[:limit])

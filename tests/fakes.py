@@ -41,6 +41,7 @@ from tierchat.core.api import (
     TokenBatch,
     TurnMetrics,
 )
+from tierchat.core.cache.blocks import common_prefix_len
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 PAD_ID = 0
@@ -130,15 +131,6 @@ class FakeTokenizer:
         if add_generation_prompt:
             text += "<|assistant|>"
         return self.encode(text) if tokenize else text
-
-
-def common_prefix_len(a, b) -> int:
-    """Length of the longest common prefix of two sequences."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 _LAST_USER_RE = re.compile(r"<\|user\|>(.*?)<\|end\|>", re.DOTALL)

@@ -98,3 +98,16 @@ def test_one_home_for_size_count_and_duration_formatters():
                 if isinstance(node, ast.FunctionDef) and name.match(node.name):
                     found.append(f"{path.relative_to(ROOT)}: {node.name}")
     assert not found, found
+
+
+def test_code_cites_the_design_not_issue_numbers():
+    """Docstrings and comments point a reader at docs/DESIGN.md sections; an issue number
+    is a page the reader of the code cannot open."""
+    pattern = re.compile(r"\bissues? #?\d+\b", re.IGNORECASE)
+    found = []
+    for folder in ("core", "cli", "tui", "config"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if pattern.search(line):
+                    found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)

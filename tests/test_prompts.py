@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 from fakes import END_ID, FakeTokenizer
-from tierchat.core.chat.prompts import Prompt, PromptBuilder, build_prompt, common_prefix_len
+from tierchat.core.cache.blocks import common_prefix_len
+from tierchat.core.chat.prompts import Prompt, PromptBuilder, build_prompt
 
 USERS = ["hello there", "tell me more about the weather", "and then?", "thanks, that is all"]
 

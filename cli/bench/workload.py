@@ -1,5 +1,5 @@
 """``tierchat bench --workload SCRIPT.jsonl``: a whole chat replayed on tierchat and on
-mlx-lm's ``LRUPromptCache``, request by request in turn (issue 19).
+mlx-lm's ``LRUPromptCache``, request by request in turn (docs/DESIGN.md §17).
 
 The script is a replay script (cli/replay.py: ``new`` with a system prompt, ``user``,
 ``regenerate``, ``edit``, ``swipe``, ``restart``, ``clear``), read and checked by the same

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -136,3 +137,19 @@ def role_at(boundaries, position: int) -> str:
         if position <= end:
             return role
     return "assistant"
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int], stride: int = 256) -> int:
+    """Length of the longest common prefix of two token sequences: compared a stride at a
+    time (C-level slice equality), then token by token inside the first stride that
+    differs."""
+    if type(a) is not type(b):  # a tuple never equals a list: compare like with like
+        a, b = tuple(a), tuple(b)
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i : i + stride] == b[i : i + stride]:
+        i += stride
+    i = min(i, n)
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,6 +1,6 @@
 """One owner per cache dir: an exclusive ``fcntl.flock`` on ``<cache_dir>/lock``.
 
-Two processes on one cache dir desync each other (issue 22 case 5): one's eviction
+Two processes on one cache dir desync each other (docs/DESIGN.md §8.4): one's eviction
 deletes the other's files, one's ``cache clear`` empties the other's tier under its index.
 The SSD tier takes this lock when it opens a dir and turns itself off when another
 process holds it; ``tierchat chat``, ``serve`` and ``replay`` refuse to start on a dir

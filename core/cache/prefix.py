@@ -11,7 +11,7 @@ the prompt's tail entry that kept them (:meth:`PrefixCache.plan`):
   end of an earlier sequence that the prompt continues (a prompt end or a decode end: the
   tokens after it were computed by decode, never by a chunk). The rest is then prefilled in
   the very chunks a cold run uses, so a restore at a schedule point is bit for bit the
-  cold run (issue "same tokens whatever the cache holds").
+  cold run (docs/DESIGN.md §18).
 - **Restorable.** Each leaf says what it needs (:mod:`.layers`): KV leaves the slices of
   ``[0, P)``, window leaves those of ``[P - max_size, P)``, state leaves a snapshot taken at
   ``P`` exactly. A leaf is served by the *resident* cache (the live cache of the last
@@ -47,6 +47,7 @@ from .blocks import (
     LOGPROBS,
     ChainHasher,
     Entry,
+    common_prefix_len,
     role_at,
     root_id,
     tail_id,
@@ -185,19 +186,6 @@ def _runs(items: list[int]) -> list[list[int]]:
         else:
             runs.append([x])
     return runs
-
-
-def _common(a: tuple[int, ...], b: tuple[int, ...], stride: int = 256) -> int:
-    """Length of the common prefix of two token tuples: compared a stride at a time (C-level
-    tuple equality), then token by token inside the first stride that differs."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i : i + stride] == b[i : i + stride]:
-        i += stride
-    i = min(i, n)
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class PrefixCache:
@@ -367,7 +355,7 @@ class PrefixCache:
             return None
         bs = self.block_size
         prompt = tuple(prompt)
-        if resident is not None and _common(resident.tokens, prompt) >= limit:
+        if resident is not None and common_prefix_len(resident.tokens, prompt) >= limit:
             # the resident cache holds the whole prompt: no restore can go further than
             # cutting it back to N - 1, if every leaf can be cut there
             live = L.leaf_map(resident.caches)
@@ -385,7 +373,7 @@ class PrefixCache:
                 if t.start != j * bs:
                     continue
                 lo = j * bs
-                n = _common(tuple(t.tokens), prompt[lo : min(limit, lo + len(t.tokens))])
+                n = common_prefix_len(tuple(t.tokens), prompt[lo : min(limit, lo + len(t.tokens))])
                 if n:
                     found.append((n, t))
                     if n == len(t.tokens) and t.kind != KIND_BLOCK:
@@ -393,7 +381,7 @@ class PrefixCache:
             after[j] = found
         common, live = 0, None
         if resident is not None:
-            common = _common(resident.tokens, prompt)
+            common = common_prefix_len(resident.tokens, prompt)
             if common == len(resident.tokens):
                 allowed.add(common)
             live = L.leaf_map(resident.caches)
@@ -455,7 +443,7 @@ class PrefixCache:
         held = [self._held(i, use_ssd) for i in ids[: n // bs]]
         common, live = 0, None
         if resident is not None:
-            common = _common(resident.tokens, prompt)
+            common = common_prefix_len(resident.tokens, prompt)
             live = L.leaf_map(resident.caches)
         after = {n // bs: [(len(kept.tokens), kept)]}
         plan = self._plan_at(n, prompt, held, after, resident, common, live)

@@ -24,12 +24,12 @@ CRCs again. A checksum or format failure makes an entry *corrupt*: counted, logg
 the reason, removed when possible, never loaded. A resource error (EMFILE, ENFILE,
 ENOMEM, EACCES, EIO...: an ``OSError`` other than a missing file) is not corruption: the
 load is a miss, counted in ``errors`` and logged, and the file stays for a later retry
-(issue 22 case 4). A file found missing leaves the index (someone removed it). The scan takes
+(docs/DESIGN.md §8.4). A file found missing leaves the index (someone removed it). The scan takes
 regular files only (``lstat``), never follows a symbolic link, never opens a FIFO or a
 device, counts a failed ``unlink`` instead of raising, and removes a ``.tmp`` file only
 when its writer is gone (PID in the name) or it is older than :data:`STALE_TMP_S`.
 
-One process owns a cache dir (issue 22 case 5): the tier takes an exclusive
+One process owns a cache dir (docs/DESIGN.md §8.4): the tier takes an exclusive
 ``fcntl.flock`` on ``<cache_dir>/lock`` (:func:`acquire_dir`; shared by the engines of one
 process, released by the last ``close``) and turns itself off, saying who holds it, when
 another process does. A cache dir removed while running is recreated at the next write,
@@ -75,6 +75,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
+from ..files import pid_alive, private_dirs
 from .blocks import (
     FORMAT_VERSION,
     KIND_BLOCK,
@@ -364,7 +365,7 @@ def measure_read_bandwidth(
     """Sequential read bandwidth of ``paths``, read whole one after another in
     ``buffer_bytes`` pieces into one reused buffer: the disk's speed as the SSD tier sees
     it when ``drop_cache`` empties the page cache first. The yardstick for SSD restores
-    (issue 10 part 4). The page cache is left holding the files afterwards."""
+    (docs/DESIGN.md §8.5). The page cache is left holding the files afterwards."""
     paths = list(paths)
     dropped = drop_cache and bool(paths) and drop_page_cache(paths) == len(paths)
     buf = memoryview(bytearray(buffer_bytes))
@@ -473,16 +474,6 @@ class _Pending:
     end: int = 0
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: alive, someone else's
-        return True
-    return True
-
-
 class SSDTier:
     """Persistent entries of one model under a byte cap, LRU by last access.
 
@@ -546,12 +537,12 @@ class SSDTier:
         self.reason = ""
         self._verified = threading.Event()
         try:
-            _private_dirs(Path(cache_dir))
+            private_dirs(Path(cache_dir))
             acquire_dir(Path(cache_dir))
             self._locked = True
             if self.dir.is_symlink():
                 raise OSError(errno.ELOOP, "is a symbolic link")
-            _private_dirs(self.dir)
+            private_dirs(self.dir)
             probe = self.dir / f".probe.{os.getpid()}"
             probe.write_bytes(b"")
             probe.unlink()
@@ -656,7 +647,7 @@ class SSDTier:
         parts = path.name.split(".")
         pid = int(parts[1]) if len(parts) >= 3 and parts[1].isdigit() else None
         stale = time.time() - st.st_mtime > STALE_TMP_S
-        if stale or (pid is not None and pid != os.getpid() and not _pid_alive(pid)):
+        if stale or (pid is not None and pid != os.getpid() and not pid_alive(pid)):
             self._unlink(path)
 
     def _unlink(self, path: Path) -> None:
@@ -975,7 +966,7 @@ class SSDTier:
     def _recreate_dir(self) -> None:
         """The cache dir vanished (``rm -rf`` while running): make it again (0700, the
         lock file too) and forget the entries that went with it (writer thread)."""
-        _private_dirs(self.dir)
+        private_dirs(self.dir)
         gone = self._forget_missing()
         self._event(
             f"SSD write failed: cache dir {self.dir} was missing; recreated ({gone} "
@@ -1201,18 +1192,6 @@ def _real_dir(path: Path) -> None:
     if path.is_symlink():
         path.unlink()
     path.mkdir(exist_ok=True, mode=0o700)
-
-
-def _private_dirs(path: Path) -> None:
-    """Create ``path`` and its missing parents, each 0700 (``mkdir(parents=True)`` would
-    make the parents 0777 minus the umask)."""
-    missing = []
-    p = Path(os.path.abspath(path))
-    while not p.exists() and p != p.parent:
-        missing.append(p)
-        p = p.parent
-    for d in reversed(missing):
-        d.mkdir(mode=0o700, exist_ok=True)
 
 
 def check_arrays(arrays: dict, expected: dict[str, tuple], ntokens: int) -> None:

@@ -111,20 +111,16 @@ def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
 
 
-def _decode(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
+def decode_ids(tokenizer: Tokenizer, ids: Sequence[int], *, skip_special: bool = False) -> str:
+    """``ids`` as text, without the tokenizer's clean-up of spaces (the text must be the
+    one the ids stand for); ``skip_special`` drops special tokens (a reply's end token)."""
+    kwargs: dict = {"clean_up_tokenization_spaces": False}
+    if skip_special:
+        kwargs["skip_special_tokens"] = True
     try:
-        return tokenizer.decode(list(ids), clean_up_tokenization_spaces=False)
-    except TypeError:  # tokenizers without that option (the test fake)
+        return tokenizer.decode(list(ids), **kwargs)
+    except TypeError:  # tokenizers without these options (the test fake)
         return tokenizer.decode(list(ids))
-
-
-def common_prefix_len(a: Sequence, b: Sequence) -> int:
-    """Length of the longest common prefix of two sequences."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 @dataclass(frozen=True)
@@ -169,7 +165,7 @@ class PromptBuilder:
     not yet seen (the others get no span: no boundary, no splice, tokenized with their
     neighbours), so a build of n unseen messages costs O(n) renders' worth of text, not
     O(n^2): ``tierchat serve`` sets it, as any client may send a long new conversation
-    (issue 22 case 3). None: every message is rendered once."""
+    (docs/DESIGN.md §15). None: every message is rendered once."""
 
     def __init__(
         self, tokenizer: Tokenizer, max_entries: int = 4096, max_renders: int | None = None
@@ -203,7 +199,7 @@ class PromptBuilder:
         hit = self._splices.get(key)
         if hit is None:
             n = _splice_len(self.tokenizer, ids, full, span)
-            hit = (n, len(_decode(self.tokenizer, ids[:n])) if n else 0)
+            hit = (n, len(decode_ids(self.tokenizer, ids[:n])) if n else 0)
             self._remember(self._splices, key, hit)
         return hit
 
@@ -261,7 +257,7 @@ def _splice_len(tokenizer: Tokenizer, ids: tuple[int, ...], full: str, span: _Sp
     start, end = span.content_start, span.end
     # whole reply, or without a trailing EOS/extra special the template does not show
     for j in range(len(ids), max(len(ids) - 3, 0), -1):
-        text = _decode(tokenizer, ids[:j])
+        text = decode_ids(tokenizer, ids[:j])
         if start + len(text) <= end and full.startswith(text, start):
             if start + len(text) >= span.content_end:
                 return j
@@ -271,7 +267,7 @@ def _splice_len(tokenizer: Tokenizer, ids: tuple[int, ...], full: str, span: _Sp
     lo, hi = 0, len(ids)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if content.startswith(_decode(tokenizer, ids[:mid])):
+        if content.startswith(decode_ids(tokenizer, ids[:mid])):
             lo = mid
         else:
             hi = mid - 1
@@ -335,9 +331,9 @@ def _build(
 
     whole = _encode(tokenizer, full)
     fallback = ""
-    if plain_ids != whole and _decode(tokenizer, plain_ids) != _decode(tokenizer, whole):
+    if plain_ids != whole and decode_ids(tokenizer, plain_ids) != decode_ids(tokenizer, whole):
         fallback = "tokenizing the prompt piece by piece changes its text"
-    elif splices and _decode(tokenizer, ids) != _decode(tokenizer, whole):
+    elif splices and decode_ids(tokenizer, ids) != decode_ids(tokenizer, whole):
         fallback = "spliced reply ids do not decode to the prompt text"
     if fallback:
         boundaries = _fallback_boundaries(tokenizer, msgs, spans, full, whole)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Self
 
+from ..files import private_dirs
 from .search import MARK_END, MARK_START, SearchHit, fts_query, split_marks
 
 if TYPE_CHECKING:
@@ -196,12 +197,7 @@ def _private_file(path: Path) -> None:
     """Create the store's directory (missing parts 0700) and file (0600) before SQLite
     does, and tighten an existing file to 0600; SQLite gives its -wal and -shm files the
     database file's mode."""
-    missing, p = [], path.parent.absolute()
-    while not p.exists() and p != p.parent:
-        missing.append(p)
-        p = p.parent
-    for d in reversed(missing):
-        d.mkdir(mode=0o700, exist_ok=True)
+    private_dirs(path.parent)
     try:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     except FileExistsError:

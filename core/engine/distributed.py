@@ -1,5 +1,5 @@
 """Several ranks, one model: MLX distributed groups, the messages rank 0 sends its workers,
-agreement between ranks and a watchdog (issue 20; docs/DESIGN.md §19).
+agreement between ranks and a watchdog (docs/DESIGN.md §19).
 
 Processes are started by ``mlx.launch`` (ring, MPI, JACCL or NCCL backends), which sets
 ``MLX_RANK`` and the backend's variables; :func:`current` then joins the group with

@@ -104,7 +104,7 @@ class Engine(RankSeams):
 
     Construct with the :class:`~tierchat.config.settings.Settings` in force, then
     ``load_model(spec).wait()``; ``submit`` generations; ``stats`` and ``clear`` at will;
-    ``close`` at the end (flushes the SSD writer). Its rank seams (issue 20) are
+    ``close`` at the end (flushes the SSD writer). Its rank seams (docs/DESIGN.md §19) are
     :class:`~.engine_ranks.RankSeams`.
     """
 
@@ -123,7 +123,7 @@ class Engine(RankSeams):
         self._last = TurnMetrics()
         self._kv_profile = None
         self._release_queued = threading.Event()
-        # several ranks (issue 20): set on the engine thread by the first load
+        # several ranks (docs/DESIGN.md §19): set on the engine thread by the first load
         self.ranks: dist.Ranks | None = None
         self.rank_stats: tuple[RankStats, ...] = ()
         self._in_request = False

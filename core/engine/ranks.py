@@ -1,4 +1,4 @@
-"""The engine's rank seams (issue 20): the points where a job's steps meet the other ranks.
+"""The engine's rank seams (docs/DESIGN.md §19): the points where a job's steps meet the other ranks.
 
 One model across several ranks: rank 0's engine sends each job to the workers and every
 rank runs the same steps on its shard, agreeing at these seams (the load, the prefill

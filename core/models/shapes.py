@@ -1,6 +1,6 @@
 """``shape:<name>`` models: a real architecture's shapes with seeded random weights.
 
-For benchmarks anyone can run on a GPU without downloading weights (issue 10, part 6):
+For benchmarks anyone can run on a GPU without downloading weights (docs/DESIGN.md §17):
 prefill and decode time depend only on the shapes, so a random-weight model with a real
 model's config times like the real one. The weights are drawn directly in the compute
 dtype (bf16 on a GPU, float32 on the CPU; :func:`tierchat.core.engine.device.compute_dtype`), one

@@ -1,6 +1,6 @@
 """What ``tierchat serve`` checks before any work is queued. Pure Python: no MLX, no HTTP.
 
-A request from the network is hostile until checked (issue 22). A server on loopback is
+A request from the network is hostile until checked (docs/DESIGN.md §15). A server on loopback is
 reachable by every web page the user opens (a ``text/plain`` POST needs no CORS
 preflight) and, through DNS rebinding, under a name that resolves to 127.0.0.1. So:
 
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..text import one_line
 from .prompts import APIError
 
 MAX_INT_DIGITS = 20  # a 64-bit seed has 20 digits; more is never a real parameter
@@ -84,7 +85,7 @@ def check_host(value: str | None, bound: str, limits: ServeLimits) -> None:
     if is_loopback_name(name) or name in allowed or "*" in allowed:
         return
     raise APIError(
-        f"Host {printable_header(value)!r} is not allowed: use a loopback address, or "
+        f"Host {one_line(value)!r} is not allowed: use a loopback address, or "
         "start the server with --allowed-host NAME",
         403,
         "permission_error",
@@ -105,16 +106,12 @@ def check_origin(value: str | None, limits: ServeLimits) -> None:
     if parts.scheme in ("http", "https") and parts.hostname and is_loopback_name(parts.hostname):
         return
     raise APIError(
-        f"Origin {printable_header(value)!r} is not allowed: a web page cannot drive this "
+        f"Origin {one_line(value)!r} is not allowed: a web page cannot drive this "
         "server; start it with --allowed-origin ORIGIN to let one",
         403,
         "permission_error",
         code="origin_not_allowed",
     )
-
-
-def printable_header(value: str, limit: int = 80) -> str:
-    return "".join(c if c.isprintable() else "?" for c in value[:limit])
 
 
 # ---------------------------------------------------------------- the body
@@ -159,7 +156,7 @@ def parse_body(content_type: str | None, raw: bytes) -> dict[str, Any]:
     media = (content_type or "").split(";", 1)[0].strip().lower()
     if media != "application/json":
         raise APIError(
-            f"Content-Type must be application/json, not {printable_header(media) or 'none'!r}",
+            f"Content-Type must be application/json, not {one_line(media) or 'none'!r}",
             415,
             code="unsupported_media_type",
         )

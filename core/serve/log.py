@@ -42,7 +42,7 @@ _ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), 0x7F, *range(0x80, 0x
 def log_safe(text: str) -> str:
     """``text`` with every C0/C1 control character (newline, tab and ESC included) and DEL
     written as ``\\xNN``: one line that cannot forge another log line or drive the
-    terminal (issue 22 case 10). Client-given text goes through it before any log."""
+    terminal (docs/DESIGN.md §15). Client-given text goes through it before any log."""
     return text.translate(_ESCAPES)
 
 

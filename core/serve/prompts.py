@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from ..api import Tokenizer
-from ..chat.prompts import Prompt, PromptBuilder
+from ..chat.prompts import Prompt, PromptBuilder, decode_ids
+from ..files import private_dirs
 
 THINK_END = "</think>"
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -58,13 +59,6 @@ class APIError(Exception):
                 "code": self.code,
             }
         }
-
-
-def _decode(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
-    try:
-        return tokenizer.decode(list(ids), skip_special_tokens=True)
-    except TypeError:
-        return tokenizer.decode(list(ids))
 
 
 class ReplyMemory:
@@ -130,7 +124,7 @@ class ReplyMemory:
         if self.path is None:
             return
         try:
-            _private_dir(self.path.parent)
+            private_dirs(self.path.parent, tighten=True)
             with _private_open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND) as f:
                 for text, ids in keys.items():
                     f.write(json.dumps([text, list(ids)]) + "\n")
@@ -166,19 +160,6 @@ class ReplyMemory:
             return ids
 
 
-def _private_dir(path: Path) -> None:
-    """Make ``path`` (and missing parents) 0700, and tighten an existing one: the reply
-    memory holds every reply the server gave (issue 22 case 7)."""
-    missing, p = [], path.absolute()
-    while not p.exists() and p != p.parent:
-        missing.append(p)
-        p = p.parent
-    for d in reversed(missing):
-        d.mkdir(mode=0o700, exist_ok=True)
-    if path.stat().st_mode & 0o077:
-        path.chmod(0o700)
-
-
 def _private_open(path: Path, flags: int):
     """A text file opened with ``flags``, created 0600 and tightened to 0600 if it was
     not (O_NOFOLLOW: never through a link)."""
@@ -193,13 +174,13 @@ def _after_think(tokenizer: Tokenizer, ids: tuple[int, ...]) -> dict[str, tuple[
     with leading whitespace tokens dropped."""
     out: dict[str, tuple[int, ...]] = {}
     for k in range(len(ids), 0, -1):
-        if _decode(tokenizer, ids[:k]).endswith(THINK_END):
+        if decode_ids(tokenizer, ids[:k], skip_special=True).endswith(THINK_END):
             break
     else:
         return out
     rest = ids[k:]
     while rest:
-        text = _decode(tokenizer, rest)
+        text = decode_ids(tokenizer, rest, skip_special=True)
         if text:
             out.setdefault(text, rest)
         if not text[:1].isspace():

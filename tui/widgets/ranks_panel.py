@@ -1,5 +1,5 @@
 """The ranks panel: every rank's hot and SSD fill, memory and last restore, when one model
-runs across several ranks (issue 20). Hidden when it runs alone (``CacheStats.ranks`` is
+runs across several ranks (docs/DESIGN.md §19). Hidden when it runs alone (``CacheStats.ranks`` is
 empty). Up to :data:`MAX_ROWS` ranks get a line each; beyond, the smallest and largest
 fill with the rank that has it, and the rank with the worst memory pressure.
 """
