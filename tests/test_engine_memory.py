@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine_kit import assert_same, generate, make_engine, random_prompt
 from tierchat.core.api import Failed, GenerateRequest
-from tierchat.core.memory import pressure as memory_mod
+from tierchat.core.memory import prefill as prefill_mod
 
 
 def test_refusal_leaves_every_tier_usable(tmp_path, models_dir):
@@ -34,7 +34,7 @@ def test_refusal_leaves_every_tier_usable(tmp_path, models_dir):
 def test_smaller_chunks_before_refusing(tmp_path, models_dir, monkeypatch):
     e = make_engine("tiny:llama", tmp_path, models_dir, block_size=64)
     seen = []
-    real = memory_mod.plan_prefill
+    real = prefill_mod.plan_prefill
 
     def spy(estimate, limit, chunk_tokens, **kw):
         # pretend the limit sits between the 16- and 32-token chunk estimates
@@ -43,7 +43,7 @@ def test_smaller_chunks_before_refusing(tmp_path, models_dir, monkeypatch):
         seen.append(out[0])
         return out
 
-    monkeypatch.setattr(memory_mod, "plan_prefill", spy)
+    monkeypatch.setattr(prefill_mod, "plan_prefill", spy)
     cold = make_engine("tiny:llama", tmp_path / "cold", models_dir, block_size=64, no_cache=True)
     prompt = random_prompt(200, seed=6)
     a, ha = generate(cold, prompt)

@@ -13,7 +13,9 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from tierchat.core.api import MemoryStats
+from tierchat.core.memory import prefill as MP
 from tierchat.core.memory import pressure as M
+from tierchat.core.memory import readings as MR
 from tierchat.core.models.loading import load_model
 from tierchat.core.units import fmt_bytes
 
@@ -23,7 +25,7 @@ GB = 10**9
 def reader(active=0, cache=0, peak=0, total=16 * GB, available=None, device=None):
     """A MemoryReader fed fixed readings; ``available`` defaults to total - active - cache."""
     avail = total - active - cache if available is None else available
-    return M.MemoryReader(
+    return MR.MemoryReader(
         mlx=lambda: (active, peak or active, cache),
         device_info=lambda: device or {"device_name": "cpu", "architecture": "x86_64"},
         system=lambda: (total, avail),
@@ -35,9 +37,9 @@ def reader(active=0, cache=0, peak=0, total=16 * GB, available=None, device=None
 
 def test_parse_meminfo_and_fallback():
     text = "MemTotal:       16000000 kB\nMemFree:  1000 kB\nMemAvailable:    8000000 kB\n"
-    assert M.parse_meminfo(text) == (16000000 * 1024, 8000000 * 1024)
+    assert MR.parse_meminfo(text) == (16000000 * 1024, 8000000 * 1024)
     old = "MemTotal: 100 kB\nMemFree: 10 kB\nBuffers: 5 kB\nCached: 20 kB\n"
-    assert M.parse_meminfo(old) == (100 * 1024, 35 * 1024)
+    assert MR.parse_meminfo(old) == (100 * 1024, 35 * 1024)
 
 
 def test_parse_vm_stat():
@@ -49,34 +51,34 @@ def test_parse_vm_stat():
         "Pages speculative:                          30.\n"
         "Pages wired down:                         5555.\n"
     )
-    assert M.parse_vm_stat(text) == (1000 + 200 + 30) * 16384
+    assert MR.parse_vm_stat(text) == (1000 + 200 + 30) * 16384
 
 
 def test_device_memory_keys():
-    assert M.device_memory({"device_name": "AMD EPYC", "architecture": "x86_64"}) == (0, 0)
+    assert MR.device_memory({"device_name": "AMD EPYC", "architecture": "x86_64"}) == (0, 0)
     metal = {"memory_size": 32 * GB, "max_recommended_working_set_size": 24 * GB}
-    assert M.device_memory(metal) == (32 * GB, 24 * GB)
-    assert M.device_memory({"total_memory": 80 * GB, "free_memory": 1}) == (80 * GB, 0)
+    assert MR.device_memory(metal) == (32 * GB, 24 * GB)
+    assert MR.device_memory({"total_memory": 80 * GB, "free_memory": 1}) == (80 * GB, 0)
 
 
 def test_real_reader_reads_this_machine():
-    r = M.MemoryReader().read()
+    r = MR.MemoryReader().read()
     assert r.system_total > 0 and 0 < r.system_available <= r.system_total
     x = mx.ones((1024, 1024))
     mx.eval(x)
-    assert M.MemoryReader().read().active >= x.nbytes
+    assert MR.MemoryReader().read().active >= x.nbytes
 
 
 # ------------------------------------------------------------------ levels and budget
 
 
 def test_default_limit_is_share_of_smaller_memory():
-    r = M.MemoryReading(device_total=8 * GB, system_total=16 * GB)
+    r = MR.MemoryReading(device_total=8 * GB, system_total=16 * GB)
     assert M.default_limit(r) == int(0.9 * 8 * GB)
-    metal = M.MemoryReading(device_total=16 * GB, device_recommended=11 * GB, system_total=16 * GB)
+    metal = MR.MemoryReading(device_total=16 * GB, device_recommended=11 * GB, system_total=16 * GB)
     assert M.default_limit(metal) == 11 * GB
-    assert M.default_limit(M.MemoryReading(system_total=10 * GB)) == 9 * GB
-    assert M.default_limit(M.MemoryReading()) == 0
+    assert M.default_limit(MR.MemoryReading(system_total=10 * GB)) == 9 * GB
+    assert M.default_limit(MR.MemoryReading()) == 0
 
 
 @pytest.mark.parametrize(
@@ -163,25 +165,25 @@ def test_estimate_terms():
         dtype_bytes=4,
         intermediate_size=128,
     )
-    e = M.estimate_prefill_peak(new_tokens=100, chunk_tokens=256, context_tokens=100, **base)
+    e = MP.estimate_prefill_peak(new_tokens=100, chunk_tokens=256, context_tokens=100, **base)
     c, t = 100, 100
     kv_new = 1000 * 256  # rounded up to one 256-token step
     scratch = c * t * (8 * 4 + 1) + c * (12 * 64 + 3 * 128) * 4 + 2 * kv_new + c * 1000 * 4
     assert e == int(GB + kv_new + 1.1 * scratch)
-    assert M.estimate_prefill_peak(new_tokens=0, chunk_tokens=256, context_tokens=0, **base) == GB
-    one = M.estimate_prefill_peak(
+    assert MP.estimate_prefill_peak(new_tokens=0, chunk_tokens=256, context_tokens=0, **base) == GB
+    one = MP.estimate_prefill_peak(
         new_tokens=100, chunk_tokens=256, context_tokens=100, logits_tokens=1, **base
     )
     assert abs((e - one) - 1.1 * 99 * 1000 * 4) <= 1  # logits of 99 more positions
     # a longer context costs more; a smaller chunk costs less
-    longer = M.estimate_prefill_peak(new_tokens=100, chunk_tokens=256, context_tokens=4000, **base)
-    small = M.estimate_prefill_peak(new_tokens=100, chunk_tokens=32, context_tokens=100, **base)
+    longer = MP.estimate_prefill_peak(new_tokens=100, chunk_tokens=256, context_tokens=4000, **base)
+    small = MP.estimate_prefill_peak(new_tokens=100, chunk_tokens=32, context_tokens=100, **base)
     assert longer > e > small
 
 
 def test_plan_prefill_halves_chunk_then_refuses():
     est = lambda chunk: GB + chunk * 10**6  # noqa: E731
-    assert M.plan_prefill(est, 2 * GB, 2048, 64) == (512, GB + 512 * 10**6)
+    assert MP.plan_prefill(est, 2 * GB, 2048, 64) == (512, GB + 512 * 10**6)
     # refused at the smallest chunk; every size tried divides the block size
     tried = []
 
@@ -189,8 +191,8 @@ def test_plan_prefill_halves_chunk_then_refuses():
         tried.append(chunk)
         return 10 * GB
 
-    with pytest.raises(M.PrefillRefused) as info:
-        M.plan_prefill(rec, 2 * GB, 256, 32, block_size=256, new_tokens=5000)
+    with pytest.raises(MP.PrefillRefused) as info:
+        MP.plan_prefill(rec, 2 * GB, 256, 32, block_size=256, new_tokens=5000)
     assert tried == [256, 128, 64, 32]
     err = info.value
     assert (err.estimate_bytes, err.limit_bytes, err.chunk_tokens) == (10 * GB, 2 * GB, 32)
@@ -242,9 +244,9 @@ def _prefill(model, n_tokens, chunk, caches=None, eval_logits=False):
 
 def test_kv_profile_matches_cache_nbytes():
     model = _model()  # 2 layers × K+V × 2 heads × 32 dims × 4 bytes
-    prof = M.kv_profile(model)
-    assert prof == M.KVProfile(per_token=2 * 2 * 2 * 32 * 4)
-    assert M.kv_bytes_per_token(model) == 1024
+    prof = MP.kv_profile(model)
+    assert prof == MP.KVProfile(per_token=2 * 2 * 2 * 32 * 4)
+    assert MP.kv_bytes_per_token(model) == 1024
     for n in (100, 512, 600):
         caches = _prefill(model, n, 256)
         assert sum(c.nbytes for c in caches) == prof.nbytes(n, 256)
@@ -256,7 +258,7 @@ def test_kv_profile_rotating_and_arrays(models_dir):
         sliding_window=64,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
     )
-    prof = M.kv_profile(sliding)
+    prof = MP.kv_profile(sliding)
     assert prof.per_token == 512 and prof.windows == ((512, 64), (512, 64))
     for n, chunk in ((50, 256), (1024, 256), (1000, 1000)):
         caches = _prefill(sliding, n, chunk)
@@ -266,9 +268,9 @@ def test_kv_profile_rotating_and_arrays(models_dir):
     assert sum(c.nbytes for c in _prefill(sliding, 1000, 256)) < prof.nbytes(1000, 256)
     # ArraysCache only: fixed size, nothing per token
     mamba = load_model("tiny:mamba2", models_dir=models_dir).model
-    prof = M.kv_profile(mamba)
+    prof = MP.kv_profile(mamba)
     assert prof.per_token == 0 and prof.windows == () and prof.fixed > 0
-    assert M.kv_bytes_per_token(mamba) == 0
+    assert MP.kv_bytes_per_token(mamba) == 0
     assert sum(c.nbytes for c in _prefill(mamba, 300, 256)) == prof.fixed
 
 
@@ -277,14 +279,14 @@ def test_kv_profile_rotating_and_arrays(models_dir):
 
 def measure(model, n_tokens, chunk, eval_logits):
     """(measured peak, estimate, active before) for a cold prefill of ``n_tokens``."""
-    prof = M.kv_profile(model)
+    prof = MP.kv_profile(model)
     mx.clear_cache()
     active = mx.get_active_memory()
     mx.reset_peak_memory()
     caches = _prefill(model, n_tokens, chunk, eval_logits=eval_logits)
     peak = mx.get_peak_memory()
     del caches
-    est = M.estimate_for_model(
+    est = MP.estimate_for_model(
         model,
         prof,
         active_bytes=active,
@@ -326,11 +328,11 @@ def test_estimate_bounds_measured_peak_tiny_archs(arch, models_dir):
 
 def test_guard_refuses_what_would_not_fit():
     model = _model()
-    prof = M.kv_profile(model)
+    prof = MP.kv_profile(model)
     active = mx.get_active_memory()
 
     def est(chunk):
-        return M.estimate_for_model(
+        return MP.estimate_for_model(
             model,
             prof,
             active_bytes=active,
@@ -340,10 +342,10 @@ def test_guard_refuses_what_would_not_fit():
             logits_tokens=1,
         )
 
-    chunk, e = M.plan_prefill(est, est(64) + 1, 256, 32, block_size=256)
+    chunk, e = MP.plan_prefill(est, est(64) + 1, 256, 32, block_size=256)
     assert chunk == 64 and e == est(64)
-    with pytest.raises(M.PrefillRefused, match="over the memory limit"):
-        M.plan_prefill(est, est(32) - 1, 256, 32, block_size=256, new_tokens=4096)
+    with pytest.raises(MP.PrefillRefused, match="over the memory limit"):
+        MP.plan_prefill(est, est(32) - 1, 256, 32, block_size=256, new_tokens=4096)
 
 
 @pytest.mark.slow
@@ -367,7 +369,7 @@ def test_an_unreadable_system_reading_keeps_the_last_good_one():
     reading it had instead of judging against "no memory at all"."""
     readings = [(16 * GB, 8 * GB), (0, 0)]
     now = [0.0]
-    rd = M.MemoryReader(
+    rd = MR.MemoryReader(
         mlx=lambda: (GB, GB, 0),
         device_info=lambda: {"device_name": "cpu", "architecture": "x86_64"},
         system=lambda: readings.pop(0) if len(readings) > 1 else readings[0],

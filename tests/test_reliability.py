@@ -25,7 +25,9 @@ from tierchat.core.cache import ssd as ssd_mod
 from tierchat.core.cache.blocks import chain_ids
 from tierchat.core.cache.ssd import SSDTier
 from tierchat.core.chat.store import ConversationStore, StoreError, store_error
+from tierchat.core.memory import prefill as MP
 from tierchat.core.memory import pressure as M
+from tierchat.core.memory import readings as MR
 from tierchat.core.text import printable
 
 MODEL = "tiny:llama"
@@ -449,7 +451,7 @@ def test_9_chat_reads_stdin_with_replacement(tmp_path, models_dir):
 
 def test_11_weights_over_the_limit_are_named():
     line = M.HardLine(int(0.92 * 200_000_000), 200_000_000, 0.92, in_use_bytes=450_000_000)
-    err = M.PrefillRefused(600_000_000, line, 32, new_tokens=10)
+    err = MP.PrefillRefused(600_000_000, line, 32, new_tokens=10)
     msg = str(err)
     assert "weights" in msg and "429.2 MiB" in msg and "shorter prompt will not help" in msg
     assert "Try a shorter prompt" not in msg
@@ -458,12 +460,12 @@ def test_11_weights_over_the_limit_are_named():
 def test_11_a_one_byte_limit_is_shown_as_given():
     class Reader:
         def read(self):
-            return M.MemoryReading(
+            return MR.MemoryReading(
                 active=1000, peak=1000, system_total=8 << 30, system_available=4 << 30
             )
 
     mon = M.MemoryMonitor(limit_bytes=1, reader=Reader())
-    err = M.PrefillRefused(10_000, mon.hard_line(), 32)
+    err = MP.PrefillRefused(10_000, mon.hard_line(), 32)
     assert "of the 1 B limit" in str(err)
 
 

@@ -56,7 +56,7 @@ def test_fmt_count_and_seconds():
 def test_every_user_formats_sizes_through_core_units():
     """The other byte formatters are gone: memory, settings and tui.format hold none."""
     from tierchat import config
-    from tierchat.core.memory import pressure as memory
+    from tierchat.core.memory import prefill as memory
     from tierchat.tui import format as tui_format
 
     assert not hasattr(memory, "format_bytes")
@@ -69,7 +69,7 @@ def test_refusal_and_cli_print_sizes_in_the_same_form():
     from types import SimpleNamespace
 
     from tierchat.cli.chat import stats_lines
-    from tierchat.core.memory.pressure import PrefillRefused
+    from tierchat.core.memory.prefill import PrefillRefused
 
     err = PrefillRefused(estimate_bytes=3 << 30, limit_bytes=2 << 30, chunk_tokens=512)
     assert "3.0 GiB" in str(err) and "2.0 GiB" in str(err)

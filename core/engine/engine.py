@@ -59,6 +59,7 @@ from ..cache.blocks import LOGPROBS
 from ..cache.prefix import PrefixCache, chunk_ends, probe_specs, schedule_points
 from ..cache.rates import Rates
 from ..cache.request import CacheRequest, ColdRequest
+from ..memory import prefill as prefill_mod
 from ..memory import pressure as memory_mod
 from . import distributed as dist
 from .attention import OFF, chunk_attention, mlx_softmax, plan_attention, pow_softmax
@@ -350,7 +351,7 @@ class Engine(RankSeams):
         self.loaded, self.model_name = loaded, spec
         self._last_logits = None
         warning = None
-        self._kv_profile = memory_mod.kv_profile(loaded.model, lambda m: self._make_cache())
+        self._kv_profile = prefill_mod.kv_profile(loaded.model, lambda m: self._make_cache())
         caches = self._make_cache()
         try:
             leaves = L.classify(caches)
@@ -480,7 +481,7 @@ class Engine(RankSeams):
         self._apply_memory_pressure()
         try:
             chunk = self._agreed_chunk(n)
-        except memory_mod.PrefillRefused as exc:
+        except prefill_mod.PrefillRefused as exc:
             handle.emit(Failed(str(exc), kind="refused"))
             if self.cache is not None:
                 self.cache.log(f"refused a {n}-token prefill: over the memory limit")
@@ -719,7 +720,7 @@ class Engine(RankSeams):
         unless memory is short.
 
         Raises:
-            memory_mod.PrefillRefused: no chunk down to 16 tokens fits.
+            prefill_mod.PrefillRefused: no chunk down to 16 tokens fits.
         """
         chunk = max(1, self.settings.prefill_chunk)
         if n <= 1 or self._kv_profile is None:
@@ -728,7 +729,7 @@ class Engine(RankSeams):
         active = int(mx.get_active_memory())
 
         def estimate(c: int) -> int:
-            return memory_mod.estimate_for_model(
+            return prefill_mod.estimate_for_model(
                 model,
                 self._kv_profile,
                 active_bytes=active,
@@ -737,7 +738,7 @@ class Engine(RankSeams):
                 chunk_tokens=min(c, n - 1),
             )
 
-        chunk, _ = memory_mod.plan_prefill(
+        chunk, _ = prefill_mod.plan_prefill(
             estimate,
             self.monitor.hard_line(),
             chunk,

@@ -17,7 +17,7 @@ from typing import Any
 from ..api import Failed, GenerateRequest, RankStats, RequestHandle
 from ..cache.prefix import Restored
 from ..cache.request import CacheRequest, ColdRequest
-from ..memory import pressure as memory_mod
+from ..memory import prefill as prefill_mod
 from . import distributed as dist
 
 
@@ -96,12 +96,12 @@ class RankSeams:
         """:meth:`_plan_chunk`, the smallest over the ranks (one schedule on all).
 
         Raises:
-            memory_mod.PrefillRefused: a rank has no chunk that fits its memory.
+            prefill_mod.PrefillRefused: a rank has no chunk that fits its memory.
         """
         refused = None
         try:
             chunk = self._plan_chunk(n)
-        except memory_mod.PrefillRefused as exc:
+        except prefill_mod.PrefillRefused as exc:
             chunk, refused = 0, exc
         if self.ranks is None:
             if refused is not None:
@@ -109,7 +109,7 @@ class RankSeams:
             return chunk
         agreed = self.ranks.all_min(chunk)[0]
         if agreed == 0:
-            raise refused or memory_mod.PrefillRefused(0, 0, 0, n - 1)
+            raise refused or prefill_mod.PrefillRefused(0, 0, 0, n - 1)
         return agreed
 
     def _restore(self, turn: CacheRequest | ColdRequest, points: list[int]):
