@@ -114,13 +114,11 @@ def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
 def decode_ids(tokenizer: Tokenizer, ids: Sequence[int], *, skip_special: bool = False) -> str:
     """``ids`` as text, without the tokenizer's clean-up of spaces (the text must be the
     one the ids stand for); ``skip_special`` drops special tokens (a reply's end token)."""
-    kwargs: dict = {"clean_up_tokenization_spaces": False}
-    if skip_special:
-        kwargs["skip_special_tokens"] = True
+    special = {"skip_special_tokens": True} if skip_special else {}
     try:
-        return tokenizer.decode(list(ids), **kwargs)
-    except TypeError:  # tokenizers without these options (the test fake)
-        return tokenizer.decode(list(ids))
+        return tokenizer.decode(list(ids), clean_up_tokenization_spaces=False, **special)
+    except TypeError:  # tokenizers without the clean-up option (the test fake)
+        return tokenizer.decode(list(ids), **special)
 
 
 @dataclass(frozen=True)

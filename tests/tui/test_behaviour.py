@@ -181,7 +181,7 @@ async def test_prefill_progress_is_shown_then_hidden(make_app, engine):
 async def test_unsupported_model_panels_say_na_with_the_reason(make_app):
     engine = FlakyEngine("odd-model", supported=False)
     app = make_app(engine=engine)
-    async with app.run_test(size=SIZE) as pilot:
+    async with app.run_test(size=WIDE) as pilot:  # the panels show from 140 columns
         await send(pilot, "hello")
         panels = chat_screen(app).query_one(CachePanels)
         tails = panels.query_one("#tails-panel")
