@@ -38,3 +38,18 @@ def isolated_settings(monkeypatch, tmp_path):
     hf_logging.set_verbosity_error()
     yield
     hf_logging.set_verbosity(verbosity)
+
+
+# Layers (docs/DESIGN.md §1): unit/ (no model), engine/ (tiny models in this process),
+# system/ (subprocesses, servers, ranks, installs), tui/ (Pilot; its pty/tmux files are
+# system tests), real/ (the demo models). The fast loop leaves out "slow" and "system".
+_SYSTEM_TUI_FILES = {"test_terminal_keys.py", "test_terminal_keys_tools.py", "test_default_terminal.py"}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        parts = Path(str(item.fspath)).parts
+        if "system" in parts or (("tui" in parts) and parts[-1] in _SYSTEM_TUI_FILES):
+            item.add_marker(pytest.mark.system)
+        if "real" in parts:
+            item.add_marker(pytest.mark.slow)

@@ -4,7 +4,7 @@ MLX), so the TUI can count while the user types (debounced, off the UI thread).
 
 The prompt count is the one the engine will prefill: the same ``ChatSession.build_prompt``
 that ``send`` uses, over the active path plus the draft as a new user message
-(``tests/test_contract.py`` checks it against the real engine's prompt length).
+(``tests/engine/test_contract.py`` checks it against the real engine's prompt length).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ KV_LAYER_COPIES = 2  # one layer's K/V copied while a cache grows (concatenate +
 STATE_SCRATCH_COPIES = 8  # (h, s, s) matrices of one SSD / delta-rule step: decay, CB, product...
 STATE_MIXER_COPIES = 16  # (chunk, hidden)-sized activations of a recurrent mixer (conv, gates)
 STATE_STEP = 256  # tokens: mlx-lm ssm_attn processes a chunk in steps of this
-SCRATCH_MARGIN = 1.10  # on everything above active_bytes: fitted on CPU, see tests/test_memory.py
+SCRATCH_MARGIN = 1.10  # on everything above active_bytes: fitted on CPU, see tests/unit/test_memory.py
 MLP_COPIES = 3  # (chunk, intermediate) activations: gate, up and their SwiGLU product
 
 
@@ -169,7 +169,7 @@ def estimate_prefill_peak(
     (``mx.eval([c.state for c in cache])``, as mlx-lm ``generate_step`` and our engine do)
     never computes a chunk's logits: pass 1 (the first decode step). ``intermediate_size``
     defaults to 4 × hidden. The copy counts and the 1.10 margin were fitted to
-    ``mx.get_peak_memory()`` on the CPU backend, float32 (tests/test_memory.py compares
+    ``mx.get_peak_memory()`` on the CPU backend, float32 (tests/unit/test_memory.py compares
     them with measured peaks: measured <= estimate).
     """
     if new_tokens <= 0:

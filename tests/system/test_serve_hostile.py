@@ -3,7 +3,7 @@
 openai client where it fits, raw httpx for malformed requests) and then checks the server
 still answers a normal request with the output of a cold run.
 
-Signals (a real ``tierchat serve`` subprocess): tests/test_serve_signals.py.
+Signals (a real ``tierchat serve`` subprocess): tests/system/test_serve_signals.py.
 """
 
 from __future__ import annotations

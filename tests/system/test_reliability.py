@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from engine_kit import assert_same, generate, make_engine, random_prompt
-from test_ssd_tier import FP, entry
+from ssd_kit import FP, entry
 from tierchat.cli.chat import LineChat
 from tierchat.cli.common import SSDWatch
 from tierchat.cli.main import main

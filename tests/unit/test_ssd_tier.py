@@ -9,24 +9,12 @@ import threading
 import mlx.core as mx
 import numpy as np
 import pytest
+from ssd_kit import FP, entry
 from tierchat.core.cache import ssd as ssd_mod
-from tierchat.core.cache.blocks import KIND_BLOCK, KIND_TAIL, Entry, chain_ids, root_id, tail_id
+from tierchat.core.cache.blocks import KIND_BLOCK, KIND_TAIL, root_id
 from tierchat.core.cache.ssd import CorruptEntry, SSDTier
 
-FP = "ab" * 32
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
-
-
-def entry(i: int, dtype=mx.float32, kind=KIND_BLOCK, parent=None, n=16) -> Entry:
-    tokens = tuple(range(i * n, i * n + n))
-    parent = parent or root_id(FP)
-    eid = chain_ids(parent, tokens, n, 1)[0] if kind == KIND_BLOCK else tail_id(parent, tokens)
-    k = mx.random.normal((1, 2, n, 8), key=mx.random.key(i)).astype(dtype)
-    arrays = {"0.k": k, "0.v": k * 2, "1.k": k[:, :1], "1.v": -k[:, 1:]}
-    mx.eval(list(arrays.values()))
-    e = Entry(id=eid, parent=parent, kind=kind, start=0, tokens=tokens, role="user", arrays=arrays)
-    e.nbytes = sum(a.nbytes for a in arrays.values())
-    return e
 
 
 def bits(a: mx.array) -> np.ndarray:

@@ -1,7 +1,7 @@
 """``tierchat serve`` over the fake engine: the official ``openai`` client and raw HTTP on
 127.0.0.1, the error shapes, the key check, the queue, prompt splicing across turns.
 
-The real engine on tiny models: tests/test_serve_real.py.
+The real engine on tiny models: tests/real/test_serve_real.py.
 """
 
 from __future__ import annotations
