@@ -192,7 +192,7 @@ def run_chat(
     from tierchat.core.live_status import StatusService
 
     check_cache_owner(settings)
-    store = open_store(settings.db_path)
+    store = open_store(settings.db_path, settings.store_busy_s)
     try:
         engine = start_engine(settings)
         try:

@@ -751,7 +751,7 @@ def _run_console(engine: TrackedEngine, log: RequestLog, settings: Any, shutdown
     from tierchat.cli.common import open_store
     from tierchat.cli.serve_shutdown import quit_ui_later
 
-    store = open_store(settings.db_path)
+    store = open_store(settings.db_path, settings.store_busy_s)
     try:
         app = ServeConsoleApp(engine, store, settings, log)
         shutdown.on_request = quit_ui_later(app)
