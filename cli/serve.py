@@ -33,6 +33,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -180,6 +181,11 @@ def failure(event: Failed) -> APIError:
     if event.kind == "cancelled":
         return APIError(event.message, 499, "server_error", code="cancelled")
     return APIError(event.message, 500, "server_error", code=event.kind)
+
+
+def internal_error() -> APIError:
+    """A 500 that names nothing of the server's code (the traceback goes to its log)."""
+    return APIError("internal server error (details in the server's log)", 500, "server_error")
 
 
 def shutting_down() -> APIError:
@@ -383,6 +389,9 @@ async def generate(state: ServeState, http: Request, endpoint: str) -> Response:
         return error_response(e)
     except ClientGone:
         return Response(status_code=499)
+    except Exception:  # noqa: BLE001 -- a bug of ours: logged, a 500 without internals
+        traceback.print_exc(file=sys.stderr)
+        return error_response(internal_error())
     if state.draining:  # a signal came while the prompt was built
         return error_response(shutting_down())
     client = client_label(http, body)
@@ -510,8 +519,7 @@ def create_app(state: ServeState) -> Starlette:
         return error_response(APIError(text, exc.status_code, code=code))
 
     async def server_error(http: Request, exc: Exception) -> Response:
-        text = f"{type(exc).__name__}: {exc}"
-        return error_response(APIError(text, 500, "server_error"))
+        return error_response(internal_error())
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),

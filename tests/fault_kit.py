@@ -21,7 +21,9 @@ def env_for(tmp: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def common_flags(tmp: Path, models_dir: Path, model: str = "tiny:llama", tag: str = "") -> list[str]:
+def common_flags(
+    tmp: Path, models_dir: Path, model: str = "tiny:llama", tag: str = ""
+) -> list[str]:
     return [
         "--model",
         model,
@@ -72,3 +74,41 @@ def run_replay(
     )
     assert "Traceback" not in p.stderr, p.stderr
     return ReplayRun(p.returncode, [json.loads(x) for x in p.stdout.splitlines()], p.stderr)
+
+
+NORMAL = [{"role": "user", "content": "the quick brown fox jumps over a lazy dog"}]
+
+
+class ColdReference:
+    """Replies of a cold run (the real engine in this process, ``use_cache=False``,
+    behind the same HTTP app as ``tierchat serve``) on ``model``."""
+
+    def __init__(self, tmp: Path, models_dir: Path, model: str = "tiny:llama") -> None:
+        from engine_kit import make_engine
+        from tierchat.cli.serve import ServerThread, ServeState, create_app
+        from tierchat.core.serve_log import RequestLog, TrackedEngine
+
+        self.engine = TrackedEngine(make_engine(model, tmp, models_dir), RequestLog())
+        state = ServeState(self.engine, max_tokens=8, use_cache=False)
+        self.server = ServerThread(create_app(state)).start()
+        self.url = self.server.url
+
+    def chat(self, messages: list[dict], max_tokens: int = 8) -> str:
+        return chat_text(self.url, messages, max_tokens)
+
+    def close(self) -> None:
+        self.server.stop()
+        self.engine.close()
+
+
+def chat_body(messages: list[dict], max_tokens: int = 8, **kw) -> dict:
+    return {"messages": messages, "max_tokens": max_tokens, "temperature": 0, **kw}
+
+
+def chat_text(url: str, messages: list[dict], max_tokens: int = 8, client=None) -> str:
+    import httpx
+
+    post = (client or httpx).post
+    r = post(url + "/v1/chat/completions", json=chat_body(messages, max_tokens), timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]

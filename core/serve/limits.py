@@ -149,10 +149,37 @@ def _depth(obj: Any, limit: int) -> int:
     return deepest
 
 
+def _bad_unicode(obj: Any) -> tuple[str, str] | None:
+    """``(param, what)`` of the first string (key or value) of parsed JSON that is not
+    valid Unicode: a lone surrogate, which JSON's ``\\udc80`` escape can spell and no
+    tokenizer or UTF-8 writer accepts; None when all are valid. Iterative."""
+    stack: list[tuple[Any, str]] = [(obj, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, str):
+            items: list[tuple[Any, str]] = []
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return path, f"lone surrogate U+{ord(node[e.start]):04X} at character {e.start}"
+        elif isinstance(node, dict):
+            items = []
+            for k, v in node.items():
+                where = f"{path}.{k}" if path else str(k)
+                items += [(k, path or "body"), (v, where)]
+        elif isinstance(node, list):
+            items = [(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node)]
+        else:
+            items = []
+        stack.extend(reversed(items))
+    return None
+
+
 def parse_body(content_type: str | None, raw: bytes) -> dict[str, Any]:
     """A request body as a JSON object. Raises :class:`APIError`: 415 unless the media
     type is ``application/json``; 400 for bad JSON, non-finite or huge numbers, nesting
-    deeper than :data:`MAX_DEPTH` or a body that is not an object."""
+    deeper than :data:`MAX_DEPTH`, a body that is not an object, or a string that is
+    not valid Unicode (``invalid_unicode``, naming its param)."""
     media = (content_type or "").split(";", 1)[0].strip().lower()
     if media != "application/json":
         raise APIError(
@@ -177,6 +204,11 @@ def parse_body(content_type: str | None, raw: bytes) -> dict[str, Any]:
         raise APIError("the request body must be a JSON object")
     if _depth(body, MAX_DEPTH) > MAX_DEPTH:
         raise APIError(f"the request body nests deeper than {MAX_DEPTH} levels")
+    bad = _bad_unicode(body)
+    if bad is not None:
+        param, what = bad
+        safe = param.encode("utf-8", "backslashreplace").decode()[:80]
+        raise APIError(f"{safe} is not valid Unicode ({what})", param=safe, code="invalid_unicode")
     return body
 
 

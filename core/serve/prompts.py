@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..api import Tokenizer
-from ..chat.prompts import Prompt, PromptBuilder, decode_ids
+from ..chat.prompts import Prompt, PromptBuilder, decode_ids, encode_text
 from ..files import private_dirs
 
 THINK_END = "</think>"
@@ -258,20 +258,28 @@ def build_chat_prompt(
     except APIError:
         raise
     except Exception as e:  # noqa: BLE001 -- the template's own complaint, as a 400
+        # a template's raise_exception ("roles must alternate") is for the client; any
+        # other error names our internals, so it is said without them
+        said = f": {e}" if type(e).__module__.startswith("jinja2") else ""
         raise APIError(
-            f"the chat template cannot render these messages: {e}", param="messages"
+            f"the chat template cannot render these messages{said}", param="messages"
         ) from None
     return ChatPrompt(prompt, tuple(messages), reused)
 
 
 def completion_prompt(tokenizer: Tokenizer, body: Mapping[str, Any]) -> tuple[int, ...]:
     """The token ids of a ``/v1/completions`` ``prompt``: a string, or a list of token ids.
+    A string is tokenized as text (with the tokenizer's BOS): a special token's spelling in
+    it is ordinary tokens (docs/DESIGN.md §4); a client wanting control tokens sends ids.
     Raises :class:`APIError` otherwise (a list of several prompts is not supported)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
+        try:
+            ids = encode_text(tokenizer, prompt, add_special_tokens=True)
+        except (TypeError, ValueError, UnicodeError):  # the tokenizer refuses this text
+            raise APIError("'prompt' cannot be tokenized", param="prompt") from None
     elif isinstance(prompt, list) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt
     ):
