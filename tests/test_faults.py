@@ -236,3 +236,61 @@ def test_6_lone_surrogates_are_400_and_the_connection_stays_usable(server, cold,
         assert "Error" not in error["message"]  # no internal exception named
         still_normal(server.url, cold, client=client)
     assert "Traceback" not in server.stderr()
+
+
+# ---------------------------------------------------------------- 3: the SSD cap
+
+
+# one system prompt for every conversation: its blocks are written once, by the first,
+# and later turns find them in the hot tier, so on the SSD they stay least recently used
+SHARED_SYSTEM = "You answer questions about animals, briefly and kindly. " * 4
+
+
+def _conversation(k: int) -> list[dict]:
+    return [
+        {"op": "new", "system": SHARED_SYSTEM},
+        {
+            "op": "user",
+            "text": f"tell me about the quick brown fox number {k} " * 3,
+            "max_tokens": 8,
+        },
+        {
+            "op": "user",
+            "text": f"and the lazy dog number {k}, please, in detail " * 2,
+            "max_tokens": 8,
+        },
+    ]
+
+
+def test_3_under_the_ssd_cap_a_restart_restores_the_most_recent_conversation(tmp_path, models_dir):
+    """Six conversations under a cap that holds a quarter of what they write: after a
+    restart (a new process on the same cache dir) the last conversation's prompt is
+    restored from the SSD tier, and every file kept is reachable from the root."""
+    env = env_for(tmp_path)
+    ops = [op for k in range(6) for op in _conversation(k)]
+    script = write_script(tmp_path / "w.jsonl", ops)
+    full = run_replay(script, common_flags(tmp_path, models_dir, tag="-full"), env)
+    assert full.code == 0, full.stderr
+    written = full.summary["cache"]["ssd"]["nbytes"]
+    assert written > 0 and full.summary["cache"]["ssd"]["evictions"] == 0
+
+    cap = written // 4
+    capped = run_replay(
+        script, common_flags(tmp_path, models_dir, tag="-cap") + ["--ssd-bytes", str(cap)], env
+    )
+    assert capped.code == 0, capped.stderr
+    ssd = capped.summary["cache"]["ssd"]
+    assert ssd["nbytes"] <= cap and ssd["evictions"] > 0 and ssd["evicted_bytes"] > 0
+
+    # a new process: the last conversation again, from the SSD tier
+    again = write_script(tmp_path / "again.jsonl", _conversation(5)[:2])
+    restarted = run_replay(
+        again, common_flags(tmp_path, models_dir, tag="-cap") + ["--ssd-bytes", str(cap)], env
+    )
+    assert restarted.code == 0, restarted.stderr
+    (line,) = restarted.results
+    assert line["cached_by"]["ssd"] > 0, (line, restarted.stderr)
+    first_turn = full.by_index()[len(ops) - 2]  # the same op in the uncapped run
+    assert line["token_ids_sha256"] == first_turn["token_ids_sha256"]
+    cold = run_replay(again, common_flags(tmp_path, models_dir, tag="-cold") + ["--no-cache"], env)
+    assert cold.results[0]["token_ids_sha256"] == line["token_ids_sha256"]
