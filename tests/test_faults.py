@@ -5,12 +5,17 @@ TUI) and ends with a normal request answered with the output of a cold run."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import sqlite3
+import struct
 import subprocess
 import threading
+from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from fault_kit import (
     NORMAL,
@@ -294,3 +299,64 @@ def test_3_under_the_ssd_cap_a_restart_restores_the_most_recent_conversation(tmp
     assert line["token_ids_sha256"] == first_turn["token_ids_sha256"]
     cold = run_replay(again, common_flags(tmp_path, models_dir, tag="-cold") + ["--no-cache"], env)
     assert cold.results[0]["token_ids_sha256"] == line["token_ids_sha256"]
+
+
+# ---------------------------------------------------------------- 4: the model fingerprint
+
+
+def _rewrite_weights_in_place(path: Path) -> None:
+    """Every float32 tensor of a safetensors file scaled by 0.75, in place: the same size,
+    the same header, and the mtime put back (``os.utime``), as the trial did."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"F32"}
+        data = np.frombuffer(f.read(), dtype=np.float32) * np.float32(0.75)
+        f.seek(8 + n)
+        f.write(data.tobytes())
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_size, after.st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+
+
+def test_4_weights_rewritten_with_the_same_size_and_mtime_are_a_new_model(tmp_path, models_dir):
+    """A local model directory; a replay fills the SSD tier; its weights are rewritten in
+    place (size and mtime kept); a new replay restores nothing of the old K/V and answers
+    as a cold run of the new weights."""
+    run_replay(
+        write_script(tmp_path / "build.jsonl", [{"op": "user", "text": "x", "max_tokens": 1}]),
+        common_flags(tmp_path, models_dir, tag="-build"),
+        env_for(tmp_path),
+    )
+    model = tmp_path / "model"
+    shutil.copytree(models_dir / "tiny-llama-0", model)
+    env = env_for(tmp_path)
+    ops = [
+        {"op": "new", "system": "You answer questions about animals. " * 3},
+        {"op": "user", "text": "tell me about the quick brown fox " * 3, "max_tokens": 8},
+        {"op": "user", "text": "and the lazy dog", "max_tokens": 8},
+    ]
+    script = write_script(tmp_path / "s.jsonl", ops)
+    flags = common_flags(tmp_path, models_dir, model=str(model))
+    first = run_replay(script, flags, env)
+    assert first.code == 0, first.stderr
+    assert first.summary["cache"]["ssd"]["entries"] > 0
+    again = run_replay(script, flags, env)  # the same weights: the SSD tier serves them
+    assert again.results[0]["cached_by"]["ssd"] > 0
+
+    _rewrite_weights_in_place(model / "model.safetensors")
+    changed = run_replay(script, flags, env)
+    assert changed.code == 0, changed.stderr
+    assert [x["cached_tokens"] for x in changed.results][0] == 0  # nothing of the old K/V
+    cold = run_replay(
+        script,
+        common_flags(tmp_path, models_dir, model=str(model), tag="-cold") + ["--no-cache"],
+        env,
+    )
+    assert [x["token_ids_sha256"] for x in changed.results] == [
+        x["token_ids_sha256"] for x in cold.results
+    ]
+    assert [x["token_ids_sha256"] for x in changed.results] != [
+        x["token_ids_sha256"] for x in first.results
+    ]  # the new weights do answer otherwise
