@@ -86,7 +86,7 @@ class ColdReference:
     def __init__(self, tmp: Path, models_dir: Path, model: str = "tiny:llama") -> None:
         from engine_kit import make_engine
         from tierchat.cli.serve import ServerThread, ServeState, create_app
-        from tierchat.core.serve_log import RequestLog, TrackedEngine
+        from tierchat.core.serve.log import RequestLog, TrackedEngine
 
         self.engine = TrackedEngine(make_engine(model, tmp, models_dir), RequestLog())
         state = ServeState(self.engine, max_tokens=8, use_cache=False)

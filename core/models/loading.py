@@ -298,7 +298,7 @@ def _file_sha256(path: Path) -> str:
 
 def model_fingerprint(identity: str, model_dir: Path, dtype: str) -> str:
     """sha256 hex over identity, canonical config.json, tokenizer.json, the weight files'
-    names and contents (:func:`~tierchat.core.weight_digest.weight_digests`: new weights
+    names and contents (:func:`~tierchat.core.models.weight_digest.weight_digests`: new weights
     are a new fingerprint whatever their size and mtime), and dtype (docs/DESIGN.md §3)."""
     config = json.loads((model_dir / "config.json").read_text())
     canonical = json.dumps(config, sort_keys=True, separators=(",", ":"))

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..chat.context_limit import ContextLimitExceeded, config_int, generation_room
+from ..chat.context_limit import context_length as context_length  # re-exported for serve
 from ..text import one_line
 from .prompts import APIError
 
@@ -239,39 +241,24 @@ def check_prompt(
                 param="prompt",
                 code="invalid_token_id",
             )
-    if context is None:
-        return max_tokens
     n = len(ids)
-    if n >= context or (explicit and n + max_tokens > context):
+    try:
+        return generation_room(n, max_tokens, context, explicit=explicit)
+    except ContextLimitExceeded:
         asked = f"{n} in the prompt" + (f" + {max_tokens} to generate" if explicit else "")
         raise APIError(
             f"this model's maximum context length is {context} tokens; the request asks for "
             f"{asked}",
-            param="max_tokens" if n < context else param,
+            param="max_tokens" if context is not None and n < context else param,
             code="context_length_exceeded",
-        )
-    return min(max_tokens, context - n)
-
-
-def _config_int(engine: Any, keys: tuple[str, ...]) -> int | None:
-    """The first positive int among ``keys`` in the loaded model's args, or in its
-    ``text_config`` (multimodal wrappers such as Qwen3.5 keep the text model's there)."""
-    loaded = getattr(engine, "loaded", None)
-    args = getattr(getattr(loaded, "model", None), "args", None)
-    text = getattr(args, "text_config", None)
-    for source in (args, text):
-        for key in keys:
-            value = source.get(key) if isinstance(source, dict) else getattr(source, key, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return None
+        ) from None
 
 
 def model_vocab(engine: Any) -> int | None:
     """The model's embedding rows (``vocab_size`` of its args or their ``text_config``),
     or None when its config does not say. The model may generate any of these ids, even
     past the ones its tokenizer names."""
-    return _config_int(engine, ("vocab_size",))
+    return config_int(engine, ("vocab_size",))
 
 
 def vocab_size(engine: Any) -> int | None:
@@ -287,15 +274,6 @@ def vocab_size(engine: Any) -> int | None:
     except TypeError:
         size = getattr(tokenizer, "vocab_size", None)
         return size if isinstance(size, int) and size > 0 else None
-
-
-def context_length(engine: Any) -> int | None:
-    """The model's context length in tokens: the engine's, else ``max_position_embeddings``
-    of the args' ``text_config``; None when unknown."""
-    value = getattr(engine, "context_length", None)
-    if isinstance(value, int) and value > 0:
-        return value
-    return _config_int(engine, ("max_position_embeddings", "max_seq_len", "n_ctx"))
 
 
 # The count flags of ServeLimits: (field, help with ``{}`` for the default). The flag is

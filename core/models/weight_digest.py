@@ -18,7 +18,7 @@ import os
 import threading
 from pathlib import Path
 
-from .files import temp_file
+from ..files import temp_file
 
 SIDECAR = ".tierchat-digests.json"
 _memo: dict[tuple, str] = {}
