@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -29,6 +30,7 @@ from fault_kit import (
     run_replay,
     write_script,
 )
+from rank_kit import TIMEOUT_S, free_ports, start_ranks
 from test_serve_signals import Process, serve_cmd
 from tierchat.core.chat.store import ConversationStore
 from tierchat.core.models.tiny import SPECIAL_TOKENS
@@ -408,3 +410,151 @@ def test_5_chat_reports_a_prompt_past_the_context_and_goes_on(tmp_path, models_d
     assert "error: the prompt is 5,00" in p.stderr and "context is 4,096" in p.stderr
     replies = [ln for ln in p.stdout.splitlines() if ln.startswith("assistant> ")]
     assert len(replies) == 1  # the second line was answered
+
+
+# ---------------------------------------------------------------- 7: a rank stops answering
+
+
+def test_7_serve_exits_1_when_a_rank_stops_answering(tmp_path, models_dir, cold):
+    """Two ranks (ring, this machine), ``--rank-timeout 5``, rank 1 stopped: the request
+    in flight fails with the reason, ``/health`` stops saying "ok", and rank 0 exits 1
+    (as the README says) instead of answering 500s for good. A server started again
+    answers a normal request as a cold run does."""
+    port = free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}"
+    argv = ["serve", "--port", str(port), *common_flags(tmp_path, models_dir, tag="-ranks")]
+    ranks = start_ranks([*argv, "--rank-timeout", "5"], tmp_path)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).json()["status"] == "ok":
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            assert time.monotonic() < deadline and ranks.procs[0].poll() is None
+            time.sleep(0.3)
+        assert chat_text(url, NORMAL)  # both ranks answer
+        ranks.procs[1].send_signal(signal.SIGSTOP)
+        r = httpx.post(url + "/v1/chat/completions", json=chat_body(NORMAL), timeout=120)
+        assert r.status_code >= 500 and "stopped answering" in r.json()["error"]["message"]
+        health = []
+        while ranks.procs[0].poll() is None:  # going: /health fails, never "ok"
+            try:
+                h = httpx.get(url + "/health", timeout=2)
+                health.append((h.status_code, h.json()["status"]))
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        _, err0 = ranks.procs[0].communicate(timeout=60)
+        code0 = ranks.procs[0].returncode
+    finally:
+        ranks.kill()
+    assert code0 == 1, err0
+    assert "error: a rank stopped answering" in err0 and "Traceback" not in err0
+    assert all(h == (503, "failed") for h in health), health
+
+    server = Process(serve_cmd(tmp_path, models_dir), env_for(tmp_path))
+    try:
+        still_normal(server.wait_listening(), cold)
+    finally:
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(60)
+
+
+# ---------------------------------------------------------------- 9: the small ones
+
+
+def test_9_usage_counts_only_the_tokens_returned_before_a_stop(server, cold):
+    """tiny:llama is one token per character: a reply cut at a stop string returns as many
+    completion tokens as characters, not the tokens decoded past the stop."""
+    text = cold.normal
+    stop = next(text[i : i + 2] for i in range(3, len(text) - 2) if text[i : i + 2].strip())
+    cut = text[: text.index(stop)]
+    for stream in (False, True):
+        body = chat_body(NORMAL, stop=[stop], stream=stream)
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+            with httpx.stream(
+                "POST", server.url + "/v1/chat/completions", json=body, timeout=120
+            ) as r:
+                events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+            chunks = [json.loads(e) for e in events[:-1]]
+            got = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[:-1])
+            used = chunks[-1]["usage"]
+        else:
+            r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+            got, used = r.json()["choices"][0]["message"]["content"], r.json()["usage"]
+        assert got == cut
+        assert used["completion_tokens"] == len(cut)
+        assert used["total_tokens"] == used["prompt_tokens"] + len(cut)
+    still_normal(server.url, cold)
+
+
+@pytest.mark.parametrize(
+    "param, value",
+    [
+        ("logit_bias", {"65": 100}),
+        ("presence_penalty", 1.5),
+        ("frequency_penalty", -1.0),
+        ("best_of", 3),
+        ("functions", [{"name": "f", "parameters": {}}]),
+        ("tool_choice", "auto"),
+        ("response_format", {"type": "json_object"}),
+    ],
+)
+def test_9_parameters_not_implemented_are_400_naming_them(server, cold, param, value):
+    for path, body in (
+        ("/v1/chat/completions", chat_body(NORMAL)),
+        ("/v1/completions", {"prompt": "hello", "max_tokens": 2}),
+    ):
+        r = httpx.post(server.url + path, json={**body, param: value}, timeout=120)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and error["code"] == "unsupported_parameter"
+        assert param in error["message"]
+    # their neutral values change nothing and pass
+    neutral = {"logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0, "best_of": 1,
+               "functions": [], "tool_choice": "none", "response_format": {"type": "text"}}  # fmt: skip
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={**chat_body(NORMAL), param: neutral[param]},
+        timeout=120,
+    )
+    assert r.json()["choices"][0]["message"]["content"] == cold.normal
+    still_normal(server.url, cold)
+
+
+def test_9_range_errors_print_plain_numbers(server, cold):
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat_body(NORMAL, 1 << 21))
+    assert r.status_code == 400
+    assert "between 1 and 1048576" in r.json()["error"]["message"]
+    still_normal(server.url, cold)
+
+
+def test_9_the_memory_guard_is_503_insufficient_memory_with_retry_after():
+    from tierchat.cli.serve import error_response, failure
+    from tierchat.core.api import Failed
+
+    response = error_response(failure(Failed("prefill needs 3 GiB", kind="refused")))
+    assert response.status_code == 503 and response.headers["Retry-After"] == "30"
+    assert json.loads(response.body)["error"]["code"] == "insufficient_memory"
+
+
+def test_9_files_in_the_cache_dir_are_owner_only(tmp_path, models_dir):
+    """After a replay (the engine saves its measured rates at close): every file tierchat
+    wrote under the cache dir and data dir is 0600, the rates file included."""
+    ops = [{"op": "new"}, {"op": "user", "text": "hello there " * 60, "max_tokens": 4}]
+    run = run_replay(
+        write_script(tmp_path / "s.jsonl", ops),
+        common_flags(tmp_path, models_dir),
+        env_for(tmp_path),
+    )
+    assert run.code == 0, run.stderr
+    rates = list((tmp_path / "kv").glob("rates-*.json"))
+    assert rates, sorted(p.name for p in (tmp_path / "kv").iterdir())
+    files = [p for d in ("kv", "data") for p in (tmp_path / d).rglob("*") if p.is_file()]
+    assert files and all(p.stat().st_mode & 0o077 == 0 for p in files), [
+        (str(p), oct(p.stat().st_mode)) for p in files if p.stat().st_mode & 0o077
+    ]

@@ -52,7 +52,7 @@ def _write_sidecar(folder: Path, data: dict) -> None:
     try:
         with temp_file(folder / SIDECAR) as tmp:
             tmp.write_text(json.dumps(data, sort_keys=True))
-            os.chmod(tmp, 0o644)
+            os.chmod(tmp, 0o600)
             os.replace(tmp, folder / SIDECAR)
     except OSError:
         pass  # a read-only model dir: the digest is remembered for this process only

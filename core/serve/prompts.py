@@ -42,6 +42,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -49,6 +50,7 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.retry_after_s = retry_after_s  # a Retry-After header (503s worth retrying)
 
     def body(self) -> dict[str, Any]:
         return {
@@ -315,8 +317,58 @@ def _number(body: Mapping[str, Any], name: str, default, lo: float, hi: float, k
     if kind is int and value != int(value):
         raise APIError(f"'{name}' must be an integer", param=name)
     if not lo <= value <= hi:
-        raise APIError(f"'{name}' must be between {lo:g} and {hi:g}", param=name)
+        raise APIError(f"'{name}' must be between {_plain(lo)} and {_plain(hi)}", param=name)
     return kind(value)
+
+
+def _plain(x: float) -> str:
+    """A bound as a person writes it: ``1048576``, ``0.5`` (never ``1.04858e+06``)."""
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+# Parameters of the OpenAI API that tierchat does not implement: a request that sets one
+# to anything but its neutral value gets a 400 naming it, never a silent ignore.
+# name -> the values that mean "not used"
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "best_of": (None, 1),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+def check_unsupported(body: Mapping[str, Any]) -> None:
+    """Raise :class:`APIError` 400 ``unsupported_parameter`` naming the first parameter of
+    :data:`UNSUPPORTED` that ``body`` sets to a value that would change the reply."""
+    for name, neutral in UNSUPPORTED.items():
+        if name in body and body[name] not in neutral:
+            raise APIError(
+                f"'{name}' is not supported by this server",
+                param=name,
+                code="unsupported_parameter",
+            )
+
+
+def returned_tokens(
+    tokenizer: Tokenizer, token_ids: Sequence[int], text: str, stopped: bool
+) -> int:
+    """How many of the generated ``token_ids`` the returned ``text`` holds: all of them,
+    unless a stop string cut the reply (``stopped``); then the fewest whose decoding
+    covers ``text`` (the tokens decoded past the stop are not the client's)."""
+    if not stopped:
+        return len(token_ids)
+    lo, hi = 0, len(token_ids)
+    while lo < hi:  # the first k whose decoding is at least as long as text
+        mid = (lo + hi) // 2
+        if len(decode_ids(tokenizer, token_ids[:mid], skip_special=True)) >= len(text):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def sampling(
@@ -340,6 +392,7 @@ def sampling(
         raise APIError("logprobs are not supported", param="logprobs")
     if body.get("tools"):
         raise APIError("tools are not supported", param="tools")
+    check_unsupported(body)
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
