@@ -558,3 +558,46 @@ def test_9_files_in_the_cache_dir_are_owner_only(tmp_path, models_dir):
     assert files and all(p.stat().st_mode & 0o077 == 0 for p in files), [
         (str(p), oct(p.stat().st_mode)) for p in files if p.stat().st_mode & 0o077
     ]
+
+
+# ---------------------------------------------------------------- 8: idle ranks
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_8_idle_ranks_wait_blocked(tmp_path, models_dir, cold):
+    """A 2-rank serve with no request: the worker waits for rank 0's next message on its
+    doorbell socket, not in the ring's polling collective (measured before: 79 % of a
+    core). CPU time, not wall time, is measured: a blocked process gains none however
+    loaded the machine is. Then a request is answered as before."""
+    port = free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}"
+    argv = ["serve", "--port", str(port), *common_flags(tmp_path, models_dir, tag="-ranks")]
+    ranks = start_ranks(argv, tmp_path)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).json()["status"] == "ok":
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            assert time.monotonic() < deadline and ranks.procs[0].poll() is None
+            time.sleep(0.3)
+        first = chat_text(url, NORMAL)
+        time.sleep(1.0)  # the reply's tail work (SSD writes) settles
+        before = [_cpu_s(p.pid) for p in ranks.procs]
+        time.sleep(3.0)
+        used = [_cpu_s(p.pid) - b for p, b in zip(ranks.procs, before, strict=True)]
+        assert max(used) < 0.3, used  # a polling worker burns ~1 s of these 3 s here
+        assert chat_text(url, NORMAL) == first  # awake again, the same reply
+        ranks.procs[0].send_signal(signal.SIGINT)
+        codes = [code for code, _, _ in ranks.wait()]
+    finally:
+        ranks.kill()
+    assert codes == [0, 0]
