@@ -131,12 +131,16 @@ class LineChat:
     def stream(self, start) -> None:
         """Start a turn with ``start()`` and print its reply as it streams."""
         from tierchat.core.api import Failed, Finished, TokenBatch
+        from tierchat.core.chat.session import SessionError
         from tierchat.core.chat.store import StoreError
 
         try:
             turn = start()
         except StoreError as e:  # the turn could not be saved: say why, go on
             print(f"error: turn not saved: {printable(str(e))}", file=self.err, flush=True)
+            return
+        except SessionError as e:  # e.g. a prompt past the context: nothing was sent
+            print(f"error: {printable(str(e))}", file=self.err, flush=True)
             return
         self.out.write("assistant> ")
         self.out.flush()
@@ -192,7 +196,7 @@ def run_chat(
     from tierchat.core.live_status import StatusService
 
     check_cache_owner(settings)
-    store = open_store(settings.db_path)
+    store = open_store(settings.db_path, settings.store_busy_s)
     try:
         engine = start_engine(settings)
         try:

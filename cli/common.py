@@ -33,8 +33,10 @@ def warn(message: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def open_store(path):
+def open_store(path, busy_s: float | None = None):
     """The conversation store at ``path``; a bad or unwritable file is a :class:`CLIError`.
+    ``busy_s``: how long an operation waits for another process's lock (the
+    ``store_busy_s`` setting; None: the store's default).
 
     The default data dir (created 0755 by tierchat before 0.2) is tightened to 0700."""
     from pathlib import Path
@@ -49,7 +51,9 @@ def open_store(path):
     except OSError:
         pass
     try:
-        return ConversationStore(path)
+        if busy_s is None:
+            return ConversationStore(path)
+        return ConversationStore(path, busy_timeout_s=busy_s)
     except StoreError as e:
         raise CLIError(str(e)) from None
     except OSError as e:

@@ -336,7 +336,7 @@ def run_tui(settings: Any) -> int:
         raise CLIError(f"the TUI is not available ({e}); try `tierchat chat`") from None
     from tierchat.core.engine.engine import Engine
 
-    store = open_store(settings.db_path)
+    store = open_store(settings.db_path, settings.store_busy_s)
     engine = Engine(settings)
     try:
         run_app(engine, store, settings)

@@ -404,7 +404,7 @@ def run_replay(settings: Any, script: str, *, data_dir_given: bool = False) -> i
     name = "<stdin>" if script == "-" else script
     with tempfile.TemporaryDirectory(prefix="tierchat-replay-") as tmp:
         db = settings.db_path if data_dir_given else Path(tmp) / "replay.sqlite"
-        store = open_store(db)
+        store = open_store(db, settings.store_busy_s)
         try:
             replay = Replay(settings, store, name, sys.stdout)
             try:

@@ -98,6 +98,9 @@ class Settings:
     memory_limit: int | None = None
     memory_soft_fraction: float = 0.80
     memory_hard_fraction: float = 0.92
+    # how long one conversation-store operation waits for another process's lock
+    # (seconds) before it is reported as failed and the next one runs
+    store_busy_s: float = 10.0
     keymap: dict[str, str] = field(default_factory=dict)
     # where each value came from: key (or "keymap.<id>") -> "default", "file PATH", ...
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
@@ -274,6 +277,13 @@ def _temperature(v: Any) -> float:
     return x
 
 
+def _positive_float(v: Any) -> float:
+    x = _to_float(v)
+    if not 0.0 < x <= 3600.0:
+        raise ValueError("must be a number of seconds in (0, 3600]")
+    return x
+
+
 def _fraction(v: Any) -> float:
     x = _to_float(v)
     if not 0.0 < x <= 1.0:
@@ -332,6 +342,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "memory_limit": _optional(_memory_limit),
     "memory_soft_fraction": _fraction,
     "memory_hard_fraction": _fraction,
+    "store_busy_s": _positive_float,
     "keymap": _keymap,
 }
 KEYS: tuple[str, ...] = tuple(f.name for f in fields(Settings) if f.name != "sources")

@@ -204,6 +204,7 @@ class TierStats:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
+    evicted_bytes: int = 0  # bytes of the evicted entries (the SSD tier: under its cap)
     saves_queued: int = 0
     saves_persisted: int = 0
     write_drops: int = 0

@@ -991,6 +991,7 @@ class PrefixCache:
                 hits=s.hits,
                 misses=s.misses,
                 evictions=s.evictions,
+                evicted_bytes=s.evicted_bytes,
                 saves_queued=s.saves_queued,
                 saves_persisted=s.saves_persisted,
                 write_drops=s.write_drops,

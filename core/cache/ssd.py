@@ -528,6 +528,7 @@ class SSDTier:
         self._stop = False
         self.nbytes = 0
         self.hits = self.misses = self.evictions = 0
+        self.evicted_bytes = 0  # bytes of the entries evicted under the cap
         self.memory_hits = 0  # loads served from a pending entry's arrays
         self.saves_queued = self.saves_persisted = self.write_drops = 0
         self.backpressure_waits = 0
@@ -851,7 +852,7 @@ class SSDTier:
                 return False
             if e.id in self._index:
                 self._drop(e.id)  # replaced by an entry with more parts
-            self._evict_for(size)
+            self._evict_for(size, keep=e.parent)
             self._add(FileMeta(**e.meta(), nbytes=size, atime=time.time()))
             self._pending[e.id] = item
             self._pending_bytes += size
@@ -979,11 +980,29 @@ class SSDTier:
             except (OSError, CacheDirBusy) as exc:
                 self._event(f"SSD: cannot lock {self.cache_root} again: {exc}")
 
-    def _evict_for(self, incoming: int) -> None:
-        # caller holds the lock; the index is in LRU order
+    def _evict_for(self, incoming: int, keep: str | None = None) -> None:
+        """Evict until ``incoming`` more bytes fit under the cap, leaves first (see
+        :meth:`_eviction_victim`); caller holds the lock. ``keep``: the parent of the
+        entry being added, evicted only when nothing else is left."""
         while self._index and self.nbytes + incoming > self.max_bytes:
-            self._drop(next(iter(self._index)))
+            meta = self._drop(self._eviction_victim(keep))
             self.evictions += 1
+            self.evicted_bytes += meta.nbytes if meta is not None else 0
+
+    def _eviction_victim(self, keep: str | None = None) -> str:
+        """The entry to evict next: the least recently used one that no entry in the
+        index continues (a leaf of its chain). A restore walks a chain from the root, so
+        a block whose descendants stayed would leave them unreachable: chains shrink from
+        their ends, least recently used chain first (docs/DESIGN.md §8.4). Caller holds
+        the lock; the index is not empty."""
+        fallback = None
+        for entry_id in self._index:  # least recently used first
+            if self.children.get(entry_id):
+                continue
+            if entry_id != keep:
+                return entry_id
+            fallback = entry_id
+        return fallback if fallback is not None else next(iter(self._index))
 
     def flush(self, timeout: float = 60.0) -> bool:
         """Wait until every accepted entry is on disk (or dropped); False on timeout."""

@@ -16,6 +16,9 @@ What is stored, and when (events arrive on the engine thread):
 - ``Failed`` (or a cancel before any token): nothing half is kept: the user node this call
   added (``send``, ``edit``) is removed and the previous selection restored; the caller
   still has the text.
+- A prompt whose tokens plus ``max_tokens`` do not fit the model's context is refused
+  before it is submitted (:class:`ContextLimitError`, with the numbers and what to do);
+  the user node is removed as for a failure.
 
 Generation settings (system prompt, temperature, top-p, max tokens, seed) are per
 conversation (:class:`ConversationSettings`, saved in the store with it); the session's
@@ -44,6 +47,7 @@ from ..api import (
     GenerateRequest,
     RequestHandle,
 )
+from .context_limit import ContextLimitExceeded, context_length, generation_room
 from .prompts import Prompt, PromptBuilder
 from .store import ConversationStore, Node, PathEntry
 
@@ -51,6 +55,15 @@ from .store import ConversationStore, Node, PathEntry
 class SessionError(Exception):
     """An operation the session cannot do now: no such turn/reply, nothing to regenerate,
     or a reply still being generated."""
+
+
+class ContextLimitError(SessionError):
+    """The prompt cannot fit the model's context (nothing was submitted); ``limit`` is the
+    :class:`~tierchat.core.chat.context_limit.ContextLimitExceeded` with the numbers."""
+
+    def __init__(self, limit: ContextLimitExceeded) -> None:
+        super().__init__(str(limit))
+        self.limit = limit
 
 
 @dataclass(frozen=True)
@@ -386,6 +399,7 @@ class ChatSession:
             settings = self.settings(user.conversation_id)
             prompt = self.build_prompt(self.store.path_to(user.id), settings)
             n_replies = len(self.store.replies(user.id))
+            max_tokens = self._room(prompt, max_tokens, settings)
         except Exception:
             if added:
                 self._rollback(user, restore)
@@ -396,7 +410,7 @@ class ChatSession:
             seed += n_replies  # reply k of this message: a new sample, reproducibly
         request = GenerateRequest(
             prompt_ids=prompt.token_ids,
-            max_tokens=max_tokens if max_tokens is not None else settings.max_tokens,
+            max_tokens=max_tokens,
             temperature=settings.temperature,
             top_p=settings.top_p,
             seed=seed,
@@ -420,6 +434,21 @@ class ChatSession:
             raise
         self.current = turn
         return turn
+
+    def _room(
+        self, prompt: Prompt, max_tokens: int | None, settings: ConversationSettings
+    ) -> int:
+        """The reply's token budget: ``max_tokens`` of this call, else the conversation's
+        (both the user's choice, so neither is cut silently), which must fit beside the
+        prompt in the model's context. Raises :class:`ContextLimitError` before anything is
+        submitted (docs/DESIGN.md §12)."""
+        asked = max_tokens if max_tokens is not None else settings.max_tokens
+        try:
+            return generation_room(
+                len(prompt.token_ids), asked, context_length(self.engine), explicit=True
+            )
+        except ContextLimitExceeded as e:
+            raise ContextLimitError(e) from None
 
     def _finished(self, turn: TurnHandle, event: Finished, added: bool, restore) -> None:
         metrics = event.metrics
