@@ -44,6 +44,7 @@ SETTING_FLAGS: dict[str, tuple[str, str]] = {
     "prefill_chunk": ("TOKENS", "prefill chunk in tokens (mlx-lm's prefill_step_size: 2048)"),
     "hot_bytes": ("SIZE", "hot (RAM) tier budget: bytes or 512MB, 6GB, 16GiB"),
     "ssd_bytes": ("SIZE", "SSD tier cap"),
+    "ssd_write_budget": ("SIZE", "SSD bytes written in any 24 hours at most (0: no budget)"),
     "max_tokens": ("N", "reply length limit in tokens"),
     "seed": ("N", "sampling seed (used when temperature > 0)"),
     "temperature": ("T", "sampling temperature (0: greedy)"),

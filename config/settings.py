@@ -82,6 +82,9 @@ class Settings:
     choose_recompute: bool = True
     hot_bytes: int = field(default_factory=default_hot_bytes)
     ssd_bytes: int = 16 * GiB
+    # bytes the SSD tier may write in any 24 hours (0: no budget); entries that do not fit
+    # are not written and are counted (docs/DESIGN.md §8.6)
+    ssd_write_budget: int = 0
     tail_entries: int = 8
     checkpoint_entries: int = 32
     pin_system: bool = True
@@ -318,6 +321,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "choose_recompute": _to_bool,
     "hot_bytes": _size,
     "ssd_bytes": _size,
+    "ssd_write_budget": _size,
     "tail_entries": _nonneg_int,
     "checkpoint_entries": _nonneg_int,
     "pin_system": _to_bool,

@@ -10,7 +10,7 @@ from dataclasses import fields
 from typing import Any
 
 from tierchat.core.api import CACHE_KINDS, CACHE_SOURCES, TurnMetrics
-from tierchat.core.units import fmt_count, fmt_seconds
+from tierchat.core.units import fmt_bytes, fmt_count, fmt_seconds
 
 SOURCE_LABELS = {
     "hot": "hot",
@@ -97,6 +97,8 @@ def fmt_metrics(m: TurnMetrics) -> str:
     ]
     if m.restore_choice:  # e.g. "ssd 3.8K tok, 48 MiB, est 0.06 s < recompute 0.09 s"
         parts.append(m.restore_choice)
+    if m.ssd_write_bytes:  # files this turn handed to the SSD writer
+        parts.append(f"SSD +{fmt_bytes(m.ssd_write_bytes)}")
     if m.finish_reason == "cancelled":
         parts.append("stopped")
     elif m.finish_reason == "length":

@@ -240,6 +240,7 @@ class Engine(RankSeams):
             layer_kinds=self.layer_kinds,
             hot=hot,
             ssd=ssd,
+            wear=cache.wear_stats(),
             tails=tails,
             snapshots=snaps,
             resident=resident,
@@ -415,6 +416,7 @@ class Engine(RankSeams):
                 rates=Rates(Path(s.cache_dir) / f"rates-{fingerprint[:16]}.json")
                 if s.choose_recompute and self.ranks is None
                 else None,
+                write_budget=s.ssd_write_budget,
             )
             if self.cache.ssd is not None and not self.cache.ssd.enabled:
                 warning = self.cache.ssd.reason
@@ -669,6 +671,7 @@ class Engine(RankSeams):
             restore_s=restore_s,
             restore_bytes=restored.nbytes,
             restore_choice=restored.choice.describe() if restored.choice else "",
+            ssd_write_bytes=turn.ssd_write_bytes,
         )
         self._last = metrics
         self._gather_rank_stats()  # before Finished: the caller's next stats() has them
