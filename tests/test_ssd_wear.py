@@ -89,11 +89,7 @@ def test_turns_defer_until_reuse_and_skip_covered_entries(tmp_path, models_dir):
     try:
         w_skipped = e.cache.ssd.ledger.total_files
         tails = [m for m in map(e.cache.ssd.meta, list(e.cache.ssd._index)) if m.kind != KIND_BLOCK]
-        covered = [
-            t
-            for t in tails
-            if any(covers(c, t) for c in e.cache.ssd.children_of(t.parent))
-        ]
+        covered = [t for t in tails if any(covers(c, t) for c in e.cache.ssd.children_of(t.parent))]
         # only the newest prompt tail (kept logprobs) may be covered by another file
         assert len(covered) <= 1
         assert all(t.kind == KIND_TAIL and t.logprobs for t in covered)

@@ -53,13 +53,14 @@ class WritePolicy:
     """Admission of committed entries to the SSD tier (see the module doc).
 
     ``children``: the entries (hot ``Entry`` or SSD ``FileMeta``) after a parent id, for
-    :func:`covers`. Counters: ``deferred`` entries waiting (and their bytes), ``skipped``
+    :func:`covers`; ``enabled`` False admits every entry at once. Counters: ``deferred`` entries waiting (and their bytes), ``skipped``
     entries dropped as covered (and their bytes of arrays), ``admitted`` entries handed
     to the SSD tier by reason.
     """
 
-    def __init__(self, children: Callable[[str], list[Any]]) -> None:
+    def __init__(self, children: Callable[[str], list[Any]], enabled: bool = True) -> None:
         self._children = children
+        self.enabled = enabled  # False: every entry is written at once (write-through)
         self._deferred: dict[str, Entry] = {}  # commit order
         self.newest_prompt_tail: str | None = None
         self.skipped = self.skipped_bytes = 0
@@ -80,7 +81,8 @@ class WritePolicy:
         """A committed entry: True to write it at the next persist, False when deferred."""
         if e.kind == KIND_TAIL and e.logprobs:
             self.newest_prompt_tail = e.id
-        if (e.kind == KIND_BLOCK and e.role == "system") or e.kind == KIND_BOUNDARY:
+        urgent = (e.kind == KIND_BLOCK and e.role == "system") or e.kind == KIND_BOUNDARY
+        if urgent or not self.enabled:
             self._deferred.pop(e.id, None)
             self.admitted["now"] += 1
             return True

@@ -219,6 +219,7 @@ class PrefixCache:
         exact_prefix: bool = False,
         rates: Rates | None = None,
         write_budget: int = 0,
+        admission: bool = True,
     ) -> None:
         self.fingerprint = fingerprint
         # restores of models without state layers land on the exact common prefix
@@ -264,7 +265,7 @@ class PrefixCache:
             else None
         )
         # which committed entries the SSD tier writes, and when (.admission)
-        self.writes = WritePolicy(self._children)
+        self.writes = WritePolicy(self._children, enabled=admission)
         self.resident: Resident | None = None
         self._unsaved: list[Entry] = []
         # counters

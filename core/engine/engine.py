@@ -214,6 +214,12 @@ class Engine(RankSeams):
             if self.ranks is None or not self.ranks.failed:
                 self._thread.join(timeout=60)
 
+    def note(self, text: str) -> None:
+        """Add ``text`` to the cache events (a verify report, core/verify.py); any thread
+        (one append to a bounded deque)."""
+        if self.cache is not None:
+            self.cache.log(text)
+
     def stats(self) -> CacheStats:
         """One immutable snapshot; safe to call from any thread."""
         mem = self.monitor.stats()
@@ -417,6 +423,7 @@ class Engine(RankSeams):
                 if s.choose_recompute and self.ranks is None
                 else None,
                 write_budget=s.ssd_write_budget,
+                admission=s.ssd_admission,
             )
             if self.cache.ssd is not None and not self.cache.ssd.enabled:
                 warning = self.cache.ssd.reason
