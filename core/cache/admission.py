@@ -18,7 +18,9 @@ tier is written to the SSD tier
   turn's). A covered entry is skipped, counted, never written; restores after a restart
   still find its tokens in the entry that covers it. The newest prompt tail that kept its
   first token's logprobs (§8.3) is never covered, so the last prompt regenerates after a
-  restart with no forward.
+  restart with no forward. A sequence end whose prompt a newer entry answers again (a
+  regenerated reply: :func:`replaced`) is skipped too: the prompt is kept by the newer one,
+  only the old reply's tokens would be computed again if the user went back to it.
 
 Deferred entries live in the hot tier meanwhile: a crash (not a close) loses them, never
 the blocks and checkpoints already written. Engine thread only.
@@ -26,10 +28,11 @@ the blocks and checkpoints already written. Engine thread only.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
-from .blocks import KIND_BLOCK, KIND_BOUNDARY, KIND_TAIL, Entry
+from .blocks import KIND_BLOCK, KIND_BOUNDARY, KIND_SEQ, KIND_TAIL, Entry
 
 
 def covers(c: Any, t: Any) -> bool:
@@ -49,6 +52,23 @@ def covers(c: Any, t: Any) -> bool:
     )
 
 
+def replaced(c: Any, t: Entry) -> bool:
+    """Whether ``c`` holds all of the prompt that sequence end ``t`` answered (after the
+    same block): ``c`` is another reply to it (a regenerate) or continues a sibling."""
+    p = t.prompt_end - t.start
+    return (
+        t.kind == KIND_SEQ
+        and p > 0
+        and c.id != t.id
+        and not t.snapshot
+        and c.parent == t.parent
+        and c.start == t.start
+        and len(c.tokens) >= p
+        and tuple(c.tokens[:p]) == tuple(t.tokens[:p])
+        and tuple(c.tokens[: len(t.tokens)]) != tuple(t.tokens)
+    )
+
+
 class WritePolicy:
     """Admission of committed entries to the SSD tier (see the module doc).
 
@@ -62,6 +82,8 @@ class WritePolicy:
         self._children = children
         self.enabled = enabled  # False: every entry is written at once (write-through)
         self._deferred: dict[str, Entry] = {}  # commit order
+        self._order: dict[str, int] = {}  # commit order of the deferred entries
+        self._seq = itertools.count()
         self.newest_prompt_tail: str | None = None
         self.skipped = self.skipped_bytes = 0
         self.admitted: dict[str, int] = {"now": 0, "hit": 0, "evicted": 0, "close": 0}
@@ -84,9 +106,11 @@ class WritePolicy:
         urgent = (e.kind == KIND_BLOCK and e.role == "system") or e.kind == KIND_BOUNDARY
         if urgent or not self.enabled:
             self._deferred.pop(e.id, None)
+            self._order.pop(e.id, None)
             self.admitted["now"] += 1
             return True
         self._deferred[e.id] = e
+        self._order[e.id] = next(self._seq)
         return False
 
     def hit(self, e: Entry) -> bool:
@@ -94,17 +118,21 @@ class WritePolicy:
         True, it is to be written (a no-op for the SSD tier when it holds it already)."""
         if self._deferred.pop(e.id, None) is not None:
             self.admitted["hit"] += 1
+        self._order.pop(e.id, None)
         return True
 
     def evicted(self, e: Entry) -> bool:
         """The hot tier dropped ``e``: True to write it now (deferred and not covered)."""
         if self._deferred.pop(e.id, None) is None:
             return False
-        return self._keep(e, "evicted")
+        keep = self._keep(e, "evicted")
+        self._order.pop(e.id, None)
+        return keep
 
     def forget(self, entry_id: str) -> None:
         """``entry_id`` left the hot tier without being written (a clear, a bad entry)."""
         self._deferred.pop(entry_id, None)
+        self._order.pop(entry_id, None)
 
     def flush(self) -> list[Entry]:
         """At close: the deferred entries to write, in commit order; the covered ones are
@@ -116,10 +144,16 @@ class WritePolicy:
             # count (a longer one covers them in turn, and the longest is kept)
             if self._keep(e, "close"):
                 keep.append(e)
+        self._order.clear()
         return keep
 
     def _keep(self, e: Entry, reason: str) -> bool:
-        if e.id != self.newest_prompt_tail and any(covers(c, e) for c in self._children(e.parent)):
+        order = self._order.get(e.id, -1)
+        children = self._children(e.parent)
+        gone = e.id != self.newest_prompt_tail and any(covers(c, e) for c in children)
+        # a reply the user regenerated: a newer entry answers (or continues) its prompt
+        gone = gone or any(replaced(c, e) and self._order.get(c.id, -1) > order for c in children)
+        if gone:
             self.skipped += 1
             self.skipped_bytes += e.nbytes
             return False

@@ -143,6 +143,9 @@ class CacheRequest:
         cache = self.cache
         seq_ids = cache.ids(sequence)
         entries = cache.capture(caches, sequence, seq_ids, 0, len(sequence), (), KIND_SEQ)
+        for e in entries:
+            if e.kind == KIND_SEQ:
+                e.prompt_end = len(self.prompt)
         mx.eval([c.state for c in caches] + [a for e in entries for a in e.arrays.values()])
         cache.commit(entries)
         self.ssd_write_bytes += cache.persist()
