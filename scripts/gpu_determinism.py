@@ -40,6 +40,9 @@ CONFIGS: dict[str, dict[str, str]] = {
     "no_cudnn_sdpa": {"MLX_CUDA_USE_CUDNN_SDPA": "0"},
     "cublas_ws": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
     "hashseed": {"PYTHONHASHSEED": "0"},
+    "sync_decode": {"DET_SYNC_DECODE": "1"},
+    "lb_graphs": {"CUDA_LAUNCH_BLOCKING": "1", "MLX_USE_CUDA_GRAPHS": "0"},
+    "lb_sdpa": {"CUDA_LAUNCH_BLOCKING": "1", "MLX_CUDA_USE_CUDNN_SDPA": "0"},
     "all": {
         "CUDA_LAUNCH_BLOCKING": "1",
         "MLX_USE_CUDA_GRAPHS": "0",
@@ -127,11 +130,27 @@ def probe(args: argparse.Namespace) -> None:
     ids = _prompt_ids(lm.tokenizer, args.prompt)
     prompt = mx.array(ids)
 
+    def steps():
+        if os.environ.get("DET_SYNC_DECODE") != "1":
+            yield from generate_step(prompt, model, max_tokens=args.tokens)
+            return
+        # no overlap: each step evaluated before the next one is built
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(model)
+        logits = model(prompt[None], cache=cache)[:, -1]
+        for _ in range(args.tokens):
+            lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            y = mx.argmax(lp, axis=-1)
+            mx.eval(y, lp)
+            yield int(y.item()), lp[0]
+            logits = model(y[None], cache=cache)[:, -1]
+
     def greedy():
         out, lps = [], []
         t0 = time.perf_counter()
         first = None
-        for tok, logprobs in generate_step(prompt, model, max_tokens=args.tokens):
+        for tok, logprobs in steps():
             if first is None:
                 first = time.perf_counter() - t0
             out.append(int(tok))

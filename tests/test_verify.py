@@ -27,6 +27,9 @@ def test_agreement_counts_top1_first_difference_and_largest_delta():
     got = agreement(a, b)
     assert (got.positions, got.top1_agree, got.first_diff) == (3, 2, 1)
     assert got.max_dlogprob == pytest.approx(float(np.max(np.abs(a[1] - b[1]))))
+    on_reply = agreement(a, b, tokens=[0, 2, 2])  # the reply's tokens only
+    assert on_reply.max_dlogprob == pytest.approx(abs(float(a[1][2] - b[1][2])))
+    assert on_reply.first_diff == 1 and on_reply.top1_agree == 2
     same = agreement(a, [x.copy() for x in a])
     assert same.bitwise and same.top1_agree == 3 and same.max_dlogprob == 0.0
     assert "bitwise" in same.describe() and "first diff 1" in got.describe()
@@ -88,3 +91,12 @@ def test_verify_command_runs_a_script(tmp_path, models_dir, capsys, monkeypatch)
     again = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert code == 0 and len(again) == 1 and again[0]["verify"]["cached"]["first_diff"] is None
     assert main([*args, "verify"]) == 2
+
+
+def test_bitwise_asks_for_reproducible_attention_kernels(monkeypatch):
+    from tierchat.core.device import DETERMINISTIC_ENV, use_deterministic_kernels
+
+    monkeypatch.delenv("MLX_CUDA_USE_CUDNN_SDPA", raising=False)
+    assert use_deterministic_kernels() == DETERMINISTIC_ENV == {"MLX_CUDA_USE_CUDNN_SDPA": "0"}
+    monkeypatch.setenv("MLX_CUDA_USE_CUDNN_SDPA", "1")  # the user's own choice stays
+    assert use_deterministic_kernels() == {}

@@ -63,7 +63,7 @@ from ..memory import prefill as prefill_mod
 from ..memory import pressure as memory_mod
 from . import distributed as dist
 from .attention import OFF, chunk_attention, mlx_softmax, plan_attention, pow_softmax
-from .device import device_info
+from .device import device_info, use_deterministic_kernels
 from .forward import last_logits_fn, logprobs_of, verify_last_logits
 from .ranks import RankSeams
 
@@ -111,6 +111,8 @@ class Engine(RankSeams):
 
     def __init__(self, settings: Settings, on_log: Callable[[str], None] | None = None) -> None:
         self.settings = settings
+        if settings.bitwise:  # reproducible decode on CUDA too (core/device.py)
+            use_deterministic_kernels()
         self.model_name = ""
         self.loaded = None
         self.cache: PrefixCache | None = None
