@@ -6,7 +6,7 @@
     tierchat verify --node ID             one stored reply
 
 Each reply's prompt is run teacher-forced on the reply, through the cache and twice cold
-(:mod:`tierchat.core.verify`, docs/DESIGN.md §18). Output: JSON lines. For a script, the
+(:mod:`tierchat.core.chat.verify`, docs/DESIGN.md §18). Output: JSON lines. For a script, the
 replay's own lines and, after each generating op, ``{"op_index", "op", "node_id",
 "verify", "line"}``; for stored replies ``{"node_id", "verify", "line"}``. ``verify`` holds
 ``cached`` (cached vs cold) and ``floor`` (cold vs cold), each ``positions``,
@@ -46,7 +46,7 @@ class VerifyReplay(Replay):
     state as the turn left it)."""
 
     def generate(self, op: Op) -> None:
-        from tierchat.core.verify import VerifyError, verify_reply
+        from tierchat.core.chat.verify import VerifyError, verify_reply
 
         before = len(self.results)
         super().generate(op)
@@ -85,8 +85,8 @@ def run_verify(settings: Any, args: Any) -> int:
 
 
 def _verify_stored(settings: Any, cid: int | None, nid: int | None) -> int:
-    from tierchat.core.conversation import ConversationError
-    from tierchat.core.verify import VerifyError, verify_reply
+    from tierchat.core.chat.store import ConversationError
+    from tierchat.core.chat.verify import VerifyError, verify_reply
 
     store = open_store(settings.db_path)
     try:

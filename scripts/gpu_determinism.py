@@ -118,7 +118,7 @@ def probe(args: argparse.Namespace) -> None:
     import tierchat.core  # noqa: F401  (OpenBLAS before mlx on the CPU)
     from mlx_lm.generate import generate_step
     from mlx_lm.models import base
-    from tierchat.core.models import load_model
+    from tierchat.core.models.loading import load_model
 
     lm = load_model(args.model)
     model = lm.model

@@ -31,7 +31,7 @@ from pathlib import Path
 def _kv_bytes_per_token(model: str) -> int:
     """K/V bytes per token of ``model`` as the engine caches it (its compute dtype)."""
     from tierchat.config.settings import load_settings
-    from tierchat.core.engine import Engine
+    from tierchat.core.engine.engine import Engine
 
     settings = load_settings({"model": model, "no_cache": True})
     engine = Engine(settings)
@@ -56,8 +56,8 @@ def _per_token(engine) -> int:
 
 def _shared_prefix(model: str, ops: list[dict]) -> int:
     from mlx_lm.utils import load_tokenizer
-    from tierchat.core.models import default_models_dir, resolve_model_dir
-    from tierchat.core.prompts import build_prompt
+    from tierchat.core.chat.prompts import build_prompt
+    from tierchat.core.models.loading import default_models_dir, resolve_model_dir
 
     firsts, system = [], None
     for op in ops:

@@ -1,4 +1,4 @@
-"""Verify a turn against cold (core/verify.py, docs/DESIGN.md §18).
+"""Verify a turn against cold (core/chat/verify.py, docs/DESIGN.md §18).
 
 The comparison itself on hand-made logprobs; then on ``tiny:llama`` in float32 on the CPU:
 a cached turn (the resident cache, the first token from its kept logprobs) recomputed
@@ -14,9 +14,9 @@ import json
 import numpy as np
 import pytest
 from engine_kit import make_engine
-from tierchat.core.conversation import ConversationStore
-from tierchat.core.session import ChatSession
-from tierchat.core.verify import Agreement, VerifyError, VerifyReport, agreement, verify_reply
+from tierchat.core.chat.session import ChatSession
+from tierchat.core.chat.store import ConversationStore
+from tierchat.core.chat.verify import Agreement, VerifyError, VerifyReport, agreement, verify_reply
 
 
 def test_agreement_counts_top1_first_difference_and_largest_delta():
@@ -94,7 +94,7 @@ def test_verify_command_runs_a_script(tmp_path, models_dir, capsys, monkeypatch)
 
 
 def test_bitwise_asks_for_reproducible_attention_kernels(monkeypatch):
-    from tierchat.core.device import DETERMINISTIC_ENV, use_deterministic_kernels
+    from tierchat.core.engine.device import DETERMINISTIC_ENV, use_deterministic_kernels
 
     monkeypatch.delenv("MLX_CUDA_USE_CUDNN_SDPA", raising=False)
     assert use_deterministic_kernels() == DETERMINISTIC_ENV == {"MLX_CUDA_USE_CUDNN_SDPA": "0"}

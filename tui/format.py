@@ -10,8 +10,8 @@ from dataclasses import fields
 from typing import Any
 
 from tierchat.core.api import CACHE_KINDS, CACHE_SOURCES, TurnMetrics
+from tierchat.core.chat.verify import VerifyReport
 from tierchat.core.units import fmt_bytes, fmt_count, fmt_seconds
-from tierchat.core.verify import VerifyReport
 
 SOURCE_LABELS = {
     "hot": "hot",
@@ -26,7 +26,7 @@ _TURN_FIELDS = {f.name for f in fields(TurnMetrics)}
 
 def verify_line(meta: dict[str, Any] | None) -> str:
     """The stored verify-against-cold report of a reply (``meta["verify"]``,
-    :mod:`tierchat.core.verify`) as one line, "" when there is none or it is unreadable."""
+    :mod:`tierchat.core.chat.verify`) as one line, "" when there is none or it is unreadable."""
     raw = (meta or {}).get("verify")
     if not isinstance(raw, dict):
         return ""

@@ -111,7 +111,7 @@ class Engine(RankSeams):
 
     def __init__(self, settings: Settings, on_log: Callable[[str], None] | None = None) -> None:
         self.settings = settings
-        if settings.bitwise:  # reproducible decode on CUDA too (core/device.py)
+        if settings.bitwise:  # reproducible decode on CUDA too (core/engine/device.py)
             use_deterministic_kernels()
         self.model_name = ""
         self.loaded = None
@@ -217,7 +217,7 @@ class Engine(RankSeams):
                 self._thread.join(timeout=60)
 
     def note(self, text: str) -> None:
-        """Add ``text`` to the cache events (a verify report, core/verify.py); any thread
+        """Add ``text`` to the cache events (a verify report, core/chat/verify.py); any thread
         (one append to a bounded deque)."""
         if self.cache is not None:
             self.cache.log(text)

@@ -10,7 +10,7 @@ import pytest
 from textual.clock import MockClock
 from textual.widgets import Static
 from tierchat.config.settings import Settings
-from tierchat.core.conversation import ConversationStore
+from tierchat.core.chat.store import ConversationStore
 from tui_kit import chat_screen, fixed_clock, send, settle
 
 engine_module = pytest.importorskip("tierchat.core.engine")

@@ -27,7 +27,7 @@ from textual.widgets import TextArea
 from tierchat.core.chat.code_blocks import CodeBlock, fenced_blocks
 from tierchat.core.chat.editor import EditorError, edit_text
 from tierchat.core.chat.importer import read_export
-from tierchat.core.verify import VerifyReport, verify_reply
+from tierchat.core.chat.verify import VerifyReport, verify_reply
 from tierchat.tui.draft_meter import DraftMeter
 from tierchat.tui.screens.code_blocks import CodeBlocksScreen, block_label
 from tierchat.tui.screens.confirm import ConfirmScreen
@@ -185,7 +185,7 @@ class ChatTools(Screen):
         self.app.push_screen(RawMessageScreen(node.content, title))
 
     def action_verify_turn(self) -> None:
-        """Verify the selected reply against cold (core/verify.py) on a thread: the
+        """Verify the selected reply against cold (core/chat/verify.py) on a thread: the
         report goes to the reply's row (stored with it), a notification and the events."""
         target = self._message_target()
         if target is None or target.info.role != "assistant" or not target.info.node_id:

@@ -41,7 +41,7 @@ class MessageInfo:
     count: int = 1
     metrics: TurnMetrics | None = None
     model: str = ""
-    verify: str = ""  # the reply verified against cold (core/verify.py), one line
+    verify: str = ""  # the reply verified against cold (core/chat/verify.py), one line
 
 
 def message_infos(entries: Sequence[Any], system: str | None = None) -> list[MessageInfo]:

@@ -13,7 +13,7 @@ near -20 is 0.125).
 
 :func:`verify_turn` runs the three requests on an engine; :func:`verify_reply` verifies a
 stored reply and keeps the report in the reply's ``meta["verify"]``
-(:meth:`~tierchat.core.conversation.ConversationStore.update_meta`). Both block until the
+(:meth:`~tierchat.core.chat.store.ConversationStore.update_meta`). Both block until the
 runs are done: call them off the UI thread.
 """
 
@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from .api import Failed, Finished, GenerateRequest
-from .units import fmt_count
+from ..api import Failed, Finished, GenerateRequest
+from ..units import fmt_count
 
 
 class VerifyError(Exception):
