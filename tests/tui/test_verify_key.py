@@ -13,7 +13,7 @@ from tierchat.config.settings import Settings
 from tierchat.core.chat.store import ConversationStore
 from tui_kit import chat_screen, fixed_clock, send, settle
 
-engine_module = pytest.importorskip("tierchat.core.engine")
+engine_module = pytest.importorskip("tierchat.core.engine.engine")
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
