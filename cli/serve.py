@@ -179,6 +179,7 @@ def usage(m: TurnMetrics, completion_tokens: int | None = None) -> dict[str, Any
             "ttft_s": round(m.ttft_s, 6),
             "prefill_tps": round(m.prefill_tps, 2),
             "generation_tps": round(m.generation_tps, 2),
+            "ssd_write_bytes": m.ssd_write_bytes,
         },
     }
 
@@ -531,12 +532,18 @@ def create_app(state: ServeState) -> Starlette:
                 {"status": "failed", "error": failed, "model": state.engine.model_name},
                 status_code=503,
             )
+        wear = state.engine.stats().wear
         return JSONResponse(
             {
                 "status": "ok" if state.engine.model_name else "loading",
                 "model": state.engine.model_name,
                 "queue": {"waiting": snap.waiting, "running": snap.running},
                 "requests": snap.total,
+                # SSD bytes written (docs/DESIGN.md §8.6)
+                "ssd_writes": {
+                    k: getattr(wear, k)
+                    for k in ("session_bytes", "total_bytes", "day_bytes", "budget_bytes")
+                },
             }
         )
 

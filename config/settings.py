@@ -82,6 +82,13 @@ class Settings:
     choose_recompute: bool = True
     hot_bytes: int = field(default_factory=default_hot_bytes)
     ssd_bytes: int = 16 * GiB
+    # bytes the SSD tier may write in any 24 hours (0: no budget); entries that do not fit
+    # are not written and are counted (docs/DESIGN.md §8.6)
+    ssd_write_budget: int = 0
+    # write an entry to the SSD tier when it is likely to be read again (reused, evicted
+    # from RAM, or still needed at close); off: every committed entry at once, as a
+    # write-through tier that a crash loses nothing of (docs/DESIGN.md §8.6)
+    ssd_admission: bool = True
     tail_entries: int = 8
     checkpoint_entries: int = 32
     pin_system: bool = True
@@ -328,6 +335,8 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "choose_recompute": _to_bool,
     "hot_bytes": _size,
     "ssd_bytes": _size,
+    "ssd_write_budget": _size,
+    "ssd_admission": _to_bool,
     "tail_entries": _nonneg_int,
     "checkpoint_entries": _nonneg_int,
     "pin_system": _to_bool,

@@ -85,6 +85,8 @@ class TurnMetrics:
     restore_bytes: int = 0  # bytes of cached K/V and state put into the cache
     # the SSD tier read or its tokens computed again, with the estimates (core/cache/rates.py)
     restore_choice: str = ""
+    # bytes of SSD files this request handed to the writer (docs/DESIGN.md §8.6)
+    ssd_write_bytes: int = 0
 
     @property
     def cache_source(self) -> str:
@@ -240,6 +242,31 @@ class TailStats:
 
 
 @dataclass(frozen=True)
+class WearStats:
+    """Bytes the SSD tier writes (docs/DESIGN.md §8.6): files written by this engine
+    (``session_*``) and by every session of the cache dir (``total_*``); bytes written in
+    the last 24 hours (``day_bytes``, whole hours) against ``budget_bytes`` (0: none);
+    bytes accepted and not yet on disk (``pending_bytes``); entries kept in RAM until reused,
+    evicted or closed (``deferred``), dropped because a longer entry holds their tokens
+    (``skipped``: entries and bytes of arrays), refused by the budget (``budget_skips``)."""
+
+    session_bytes: int = 0
+    session_files: int = 0
+    total_bytes: int = 0
+    total_files: int = 0
+    day_bytes: int = 0
+    budget_bytes: int = 0
+    pending_bytes: int = 0
+    deferred: int = 0
+    deferred_bytes: int = 0
+    skipped: int = 0
+    skipped_bytes: int = 0
+    budget_skips: int = 0
+    budget_skipped_bytes: int = 0
+    enabled: bool = True
+
+
+@dataclass(frozen=True)
 class SnapshotStats:
     """Boundary snapshots of window/state layers stored with blocks."""
 
@@ -310,6 +337,7 @@ class CacheStats:
     layer_kinds: tuple[str, ...] = ()
     hot: TierStats = TierStats()
     ssd: TierStats = TierStats()
+    wear: WearStats = WearStats()
     tails: TailStats = TailStats()
     snapshots: SnapshotStats = SnapshotStats()
     resident: ResidentStats = ResidentStats()

@@ -67,6 +67,11 @@ TOOL_COMMANDS: tuple[Command, ...] = (
     Command("Search: this conversation…", "search('here')", "Find messages by their words"),
     Command("Search: all conversations…", "search('all')", "Open a chat at an old message"),
     Command("Chat: raw text of message", "raw_message", "The selected message as stored"),
+    Command(
+        "Chat: verify reply against cold",
+        "verify_turn",
+        "Recompute the selected reply without the cache: top-1, first diff, max |Δlogprob|",
+    ),
     Command("Chat: copy a code block", "copy_code", "One fenced block of the selected message"),
     Command("Chat: delete message", "delete_message", "Only the selected message"),
     Command("Chat: delete branch", "delete_branch", "The selected message and all after it"),

@@ -4,7 +4,8 @@ Blocks, MRU tails and checkpoints share the budget. Eviction is LRU inside prior
 classes: blocks ending in assistant messages go first, then user, then tails/checkpoints,
 then system; entries of a pinned system prompt never go. Tails and checkpoints are also
 bounded by count (``max_tails`` for prompt tails and sequence ends, ``max_checkpoints`` for
-message-boundary checkpoints). Evicted entries are still on the SSD tier (write-through).
+message-boundary checkpoints). An evicted entry not yet on the SSD tier is written then
+(unless covered: docs/DESIGN.md §8.6).
 """
 
 from __future__ import annotations

@@ -38,8 +38,17 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from ..api import CACHE_KINDS, CACHE_SOURCES, ResidentStats, SnapshotStats, TailStats, TierStats
+from ..api import (
+    CACHE_KINDS,
+    CACHE_SOURCES,
+    ResidentStats,
+    SnapshotStats,
+    TailStats,
+    TierStats,
+    WearStats,
+)
 from . import layers as L
+from .admission import WritePolicy
 from .blocks import (
     KIND_BLOCK,
     KIND_SEQ,
@@ -55,6 +64,7 @@ from .blocks import (
 from .hot import HotTier
 from .rates import Choice, Rates
 from .ssd import SSDTier
+from .wear import WriteLedger
 
 Spec = dict[str, tuple[tuple[int, ...], Any]]
 
@@ -208,6 +218,8 @@ class PrefixCache:
         pin_system: bool = True,
         exact_prefix: bool = False,
         rates: Rates | None = None,
+        write_budget: int = 0,
+        admission: bool = True,
     ) -> None:
         self.fingerprint = fingerprint
         # restores of models without state layers land on the exact common prefix
@@ -241,10 +253,19 @@ class PrefixCache:
         self._seq = itertools.count(1)
         self.hot = HotTier(hot_bytes, max_tails, max_checkpoints, on_evict=self._evicted)
         self.ssd = (
-            SSDTier(ssd_dir, fingerprint, ssd_bytes, writer_queue, on_event=self.log)
+            SSDTier(
+                ssd_dir,
+                fingerprint,
+                ssd_bytes,
+                writer_queue,
+                on_event=self.log,
+                ledger=WriteLedger(Path(ssd_dir) / "ssd-writes.json", write_budget),
+            )
             if ssd_dir is not None
             else None
         )
+        # which committed entries the SSD tier writes, and when (.admission)
+        self.writes = WritePolicy(self._children, enabled=admission)
         self.resident: Resident | None = None
         self._unsaved: list[Entry] = []
         # counters
@@ -263,6 +284,8 @@ class PrefixCache:
     def _evicted(self, e: Entry, why: str) -> None:
         # named as the counters are: hot.evictions (blocks), tails.evictions (the rest)
         self._evicted_batch[e.kind == KIND_BLOCK] += 1
+        if self.ssd is not None and self.writes.evicted(e):
+            self._unsaved.append(e)  # RAM lets go of an entry not yet written
 
     def _flush_evictions(self) -> None:
         tails, blocks = self._evicted_batch
@@ -622,6 +645,7 @@ class PrefixCache:
                 self.restore_errors += 1
                 self.log(f"entry {bad[:12]} could not be loaded: evicted")
                 self.hot.remove(bad)
+                self.writes.forget(bad)
                 if self.ssd is not None:
                     self.ssd.remove(bad)
                 continue
@@ -770,7 +794,7 @@ class PrefixCache:
             ):
                 held = self.hot.peek(ids[j])
                 if held is not None:
-                    self._persist(held)
+                    self._repair(held)
                 continue
             todo.append(j)
         out = []
@@ -815,7 +839,7 @@ class PrefixCache:
                 keep = logprobs
             held = self.hot.get(tid)
             if held is not None and (keep is None or held.logprobs):
-                self._persist(held)
+                self._repair(held)
             else:
                 role = "assistant" if end_kind == KIND_SEQ else role_at(boundaries, end)
                 e = self._entry(live, tid, parent, end_kind, j * bs, seg, role, True, defer_kv)
@@ -909,24 +933,33 @@ class PrefixCache:
             e.nbytes = sum(a.nbytes for a in e.arrays.values())
             e.snapshot_nbytes = self._snapshot_nbytes(e.arrays)
             self.hot.put(e, pin=self.pin_system and e.kind == KIND_BLOCK and e.role == "system")
-            if self.ssd is not None:
+            if self.ssd is not None and self.writes.offer(e):
                 self._unsaved.append(e)
             if e.kind != KIND_BLOCK and e.id in self.hot:
                 self.tail_stashes += 1
         self._flush_evictions()
 
-    def persist(self) -> None:
-        """Hand the entries committed since the last call to the SSD tier (write-through),
-        in commit order."""
+    def persist(self) -> int:
+        """Hand the entries admitted since the last call (:mod:`.admission`) to the SSD
+        tier, in commit order; returns the bytes of files it accepted."""
         unsaved, self._unsaved = self._unsaved, []
-        if self.ssd is not None and unsaved:
-            self.ssd.put_many(unsaved)
+        if self.ssd is None or not unsaved:
+            return 0
+        before = self.ssd.bytes_queued
+        self.ssd.put_many(unsaved)
+        return self.ssd.bytes_queued - before
 
     def _persist(self, e: Entry) -> None:
-        """Write-through repair: a hot entry the SSD tier does not hold (after an SSD
-        clear, a dropped write or a full disk) goes to it at the next :meth:`persist`, so
-        a restart still finds it."""
-        if self.ssd is not None:
+        """A hot entry reused (read by a restore): admitted
+        (:meth:`.admission.WritePolicy.hit`), and repaired if the SSD tier lost it."""
+        if self.ssd is not None and self.writes.hit(e):
+            self._unsaved.append(e)
+
+    def _repair(self, e: Entry) -> None:
+        """A hot entry captured again: unless admission still defers it, handed to the SSD
+        tier again, which writes it only if it lost it (an SSD clear, a dropped write, a
+        full disk), so a restart still finds it."""
+        if self.ssd is not None and not self.writes.is_deferred(e.id):
             self._unsaved.append(e)
 
     # ------------------------------------------------------------------ admin
@@ -937,6 +970,14 @@ class PrefixCache:
         parts = []
         if tier == "resident":
             parts.append(f"resident cache of {self.drop_resident()} tokens")
+        if tier == "hot" and self.ssd is not None:
+            # RAM goes: what it held and the SSD tier does not is written first
+            self._unsaved += self.writes.flush()
+            self.persist()
+        if tier in ("all", "tails"):
+            for e in list(self.hot.entries()):
+                if tier == "all" or e.kind != KIND_BLOCK:
+                    self.writes.forget(e.id)
         if tier in ("hot", "all"):
             nbytes = self.hot.nbytes
             parts.append(f"hot {self.hot.clear()} entries ({nbytes / 2**20:.1f} MiB)")
@@ -960,6 +1001,10 @@ class PrefixCache:
         return msg
 
     def close(self) -> None:
+        """Write what was admitted and what is still deferred (:mod:`.admission`), save
+        the rates, close the SSD tier (its writer writes what is queued)."""
+        if self.ssd is not None:
+            self._unsaved += self.writes.flush()
         self.persist()
         if self.rates is not None:
             self.rates.save()
@@ -1020,3 +1065,25 @@ class PrefixCache:
             tokens=len(r.tokens) if r else 0, nbytes=r.nbytes if r else 0, hits=self.resident_hits
         )
         return hot_stats, ssd_stats, tails, snaps, resident
+
+    def wear_stats(self) -> WearStats:
+        """SSD bytes written and what admission deferred or skipped (docs/DESIGN.md §8.6)."""
+        s, w = self.ssd, self.writes
+        if s is None:
+            return WearStats(enabled=False)
+        led = s.ledger
+        return WearStats(
+            session_bytes=led.session_bytes,
+            session_files=led.session_files,
+            total_bytes=led.total_bytes,
+            total_files=led.total_files,
+            day_bytes=led.day_bytes(),
+            budget_bytes=led.budget,
+            pending_bytes=s.pending_bytes,
+            deferred=w.deferred,
+            deferred_bytes=w.deferred_bytes,
+            skipped=w.skipped,
+            skipped_bytes=w.skipped_bytes,
+            budget_skips=s.budget_skips,
+            budget_skipped_bytes=s.budget_skipped_bytes,
+        )

@@ -88,6 +88,7 @@ from .blocks import (
 from .blocks import root_id as _root_id
 from .blocks import tail_id as _tail_id
 from .dir_lock import LOCK_FILE, CacheDirBusy, acquire_dir, release_dir, relock_dir
+from .wear import WriteLedger
 
 FORMAT = f"tierchat-kv/{FORMAT_VERSION}"
 PREFIX = b'{"__metadata__":{"hcrc":"'
@@ -484,6 +485,9 @@ class SSDTier:
     Test hooks: ``write_delay_s`` (every write sleeps this long first) and
     ``write_jitter_s`` (plus a random ``[0, write_jitter_s)``), as instance or class
     attributes; ``verify_at_start`` turns the background verifier off.
+
+    ``ledger`` (:mod:`.wear`) records every file written and holds the write budget: an
+    entry that does not fit it is not accepted (``budget_skips``, ``budget_skipped_bytes``).
     """
 
     write_delay_s: float = 0.0
@@ -501,8 +505,12 @@ class SSDTier:
         queue_size: int = 64,
         on_event=None,
         max_pending_bytes: int = 1 << 30,
+        ledger: WriteLedger | None = None,
     ) -> None:
         self.fingerprint = fingerprint
+        self.ledger = ledger if ledger is not None else WriteLedger(None)
+        self.budget_skips = self.budget_skipped_bytes = 0
+        self.bytes_queued = 0  # bytes of the files accepted for writing (put_many)
         self.max_bytes = max_bytes
         self.configured_max_bytes = max_bytes  # max_bytes shrinks on a full disk
         self._retry_at = 0.0  # monotonic time to try the configured cap again
@@ -829,6 +837,12 @@ class SSDTier:
                 if len(head) + data > self.max_bytes:
                     self._refuse(f"entry of {len(head) + data} bytes exceeds the cap")
                     continue
+                room = self.ledger.room(self._pending_bytes + sum(a[1].nbytes for a in accepted))
+                if room is not None and len(head) + data > room:
+                    with self._lock:
+                        self.budget_skips += 1
+                        self.budget_skipped_bytes += len(head) + data
+                    continue
                 item = _Pending(replace(e, arrays=dict(e.arrays)), head, len(head) + data)
                 item.begin, item.end = offset, offset + data
                 offset += data
@@ -857,6 +871,7 @@ class SSDTier:
             self._pending[e.id] = item
             self._pending_bytes += size
             self.saves_queued += 1
+            self.bytes_queued += size
             self._queue.append(item)
             self._cond.notify_all()
         return True
@@ -936,6 +951,7 @@ class SSDTier:
                     del self._pending[eid]
                     self._pending_bytes -= item.nbytes
                     self.saves_persisted += 1
+                    self.ledger.record(item.nbytes)
                     self._cond.notify_all()
                     return
             tmp.unlink(missing_ok=True)  # dropped while written
@@ -1057,6 +1073,7 @@ class SSDTier:
                 self._cond.notify_all()
             self._writer.join(timeout=5)
             self._verifier.join(timeout=5)
+        self.ledger.save()
         if self._locked:
             self._locked = False
             release_dir(self.cache_root)

@@ -471,6 +471,19 @@ class ConversationStore:
             raise ConversationError(f"no node with id {node_id}")
         return _node(row)
 
+    def update_meta(self, node_id: int, key: str, value: Any) -> None:
+        """Set ``meta[key] = value`` (JSON-serializable) on a node, keeping its other
+        keys (a verify report next to the turn's metrics). Raises
+        :class:`ConversationError` for an unknown id."""
+        with self._tx():
+            row = self._one("SELECT meta FROM nodes WHERE id = ?", (node_id,))
+            if row is None:
+                raise ConversationError(f"no node with id {node_id}")
+            meta = {**json.loads(row[0] or "{}"), key: value}
+            self._conn.execute(
+                "UPDATE nodes SET meta = ? WHERE id = ?", (json.dumps(meta), node_id)
+            )
+
     def children(self, node_id: int) -> list[Node]:
         """Children of ``node_id`` in creation order. Raises :class:`ConversationError`."""
         with self._lock:

@@ -63,7 +63,7 @@ from ..memory import prefill as prefill_mod
 from ..memory import pressure as memory_mod
 from . import distributed as dist
 from .attention import OFF, chunk_attention, mlx_softmax, plan_attention, pow_softmax
-from .device import device_info
+from .device import device_info, use_deterministic_kernels
 from .forward import last_logits_fn, logprobs_of, verify_last_logits
 from .ranks import RankSeams
 
@@ -111,6 +111,8 @@ class Engine(RankSeams):
 
     def __init__(self, settings: Settings, on_log: Callable[[str], None] | None = None) -> None:
         self.settings = settings
+        if settings.bitwise:  # reproducible decode on CUDA too (core/engine/device.py)
+            use_deterministic_kernels()
         self.model_name = ""
         self.loaded = None
         self.cache: PrefixCache | None = None
@@ -214,6 +216,12 @@ class Engine(RankSeams):
             if self.ranks is None or not self.ranks.failed:
                 self._thread.join(timeout=60)
 
+    def note(self, text: str) -> None:
+        """Add ``text`` to the cache events (a verify report, core/chat/verify.py); any thread
+        (one append to a bounded deque)."""
+        if self.cache is not None:
+            self.cache.log(text)
+
     def stats(self) -> CacheStats:
         """One immutable snapshot; safe to call from any thread."""
         mem = self.monitor.stats()
@@ -240,6 +248,7 @@ class Engine(RankSeams):
             layer_kinds=self.layer_kinds,
             hot=hot,
             ssd=ssd,
+            wear=cache.wear_stats(),
             tails=tails,
             snapshots=snaps,
             resident=resident,
@@ -415,6 +424,8 @@ class Engine(RankSeams):
                 rates=Rates(Path(s.cache_dir) / f"rates-{fingerprint[:16]}.json")
                 if s.choose_recompute and self.ranks is None
                 else None,
+                write_budget=s.ssd_write_budget,
+                admission=s.ssd_admission,
             )
             if self.cache.ssd is not None and not self.cache.ssd.enabled:
                 warning = self.cache.ssd.reason
@@ -669,6 +680,7 @@ class Engine(RankSeams):
             restore_s=restore_s,
             restore_bytes=restored.nbytes,
             restore_choice=restored.choice.describe() if restored.choice else "",
+            ssd_write_bytes=turn.ssd_write_bytes,
         )
         self._last = metrics
         self._gather_rank_stats()  # before Finished: the caller's next stats() has them

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from textual import on
+from textual import on, work
 from textual.app import SuspendNotSupported
 from textual.binding import Binding, BindingType
 from textual.screen import Screen
@@ -27,6 +27,7 @@ from textual.widgets import TextArea
 from tierchat.core.chat.code_blocks import CodeBlock, fenced_blocks
 from tierchat.core.chat.editor import EditorError, edit_text
 from tierchat.core.chat.importer import read_export
+from tierchat.core.chat.verify import VerifyReport, verify_reply
 from tierchat.tui.draft_meter import DraftMeter
 from tierchat.tui.screens.code_blocks import CodeBlocksScreen, block_label
 from tierchat.tui.screens.confirm import ConfirmScreen
@@ -81,6 +82,10 @@ class ChatTools(Screen):
         chat = self.chat
         if action == "raw_message":
             return True if self._message_target() is not None else None
+        if action == "verify_turn":
+            target = self._message_target()
+            ok = not chat.streaming and target is not None and target.info.role == "assistant"
+            return True if ok else None
         if action == "copy_code":
             target = self._message_target()
             return True if target is not None and fenced_blocks(target.text) else None
@@ -178,6 +183,31 @@ class ChatTools(Screen):
         _target, node = asked
         title = f"Raw text · {ROLE_NAMES.get(node.role, node.role)} message"
         self.app.push_screen(RawMessageScreen(node.content, title))
+
+    def action_verify_turn(self) -> None:
+        """Verify the selected reply against cold (core/chat/verify.py) on a thread: the
+        report goes to the reply's row (stored with it), a notification and the events."""
+        target = self._message_target()
+        if target is None or target.info.role != "assistant" or not target.info.node_id:
+            self.notify("Select a reply to verify", severity="warning")
+            return
+        self.notify("Recomputing the reply with no cache, twice…", title="Verify against cold")
+        self._verify(target.info.node_id)
+
+    @work(thread=True, group="verify", exclusive=True)
+    def _verify(self, node_id: int) -> None:
+        try:
+            report = verify_reply(self.chat.tierchat.session, node_id)
+        except Exception as e:  # noqa: BLE001 - reported on the UI thread
+            text = str(e) or type(e).__name__
+            self.app.call_from_thread(self.notify, text, title="Verify failed", severity="error")
+            return
+        self.app.call_from_thread(self._verified, report)
+
+    def _verified(self, report: VerifyReport) -> None:
+        self.notify(report.describe(), title="Verify against cold")
+        self.chat.sync_transcript()
+        self.chat.poll_stats()
 
     def action_copy_code(self) -> None:
         """Copy one fenced code block of the message under the cursor: at once when it

@@ -17,7 +17,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
 from textual.reactive import reactive
 from textual.widgets import DataTable, ProgressBar, RichLog, Static
-from tierchat.core.api import CacheStats, MemoryStats, TailStats, TierStats
+from tierchat.core.api import CacheStats, MemoryStats, TailStats, TierStats, WearStats
 from tierchat.core.units import fmt_bytes, fmt_count, fmt_seconds
 from tierchat.tui.format import fmt_cached_by, fmt_cached_kind, fmt_rate
 
@@ -121,6 +121,8 @@ class TierPanel(Panel):
         yield Static("", classes="line when-on", id=f"{self.tier}-counters", markup=False)
         if self.tier == "hot":
             yield Static("", classes="line when-on", id="hot-resident", markup=False)
+        else:
+            yield Static("", classes="line when-on", id="ssd-writes", markup=False)
 
     def show(self, stats: CacheStats, loading: str = "") -> None:
         t: TierStats = getattr(stats, self.tier)
@@ -153,7 +155,22 @@ class TierPanel(Panel):
             )
             if t.corrupt:
                 counters += f" · corrupt {t.corrupt}"
+            self.query_one("#ssd-writes", Static).update(fmt_wear(stats.wear))
         self.query_one(f"#{self.tier}-counters", Static).update(counters)
+
+
+def fmt_wear(w: WearStats) -> str:
+    """The SSD panel's line of bytes written (docs/DESIGN.md §8.6): this session, in
+    total, the last 24 hours against the budget, and what admission deferred or skipped."""
+    day = fmt_bytes(w.day_bytes) + (f"/{fmt_bytes(w.budget_bytes)}" if w.budget_bytes else "")
+    line = f"written {fmt_bytes(w.session_bytes)} · total {fmt_bytes(w.total_bytes)} · 24 h {day}"
+    if w.deferred:
+        line += f" · deferred {w.deferred}"
+    if w.skipped:
+        line += f" · skipped {w.skipped} ({fmt_bytes(w.skipped_bytes)})"
+    if w.budget_skips:
+        line += f" · over budget {w.budget_skips}"
+    return line
 
 
 SPARK_BARS = "▁▂▃▄▅▆▇█"

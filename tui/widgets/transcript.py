@@ -24,7 +24,7 @@ from textual.events import Click
 from textual.widgets import Collapsible, Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 from tierchat.core.api import TurnMetrics
-from tierchat.tui.format import fmt_metrics, metrics_from_meta, split_think
+from tierchat.tui.format import fmt_metrics, metrics_from_meta, split_think, verify_line
 from tierchat.tui.messages import BranchRequested, MessageClicked, TypedInTranscript
 
 
@@ -41,6 +41,7 @@ class MessageInfo:
     count: int = 1
     metrics: TurnMetrics | None = None
     model: str = ""
+    verify: str = ""  # the reply verified against cold (core/chat/verify.py), one line
 
 
 def message_infos(entries: Sequence[Any], system: str | None = None) -> list[MessageInfo]:
@@ -68,6 +69,7 @@ def message_infos(entries: Sequence[Any], system: str | None = None) -> list[Mes
                     entry.count,
                     metrics=metrics_from_meta(meta),
                     model=str(meta.get("model", "")),
+                    verify=verify_line(meta),
                 )
             )
         elif system != "":
@@ -240,7 +242,9 @@ class MessageView(Vertical):
             self.query_one(BranchBar).show(self.info, last_turn=last_turn)
         if self.info.role == "assistant":
             metrics = self.info.metrics
-            self.query_one(".metrics", Static).update(fmt_metrics(metrics) if metrics else "")
+            lines = [fmt_metrics(metrics)] if metrics else []
+            lines += [self.info.verify] if self.info.verify else []
+            self.query_one(".metrics", Static).update("\n".join(lines))
 
     @property
     def markdown(self) -> Markdown:
@@ -367,6 +371,7 @@ class Transcript(VerticalScroll):
         Binding("c", "screen.copy", "Copy", id="copy"),
         Binding("t", "screen.toggle_reasoning", "Reasoning", id="toggle_reasoning"),
         Binding("v", "screen.raw_message", "Raw text", id="raw_message", show=False),
+        Binding("V", "screen.verify_turn", "Verify vs cold", id="verify_turn", show=False),
         Binding("y", "screen.copy_code", "Copy code", id="copy_code", show=False),
         Binding("d", "screen.delete_message", "Delete", id="delete_message", show=False),
         Binding("D", "screen.delete_branch", "Delete branch", id="delete_branch", show=False),
