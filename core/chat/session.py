@@ -337,19 +337,27 @@ class ChatSession:
             return self._generate("send", user, None, max_tokens, on_event)
 
     def regenerate(
-        self, *, max_tokens: int | None = None, on_event: EventCallback | None = None
+        self,
+        *,
+        turn: int | None = None,
+        max_tokens: int | None = None,
+        on_event: EventCallback | None = None,
     ) -> TurnHandle:
-        """Generate a new reply to the last user message of the active path, as a sibling
-        of the reply shown (or the first reply when the path ends in a user message).
-        Raises :class:`SessionError` when there is no user message."""
+        """Generate a new reply to user turn ``turn`` of the active path (default: the
+        last; negative counts from the end), as a sibling of the reply shown there (or
+        its first reply when it has none). The new reply is selected, so the active
+        path now ends at it. Its prompt is the path up to that user message: the prompt
+        of the reply it is a sibling of. Raises :class:`SessionError` when there is no
+        such user message."""
         with self._lock:
             self._check_idle()
-            path = self.active_path()
-            users = [i for i, n in enumerate(path) if n.role == "user"]
+            users = self.user_turns() if self.conversation_id is not None else []
             if not users:
                 raise SessionError("nothing to regenerate: no user message on the active path")
-            user = path[users[-1]]
-            return self._generate("regenerate", user, None, max_tokens, on_event)
+            index = len(users) - 1 if turn is None else turn
+            if not -len(users) <= index < len(users):
+                raise SessionError(f"no user turn {turn} (the active path has {len(users)})")
+            return self._generate("regenerate", users[index], None, max_tokens, on_event)
 
     def edit(
         self,

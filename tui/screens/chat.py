@@ -317,9 +317,9 @@ class ChatScreen(ChatTools):
         if action == "stop":
             return True if self.streaming else None
         if action == "regenerate":
-            views = self._views()
-            ok = not busy and bool(views) and views[-1].info.role in ("user", "assistant")
-            return True if ok and views[-1].info.node_id is not None else None
+            target = self._regenerate_target()
+            ok = not busy and target is not None and target.info.turn >= 0
+            return True if ok else None
         if action == "swipe":
             target = self._branch_target()
             if busy or target is None:
@@ -620,17 +620,36 @@ class ChatScreen(ChatTools):
         if await self.turns.start(lambda cb: session.send(event.text, on_event=cb)):
             self.query_one(ChatInput).clear()
 
+    def _regenerate_target(self) -> MessageView | None:
+        """The message whose user turn a regenerate answers again: the one under the
+        cursor (a reply or its user message), else the last message."""
+        views = self._views()
+        if self.selected is not None and 0 <= self.selected < len(views):
+            view = views[self.selected]
+            if view.info.node_id is not None and view.info.role in ("user", "assistant"):
+                return view
+            return None
+        if views and views[-1].info.role in ("user", "assistant") and views[-1].info.node_id:
+            return views[-1]
+        return None
+
     async def action_regenerate(self) -> None:
+        """A new reply to the user turn of the message under the cursor (from the input:
+        the last one), a sibling of the reply shown there; its prompt ends at that user
+        message."""
+        target = self._regenerate_target()
+        if target is None or target.info.turn < 0:
+            return
         session = self.tierchat.session
         settings = session.settings()
-        views = self._views()
-        if settings.temperature == 0 and views and views[-1].info.role == "assistant":
+        turn = target.info.turn
+        if settings.temperature == 0 and target.info.role == "assistant":
             self.notify(
                 "Temperature is 0 (greedy): the new reply will match the old one. F9 sets "
                 "a temperature for this conversation.",
                 timeout=5,
             )
-        await self.turns.start(lambda cb: session.regenerate(on_event=cb))
+        await self.turns.start(lambda cb: session.regenerate(turn=turn, on_event=cb))
         self.focus_input()
 
     def action_edit(self) -> None:
