@@ -631,7 +631,8 @@ class PrefixCache:
             out.choice, out.ssd_bytes = choice, self._ssd_read
             if kept is not None:
                 out.first_logprobs = kept
-                self.log(f"first token of {plan.position} from the tail's kept logprobs")
+                where = f"{kept_from} tail" if kept_from else "tail"
+                self.log(f"first token of {plan.position} from the {where}'s kept logprobs")
             return out
         if self.ssd is not None:
             self.ssd.drop_reads()
@@ -696,9 +697,11 @@ class PrefixCache:
 
         out = Restored(P, nbytes=copied, caches=caches)
         sources = [src for _, _, src in loaded] + ([tail[1]] if tail else [])
-        sources += [kept_from] if kept_from else []
-        self.hot_hits += sources.count("hot")
+        self.hot_hits += (sources + ([kept_from] if kept_from else [])).count("hot")
         if plan.cut:
+            # The resident cache is RAM: its tokens count for the hot tier unless a leaf
+            # that could not be cut was filled from SSD entries. A tail read only for its
+            # kept logprobs moves no K/V (its read shows in ``ssd_bytes`` and the log).
             self.resident_hits += 1
             out.cached_kind["resident"] = P
             out.cached_by["ssd" if "ssd" in sources else "hot"] = P
