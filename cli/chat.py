@@ -165,13 +165,15 @@ class LineChat:
 def stats_lines(stats: Any) -> str:
     if not stats.enabled:
         return f"[cache off{': ' + stats.reason if stats.reason else ''}]"
-    h, s, t = stats.hot, stats.ssd, stats.tails
+    h, s, t, lk = stats.hot, stats.ssd, stats.tails, stats.lookups
     return "\n".join(
         [
+            f"[turns {lk.lookups}: hit rate {lk.hit_rate:.0%}, {lk.cold} cold; resident"
+            f" {lk.resident}, hot {lk.hot}, ssd {lk.ssd}, via tail {lk.tail}]",
             f"[hot  {h.entries} entries, {fmt_bytes(h.nbytes)} of {fmt_bytes(h.max_bytes)},"
-            f" {h.hits} hits, {h.misses} misses, {h.evictions} evictions]",
+            f" {h.hits} entries used, {h.evictions} evictions]",
             f"[ssd  {s.entries} files, {fmt_bytes(s.nbytes)} of {fmt_bytes(s.max_bytes)},"
-            f" {s.hits} hits, {s.misses} misses{'' if s.enabled else ', off: ' + s.reason}]",
+            f" {s.hits} read{'' if s.enabled else ', off: ' + s.reason}]",
             f"[tails {t.entries} entries, {t.hits} hits, {t.checkpoint_hits} checkpoint hits]",
         ]
     )

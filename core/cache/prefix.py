@@ -38,7 +38,15 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from ..api import CACHE_KINDS, CACHE_SOURCES, ResidentStats, SnapshotStats, TailStats, TierStats
+from ..api import (
+    CACHE_KINDS,
+    CACHE_SOURCES,
+    LookupStats,
+    ResidentStats,
+    SnapshotStats,
+    TailStats,
+    TierStats,
+)
 from . import layers as L
 from .blocks import (
     KIND_BLOCK,
@@ -252,6 +260,7 @@ class PrefixCache:
         self.resident_hits = 0
         self.tail_stashes = self.tail_hits = self.tail_misses = self.tail_tokens_saved = 0
         self.checkpoint_hits = 0
+        self.lookups: dict[str, int] = dict.fromkeys(("resident", "hot", "ssd", "cold", "tail"), 0)
         self.restore_errors = 0
         self._ssd_read = 0  # bytes of SSD files the current restore read
         self._evicted_batch = [0, 0]  # [tails and checkpoints, blocks]
@@ -970,6 +979,23 @@ class PrefixCache:
             self.ssd.close()
 
     # ------------------------------------------------------------------ stats
+    def count_lookup(self, restored: Restored, prompt_tokens: int) -> None:
+        """Count one request's restore by where its prefix came from (one per request:
+        :class:`~tierchat.core.api.LookupStats`); a cold one is logged as a miss."""
+        if not restored.position:
+            self.lookups["cold"] += 1
+            self.log(f"miss: nothing cached for {prompt_tokens} tokens, all prefilled")
+            return
+        kind, by = restored.cached_kind, restored.cached_by
+        if kind.get("resident"):
+            self.lookups["resident"] += 1
+        else:
+            self.lookups["ssd" if by.get("ssd", 0) > by.get("hot", 0) else "hot"] += 1
+        self.lookups["tail"] += bool(kind.get("tail") or kind.get("checkpoint"))
+
+    def lookup_stats(self) -> LookupStats:
+        return LookupStats(**self.lookups)
+
     def tier_stats(
         self,
     ) -> tuple[TierStats, TierStats, TailStats, SnapshotStats, ResidentStats]:
@@ -1012,7 +1038,8 @@ class PrefixCache:
             misses=self.tail_misses,
             evictions=hot.tail_evictions,
             tokens_saved=self.tail_tokens_saved,
-            checkpoints=hot.n_checkpoints,
+            # sequence ends and boundaries: what a turn's "checkpoint" tokens came from
+            checkpoints=hot.n_checkpoints + hot.n_seq,
             checkpoint_hits=self.checkpoint_hits,
             supported=True,
         )

@@ -82,6 +82,7 @@ class CacheRequest:
                 self.prompt, self.ids, self.points, self.fresh, max_position=limit
             )
         self.read_ssd = bool(restored.cached_by.get("ssd") or restored.ssd_bytes)
+        self.cache.count_lookup(restored, n)
         self._restored_at = time.perf_counter()
         self._position = restored.position
         if self.cache.rates is not None and restored.ssd_bytes:

@@ -242,6 +242,7 @@ class Engine(RankSeams):
             tails=tails,
             snapshots=snaps,
             resident=resident,
+            lookups=cache.lookup_stats(),
             memory=mem,
             last_turn=self._last,
             events=tuple(cache.events),
