@@ -3,7 +3,7 @@
 Type a message and press Enter; the reply streams, then one line says what the turn cost
 (cached / prefilled tokens, TTFT, decode speed). Commands::
 
-    /regen               a new reply to the last message (a sibling; swipe to compare)
+    /regen [TURN]        a new reply to user turn TURN (default the last; a sibling)
     /swipe TURN INDEX    show reply INDEX of user turn TURN (0-based; negative from the end)
     /edit TURN TEXT      replace user turn TURN by TEXT as a new branch and answer it
     /new [SYSTEM]        start a new conversation (optionally with a system prompt)
@@ -101,7 +101,8 @@ class LineChat:
             if name == "/help":
                 self.say(HELP)
             elif name in ("/regen", "/regenerate"):
-                self.stream(self.session.regenerate)
+                turn = int(rest) if rest.strip() else None
+                self.stream(lambda: self.session.regenerate(turn=turn))
             elif name == "/swipe":
                 turn, index = (int(x) for x in rest.split())
                 reply = self.session.swipe(turn, index)
@@ -124,7 +125,11 @@ class LineChat:
         except (SessionError, StoreError) as e:
             print(f"error: {printable(str(e))}", file=self.err, flush=True)
         except ValueError:
-            usage = {"/swipe": "/swipe TURN INDEX", "/edit": "/edit TURN TEXT"}.get(name, name)
+            usage = {
+                "/swipe": "/swipe TURN INDEX",
+                "/edit": "/edit TURN TEXT",
+                "/regen": "/regen [TURN]",
+            }.get(name, name)
             print(f"error: usage: {usage}", file=self.err, flush=True)
         return True
 

@@ -137,6 +137,25 @@ def test_regenerate_and_swipe(session, engine):
         session.swipe(1, 0)
 
 
+def test_regenerate_an_earlier_turn_and_negative_turns(session, engine):
+    """``regenerate(turn=k)`` answers user turn k again with that turn's prompt, as a
+    sibling of its reply; negative turns count from the end (``/swipe -1 0``)."""
+    first = session.send("one").wait(TIMEOUT)
+    session.send("two").wait(TIMEOUT)
+    prompt0 = engine.requests[0].prompt_ids
+    turn = session.regenerate(turn=0)
+    again = turn.wait(TIMEOUT)
+    assert engine.requests[-1].prompt_ids == prompt0
+    assert turn.user_node.content == "one"
+    assert [r.content for r in session.replies(0)] == [first.text, again.text]
+    assert [n.content for n in session.active_path()][-2:] == ["one", again.text]
+    assert "two" not in [n.content for n in session.active_path()]
+    assert session.swipe(-1, 0).content == first.text
+    assert session.selected_reply(-1) == (0, 2)
+    with pytest.raises(SessionError):
+        session.regenerate(turn=5)
+
+
 def test_edit_makes_a_branch(session, store):
     session.send("q1").wait(TIMEOUT)
     session.send("q2").wait(TIMEOUT)

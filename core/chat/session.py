@@ -267,8 +267,9 @@ class ChatSession:
         return self.store.user_turns(self._cid())
 
     def _user(self, turn: int) -> Node:
+        """User turn ``turn`` of the active path (negative counts from the end)."""
         users = self.user_turns()
-        if not 0 <= turn < len(users):
+        if not -len(users) <= turn < len(users):
             raise SessionError(f"no user turn {turn} (the active path has {len(users)})")
         return users[turn]
 

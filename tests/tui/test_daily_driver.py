@@ -83,6 +83,28 @@ def test_markdown_export_closes_the_fence_of_a_reply_cut_in_a_code_block(store, 
     assert close_fences("~~~\n```\n") == "~~~\n```\n~~~"
 
 
+@pytest.mark.parametrize("scope", ["path", "tree"])
+def test_markdown_export_renders_user_text_as_typed(store, scope):
+    """User text is escaped (``<br>``, ``*3*``, a leading ``#``, ``1.``, links, entities);
+    its line breaks stay line breaks; replies stay the model's Markdown."""
+    from markdown_it import MarkdownIt
+    from tierchat.tui.export import export_conversation
+
+    typed = "In HTML, what does <br> do?\ncompute *3* _x_ `y` [a](b) &amp; a\\b\n# no\n1. no\n- no"
+    cid = store.create_conversation("literal")
+    q = store.add_node(cid, None, "user", typed)
+    store.add_node(cid, q.id, "assistant", "**bold** reply")
+    md = export_conversation(store, cid, "md", scope)
+    html = MarkdownIt("commonmark").render(md)
+    shown = (
+        html.replace("<br />\n", "\n").replace("&lt;", "<").replace("&gt;", ">")
+        .replace("&amp;", "&")
+    )  # fmt: skip
+    assert typed in shown, html
+    assert "<strong>bold</strong>" in html
+    assert "<h1>no" not in html and "<ol>" not in html and "<em>" not in html
+
+
 async def _start_held_reply(pilot, engine, text: str):
     """Send ``text`` with decoding held after the first token batch; the screen streams."""
     from tierchat.tui.widgets.chat_input import ChatInput
