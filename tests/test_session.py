@@ -151,7 +151,8 @@ def test_regenerate_an_earlier_turn_and_negative_turns(session, engine):
     assert [n.content for n in session.active_path()][-2:] == ["one", again.text]
     assert "two" not in [n.content for n in session.active_path()]
     assert session.swipe(-1, 0).content == first.text
-    assert session.selected_reply(-1) == (0, 2)
+    assert session.selected_reply(0) == (0, 2)  # the path holds "two" again
+    assert session.selected_reply(-1) == (0, 1)
     with pytest.raises(SessionError):
         session.regenerate(turn=5)
 
