@@ -51,9 +51,9 @@ CONVERSATION_COMMANDS: tuple[Command, ...] = (
     Command("Conversation: delete", "delete_conversation", "Delete the open conversation"),
     Command("Conversation: toggle list", "toggle_conversations", "Show or hide the list"),
     Command(
-        "Conversation: settings…",
+        "Conversation: settings (system prompt, sampling)…",
         "conversation_settings",
-        "System prompt, temperature, top-p, max tokens, seed",
+        "System prompt, temperature, top-p/k, min-p, penalty, stop, max tokens, seed",
     ),
     Command("Export: active path as Markdown", "export('md', 'path')", "Under the data dir"),
     Command("Export: active path as JSON", "export('json', 'path')", "Under the data dir"),

@@ -337,9 +337,9 @@ class ChatScreen(ChatTools):
             return True if ok else None
         if action == "copy":
             return True if self._target() is not None else None
-        if action == "toggle_reasoning":
+        if action == "toggle_reasoning":  # a reply without reasoning says so
             target = self._target()
-            return True if target is not None and target.has_reasoning else None
+            return True if target is not None and target.info.role == "assistant" else None
         if action in ("rename_conversation", "delete_conversation", "export"):
             return True if self.conversation_id is not None and not self.streaming else None
         if action in ("new_conversation", "open_conversation", "conversation_settings"):
@@ -614,6 +614,13 @@ class ChatScreen(ChatTools):
         if self.loading_model:
             self.notify(f"{self.loading_model} is still loading.", severity="warning")
             return
+        if not self.tierchat.engine.model_name:  # before a conversation is made for it
+            self.notify(
+                "No model is loaded: F4 picks one; your message stays in the input.",
+                title="Cannot generate",
+                severity="error",
+            )
+            return
         if not self._ensure_conversation(event.text):
             return
         session = self.tierchat.session
@@ -743,8 +750,12 @@ class ChatScreen(ChatTools):
 
     def action_toggle_reasoning(self) -> None:
         target = self._target()
-        if target is not None:
-            target.toggle_reasoning()
+        if target is None:
+            return
+        if not target.has_reasoning:
+            self.notify("This reply has no reasoning (<think>…</think>) to show.", timeout=3)
+            return
+        target.toggle_reasoning()
 
     def action_export(self, fmt: str = "md", scope: str = "path") -> None:
         """Write the open conversation (active path or whole tree) under the data dir."""
