@@ -38,6 +38,15 @@ class GenerateRequest:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    # more sampling controls (core/sampling.py; off at these values): top-k, min-p, and
+    # mlx-lm's repetition (multiplicative), presence and frequency (additive) penalties
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # the reply ends before the first of these strings (finish reason "stop")
+    stop: tuple[str, ...] = ()
     boundaries: tuple[tuple[int, str], ...] = ()
     use_cache: bool = True
     # teacher forcing (exactness measurements): decode feeds exactly these tokens, through

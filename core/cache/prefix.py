@@ -125,6 +125,9 @@ class Resident:
     # (shape (vocab,)): what a forward of the prompt's last token gives again
     prompt_tokens: int = 0
     first_logprobs: Any = None
+    # the logprobs after its last token (shape (vocab,)): a continue of the reply, whose
+    # prompt is all of ``tokens``, samples its first token from them (no forward)
+    end_logprobs: Any = None
 
 
 @dataclass
@@ -297,13 +300,17 @@ class PrefixCache:
         caches: list[Any],
         prompt_tokens: int = 0,
         first_logprobs: Any = None,
+        end_logprobs: Any = None,
     ) -> None:
         """Keep ``caches`` (holding exactly ``tokens``) live for the next request; its bytes
         count against the hot budget. ``first_logprobs`` (shape ``(vocab,)``): the
         logprobs the first reply token was sampled from, after the first
-        ``prompt_tokens`` of ``tokens`` (:meth:`restore_repeat`)."""
+        ``prompt_tokens`` of ``tokens``; ``end_logprobs``: those after all of ``tokens``
+        (:meth:`restore_repeat`)."""
         nbytes = sum(c.nbytes for c in caches)
-        self.resident = Resident(tuple(tokens), caches, nbytes, prompt_tokens, first_logprobs)
+        self.resident = Resident(
+            tuple(tokens), caches, nbytes, prompt_tokens, first_logprobs, end_logprobs
+        )
         self.hot.reserve(nbytes)
         self._flush_evictions()
 
@@ -535,8 +542,18 @@ class PrefixCache:
         regenerate, or the same question again): the first token then needs no forward,
         and the logprobs are the very ones a cold run samples it from. None (the resident
         stays) when the prompt differs, no logprobs were kept, or a leaf cannot be cut
-        there in place (a state layer, a window that rotated)."""
+        there in place (a state layer, a window that rotated).
+
+        A prompt that is all of the resident's tokens (a continue of the reply it ended
+        with) takes it whole, with the logprobs kept after its last token."""
         r, n = self.resident, len(prompt)
+        if r is not None and r.end_logprobs is not None and r.tokens == tuple(prompt):
+            self.take_resident()
+            self.resident_hits += 1
+            out = Restored(n, caches=r.caches, first_logprobs=r.end_logprobs)
+            out.cached_kind["resident"] = out.cached_by["hot"] = n
+            self.log(f"hit {n} tokens: resident, whole (a continue), first token from its end")
+            return out
         if r is None or r.first_logprobs is None or r.prompt_tokens != n:
             return None
         if r.tokens[:n] != tuple(prompt):

@@ -135,10 +135,17 @@ class CacheRequest:
             self.cache.log(f"cancelled during prefill: kept {position} tokens")
         return position
 
-    def finish(self, caches: list[Any], sequence: Sequence[int], first_logprobs: Any) -> None:
+    def finish(
+        self,
+        caches: list[Any],
+        sequence: Sequence[int],
+        first_logprobs: Any,
+        end_logprobs: Any = None,
+    ) -> None:
         """The reply ended with ``caches`` holding ``sequence`` (prompt + every yielded
         token): store its new blocks and its end, and keep it resident with the logprobs
-        the first token was sampled from (shape ``(vocab,)``)."""
+        the first token was sampled from and, when known, those after its last token
+        (``end_logprobs``, for a continue), both of shape ``(vocab,)``."""
         self._complete(caches)
         cache = self.cache
         seq_ids = cache.ids(sequence)
@@ -146,7 +153,7 @@ class CacheRequest:
         mx.eval([c.state for c in caches] + [a for e in entries for a in e.arrays.values()])
         cache.commit(entries)
         cache.persist()
-        cache.set_resident(sequence, caches, len(self.prompt), first_logprobs)
+        cache.set_resident(sequence, caches, len(self.prompt), first_logprobs, end_logprobs)
 
     def close(self) -> None:
         """Hand anything committed to the SSD tier and let its writer run (idempotent)."""
@@ -190,7 +197,9 @@ class ColdRequest:
     def cancel(self, caches: list[Any], position: int) -> int:
         return 0
 
-    def finish(self, caches: list[Any], sequence: Sequence[int], first_logprobs: Any) -> None:
+    def finish(
+        self, caches: list[Any], sequence: Sequence[int], first_logprobs: Any, end_logprobs=None
+    ) -> None:
         pass
 
     def close(self) -> None:
