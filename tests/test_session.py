@@ -430,3 +430,45 @@ def test_select_any_sibling_and_path_entries(session):
     session.select(old_user.id)
     assert session.active_path()[1].content == "first"
     assert session.active_path()[-1].content.endswith("to: first")
+
+
+def test_settings_keep_the_sampling_controls_per_conversation(session, engine):
+    from tierchat.core.session import ConversationSettings
+
+    session.send("hello").wait(TIMEOUT)
+    chosen = ConversationSettings(
+        temperature=0.7, top_k=40, min_p=0.05, repetition_penalty=1.3, stop=("END",), seed=3
+    )
+    session.save_settings(chosen)
+    assert session.settings() == chosen  # stored and read back
+    session.send("again").wait(TIMEOUT)
+    req = engine.requests[-1]
+    assert (req.top_k, req.min_p, req.repetition_penalty, req.stop) == (40, 0.05, 1.3, ("END",))
+    other = session.new_conversation()
+    assert session.settings(other).top_k == 0  # another conversation keeps the defaults
+    with pytest.raises(ValueError, match="top-k"):
+        session.save_settings(ConversationSettings(top_k=-2))
+
+
+def test_a_regenerate_at_temperature_0_samples_at_the_swipe_temperature(engine, store):
+    session = ChatSession(engine, store, seed=5, sampling={"swipe_temperature": 0.8})
+    session.send("hi").wait(TIMEOUT)
+    assert engine.requests[-1].temperature == 0.0  # the turn itself stays greedy
+    session.regenerate().wait(TIMEOUT)
+    req = engine.requests[-1]
+    assert req.temperature == 0.8 and req.seed == 5 + 1  # reply 1 of this message
+
+
+def test_continue_extends_the_last_reply_as_a_new_sibling(session, engine):
+    first = session.send("tell me more").wait(TIMEOUT)
+    cut = session.active_path()[-1]
+    turn = session.continue_reply()
+    more = turn.wait(TIMEOUT)
+    req = engine.requests[-1]
+    assert req.prompt_ids == engine.requests[0].prompt_ids + first.token_ids
+    new = session.active_path()[-1]
+    assert new.parent_id == cut.parent_id and new.id != cut.id
+    assert new.token_ids == first.token_ids + more.token_ids
+    assert new.content == engine.tokenizer.decode(list(new.token_ids))
+    assert new.meta["continued_from"] == cut.id
+    assert [r.id for r in session.replies(0)] == [cut.id, new.id]

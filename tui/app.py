@@ -92,6 +92,12 @@ class TierchatApp(App[None]):
             top_p=s.top_p,
             seed=s.seed,
             use_cache=not s.no_cache,
+            sampling=dict(
+                top_k=s.top_k,
+                min_p=s.min_p,
+                repetition_penalty=s.repetition_penalty,
+                swipe_temperature=s.swipe_temperature,
+            ),
         )
 
     def get_driver_class(self) -> type[Driver]:

@@ -30,6 +30,15 @@ import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from ..api import GenerateRequest
+from .sampling_checks import check_sampling
+
+__all__ = [
+    "RequestSampling",
+    "StopStrings",
+    "check_sampling",
+    "keep_last_logits",
+    "make_request_sampler",
+]
 
 Processor = Callable[[mx.array, mx.array], mx.array]
 
@@ -88,7 +97,7 @@ class ContextProcessors:
 def make_request_sampler(req: GenerateRequest) -> RequestSampling:
     """The sampler, processors and stop strings of ``req`` (greedy at temperature 0;
     top-p 1, top-k 0, min-p 0 and penalties 1/0 are off). Values were range-checked
-    where the request was made (:func:`check_sampling`)."""
+    where the request was made (:func:`~.sampling_checks.check_sampling`)."""
     sampler = make_sampler(
         temp=req.temperature,
         top_p=req.top_p if req.top_p < 1.0 else 0.0,
@@ -101,36 +110,6 @@ def make_request_sampler(req: GenerateRequest) -> RequestSampling:
         frequency_penalty=req.frequency_penalty or None,
     )
     return RequestSampling(sampler, processors, tuple(s for s in req.stop if s))
-
-
-def check_sampling(
-    *,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    repetition_penalty: float = 1.0,
-    presence_penalty: float = 0.0,
-    frequency_penalty: float = 0.0,
-    stop: Sequence[str] = (),
-) -> None:
-    """Raises ``ValueError`` naming the first value out of range (the UI, ``chat`` and
-    serve's 400s say the same)."""
-    if not 0.0 <= temperature <= 5.0:
-        raise ValueError(f"temperature must be in 0..5, not {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top-p must be in (0, 1], not {top_p}")
-    if top_k < 0:
-        raise ValueError(f"top-k must be 0 (off) or more, not {top_k}")
-    if not 0.0 <= min_p < 1.0:
-        raise ValueError(f"min-p must be in [0, 1), not {min_p}")
-    if not 0.0 < repetition_penalty <= 10.0:
-        raise ValueError(f"repetition penalty must be in (0, 10], not {repetition_penalty}")
-    for name, value in (("presence", presence_penalty), ("frequency", frequency_penalty)):
-        if not -2.0 <= value <= 2.0:
-            raise ValueError(f"{name} penalty must be in -2..2, not {value}")
-    if len(stop) > 4 or any(not isinstance(s, str) or len(s) > 200 for s in stop):
-        raise ValueError("stop: at most 4 strings of at most 200 characters")
 
 
 class StopStrings:
