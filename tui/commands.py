@@ -35,6 +35,7 @@ CACHE_COMMANDS: tuple[Command, ...] = (
 
 BRANCH_COMMANDS: tuple[Command, ...] = (
     Command("Branch: regenerate reply", "regenerate", "A new sibling reply; old ones stay"),
+    Command("Branch: continue reply", "continue_reply", "More of a reply cut at max tokens"),
     Command("Branch: previous", "swipe(-1)", "The previous sibling of the selected message"),
     Command("Branch: next", "swipe(1)", "The next sibling of the selected message"),
     Command("Branch: edit message", "edit", "Edit the selected user message as a new branch"),

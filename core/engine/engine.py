@@ -86,9 +86,7 @@ def _close_live_engines() -> None:
         engine.close()
 
 
-def _from_kept(
-    logprobs: mx.array, model, caches, max_tokens: int, sampler, logits_processors=None
-):
+def _from_kept(logprobs: mx.array, model, caches, max_tokens: int, sampler, logits_processors=None):
     """What ``generate_step`` yields for a prompt whose every token is in ``caches``, given
     the logprobs (shape ``(vocab,)``) its last token's forward gave before: the first
     token sampled from them, then ``generate_step`` from that token. The sampler is called

@@ -22,7 +22,13 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux"),
 ]
 
-CONSOLE_BINDINGS: frozenset[tuple[str, str]] = frozenset()
+CONSOLE_BINDINGS: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("continue_reply", "alt+c"),
+        ("recall_prev", "up"),
+        ("recall_next", "down"),
+    }
+)
 
 
 def reply_rows(term: TmuxTerminal) -> list[tuple[int, int, int]]:
@@ -37,7 +43,7 @@ def test_r_on_an_earlier_reply_regenerates_that_reply(tmp_path):
         for text in (b"first question", b"second question, a longer one than the first"):
             before = replies(term)
             term.write(text + b"\r")
-            term.until(lambda: replies(term) > before, "a reply")
+            term.until(lambda before=before: replies(term) > before, "a reply")
             term.wait_for(lambda r: r.get("streaming") is False, "the reply to finish")
         (first, user1, prompt1), (second, user2, prompt2) = reply_rows(term)
         assert prompt2 > prompt1
@@ -57,5 +63,56 @@ def test_r_on_an_earlier_reply_regenerates_that_reply(tmp_path):
         assert selected == [(new,)]
         screen = term.until(lambda: "2/2" in term.screen() and term.screen(), "2/2 shown")
         assert "second question" not in screen  # the path ends at the new reply
+    finally:
+        term.close()
+
+
+def test_continue_recall_and_context_in_the_input(tmp_path):
+    """Alt+C continues a reply cut at max tokens (a new sibling holding the whole reply,
+    prompt = the cut reply's prompt + its ids); ↑/↓ on the input's edge lines walk the
+    prompts sent and come back to the draft; the empty input's border shows the context
+    the conversation uses."""
+    term = TmuxTerminal(tmp_path, args=("--token-delay", "0.005"))
+    try:
+        term.write(b"short one\r")
+        term.until(lambda: replies(term) == 1, "a reply")
+        term.wait_for(lambda r: r.get("streaming") is False, "the reply to finish")
+        long = b"a question long enough that the fake reply runs past sixty-four tokens"
+        term.write(long + b"\r")
+        term.until(lambda: replies(term) == 2, "a reply")
+        term.wait_for(lambda r: r.get("streaming") is False, "the reply to finish")
+        cut_id, user_id = term.rows(
+            "SELECT id, parent_id FROM nodes WHERE role='assistant' ORDER BY id DESC LIMIT 1"
+        )[0]
+        meta = json.loads(term.rows("SELECT meta FROM nodes WHERE id=?", (cut_id,))[0][0])
+        assert meta["finish_reason"] == "length"
+
+        term.press("alt+c", "continue_reply")
+        term.until(lambda: replies(term) == 3, "the continued reply")
+        term.wait_for(lambda r: r.get("streaming") is False, "the reply to finish")
+        new_id, parent, ids, new_meta = term.rows(
+            "SELECT id, parent_id, token_ids, meta FROM nodes WHERE role='assistant' "
+            "ORDER BY id DESC LIMIT 1"
+        )[0]
+        cut_ids = json.loads(term.rows("SELECT token_ids FROM nodes WHERE id=?", (cut_id,))[0][0])
+        new_meta = json.loads(new_meta)
+        assert parent == user_id and new_meta["continued_from"] == cut_id
+        assert json.loads(ids)[: len(cut_ids)] == cut_ids
+        assert new_meta["prompt_tokens"] == meta["prompt_tokens"] + len(cut_ids)
+        term.until(lambda: "2/2" in term.screen(), "the continued reply shown as 2/2")
+
+        # ↑ recalls the prompts sent (newest first), ↓ comes back to the draft
+        term.write(b"draft")
+        term.until(lambda: "draft" in term.screen(), "the draft")
+        term.press("up", "recall(-1)")
+        term.until(lambda: long.decode()[:40] in term.screen(), "the last prompt")
+        term.press("up", "recall(-1)")
+        term.until(lambda: "short one" in term.screen().splitlines()[-4:][0] + term.screen(),
+                   "the first prompt")  # fmt: skip
+        term.press("down", "recall(1)")
+        term.press("down", "recall(1)")
+        term.until(lambda: "draft" in term.screen(), "the draft again")
+        term.write(b"\x0c")  # ctrl+l: empty the input
+        term.until(lambda: "context " in term.screen(), "the context in the border")
     finally:
         term.close()

@@ -114,6 +114,10 @@ class ChatScreen(ChatTools):
         Binding("escape", "stop", "Stop", id="stop", priority=True),
         Binding("ctrl+c", "stop", "Stop", id="interrupt", show=False, priority=True),
         Binding("ctrl+r", "regenerate", "Regenerate", id="regenerate"),
+        # priority: the terminal sends Alt+C as ESC c, a printable "c" the input would take
+        Binding(
+            "alt+c", "continue_reply", "Continue", id="continue_reply", show=False, priority=True
+        ),
         Binding("alt+left", "swipe(-1)", "Prev branch", id="swipe_prev"),
         Binding("alt+right", "swipe(1)", "Next branch", id="swipe_next"),
         Binding("alt+up", "select(-1)", "Messages", id="select_prev"),
@@ -205,6 +209,7 @@ class ChatScreen(ChatTools):
 
     def on_mount(self) -> None:
         self._fit_width(self.app.size.width)
+        self.query_one(ChatInput).prompt_history = self._prompt_history
         cache_dir = getattr(self.tierchat.settings, "cache_dir", None)
         if cache_dir is not None:
             self._status = StatusWriter(Path(cache_dir), process="TUI")
@@ -218,6 +223,11 @@ class ChatScreen(ChatTools):
         self.poll_stats()
         if not self.tierchat.engine.model_name:
             self.load_model(self.tierchat.settings.model)
+
+    def _prompt_history(self) -> list[str]:
+        """What ↑ recalls in the input: the user messages of the open conversation's
+        active path, oldest first."""
+        return [i.content for i in self.path_infos() if i.role == "user" and i.node_id]
 
     def watch_loading_model(self, spec: str) -> None:
         # the engine has no cache while it loads: the panels say "loading", not "off"
@@ -320,6 +330,9 @@ class ChatScreen(ChatTools):
             target = self._regenerate_target()
             ok = not busy and target is not None and target.info.turn >= 0
             return True if ok else None
+        if action == "continue_reply":
+            target = self._continue_target()
+            return True if not busy and target is not None else None
         if action == "swipe":
             target = self._branch_target()
             if busy or target is None:
@@ -386,6 +399,8 @@ class ChatScreen(ChatTools):
         self.sync_transcript()
         self.refresh_conversations()
         self._update_titles()
+        self.query_one(ChatInput).forget_recall()
+        self.draft_meter.changed()
 
     def action_open_conversation(self, conversation_id: int) -> None:
         self.open_conversation(conversation_id)
@@ -651,12 +666,36 @@ class ChatScreen(ChatTools):
         settings = session.settings()
         turn = target.info.turn
         if settings.temperature == 0 and target.info.role == "assistant":
+            swipe = settings.swipe_temperature
             self.notify(
-                "Temperature is 0 (greedy): the new reply will match the old one. F9 sets "
-                "a temperature for this conversation.",
+                f"Temperature is 0: this regenerate samples at the swipe temperature {swipe:g} "
+                "(F9 sets both)."
+                if swipe > 0
+                else "Temperature and swipe temperature are 0 (greedy): the new reply will "
+                "match the old one. F9 sets them for this conversation.",
                 timeout=5,
             )
         await self.turns.start(lambda cb: session.regenerate(turn=turn, on_event=cb))
+        self.focus_input()
+
+    def _continue_target(self) -> MessageView | None:
+        """The reply a continue extends: the one under the cursor, else the last one;
+        only a reply cut at max tokens or stopped, made by the loaded model."""
+        target = self._regenerate_target()
+        if target is None or target.info.role != "assistant" or target.info.node_id is None:
+            return None
+        metrics = target.info.metrics
+        cut = metrics is not None and metrics.finish_reason in ("length", "cancelled")
+        return target if cut and target.info.model == self.tierchat.engine.model_name else None
+
+    async def action_continue_reply(self) -> None:
+        """Generate more of a cut reply: its prompt + its ids, all in the resident cache
+        (nothing prefilled); the whole reply becomes a new sibling (the cut one stays)."""
+        target = self._continue_target()
+        if target is None:
+            return
+        node_id, session = target.info.node_id, self.tierchat.session
+        await self.turns.start(lambda cb: session.continue_reply(node_id, on_event=cb))
         self.focus_input()
 
     def action_edit(self) -> None:
@@ -694,11 +733,13 @@ class ChatScreen(ChatTools):
         await self.turns.failed(event)
 
     def turn_ended(self) -> None:
-        """After a reply finished or failed: refresh the list, the keys and the panels."""
+        """After a reply finished or failed: refresh the list, the keys, the panels and
+        the context the input's border shows."""
         self.refresh_conversations()
         self._show_selection()
         self.refresh_bindings()
         self.poll_stats()
+        self.draft_meter.changed()
 
     # ------------------------------------------------------------------ branches
 
