@@ -93,7 +93,7 @@ class Settings:
     seed: int = 0
     temperature: float = 0.0
     top_p: float = 1.0
-    # more sampling defaults of a new conversation (core/sampling.py; these values: off)
+    # more sampling defaults of a new conversation (core/engine/sampling.py; these values: off)
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0

@@ -38,7 +38,7 @@ class GenerateRequest:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
-    # more sampling controls (core/sampling.py; off at these values): top-k, min-p, and
+    # more sampling controls (core/engine/sampling.py; off at these values): top-k, min-p, and
     # mlx-lm's repetition (multiplicative), presence and frequency (additive) penalties
     top_k: int = 0
     min_p: float = 0.0

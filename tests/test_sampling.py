@@ -1,4 +1,4 @@
-"""Sampling controls (core/sampling.py): each one reaches the sampler, on a tiny model.
+"""Sampling controls (core/engine/sampling.py): each one reaches the sampler, on a tiny model.
 
 Penalties are checked against mlx-lm itself: ``generate_step`` fed the whole prompt with
 mlx-lm's processors (so they see the prompt's last tokens) gives the tokens the engine

@@ -433,7 +433,7 @@ def test_select_any_sibling_and_path_entries(session):
 
 
 def test_settings_keep_the_sampling_controls_per_conversation(session, engine):
-    from tierchat.core.session import ConversationSettings
+    from tierchat.core.chat.session import ConversationSettings
 
     session.send("hello").wait(TIMEOUT)
     chosen = ConversationSettings(

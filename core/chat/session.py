@@ -44,8 +44,8 @@ from ..api import (
     GenerateRequest,
     RequestHandle,
 )
-from .prompts import Prompt, PromptBuilder
 from ..engine.sampling_checks import check_sampling
+from .prompts import Prompt, PromptBuilder, decode_ids
 from .store import ConversationStore, Node, PathEntry
 
 
@@ -59,7 +59,7 @@ class ConversationSettings:
     """How a conversation generates. ``system``: the system prompt ("" for none; it
     replaces a system message stored at the root of the tree). ``seed`` None: unseeded.
     ``top_k`` 0, ``min_p`` 0 and ``repetition_penalty`` 1 are off; ``stop``: strings a
-    reply ends before (core/sampling.py). ``swipe_temperature``: the temperature of a
+    reply ends before (core/engine/sampling.py). ``swipe_temperature``: the temperature of a
     regenerate while ``temperature`` is 0 (0: regenerates stay greedy and repeat)."""
 
     system: str = ""
@@ -520,7 +520,7 @@ class ChatSession:
             ids = tuple(old.token_ids or ()) + tuple(ids)
             text = old.content + text
             try:
-                text = self.engine.tokenizer.decode(list(ids))
+                text = decode_ids(self.engine.tokenizer, ids, skip_special=True)
             except Exception:  # noqa: BLE001 -- keep the joined text
                 pass
 

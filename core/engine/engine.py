@@ -495,7 +495,7 @@ class Engine(RankSeams):
         points = schedule_points(n, chunk, req.boundaries, fold=fold)
         cache = self.cache
         if cache is not None and req.use_cache:
-            # sampling hook (core/sampling.py): processors need the first token's logits,
+            # sampling hook (core/engine/sampling.py): processors need the first token's logits,
             # so such a request restores at most N - 1 (kept logprobs are pre-processor)
             limit = n - 1 if make_request_sampler(req).needs_logits else None
             turn = cache.begin(req.prompt_ids, points, req.boundaries, self._make_cache, limit)

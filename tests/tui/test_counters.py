@@ -4,7 +4,7 @@ load (F4). The hit rate counts every kind of hit (one per turn, not per block), 
 log shows the cold turn as a miss and starts afresh with the new model's cache, and the
 per-turn labels name the tier and kind the tokens came from.
 
-Skipped cleanly while ``tierchat.core.engine`` (or MLX) cannot be imported.
+Skipped cleanly while ``tierchat.core.engine.engine`` (or MLX) cannot be imported.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import pytest
 from textual.clock import MockClock
 from textual.widgets import RichLog, Static
 from tierchat.config.settings import Settings
-from tierchat.core.conversation import ConversationStore
+from tierchat.core.chat.store import ConversationStore
 from tui_kit import chat_screen, fixed_clock, send, settle
 
-engine_module = pytest.importorskip("tierchat.core.engine")
+engine_module = pytest.importorskip("tierchat.core.engine.engine")
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
