@@ -271,3 +271,23 @@ def test_the_memory_ceiling_says_what_bounds_it():
     assert ceiling_source(by_limit) == "limit"
     unknown_system = MemoryStats(active=gib, limit=8 * gib)  # no /proc/meminfo: the limit
     assert ceiling_source(unknown_system) == "limit"
+
+
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)])
+async def test_the_help_fits_with_its_last_line_and_the_footer(make_app, size):
+    """At 120×40 the help's last line and the footer were cut off; the table scrolls."""
+    from textual.widgets import DataTable, Footer, Static
+
+    app = make_app()
+    async with app.run_test(size=size) as pilot:
+        await settle(pilot)
+        await pilot.press("f1")
+        await settle(pilot)
+        hint = app.screen.query_one(".hint", Static)
+        dialog = app.screen.query_one("#dialog")
+        assert hint.region.height >= 1 and hint.region.bottom <= dialog.region.bottom - 1
+        assert dialog.region.bottom <= size[1] - 1  # the footer's row stays free
+        footer = app.screen_stack[0].query_one(Footer)
+        assert footer.region.y == size[1] - 1
+        table = app.screen.query_one(DataTable)
+        assert table.row_count > table.region.height  # every binding, by scrolling
