@@ -71,6 +71,7 @@ TOOL_COMMANDS: tuple[Command, ...] = (
     Command("Chat: copy a code block", "copy_code", "One fenced block of the selected message"),
     Command("Chat: delete message", "delete_message", "Only the selected message"),
     Command("Chat: delete branch", "delete_branch", "The selected message and all after it"),
+    Command("Chat: undo delete", "undo_delete", "Bring back the last deleted chat or messages"),
     Command("Input: open in $EDITOR", "edit_in_editor", "Write a long prompt in your editor"),
     Command("Input: clear", "clear_input", "Empty the input (Ctrl+Z undoes)"),
     Command("Conversation: import from JSON…", "import_conversation", "A file Export wrote"),

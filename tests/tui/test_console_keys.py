@@ -27,6 +27,8 @@ CONSOLE_BINDINGS: frozenset[tuple[str, str]] = frozenset(
         ("continue_reply", "alt+c"),
         ("recall_prev", "up"),
         ("recall_next", "down"),
+        ("undo_delete", "u"),
+        ("undo_delete_list", "u"),
     }
 )
 
@@ -114,5 +116,38 @@ def test_continue_recall_and_context_in_the_input(tmp_path):
         term.until(lambda: "draft" in term.screen(), "the draft again")
         term.write(b"\x0c")  # ctrl+l: empty the input
         term.until(lambda: "context " in term.screen(), "the context in the border")
+    finally:
+        term.close()
+
+
+def test_u_undoes_a_deleted_branch_and_a_deleted_conversation(tmp_path):
+    term = TmuxTerminal(tmp_path)
+    try:
+        for text in (b"keep me", b"delete me"):
+            before = replies(term)
+            term.write(text + b"\r")
+            term.until(lambda before=before: replies(term) > before, "a reply")
+            term.wait_for(lambda r: r.get("streaming") is False, "the reply to finish")
+        count = "SELECT count(*) FROM nodes"
+        nodes = term.rows(count)[0][0]
+        term.press("escape", "screen.select(-1)")  # the cursor on the last reply
+        term.press("up", "screen.select(-1)")  # "delete me"
+        term.press("D", "screen.delete_branch")
+        term.press("y", "confirm")
+        term.until(lambda: term.rows(count)[0][0] == nodes - 2, "the branch deleted")
+        term.press("u", "screen.undo_delete")
+        term.until(lambda: term.rows(count)[0][0] == nodes, "the branch back")
+        assert "delete me" in [r[0] for r in term.rows("SELECT content FROM nodes")]
+        term.until(lambda: "delete me" in term.screen(), "the branch shown again")
+
+        term.press("f3", "toggle_conversations")
+        term.press("f3", "toggle_conversations")  # shown again, with the focus
+        term.press("delete", "screen.delete_conversation")
+        term.press("y", "confirm")
+        term.until(lambda: term.rows("SELECT count(*) FROM conversations")[0][0] == 0, "deleted")
+        term.press("u", "screen.undo_delete")
+        term.until(lambda: term.rows("SELECT count(*) FROM conversations")[0][0] == 1, "back")
+        assert term.rows(count)[0][0] == nodes
+        term.until(lambda: "keep me" in term.screen(), "the conversation shown again")
     finally:
         term.close()

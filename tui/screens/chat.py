@@ -445,7 +445,8 @@ class ChatScreen(ChatTools):
 
     def action_delete_conversation(self) -> None:
         listing = self.query_one(ConversationList)
-        cid = listing.highlighted_id if listing.has_focus else self.conversation_id
+        from_list = listing.has_focus
+        cid = listing.highlighted_id if from_list else self.conversation_id
         if cid is None:
             return
         info = self.tierchat.store.get_conversation(cid)
@@ -454,14 +455,17 @@ class ChatScreen(ChatTools):
         def done(confirmed: bool | None) -> None:
             if not confirmed:
                 return
-            store = self.tierchat.store
-            ok, _ = self.attempt("Delete failed", lambda: store.delete_conversation(cid))
+            trash = self.tierchat.trash
+            ok, _ = self.attempt("Delete failed", lambda: trash.delete_conversation(cid))
             if not ok:
                 return
             if cid == self.conversation_id:
                 self.action_new_conversation()
             self.refresh_conversations()
-            self.notify(f"Deleted “{title}”")
+            self.refresh_bindings()
+            if from_list:  # u there brings it back
+                listing.focus()
+            self.notify(f"Deleted “{title}”; u undoes it (the list or the messages).")
 
         body = f"“{title}” and every branch in it will be deleted from the store."
         self.app.push_screen(

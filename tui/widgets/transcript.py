@@ -370,6 +370,7 @@ class Transcript(VerticalScroll):
         Binding("y", "screen.copy_code", "Copy code", id="copy_code", show=False),
         Binding("d", "screen.delete_message", "Delete", id="delete_message", show=False),
         Binding("D", "screen.delete_branch", "Delete branch", id="delete_branch", show=False),
+        Binding("u", "screen.undo_delete", "Undo delete", id="undo_delete", show=False),
         Binding("escape,enter,i", "screen.focus_input", "Type", id="msg_done"),
     ]
 
