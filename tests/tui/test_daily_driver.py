@@ -291,3 +291,20 @@ async def test_the_help_fits_with_its_last_line_and_the_footer(make_app, size):
         assert footer.region.y == size[1] - 1
         table = app.screen.query_one(DataTable)
         assert table.row_count > table.region.height  # every binding, by scrolling
+
+
+async def test_a_long_paste_is_folded_in_the_transcript_and_sent_whole(make_app, engine):
+    from tierchat.tui.widgets.transcript import FOLD_SHOWN
+
+    pasted = "\n".join(f"line {i}" for i in range(300))
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, pasted)
+        await settle(pilot)
+        user = [v for v in app.screen.query_one(Transcript).views if v.info.role == "user"][0]
+        rows = rows_of(app, user.query_one(".message-body"))
+        assert rows[:FOLD_SHOWN] == [f"line {i}" for i in range(FOLD_SHOWN)]
+        assert rows[FOLD_SHOWN] == f"… {300 - FOLD_SHOWN} more lines (v shows the whole message)"
+        assert len(rows) == FOLD_SHOWN + 1
+        assert user.text == pasted  # copy and raw view take the whole message
+        assert engine.tokenizer.decode(engine.requests[-1].prompt_ids).count("line ") == 300

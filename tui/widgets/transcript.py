@@ -43,6 +43,21 @@ class MessageInfo:
     model: str = ""
 
 
+FOLD_LINES = 16
+"""A user or system message longer than this many lines shows its first FOLD_SHOWN."""
+FOLD_SHOWN = 8
+
+
+def fold_long(text: str) -> str:
+    """``text``, or for a long paste its first :data:`FOLD_SHOWN` lines and a line saying
+    how many more there are (``v`` shows the whole message; the model sees all of it)."""
+    lines = text.split("\n")
+    if len(lines) <= FOLD_LINES:
+        return text
+    more = len(lines) - FOLD_SHOWN
+    return "\n".join(lines[:FOLD_SHOWN]) + f"\n… {more:,} more lines (v shows the whole message)"
+
+
 def message_infos(entries: Sequence[Any], system: str | None = None) -> list[MessageInfo]:
     """The rows of a transcript from the store's ``active_path_entries`` (``node``,
     ``index``, ``count`` per message), O(n). ``system`` (the conversation's effective
@@ -177,7 +192,7 @@ class MessageView(Vertical):
                 answer or ("…" if self.has_class("-streaming") else ""), classes="message-body"
             )
         else:
-            yield Static(answer, classes="message-body", markup=False)
+            yield Static(fold_long(answer), classes="message-body", markup=False)
         if self.info.role in ("user", "assistant"):
             yield BranchBar(self.info.node_id, classes="branch-bar")
         if self.info.role == "assistant":
@@ -262,7 +277,7 @@ class MessageView(Vertical):
     async def _show_content(self, content: str) -> None:
         reasoning, answer, closed = self._parts(content)
         if self.info.role != "assistant":
-            self.body.update(answer)
+            self.body.update(fold_long(answer))
             return
         await self._show_reasoning(reasoning, closed)
         await self.markdown.update(answer)
