@@ -308,3 +308,17 @@ async def test_a_long_paste_is_folded_in_the_transcript_and_sent_whole(make_app,
         assert len(rows) == FOLD_SHOWN + 1
         assert user.text == pasted  # copy and raw view take the whole message
         assert engine.tokenizer.decode(engine.requests[-1].prompt_ids).count("line ") == 300
+
+
+async def test_messages_show_when_they_were_written(make_app):
+    from tierchat.tui.widgets.conversation_list import fmt_when
+    from tui_kit import fixed_clock
+
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "what time is it?")
+        await settle(pilot)
+        user, reply = views(app)
+        when = fmt_when(fixed_clock())
+        assert str(user.query_one(".role").render()) == f"you · {when}"
+        assert str(reply.query_one(".role").render()) == f"assistant · demo · {when}"

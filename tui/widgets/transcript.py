@@ -26,6 +26,7 @@ from textual.widgets.markdown import MarkdownStream
 from tierchat.core.api import TurnMetrics
 from tierchat.tui.format import fmt_metrics, metrics_from_meta, split_think
 from tierchat.tui.messages import BranchRequested, MessageClicked, TypedInTranscript
+from tierchat.tui.widgets.conversation_list import fmt_when
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class MessageInfo:
     count: int = 1
     metrics: TurnMetrics | None = None
     model: str = ""
+    created_at: float = 0.0  # epoch seconds; 0: not stored yet (a streaming reply)
 
 
 FOLD_LINES = 16
@@ -70,7 +72,12 @@ def message_infos(entries: Sequence[Any], system: str | None = None) -> list[Mes
         node = entry.node
         if node.role == "user":
             turn += 1
-            infos.append(MessageInfo(node.id, "user", node.content, turn, entry.index, entry.count))
+            infos.append(
+                MessageInfo(
+                    node.id, "user", node.content, turn, entry.index, entry.count,
+                    created_at=node.created_at,
+                )
+            )  # fmt: skip
         elif node.role == "assistant":
             meta = node.meta or {}
             infos.append(
@@ -83,6 +90,7 @@ def message_infos(entries: Sequence[Any], system: str | None = None) -> list[Mes
                     entry.count,
                     metrics=metrics_from_meta(meta),
                     model=str(meta.get("model", "")),
+                    created_at=node.created_at,
                 )
             )
         elif system != "":
@@ -243,11 +251,13 @@ class MessageView(Vertical):
         self.post_message(MessageClicked(self))
 
     def _role_line(self) -> str:
+        when = f" · {fmt_when(self.info.created_at)}" if self.info.created_at else ""
         if self.info.role == "user":
-            return "you"
+            return f"you{when}"
         if self.info.role == "system":
             return "system prompt"
-        return f"assistant · {self.info.model}" if self.info.model else "assistant"
+        who = f"assistant · {self.info.model}" if self.info.model else "assistant"
+        return who + when
 
     def _refresh_bars(self, *, last_turn: bool) -> None:
         self._last_turn = last_turn
