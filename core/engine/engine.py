@@ -64,7 +64,7 @@ from .attention import OFF, chunk_attention, mlx_softmax, plan_attention, pow_so
 from .device import device_info
 from .forward import last_logits_fn, logprobs_of, verify_last_logits
 from .ranks import RankSeams
-from .sampling import StopStrings, keep_last_logits, make_request_sampler
+from .sampling import RequestSampling, StopStrings, keep_last_logits, make_request_sampler
 
 _STOP = object()
 # the CPU's limit on a folded last chunk, per layer (docs/DESIGN.md §7): a 1-token forward of
@@ -494,10 +494,11 @@ class Engine(RankSeams):
         fold = self._last_logits is not None
         points = schedule_points(n, chunk, req.boundaries, fold=fold)
         cache = self.cache
+        sampling = make_request_sampler(req)  # the one place sampling is built (§2)
         if cache is not None and req.use_cache:
-            # sampling hook (core/engine/sampling.py): processors need the first token's logits,
-            # so such a request restores at most N - 1 (kept logprobs are pre-processor)
-            limit = n - 1 if make_request_sampler(req).needs_logits else None
+            # sampling hook: processors need the first token's logits, so such a request
+            # restores at most N - 1 (the cache keeps the model's own logprobs)
+            limit = n - 1 if sampling.needs_logits else None
             turn = cache.begin(req.prompt_ids, points, req.boundaries, self._make_cache, limit)
         else:
             turn = ColdRequest(self._make_cache, cache.ssd if cache is not None else None)
@@ -510,7 +511,7 @@ class Engine(RankSeams):
                 chunk_attention(self._attention),
                 self._watched("a request"),
             ):
-                self._generate_one(req, handle, points, chunk if fold else 0, turn)
+                self._generate_one(req, handle, points, chunk if fold else 0, turn, sampling)
         finally:
             self._in_request, self._handle = False, None
             turn.close()
@@ -524,6 +525,7 @@ class Engine(RankSeams):
         points: list[int],
         fold_chunk: int,
         turn: CacheRequest | ColdRequest,
+        sampling: RequestSampling,
     ) -> None:
         t0 = time.perf_counter()
         mx.reset_peak_memory()
@@ -568,7 +570,6 @@ class Engine(RankSeams):
         if ends:  # the prefill starts: its first chunk may take long (a CPU, a long prompt)
             handle.emit(PrefillProgress(0, total, 0.0))
         first_logprobs = restored.first_logprobs if start == n else None
-        sampling = make_request_sampler(req)  # the one place sampling is built
         first_sample = None  # the folded chunk's logprobs with the processors applied
         for end in ends:
             self._drain_control()

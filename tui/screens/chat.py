@@ -635,7 +635,7 @@ class ChatScreen(ChatTools):
             return
         if not self.tierchat.engine.model_name:  # before a conversation is made for it
             self.notify(
-                "No model is loaded: F4 picks one; your message stays in the input.",
+                "no model is loaded: F4 picks one; your message stays in the input.",
                 title="Cannot generate",
                 severity="error",
             )
