@@ -62,8 +62,10 @@ def open_store(path, busy_s: float | None = None):
         ) from None
 
 
-def new_session(engine: Any, store: Any, settings: Any):
-    """A :class:`~tierchat.core.chat.session.ChatSession` with the settings' generation options."""
+def new_session(engine: Any, store: Any, settings: Any, *, swipes: bool = True):
+    """A :class:`~tierchat.core.chat.session.ChatSession` with the settings' generation
+    options; ``swipes`` False keeps regenerates at the conversation's temperature
+    (``replay``: a regenerate without "temperature" is greedy, as its format says)."""
     from tierchat.core.chat.session import ChatSession
 
     return ChatSession(
@@ -74,6 +76,12 @@ def new_session(engine: Any, store: Any, settings: Any):
         top_p=settings.top_p,
         seed=settings.seed,
         use_cache=not settings.no_cache,
+        sampling=dict(
+            top_k=settings.top_k,
+            min_p=settings.min_p,
+            repetition_penalty=settings.repetition_penalty,
+            swipe_temperature=settings.swipe_temperature if swipes else 0.0,
+        ),
     )
 
 

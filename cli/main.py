@@ -48,6 +48,10 @@ SETTING_FLAGS: dict[str, tuple[str, str]] = {
     "max_tokens": ("N", "reply length limit in tokens"),
     "seed": ("N", "sampling seed (used when temperature > 0)"),
     "temperature": ("T", "sampling temperature (0: greedy)"),
+    "top_k": ("K", "sample from the K most likely tokens (0: off)"),
+    "min_p": ("P", "drop tokens below P x the top token's probability (0: off)"),
+    "repetition_penalty": ("X", "penalize the last 20 tokens' repeats (1: off; 1.1-1.3 typical)"),
+    "swipe_temperature": ("T", "temperature of a regenerate at temperature 0 (0: greedy)"),
     "memory_limit": ("SIZE", "memory limit for the prefill guard"),
 }
 

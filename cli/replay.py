@@ -272,7 +272,7 @@ class Replay:
         self.err = err or sys.stderr
         check_cache_owner(settings)
         self.engine = start_engine(settings)
-        self.session = new_session(self.engine, store, settings)
+        self.session = new_session(self.engine, store, settings, swipes=False)
         self.ssd_watch = SSDWatch(self.engine)
         # `tierchat cache stats|clear` in another shell talk to the current engine
         self.status = StatusService(self.engine, settings.cache_dir, "replay").start()
@@ -333,7 +333,7 @@ class Replay:
         old.engine = self.engine = self.session = None
         gc.collect()
         self.engine = start_engine(self.settings, quiet=True)
-        self.session = new_session(self.engine, self.store, self.settings)
+        self.session = new_session(self.engine, self.store, self.settings, swipes=False)
         self.session.conversation_id = old.conversation_id
         self.ssd_watch = SSDWatch(self.engine)
         self.status.engine = self.engine

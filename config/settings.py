@@ -100,6 +100,12 @@ class Settings:
     seed: int = 0
     temperature: float = 0.0
     top_p: float = 1.0
+    # more sampling defaults of a new conversation (core/engine/sampling.py; these values: off)
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    # a regenerate's temperature while the conversation's is 0 (a swipe that differs)
+    swipe_temperature: float = 0.8
     kv_bits: int | None = None
     kv_group_size: int = 64
     memory_limit: int | None = None
@@ -298,6 +304,20 @@ def _fraction(v: Any) -> float:
     return x
 
 
+def _min_p(v: Any) -> float:
+    x = _to_float(v)
+    if not 0.0 <= x < 1.0:
+        raise ValueError("must be a number in [0, 1)")
+    return x
+
+
+def _penalty(v: Any) -> float:
+    x = _to_float(v)
+    if not 0.0 < x <= 10.0:
+        raise ValueError("must be a number in (0, 10] (1: off)")
+    return x
+
+
 def _keymap(v: Any) -> dict[str, str]:
     if isinstance(v, str):  # env form: "id=key,id=key"
         out = {}
@@ -346,6 +366,10 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "seed": _nonneg_int,
     "temperature": _temperature,
     "top_p": _fraction,
+    "top_k": _nonneg_int,
+    "min_p": _min_p,
+    "repetition_penalty": _penalty,
+    "swipe_temperature": _temperature,
     "kv_bits": _optional(_kv_bits),
     "kv_group_size": _group_size,
     "memory_limit": _optional(_memory_limit),

@@ -38,6 +38,15 @@ class GenerateRequest:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    # more sampling controls (core/engine/sampling.py; off at these values): top-k, min-p, and
+    # mlx-lm's repetition (multiplicative), presence and frequency (additive) penalties
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # the reply ends before the first of these strings (finish reason "stop")
+    stop: tuple[str, ...] = ()
     boundaries: tuple[tuple[int, str], ...] = ()
     use_cache: bool = True
     # teacher forcing (exactness measurements): decode feeds exactly these tokens, through
@@ -285,6 +294,34 @@ class ResidentStats:
 
 
 @dataclass(frozen=True)
+class LookupStats:
+    """Requests by where their cached prefix came from, one count per request (not per
+    block): ``resident`` (the last request's live cache cut back or extended in place,
+    RAM), ``hot`` (entries in RAM: blocks, tails, checkpoints), ``ssd`` (most tokens
+    read from disk), ``cold`` (nothing cached: a miss). ``tail`` counts the hits among
+    them whose last tokens came from a tail or checkpoint entry (docs/DESIGN.md §10)."""
+
+    resident: int = 0
+    hot: int = 0
+    ssd: int = 0
+    cold: int = 0
+    tail: int = 0
+
+    @property
+    def hits(self) -> int:
+        return self.resident + self.hot + self.ssd
+
+    @property
+    def lookups(self) -> int:
+        return self.hits + self.cold
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits over lookups, 0.0 before the first."""
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+@dataclass(frozen=True)
 class MemoryStats:
     """Memory readings in bytes; ``level`` is "ok", "soft" or "hard"."""
 
@@ -341,6 +378,7 @@ class CacheStats:
     tails: TailStats = TailStats()
     snapshots: SnapshotStats = SnapshotStats()
     resident: ResidentStats = ResidentStats()
+    lookups: LookupStats = LookupStats()
     memory: MemoryStats = MemoryStats()
     last_turn: TurnMetrics = TurnMetrics()
     events: tuple[tuple[int, str], ...] = ()

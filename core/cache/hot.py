@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
-from .blocks import KIND_BLOCK, KIND_BOUNDARY, Entry
+from .blocks import KIND_BLOCK, KIND_BOUNDARY, KIND_SEQ, Entry
 
 
 class HotTier:
@@ -72,7 +72,13 @@ class HotTier:
 
     @property
     def n_checkpoints(self) -> int:
+        """Boundary checkpoints (bounded by ``max_checkpoints``)."""
         return len(self._checkpoints)
+
+    @property
+    def n_seq(self) -> int:
+        """Sequence ends (prompt + reply), held among the tails and bounded with them."""
+        return sum(1 for e in self._tails.values() if e.kind == KIND_SEQ)
 
     def _bound_for(self, e: Entry) -> OrderedDict | None:
         if e.kind == KIND_BLOCK:

@@ -41,6 +41,7 @@ import mlx.core as mx
 from ..api import (
     CACHE_KINDS,
     CACHE_SOURCES,
+    LookupStats,
     ResidentStats,
     SnapshotStats,
     TailStats,
@@ -127,6 +128,9 @@ class Resident:
     # (shape (vocab,)): what a forward of the prompt's last token gives again
     prompt_tokens: int = 0
     first_logprobs: Any = None
+    # the logprobs after its last token (shape (vocab,)): a continue of the reply, whose
+    # prompt is all of ``tokens``, samples its first token from them (no forward)
+    end_logprobs: Any = None
 
 
 @dataclass
@@ -273,6 +277,7 @@ class PrefixCache:
         self.resident_hits = 0
         self.tail_stashes = self.tail_hits = self.tail_misses = self.tail_tokens_saved = 0
         self.checkpoint_hits = 0
+        self.lookups: dict[str, int] = dict.fromkeys(("resident", "hot", "ssd", "cold", "tail"), 0)
         self.restore_errors = 0
         self._ssd_read = 0  # bytes of SSD files the current restore read
         self._evicted_batch = [0, 0]  # [tails and checkpoints, blocks]
@@ -311,13 +316,17 @@ class PrefixCache:
         caches: list[Any],
         prompt_tokens: int = 0,
         first_logprobs: Any = None,
+        end_logprobs: Any = None,
     ) -> None:
         """Keep ``caches`` (holding exactly ``tokens``) live for the next request; its bytes
         count against the hot budget. ``first_logprobs`` (shape ``(vocab,)``): the
         logprobs the first reply token was sampled from, after the first
-        ``prompt_tokens`` of ``tokens`` (:meth:`restore_repeat`)."""
+        ``prompt_tokens`` of ``tokens``; ``end_logprobs``: those after all of ``tokens``
+        (:meth:`restore_repeat`)."""
         nbytes = sum(c.nbytes for c in caches)
-        self.resident = Resident(tuple(tokens), caches, nbytes, prompt_tokens, first_logprobs)
+        self.resident = Resident(
+            tuple(tokens), caches, nbytes, prompt_tokens, first_logprobs, end_logprobs
+        )
         self.hot.reserve(nbytes)
         self._flush_evictions()
 
@@ -549,8 +558,18 @@ class PrefixCache:
         regenerate, or the same question again): the first token then needs no forward,
         and the logprobs are the very ones a cold run samples it from. None (the resident
         stays) when the prompt differs, no logprobs were kept, or a leaf cannot be cut
-        there in place (a state layer, a window that rotated)."""
+        there in place (a state layer, a window that rotated).
+
+        A prompt that is all of the resident's tokens (a continue of the reply it ended
+        with) takes it whole, with the logprobs kept after its last token."""
         r, n = self.resident, len(prompt)
+        if r is not None and r.end_logprobs is not None and r.tokens == tuple(prompt):
+            self.take_resident()
+            self.resident_hits += 1
+            out = Restored(n, caches=r.caches, first_logprobs=r.end_logprobs)
+            out.cached_kind["resident"] = out.cached_by["hot"] = n
+            self.log(f"hit {n} tokens: resident, whole (a continue), first token from its end")
+            return out
         if r is None or r.first_logprobs is None or r.prompt_tokens != n:
             return None
         if r.tokens[:n] != tuple(prompt):
@@ -655,7 +674,8 @@ class PrefixCache:
             out.choice, out.ssd_bytes = choice, self._ssd_read
             if kept is not None:
                 out.first_logprobs = kept
-                self.log(f"first token of {plan.position} from the tail's kept logprobs")
+                where = f"{kept_from} tail" if kept_from else "tail"
+                self.log(f"first token of {plan.position} from the {where}'s kept logprobs")
             return out
         if self.ssd is not None:
             self.ssd.drop_reads()
@@ -720,9 +740,11 @@ class PrefixCache:
 
         out = Restored(P, nbytes=copied, caches=caches)
         sources = [src for _, _, src in loaded] + ([tail[1]] if tail else [])
-        sources += [kept_from] if kept_from else []
-        self.hot_hits += sources.count("hot")
+        self.hot_hits += (sources + ([kept_from] if kept_from else [])).count("hot")
         if plan.cut:
+            # The resident cache is RAM: its tokens count for the hot tier unless a leaf
+            # that could not be cut was filled from SSD entries. A tail read only for its
+            # kept logprobs moves no K/V (its read shows in ``ssd_bytes`` and the log).
             self.resident_hits += 1
             out.cached_kind["resident"] = P
             out.cached_by["ssd" if "ssd" in sources else "hot"] = P
@@ -1012,6 +1034,23 @@ class PrefixCache:
             self.ssd.close()
 
     # ------------------------------------------------------------------ stats
+    def count_lookup(self, restored: Restored, prompt_tokens: int) -> None:
+        """Count one request's restore by where its prefix came from (one per request:
+        :class:`~tierchat.core.api.LookupStats`); a cold one is logged as a miss."""
+        if not restored.position:
+            self.lookups["cold"] += 1
+            self.log(f"miss: nothing cached for {prompt_tokens} tokens, all prefilled")
+            return
+        kind, by = restored.cached_kind, restored.cached_by
+        if kind.get("resident"):
+            self.lookups["resident"] += 1
+        else:
+            self.lookups["ssd" if by.get("ssd", 0) > by.get("hot", 0) else "hot"] += 1
+        self.lookups["tail"] += bool(kind.get("tail") or kind.get("checkpoint"))
+
+    def lookup_stats(self) -> LookupStats:
+        return LookupStats(**self.lookups)
+
     def tier_stats(
         self,
     ) -> tuple[TierStats, TierStats, TailStats, SnapshotStats, ResidentStats]:
@@ -1055,7 +1094,8 @@ class PrefixCache:
             misses=self.tail_misses,
             evictions=hot.tail_evictions,
             tokens_saved=self.tail_tokens_saved,
-            checkpoints=hot.n_checkpoints,
+            # sequence ends and boundaries: what a turn's "checkpoint" tokens came from
+            checkpoints=hot.n_checkpoints + hot.n_seq,
             checkpoint_hits=self.checkpoint_hits,
             supported=True,
         )

@@ -82,7 +82,8 @@ class CacheRequest:
             restored = self.cache.restore(
                 self.prompt, self.ids, self.points, self.fresh, max_position=limit
             )
-        self.read_ssd = bool(restored.cached_by.get("ssd"))
+        self.read_ssd = bool(restored.cached_by.get("ssd") or restored.ssd_bytes)
+        self.cache.count_lookup(restored, n)
         self._restored_at = time.perf_counter()
         self._position = restored.position
         if self.cache.rates is not None and restored.ssd_bytes:
@@ -135,10 +136,17 @@ class CacheRequest:
             self.cache.log(f"cancelled during prefill: kept {position} tokens")
         return position
 
-    def finish(self, caches: list[Any], sequence: Sequence[int], first_logprobs: Any) -> None:
+    def finish(
+        self,
+        caches: list[Any],
+        sequence: Sequence[int],
+        first_logprobs: Any,
+        end_logprobs: Any = None,
+    ) -> None:
         """The reply ended with ``caches`` holding ``sequence`` (prompt + every yielded
         token): store its new blocks and its end, and keep it resident with the logprobs
-        the first token was sampled from (shape ``(vocab,)``)."""
+        the first token was sampled from and, when known, those after its last token
+        (``end_logprobs``, for a continue), both of shape ``(vocab,)``."""
         self._complete(caches)
         cache = self.cache
         seq_ids = cache.ids(sequence)
@@ -149,7 +157,7 @@ class CacheRequest:
         mx.eval([c.state for c in caches] + [a for e in entries for a in e.arrays.values()])
         cache.commit(entries)
         self.ssd_write_bytes += cache.persist()
-        cache.set_resident(sequence, caches, len(self.prompt), first_logprobs)
+        cache.set_resident(sequence, caches, len(self.prompt), first_logprobs, end_logprobs)
 
     def close(self) -> None:
         """Hand anything committed to the SSD tier and let its writer run (idempotent)."""
@@ -194,7 +202,9 @@ class ColdRequest:
     def cancel(self, caches: list[Any], position: int) -> int:
         return 0
 
-    def finish(self, caches: list[Any], sequence: Sequence[int], first_logprobs: Any) -> None:
+    def finish(
+        self, caches: list[Any], sequence: Sequence[int], first_logprobs: Any, end_logprobs=None
+    ) -> None:
         pass
 
     def close(self) -> None:

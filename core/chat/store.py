@@ -656,6 +656,20 @@ class ConversationStore:
             self._touch(node.conversation_id)
         return self.get_node(child.id) if child is not None else None
 
+    def move_node(self, node_id: int, parent_id: int) -> None:
+        """Hang ``node_id`` (and what follows it) under ``parent_id`` of the same
+        conversation, selected there (undoing :meth:`delete_message`). Raises
+        :class:`ConversationError` for an unknown node or parent, or another conversation."""
+        with self._tx():
+            node, parent = self.get_node(node_id), self.get_node(parent_id)
+            if node.conversation_id != parent.conversation_id:
+                raise ConversationError("a message moves only within its conversation")
+            # where it was selected, the newest sibling left becomes the selection there
+            # (selected_child falls back to it)
+            self._conn.execute("UPDATE nodes SET parent_id = ? WHERE id = ?", (parent_id, node_id))
+            self._set_selected(node.conversation_id, parent_id, node_id)
+            self._touch(node.conversation_id)
+
     def subtree_size(self, node_id: int) -> int:
         """Messages in the subtree of ``node_id``, itself included (what
         :meth:`delete_subtree` would delete). Raises :class:`ConversationError`."""

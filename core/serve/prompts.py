@@ -306,6 +306,12 @@ class Sampling:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    # OpenAI's penalties, and mlx_lm.server's names for what OpenAI lacks (off at these)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 def _number(body: Mapping[str, Any], name: str, default, lo: float, hi: float, kind=float):
@@ -375,8 +381,10 @@ def sampling(
     body: Mapping[str, Any], default_max_tokens: int, default_seed: int | None
 ) -> Sampling:
     """Read ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``,
-    ``seed``, ``stop``, ``n``, ``stream`` and ``stream_options``. Raises :class:`APIError`
-    for a bad value or an unsupported feature (``n`` > 1, ``logprobs``, ``tools``)."""
+    ``presence_penalty``, ``frequency_penalty``, ``seed``, ``stop``, ``n``, ``stream`` and
+    ``stream_options`` (OpenAI's names), and ``top_k``, ``min_p``, ``repetition_penalty``
+    (``mlx_lm.server``'s). Raises :class:`APIError` for a bad value or an unsupported
+    feature (``n`` > 1, ``logprobs``, ``tools``)."""
     if not isinstance(body, Mapping):
         raise APIError("the request body must be a JSON object")
     max_name = (
@@ -386,6 +394,13 @@ def sampling(
     temperature = _number(body, "temperature", 0.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     seed = _number(body, "seed", default_seed, -(1 << 63), (1 << 64) - 1, int)
+    presence = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
+    frequency = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    top_k = _number(body, "top_k", 0, 0, 1 << 20, int)
+    min_p = _number(body, "min_p", 0.0, 0.0, 0.999)
+    repetition = _number(body, "repetition_penalty", 1.0, 0.0, 10.0)
+    if repetition <= 0:
+        raise APIError("'repetition_penalty' must be above 0 (1: off)", param="repetition_penalty")
     if _number(body, "n", 1, 1, 128, int) != 1:
         raise APIError("only n=1 is supported", param="n")
     if body.get("logprobs") or body.get("top_logprobs"):
@@ -416,6 +431,11 @@ def sampling(
         stops,
         stream,
         bool(options.get("include_usage")),
+        presence,
+        frequency,
+        top_k,
+        min_p,
+        repetition,
     )
 
 

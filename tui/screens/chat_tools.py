@@ -92,6 +92,8 @@ class ChatTools(Screen):
         if action in ("delete_message", "delete_branch"):
             ok = not chat.streaming and self._message_target() is not None
             return True if ok else None
+        if action == "undo_delete":
+            return True if not chat.streaming and len(chat.tierchat.trash) else None
         if action == "open_found":
             return None if chat.streaming else True
         if action == "import_conversation":
@@ -261,8 +263,9 @@ class ChatTools(Screen):
                 body += " Two messages of one role will then follow each other."
         else:
             body = f"{who.capitalize()} message is deleted (it is the last of its branch)."
+        trash = self.chat.tierchat.trash
         self._confirm_delete(
-            "Delete message?", body, lambda: store.delete_message(node_id), "Deleted the message."
+            "Delete message?", body, lambda: trash.delete_message(node_id), "Deleted the message."
         )
 
     def action_delete_branch(self) -> None:
@@ -271,7 +274,7 @@ class ChatTools(Screen):
         if asked is None:
             return
         target, size = asked
-        store, node_id = self.chat.tierchat.store, target.info.node_id
+        node_id = target.info.node_id
         who = ROLE_NAMES.get(target.info.role, target.info.role)
         after = size - 1
         body = (
@@ -281,7 +284,8 @@ class ChatTools(Screen):
             else f"{who.capitalize()} message is deleted (nothing follows it)."
         )
         note = f"Deleted {size} message{'s' if size != 1 else ''}."
-        self._confirm_delete("Delete branch?", body, lambda: store.delete_subtree(node_id), note)
+        trash = self.chat.tierchat.trash
+        self._confirm_delete("Delete branch?", body, lambda: trash.delete_branch(node_id), note)
 
     def _confirm_delete(self, title: str, body: str, delete: Callable[[], Any], note: str) -> None:
         """Ask ``title``/``body`` in a :class:`ConfirmScreen`; on Delete, run ``delete()``
@@ -306,7 +310,19 @@ class ChatTools(Screen):
         chat._show_selection()
         chat.refresh_conversations()
         chat.refresh_bindings()
-        self.notify(note, timeout=3)
+        self.notify(f"{note} u on the messages undoes it.", timeout=4)
+
+    async def action_undo_delete(self) -> None:
+        """Put the newest deletion of this session back (core/chat/trash.py)."""
+        chat = self.chat
+        ok, got = chat.attempt("Cannot undo", chat.tierchat.trash.restore)
+        if not ok or got is None:
+            return
+        item, cid, _node = got
+        chat.open_conversation(cid)
+        chat.refresh_conversations()
+        chat.refresh_bindings()
+        self.notify(f"Restored {item.label}.", title="Undo delete", timeout=3)
 
     # ------------------------------------------------------------------ the input
 
