@@ -47,8 +47,8 @@ from ..api import (
     GenerateRequest,
     RequestHandle,
 )
-from .context_limit import ContextLimitExceeded, context_length, generation_room
 from ..engine.sampling_checks import check_sampling
+from .context_limit import ContextLimitExceeded, context_length, generation_room
 from .prompts import Prompt, PromptBuilder, decode_ids
 from .store import ConversationStore, Node, PathEntry
 
