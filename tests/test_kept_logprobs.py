@@ -227,7 +227,8 @@ def test_resident_with_logprobs_from_an_ssd_tail_is_labelled_hot_resident(tmp_pa
     as the first token's source. An "SSD resident" label said the K/V came from disk."""
     model = "tiny:llama"
     cold = cold_run(model, tmp_path, models_dir)
-    e = make_engine(model, tmp_path, models_dir, bitwise=False)
+    # write-through: the test takes the tail out of RAM itself, not through an eviction
+    e = make_engine(model, tmp_path, models_dir, bitwise=False, ssd_admission=False)
     try:
         generate(e, PROMPT)
         generate(e, PROMPT + OTHER[:7])
