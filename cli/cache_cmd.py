@@ -27,7 +27,7 @@ from tierchat.core.api import plain
 from tierchat.core.live_status import owner_message, read_status, request_clear, wait_cleared
 from tierchat.core.units import fmt_bytes, fmt_seconds
 
-BYTE_FIELDS = ("nbytes", "max_bytes", "peak_memory_bytes", "restore_bytes")
+BYTE_FIELDS = ("nbytes", "max_bytes", "peak_memory_bytes", "restore_bytes", "ssd_write_bytes")
 MEMORY_BYTE_FIELDS = ("active", "peak", "cache", "limit", "device_total", "system_total")
 MEMORY_BYTE_FIELDS += ("system_available",)
 CLEAR_TIMEOUT_S = 10.0
@@ -66,7 +66,7 @@ def flatten(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
 
 def is_bytes(name: str) -> bool:
     leaf = name.rsplit(".", 1)[-1]
-    if name.startswith("ranks.") and leaf.endswith("_bytes"):
+    if name.startswith(("ranks.", "wear.")) and leaf.endswith("_bytes"):
         return True
     return leaf in BYTE_FIELDS or (name.startswith("memory.") and leaf in MEMORY_BYTE_FIELDS)
 

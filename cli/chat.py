@@ -3,9 +3,13 @@
 Type a message and press Enter; the reply streams, then one line says what the turn cost
 (cached / prefilled tokens, TTFT, decode speed). Commands::
 
-    /regen               a new reply to the last message (a sibling; swipe to compare)
+    /regen [TURN]        a new reply to user turn TURN (default the last; a sibling)
     /swipe TURN INDEX    show reply INDEX of user turn TURN (0-based; negative from the end)
     /edit TURN TEXT      replace user turn TURN by TEXT as a new branch and answer it
+    /continue            more of the last reply (one cut at --max-tokens): nothing prefilled
+    /set [KEY VALUE]     this conversation's settings, or set one: temperature, top_p,
+                         top_k, min_p, repetition_penalty, stop (a|b), max_tokens, seed,
+                         swipe_temperature, system
     /new [SYSTEM]        start a new conversation (optionally with a system prompt)
     /stats               the cache tiers in one line each
     /help                this list
@@ -101,7 +105,8 @@ class LineChat:
             if name == "/help":
                 self.say(HELP)
             elif name in ("/regen", "/regenerate"):
-                self.stream(self.session.regenerate)
+                turn = int(rest) if rest.strip() else None
+                self.stream(lambda: self.session.regenerate(turn=turn))
             elif name == "/swipe":
                 turn, index = (int(x) for x in rest.split())
                 reply = self.session.swipe(turn, index)
@@ -114,6 +119,10 @@ class LineChat:
                 if not text.strip():
                     raise ValueError("no text")
                 self.stream(lambda: self.session.edit(turn, text.strip()))
+            elif name == "/continue":
+                self.stream(self.session.continue_reply)
+            elif name == "/set":
+                self.set_setting(rest.strip())
             elif name == "/new":
                 self.session.new_conversation(system=rest.strip() or None)
                 self.say("[new conversation]")
@@ -123,20 +132,62 @@ class LineChat:
                 self.say(f"unknown command {name}; /help lists them")
         except (SessionError, StoreError) as e:
             print(f"error: {printable(str(e))}", file=self.err, flush=True)
-        except ValueError:
-            usage = {"/swipe": "/swipe TURN INDEX", "/edit": "/edit TURN TEXT"}.get(name, name)
+        except ValueError as e:
+            if name == "/set" and str(e):
+                print(f"error: {printable(str(e))}", file=self.err, flush=True)
+                return True
+            usage = {
+                "/swipe": "/swipe TURN INDEX",
+                "/edit": "/edit TURN TEXT",
+                "/regen": "/regen [TURN]",
+                "/set": "/set KEY VALUE (a number; stop: a|b; seed: empty for none)",
+            }.get(name, name)
             print(f"error: usage: {usage}", file=self.err, flush=True)
         return True
+
+    def set_setting(self, rest: str) -> None:
+        """``/set``: show the conversation's settings; ``/set KEY VALUE``: change one.
+        Raises ``ValueError`` (usage) or :class:`SessionError` (no conversation)."""
+        import dataclasses
+
+        settings = self.session.settings()
+        if not rest:
+            for key, value in settings.to_dict().items():
+                self.say(f"[{key} = {printable(repr(value))}]")
+            return
+        key, _, value = rest.partition(" ")
+        fields = {f.name: f for f in dataclasses.fields(settings)}
+        if key not in fields:
+            raise ValueError(f"unknown setting {key}")
+        value = value.strip()
+        if key == "stop":
+            parsed: object = tuple(p.replace("\\n", "\n") for p in value.split("|") if p)
+        elif key == "system":
+            parsed = value
+        elif key == "seed":
+            parsed = int(value) if value else None
+        elif key in ("top_k", "max_tokens"):
+            parsed = int(value)
+        else:
+            parsed = float(value)
+        if self.session.conversation_id is None:
+            self.session.new_conversation()
+        self.session.save_settings(dataclasses.replace(settings, **{key: parsed}))
+        self.say(f"[{key} = {printable(repr(parsed))}]")
 
     def stream(self, start) -> None:
         """Start a turn with ``start()`` and print its reply as it streams."""
         from tierchat.core.api import Failed, Finished, TokenBatch
+        from tierchat.core.chat.session import SessionError
         from tierchat.core.chat.store import StoreError
 
         try:
             turn = start()
         except StoreError as e:  # the turn could not be saved: say why, go on
             print(f"error: turn not saved: {printable(str(e))}", file=self.err, flush=True)
+            return
+        except SessionError as e:  # e.g. a prompt past the context: nothing was sent
+            print(f"error: {printable(str(e))}", file=self.err, flush=True)
             return
         self.out.write("assistant> ")
         self.out.flush()
@@ -165,13 +216,15 @@ class LineChat:
 def stats_lines(stats: Any) -> str:
     if not stats.enabled:
         return f"[cache off{': ' + stats.reason if stats.reason else ''}]"
-    h, s, t = stats.hot, stats.ssd, stats.tails
+    h, s, t, lk = stats.hot, stats.ssd, stats.tails, stats.lookups
     return "\n".join(
         [
+            f"[turns {lk.lookups}: hit rate {lk.hit_rate:.0%}, {lk.cold} cold; resident"
+            f" {lk.resident}, hot {lk.hot}, ssd {lk.ssd}, via tail {lk.tail}]",
             f"[hot  {h.entries} entries, {fmt_bytes(h.nbytes)} of {fmt_bytes(h.max_bytes)},"
-            f" {h.hits} hits, {h.misses} misses, {h.evictions} evictions]",
+            f" {h.hits} entries used, {h.evictions} evictions]",
             f"[ssd  {s.entries} files, {fmt_bytes(s.nbytes)} of {fmt_bytes(s.max_bytes)},"
-            f" {s.hits} hits, {s.misses} misses{'' if s.enabled else ', off: ' + s.reason}]",
+            f" {s.hits} read{'' if s.enabled else ', off: ' + s.reason}]",
             f"[tails {t.entries} entries, {t.hits} hits, {t.checkpoint_hits} checkpoint hits]",
         ]
     )
@@ -192,7 +245,7 @@ def run_chat(
     from tierchat.core.live_status import StatusService
 
     check_cache_owner(settings)
-    store = open_store(settings.db_path)
+    store = open_store(settings.db_path, settings.store_busy_s)
     try:
         engine = start_engine(settings)
         try:

@@ -33,8 +33,10 @@ def warn(message: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def open_store(path):
+def open_store(path, busy_s: float | None = None):
     """The conversation store at ``path``; a bad or unwritable file is a :class:`CLIError`.
+    ``busy_s``: how long an operation waits for another process's lock (the
+    ``store_busy_s`` setting; None: the store's default).
 
     The default data dir (created 0755 by tierchat before 0.2) is tightened to 0700."""
     from pathlib import Path
@@ -49,7 +51,9 @@ def open_store(path):
     except OSError:
         pass
     try:
-        return ConversationStore(path)
+        if busy_s is None:
+            return ConversationStore(path)
+        return ConversationStore(path, busy_timeout_s=busy_s)
     except StoreError as e:
         raise CLIError(str(e)) from None
     except OSError as e:
@@ -58,8 +62,10 @@ def open_store(path):
         ) from None
 
 
-def new_session(engine: Any, store: Any, settings: Any):
-    """A :class:`~tierchat.core.chat.session.ChatSession` with the settings' generation options."""
+def new_session(engine: Any, store: Any, settings: Any, *, swipes: bool = True):
+    """A :class:`~tierchat.core.chat.session.ChatSession` with the settings' generation
+    options; ``swipes`` False keeps regenerates at the conversation's temperature
+    (``replay``: a regenerate without "temperature" is greedy, as its format says)."""
     from tierchat.core.chat.session import ChatSession
 
     return ChatSession(
@@ -70,6 +76,12 @@ def new_session(engine: Any, store: Any, settings: Any):
         top_p=settings.top_p,
         seed=settings.seed,
         use_cache=not settings.no_cache,
+        sampling=dict(
+            top_k=settings.top_k,
+            min_p=settings.min_p,
+            repetition_penalty=settings.repetition_penalty,
+            swipe_temperature=settings.swipe_temperature if swipes else 0.0,
+        ),
     )
 
 

@@ -44,9 +44,14 @@ SETTING_FLAGS: dict[str, tuple[str, str]] = {
     "prefill_chunk": ("TOKENS", "prefill chunk in tokens (mlx-lm's prefill_step_size: 2048)"),
     "hot_bytes": ("SIZE", "hot (RAM) tier budget: bytes or 512MB, 6GB, 16GiB"),
     "ssd_bytes": ("SIZE", "SSD tier cap"),
+    "ssd_write_budget": ("SIZE", "SSD bytes written in any 24 hours at most (0: no budget)"),
     "max_tokens": ("N", "reply length limit in tokens"),
     "seed": ("N", "sampling seed (used when temperature > 0)"),
     "temperature": ("T", "sampling temperature (0: greedy)"),
+    "top_k": ("K", "sample from the K most likely tokens (0: off)"),
+    "min_p": ("P", "drop tokens below P x the top token's probability (0: off)"),
+    "repetition_penalty": ("X", "penalize the last 20 tokens' repeats (1: off; 1.1-1.3 typical)"),
+    "swipe_temperature": ("T", "temperature of a regenerate at temperature 0 (0: greedy)"),
     "memory_limit": ("SIZE", "memory limit for the prefill guard"),
 }
 
@@ -113,6 +118,22 @@ def build_parser() -> argparse.ArgumentParser:
         "Conversations go to a throwaway store unless --data-dir is given.",
     )
     p.add_argument("script", metavar="SCRIPT.jsonl", help="the script ('-' for stdin)")
+
+    p = sub.add_parser(
+        "verify",
+        parents=[common],
+        help="recompute replies with no cache, teacher-forced: agreement with the cached run",
+        description="Verify replies against cold (docs/DESIGN.md §18): each reply's prompt "
+        "is run teacher-forced on the reply through the cache and twice with no cache; prints "
+        "top-1 agreement, the first differing position and max |Δlogprob| of cached vs cold "
+        "next to cold vs cold (the device's noise floor), as JSON lines, and stores them "
+        "with the replies.",
+    )
+    p.add_argument(
+        "script", nargs="?", metavar="SCRIPT.jsonl", help="a replay script to run and verify"
+    )
+    p.add_argument("--conversation", type=int, metavar="ID", help="a stored conversation")
+    p.add_argument("--node", type=int, metavar="ID", help="one stored reply")
 
     sub.add_parser("models", parents=[common], help="list the models tierchat can load")
 
@@ -291,6 +312,10 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
         from tierchat.cli.replay import run_replay
 
         return run_replay(settings, args.script, data_dir_given="data_dir" in args)
+    if command == "verify":
+        from tierchat.cli.verify_cmd import run_verify
+
+        return run_verify(settings, args)
     if command == "models":
         return run_models(settings)
     if command == "cache":
@@ -336,7 +361,7 @@ def run_tui(settings: Any) -> int:
         raise CLIError(f"the TUI is not available ({e}); try `tierchat chat`") from None
     from tierchat.core.engine.engine import Engine
 
-    store = open_store(settings.db_path)
+    store = open_store(settings.db_path, settings.store_busy_s)
     engine = Engine(settings)
     try:
         run_app(engine, store, settings)

@@ -272,7 +272,7 @@ class Replay:
         self.err = err or sys.stderr
         check_cache_owner(settings)
         self.engine = start_engine(settings)
-        self.session = new_session(self.engine, store, settings)
+        self.session = new_session(self.engine, store, settings, swipes=False)
         self.ssd_watch = SSDWatch(self.engine)
         # `tierchat cache stats|clear` in another shell talk to the current engine
         self.status = StatusService(self.engine, settings.cache_dir, "replay").start()
@@ -333,7 +333,7 @@ class Replay:
         old.engine = self.engine = self.session = None
         gc.collect()
         self.engine = start_engine(self.settings, quiet=True)
-        self.session = new_session(self.engine, self.store, self.settings)
+        self.session = new_session(self.engine, self.store, self.settings, swipes=False)
         self.session.conversation_id = old.conversation_id
         self.ssd_watch = SSDWatch(self.engine)
         self.status.engine = self.engine
@@ -404,7 +404,7 @@ def run_replay(settings: Any, script: str, *, data_dir_given: bool = False) -> i
     name = "<stdin>" if script == "-" else script
     with tempfile.TemporaryDirectory(prefix="tierchat-replay-") as tmp:
         db = settings.db_path if data_dir_given else Path(tmp) / "replay.sqlite"
-        store = open_store(db)
+        store = open_store(db, settings.store_busy_s)
         try:
             replay = Replay(settings, store, name, sys.stdout)
             try:

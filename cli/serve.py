@@ -33,6 +33,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -44,7 +45,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from tierchat.cli.common import EXIT_OK, EXIT_USAGE, CLIError, start_engine
+from tierchat.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CLIError, start_engine
 from tierchat.core.api import Event, Failed, Finished, GenerateRequest, TokenBatch, TurnMetrics
 from tierchat.core.chat.prompts import PromptBuilder
 from tierchat.core.serve.limits import (
@@ -65,12 +66,15 @@ from tierchat.core.serve.prompts import (
     StopMatcher,
     build_chat_prompt,
     completion_prompt,
+    returned_tokens,
     sampling,
 )
 
 API_KEY_ENV = "TIERCHAT_API_KEY"
 DISCONNECT_POLL_S = 0.5
-MAX_NEW_RENDERS = 64  # prefix renders per request: prompt building stays linear (docs/DESIGN.md §15)
+MAX_NEW_RENDERS = (
+    64  # prefix renders per request: prompt building stays linear (docs/DESIGN.md §15)
+)
 
 
 def is_loopback(host: str) -> bool:
@@ -153,15 +157,20 @@ def reply_memory_path(settings: Any, model_name: str) -> Path:
 
 
 def error_response(e: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
+    if e.retry_after_s is not None:
+        headers["Retry-After"] = str(e.retry_after_s)
+    return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
 
 
-def usage(m: TurnMetrics) -> dict[str, Any]:
+def usage(m: TurnMetrics, completion_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; ``completion_tokens``: the tokens returned (fewer than
+    generated when a stop string cut the reply), default all generated."""
+    n = m.generation_tokens if completion_tokens is None else completion_tokens
     return {
         "prompt_tokens": m.prompt_tokens,
-        "completion_tokens": m.generation_tokens,
-        "total_tokens": m.prompt_tokens + m.generation_tokens,
+        "completion_tokens": n,
+        "total_tokens": m.prompt_tokens + n,
         "prompt_tokens_details": {"cached_tokens": m.cached_tokens},
         "tierchat": {
             "cached_by": dict(m.cached_by),
@@ -170,16 +179,31 @@ def usage(m: TurnMetrics) -> dict[str, Any]:
             "ttft_s": round(m.ttft_s, 6),
             "prefill_tps": round(m.prefill_tps, 2),
             "generation_tps": round(m.generation_tps, 2),
+            "ssd_write_bytes": m.ssd_write_bytes,
         },
     }
 
 
 def failure(event: Failed) -> APIError:
-    if event.kind == "refused":
-        return APIError(event.message, 400, code="context_length_exceeded")
+    if event.kind == "refused":  # the memory guard: not the prompt's fault, try later
+        return APIError(
+            event.message, 503, "server_error", code="insufficient_memory", retry_after_s=30
+        )
     if event.kind == "cancelled":
         return APIError(event.message, 499, "server_error", code="cancelled")
     return APIError(event.message, 500, "server_error", code=event.kind)
+
+
+def ranks_failure(engine: Any) -> str:
+    """Why the ranks failed (a rank lost, or silent past ``--rank-timeout``), "" while
+    they work or when there is one rank (docs/DESIGN.md §19)."""
+    failed = getattr(getattr(engine, "ranks", None), "failed", "")
+    return failed if isinstance(failed, str) else ""
+
+
+def internal_error() -> APIError:
+    """A 500 that names nothing of the server's code (the traceback goes to its log)."""
+    return APIError("internal server error (details in the server's log)", 500, "server_error")
 
 
 def shutting_down() -> APIError:
@@ -339,7 +363,12 @@ async def _prepare(state: ServeState, http: Request, endpoint: str):
         prompt_ids=ids,
         max_tokens=max_tokens,
         temperature=params.temperature,
-        top_p=params.top_p,
+        top_p=params.top_p if params.top_p > 0 else 1.0,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
         seed=params.seed,
         boundaries=boundaries,
         use_cache=state.use_cache,
@@ -383,6 +412,9 @@ async def generate(state: ServeState, http: Request, endpoint: str) -> Response:
         return error_response(e)
     except ClientGone:
         return Response(status_code=499)
+    except Exception:  # noqa: BLE001 -- a bug of ours: logged, a 500 without internals
+        traceback.print_exc(file=sys.stderr)
+        return error_response(internal_error())
     if state.draining:  # a signal came while the prompt was built
         return error_response(shutting_down())
     client = client_label(http, body)
@@ -422,8 +454,9 @@ async def generate(state: ServeState, http: Request, endpoint: str) -> Response:
             else:
                 choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
                 obj = "text_completion"
+            n = returned_tokens(state.engine.tokenizer, event.token_ids, text, matcher.stopped)
             return JSONResponse(
-                {**head, "object": obj, "choices": [choice], "usage": usage(event.metrics)}
+                {**head, "object": obj, "choices": [choice], "usage": usage(event.metrics, n)}
             )
     return Response(status_code=499)  # the client went away
 
@@ -468,7 +501,10 @@ async def _stream(
                 state.memory.remember(state.engine.tokenizer, matcher.text, event.token_ids)
             yield chunk(None, _finish_reason(event.metrics, matcher))
             if params.include_usage:
-                yield sse({**head, "object": obj, "choices": [], "usage": usage(event.metrics)})
+                n = returned_tokens(
+                    state.engine.tokenizer, event.token_ids, matcher.text, matcher.stopped
+                )
+                yield sse({**head, "object": obj, "choices": [], "usage": usage(event.metrics, n)})
     yield "data: [DONE]\n\n"
 
 
@@ -495,12 +531,24 @@ def create_app(state: ServeState) -> Starlette:
 
     async def health(http: Request) -> Response:
         snap = state.log.snapshot()
+        failed = ranks_failure(state.engine)
+        if failed:  # the process is going: exit code 1 after its stop sequence
+            return JSONResponse(
+                {"status": "failed", "error": failed, "model": state.engine.model_name},
+                status_code=503,
+            )
+        wear = state.engine.stats().wear
         return JSONResponse(
             {
                 "status": "ok" if state.engine.model_name else "loading",
                 "model": state.engine.model_name,
                 "queue": {"waiting": snap.waiting, "running": snap.running},
                 "requests": snap.total,
+                # SSD bytes written (docs/DESIGN.md §8.6)
+                "ssd_writes": {
+                    k: getattr(wear, k)
+                    for k in ("session_bytes", "total_bytes", "day_bytes", "budget_bytes")
+                },
             }
         )
 
@@ -510,8 +558,7 @@ def create_app(state: ServeState) -> Starlette:
         return error_response(APIError(text, exc.status_code, code=code))
 
     async def server_error(http: Request, exc: Exception) -> Response:
-        text = f"{type(exc).__name__}: {exc}"
-        return error_response(APIError(text, 500, "server_error"))
+        return error_response(internal_error())
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -668,6 +715,11 @@ def _print_record(record: RequestRecord) -> None:
     if record.status in ("waiting", "running"):
         return
     m = record.metrics
+    if not m.finish_reason:  # failed or cancelled before it finished: no metrics to show
+        line = f"#{record.seq} {record.client} {record.endpoint} {record.status}: "
+        line += f"prompt {m.prompt_tokens}, {record.error or 'no reply'}"
+        print(line, file=sys.stderr, flush=True)
+        return
     by = ", ".join(f"{k} {v}" for k, v in m.cached_by.items() if v) or "none"
     line = (
         f"#{record.seq} {record.client} {record.endpoint} {record.status}: "
@@ -732,6 +784,9 @@ def run_serve(settings: Any, args: Any) -> int:
                 while server.thread.is_alive() and not shutdown.requested.is_set():
                     server.thread.join(0.5)
                     watch.check()
+                    failed = ranks_failure(engine)
+                    if failed:  # no request can run again: stop, and exit 1
+                        shutdown.fail(failed)
             status.stop()
             shutdown.run()
     except BaseException:
@@ -739,7 +794,7 @@ def run_serve(settings: Any, args: Any) -> int:
         server.stop()
         engine.close()
         raise
-    return EXIT_OK
+    return EXIT_FAILED if shutdown.failure else EXIT_OK
 
 
 def _run_console(engine: TrackedEngine, log: RequestLog, settings: Any, shutdown: Any) -> None:
@@ -751,7 +806,7 @@ def _run_console(engine: TrackedEngine, log: RequestLog, settings: Any, shutdown
     from tierchat.cli.common import open_store
     from tierchat.cli.serve_shutdown import quit_ui_later
 
-    store = open_store(settings.db_path)
+    store = open_store(settings.db_path, settings.store_busy_s)
     try:
         app = ServeConsoleApp(engine, store, settings, log)
         shutdown.on_request = quit_ui_later(app)

@@ -10,6 +10,11 @@ seconds; the SSD writer gets ``bound_s`` seconds to write what is queued, and wh
 not write is dropped and reported; the engine closes; the command exits 0. A second
 signal exits at once (``os._exit``: no interpreter teardown under the engine's MLX
 thread, so no C++ abort), keeping every file already renamed into place.
+
+When the ranks fail (a rank lost, or silent past ``--rank-timeout``), no request can run
+again: :meth:`Shutdown.fail` starts the same sequence (``/health`` answers 503 "failed"
+meanwhile), without closing the engine, whose thread may be blocked in a collective, and
+the command exits 1 (``cli/ranks.py`` ends the process).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class Shutdown:
         self.on_request = on_request
         self.requested = threading.Event()
         self.signal_name = ""
+        self.failure = ""  # why the server stops on its own (the ranks failed)
 
     def say(self, text: str) -> None:
         print(f"tierchat serve: {text}", file=self.err, flush=True)
@@ -59,6 +65,17 @@ class Shutdown:
             self.say(f"second {name}: exiting now, queued SSD writes are dropped")
             os._exit(128 + signum)
         self.signal_name = name
+        self.state.draining = True
+        self.requested.set()
+        if self.on_request is not None:
+            self.on_request()
+
+    def fail(self, why: str) -> None:
+        """Stop because the server cannot serve any more (``why``): new requests get
+        503, then :meth:`run` stops everything but the engine."""
+        if self.requested.is_set():
+            return
+        self.failure = why
         self.state.draining = True
         self.requested.set()
         if self.on_request is not None:
@@ -81,7 +98,7 @@ class Shutdown:
         """Stop: refuse new requests, end open streams, stop uvicorn, write the SSD queue
         within ``bound_s``, close the engine. Returns ``{"streams", "written",
         "dropped"}`` (streams ended, SSD entries written and dropped during the stop)."""
-        why = self.signal_name or "stop"
+        why = self.signal_name or ("the ranks failed" if self.failure else "stop")
         self.say(f"{why}: stopping (new requests get 503; open streams end with an error)")
         self.state.draining = True
         streams = self.state.abort_all(f"the server is shutting down ({why})")
@@ -99,10 +116,11 @@ class Shutdown:
                 ssd.drop_pending()
             # what the engine still stores as it closes gets what is left of the bound
             ssd.close_timeout_s = max(0.5, deadline - time.monotonic())
-            self.engine.close()
+            if not self.failure:  # a failed engine's thread may be stuck in a collective
+                self.engine.close()
             written = ssd.saves_persisted - persisted
             dropped = ssd.write_drops - drops
-        else:
+        elif not self.failure:
             self.engine.close()
         tail = f"; {dropped} SSD entries not saved" if dropped else ""
         self.say(f"stopped ({streams} open requests ended, {written} SSD entries written{tail})")

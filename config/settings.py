@@ -82,6 +82,13 @@ class Settings:
     choose_recompute: bool = True
     hot_bytes: int = field(default_factory=default_hot_bytes)
     ssd_bytes: int = 16 * GiB
+    # bytes the SSD tier may write in any 24 hours (0: no budget); entries that do not fit
+    # are not written and are counted (docs/DESIGN.md §8.6)
+    ssd_write_budget: int = 0
+    # write an entry to the SSD tier when it is likely to be read again (reused, evicted
+    # from RAM, or still needed at close); off: every committed entry at once, as a
+    # write-through tier that a crash loses nothing of (docs/DESIGN.md §8.6)
+    ssd_admission: bool = True
     tail_entries: int = 8
     checkpoint_entries: int = 32
     pin_system: bool = True
@@ -93,11 +100,20 @@ class Settings:
     seed: int = 0
     temperature: float = 0.0
     top_p: float = 1.0
+    # more sampling defaults of a new conversation (core/engine/sampling.py; these values: off)
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    # a regenerate's temperature while the conversation's is 0 (a swipe that differs)
+    swipe_temperature: float = 0.8
     kv_bits: int | None = None
     kv_group_size: int = 64
     memory_limit: int | None = None
     memory_soft_fraction: float = 0.80
     memory_hard_fraction: float = 0.92
+    # how long one conversation-store operation waits for another process's lock
+    # (seconds) before it is reported as failed and the next one runs
+    store_busy_s: float = 10.0
     keymap: dict[str, str] = field(default_factory=dict)
     # where each value came from: key (or "keymap.<id>") -> "default", "file PATH", ...
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
@@ -274,10 +290,31 @@ def _temperature(v: Any) -> float:
     return x
 
 
+def _positive_float(v: Any) -> float:
+    x = _to_float(v)
+    if not 0.0 < x <= 3600.0:
+        raise ValueError("must be a number of seconds in (0, 3600]")
+    return x
+
+
 def _fraction(v: Any) -> float:
     x = _to_float(v)
     if not 0.0 < x <= 1.0:
         raise ValueError("must be a number in (0, 1]")
+    return x
+
+
+def _min_p(v: Any) -> float:
+    x = _to_float(v)
+    if not 0.0 <= x < 1.0:
+        raise ValueError("must be a number in [0, 1)")
+    return x
+
+
+def _penalty(v: Any) -> float:
+    x = _to_float(v)
+    if not 0.0 < x <= 10.0:
+        raise ValueError("must be a number in (0, 10] (1: off)")
     return x
 
 
@@ -318,6 +355,8 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "choose_recompute": _to_bool,
     "hot_bytes": _size,
     "ssd_bytes": _size,
+    "ssd_write_budget": _size,
+    "ssd_admission": _to_bool,
     "tail_entries": _nonneg_int,
     "checkpoint_entries": _nonneg_int,
     "pin_system": _to_bool,
@@ -327,11 +366,16 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "seed": _nonneg_int,
     "temperature": _temperature,
     "top_p": _fraction,
+    "top_k": _nonneg_int,
+    "min_p": _min_p,
+    "repetition_penalty": _penalty,
+    "swipe_temperature": _temperature,
     "kv_bits": _optional(_kv_bits),
     "kv_group_size": _group_size,
     "memory_limit": _optional(_memory_limit),
     "memory_soft_fraction": _fraction,
     "memory_hard_fraction": _fraction,
+    "store_busy_s": _positive_float,
     "keymap": _keymap,
 }
 KEYS: tuple[str, ...] = tuple(f.name for f in fields(Settings) if f.name != "sources")

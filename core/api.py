@@ -38,6 +38,15 @@ class GenerateRequest:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    # more sampling controls (core/engine/sampling.py; off at these values): top-k, min-p, and
+    # mlx-lm's repetition (multiplicative), presence and frequency (additive) penalties
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # the reply ends before the first of these strings (finish reason "stop")
+    stop: tuple[str, ...] = ()
     boundaries: tuple[tuple[int, str], ...] = ()
     use_cache: bool = True
     # teacher forcing (exactness measurements): decode feeds exactly these tokens, through
@@ -85,6 +94,8 @@ class TurnMetrics:
     restore_bytes: int = 0  # bytes of cached K/V and state put into the cache
     # the SSD tier read or its tokens computed again, with the estimates (core/cache/rates.py)
     restore_choice: str = ""
+    # bytes of SSD files this request handed to the writer (docs/DESIGN.md §8.6)
+    ssd_write_bytes: int = 0
 
     @property
     def cache_source(self) -> str:
@@ -204,6 +215,7 @@ class TierStats:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
+    evicted_bytes: int = 0  # bytes of the evicted entries (the SSD tier: under its cap)
     saves_queued: int = 0
     saves_persisted: int = 0
     write_drops: int = 0
@@ -239,6 +251,31 @@ class TailStats:
 
 
 @dataclass(frozen=True)
+class WearStats:
+    """Bytes the SSD tier writes (docs/DESIGN.md §8.6): files written by this engine
+    (``session_*``) and by every session of the cache dir (``total_*``); bytes written in
+    the last 24 hours (``day_bytes``, whole hours) against ``budget_bytes`` (0: none);
+    bytes accepted and not yet on disk (``pending_bytes``); entries kept in RAM until reused,
+    evicted or closed (``deferred``), dropped because a longer entry holds their tokens
+    (``skipped``: entries and bytes of arrays), refused by the budget (``budget_skips``)."""
+
+    session_bytes: int = 0
+    session_files: int = 0
+    total_bytes: int = 0
+    total_files: int = 0
+    day_bytes: int = 0
+    budget_bytes: int = 0
+    pending_bytes: int = 0
+    deferred: int = 0
+    deferred_bytes: int = 0
+    skipped: int = 0
+    skipped_bytes: int = 0
+    budget_skips: int = 0
+    budget_skipped_bytes: int = 0
+    enabled: bool = True
+
+
+@dataclass(frozen=True)
 class SnapshotStats:
     """Boundary snapshots of window/state layers stored with blocks."""
 
@@ -254,6 +291,34 @@ class ResidentStats:
     tokens: int = 0
     nbytes: int = 0
     hits: int = 0
+
+
+@dataclass(frozen=True)
+class LookupStats:
+    """Requests by where their cached prefix came from, one count per request (not per
+    block): ``resident`` (the last request's live cache cut back or extended in place,
+    RAM), ``hot`` (entries in RAM: blocks, tails, checkpoints), ``ssd`` (most tokens
+    read from disk), ``cold`` (nothing cached: a miss). ``tail`` counts the hits among
+    them whose last tokens came from a tail or checkpoint entry (docs/DESIGN.md §10)."""
+
+    resident: int = 0
+    hot: int = 0
+    ssd: int = 0
+    cold: int = 0
+    tail: int = 0
+
+    @property
+    def hits(self) -> int:
+        return self.resident + self.hot + self.ssd
+
+    @property
+    def lookups(self) -> int:
+        return self.hits + self.cold
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits over lookups, 0.0 before the first."""
+        return self.hits / self.lookups if self.lookups else 0.0
 
 
 @dataclass(frozen=True)
@@ -309,9 +374,11 @@ class CacheStats:
     layer_kinds: tuple[str, ...] = ()
     hot: TierStats = TierStats()
     ssd: TierStats = TierStats()
+    wear: WearStats = WearStats()
     tails: TailStats = TailStats()
     snapshots: SnapshotStats = SnapshotStats()
     resident: ResidentStats = ResidentStats()
+    lookups: LookupStats = LookupStats()
     memory: MemoryStats = MemoryStats()
     last_turn: TurnMetrics = TurnMetrics()
     events: tuple[tuple[int, str], ...] = ()

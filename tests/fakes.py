@@ -30,6 +30,7 @@ from tierchat.core.api import (
     Failed,
     Finished,
     GenerateRequest,
+    LookupStats,
     MemoryStats,
     ModelLoaded,
     ModelLoading,
@@ -210,6 +211,7 @@ class FakeEngine:
         self._resident: tuple[int, ...] | None = None
         self._resident_hits = 0
         self._resident_tokens = 0  # prompt + reply
+        self._lookups = dict.fromkeys(("resident", "hot", "ssd", "cold", "tail"), 0)
         self._hot_counts = {"hits": 0, "misses": 0, "evictions": 0, "saves_queued": 0}
         self._ssd_counts = {"hits": 0, "misses": 0, "evictions": 0, "saves_persisted": 0}
         self._tail_counts = {
@@ -314,6 +316,7 @@ class FakeEngine:
                     nbytes=self._resident_tokens * 4096 if self._resident else 0,
                     hits=self._resident_hits,
                 ),
+                lookups=LookupStats(**self._lookups),
                 last_turn=self._last_turn,
                 events=tuple(self._events[-50:]),
             )
@@ -371,7 +374,10 @@ class FakeEngine:
     def _load(self, model: str, handle: RequestHandle) -> None:
         for i in range(3):
             handle.emit(ModelLoading(model, i + 1, 3, f"step {i + 1} of 3"))
-        self.model_name = model
+        with self._lock:  # the real engine makes a new cache: its events and counters restart
+            self.model_name = model
+            self._seq, self._events = 0, []
+            self._lookups = dict.fromkeys(self._lookups, 0)
         warning = None if self.supported else "caching is off: unsupported layer kind"
         handle.emit(ModelLoaded(model, warning))
 
@@ -476,6 +482,13 @@ class FakeEngine:
             )
             if caching and sum(cached_by.values()):
                 self._log(f"hit {sum(cached_by.values())}/{len(prompt)} tokens")
+                where = "resident" if cached_kind["resident"] else "hot"
+                where = "ssd" if cached_by["ssd"] > cached_by["hot"] else where
+                self._lookups[where] += 1
+                self._lookups["tail"] += bool(cached_kind["tail"] or cached_kind["checkpoint"])
+            elif caching:
+                self._lookups["cold"] += 1
+                self._log(f"miss: nothing cached for {len(prompt)} tokens, all prefilled")
             if caching:  # the request takes the resident cache; stored again at its end
                 self._resident = None
         cached = sum(cached_by.values())

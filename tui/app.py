@@ -16,6 +16,7 @@ from textual.clock import Clock
 from textual.driver import Driver
 from textual.screen import Screen
 from tierchat.core.api import EngineLike
+from tierchat.core.chat.trash import Trash
 from tierchat.tui.screens.chat import ChatScreen
 from tierchat.tui.screens.chat_tools import ChatTools
 from tierchat.tui.screens.code_blocks import CodeBlocksScreen
@@ -72,6 +73,7 @@ class TierchatApp(App[None]):
         self.device = device
         self.engine = engine
         self.store = store
+        self.trash = Trash(store)  # the deletions of this session, for "undo delete"
         self.settings = settings
         if clock is not None and not isinstance(clock, Clock):
             clock = Clock(get_time=clock)
@@ -92,6 +94,12 @@ class TierchatApp(App[None]):
             top_p=s.top_p,
             seed=s.seed,
             use_cache=not s.no_cache,
+            sampling=dict(
+                top_k=s.top_k,
+                min_p=s.min_p,
+                repetition_penalty=s.repetition_penalty,
+                swipe_temperature=s.swipe_temperature,
+            ),
         )
 
     def get_driver_class(self) -> type[Driver]:

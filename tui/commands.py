@@ -35,6 +35,7 @@ CACHE_COMMANDS: tuple[Command, ...] = (
 
 BRANCH_COMMANDS: tuple[Command, ...] = (
     Command("Branch: regenerate reply", "regenerate", "A new sibling reply; old ones stay"),
+    Command("Branch: continue reply", "continue_reply", "More of a reply cut at max tokens"),
     Command("Branch: previous", "swipe(-1)", "The previous sibling of the selected message"),
     Command("Branch: next", "swipe(1)", "The next sibling of the selected message"),
     Command("Branch: edit message", "edit", "Edit the selected user message as a new branch"),
@@ -51,9 +52,9 @@ CONVERSATION_COMMANDS: tuple[Command, ...] = (
     Command("Conversation: delete", "delete_conversation", "Delete the open conversation"),
     Command("Conversation: toggle list", "toggle_conversations", "Show or hide the list"),
     Command(
-        "Conversation: settings…",
+        "Conversation: settings (system prompt, sampling)…",
         "conversation_settings",
-        "System prompt, temperature, top-p, max tokens, seed",
+        "System prompt, temperature, top-p/k, min-p, penalty, stop, max tokens, seed",
     ),
     Command("Export: active path as Markdown", "export('md', 'path')", "Under the data dir"),
     Command("Export: active path as JSON", "export('json', 'path')", "Under the data dir"),
@@ -67,9 +68,15 @@ TOOL_COMMANDS: tuple[Command, ...] = (
     Command("Search: this conversation…", "search('here')", "Find messages by their words"),
     Command("Search: all conversations…", "search('all')", "Open a chat at an old message"),
     Command("Chat: raw text of message", "raw_message", "The selected message as stored"),
+    Command(
+        "Chat: verify reply against cold",
+        "verify_turn",
+        "Recompute the selected reply without the cache: top-1, first diff, max |Δlogprob|",
+    ),
     Command("Chat: copy a code block", "copy_code", "One fenced block of the selected message"),
     Command("Chat: delete message", "delete_message", "Only the selected message"),
     Command("Chat: delete branch", "delete_branch", "The selected message and all after it"),
+    Command("Chat: undo delete", "undo_delete", "Bring back the last deleted chat or messages"),
     Command("Input: open in $EDITOR", "edit_in_editor", "Write a long prompt in your editor"),
     Command("Input: clear", "clear_input", "Empty the input (Ctrl+Z undoes)"),
     Command("Conversation: import from JSON…", "import_conversation", "A file Export wrote"),

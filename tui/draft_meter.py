@@ -1,5 +1,6 @@
 """The live token count of the message being typed, in the chat input's bottom border:
-``12 tokens · prompt 1,310 / 32,768 (4%)``.
+``12 tokens · prompt 1,310 / 32,768 (4%)``; with an empty input, the context the
+conversation uses: ``context 1,298 / 32,768 (4%)``.
 
 Counting tokenizes (the prompt builder renders the template and encodes the draft: up to
 ~100 ms on a long conversation), so it is debounced (:data:`DEBOUNCE_S` after the last
@@ -25,8 +26,14 @@ NEAR_LIMIT = 0.9
 """Fraction of the context from which the count shows as a warning."""
 
 
-def meter_text(count: DraftCount) -> str:
-    """What the input's border shows for ``count``."""
+def meter_text(count: DraftCount, empty: bool = False) -> str:
+    """What the input's border shows for ``count``; ``empty``: the input is empty, so
+    the line says how much of the context the conversation already uses."""
+    if empty:
+        if not count.context_length:
+            return f"context {count.prompt_tokens:,} tokens"
+        pct = round(100 * (count.fraction or 0.0))
+        return f"context {count.prompt_tokens:,} / {count.context_length:,} ({pct}%)"
     text = f"{count.text_tokens:,} token{'s' if count.text_tokens != 1 else ''}"
     if count.context_length:
         pct = round(100 * (count.fraction or 0.0))
@@ -48,22 +55,22 @@ class DraftMeter:
         self.count: DraftCount | None = None
         """The last count shown (None: none shown)."""
         self._timer: Timer | None = None
+        self._empty = False  # the count shown is the context of an empty input
 
     def changed(self) -> None:
         """The draft changed: count it once the typing pauses."""
         if self._timer is not None:
             self._timer.stop()
-        if not self.box.text.strip():
-            self.show(None)
-            return
+        if not self.box.text.strip() and self.count is not None and not self._empty:
+            self.show(None)  # a draft's count is wrong at once; the context comes next
         self._timer = self.screen.set_timer(DEBOUNCE_S, self.start)
 
     def start(self) -> None:
-        """Count the current draft in a thread worker (replacing one in flight)."""
+        """Count the current draft in a thread worker (replacing one in flight); an empty
+        input counts the conversation as the next prompt would hold it."""
         text = self.box.text
         if not text.strip():
-            self.show(None)
-            return
+            text = ""
         session = self.screen.tierchat.session
         app = self.screen.app
 
@@ -77,13 +84,13 @@ class DraftMeter:
         self.screen.run_worker(work, thread=True, exclusive=True, group="draft-count")
 
     def _counted(self, text: str, count: DraftCount | None) -> None:
-        if text == self.box.text:
-            self.show(count)
+        if text == self.box.text or (not text and not self.box.text.strip()):
+            self.show(count, empty=not text)
 
-    def show(self, count: DraftCount | None) -> None:
-        self.count = count
+    def show(self, count: DraftCount | None, empty: bool = False) -> None:
+        self.count, self._empty = count, empty
         box = self.box
-        box.border_subtitle = meter_text(count) if count is not None else ""
+        box.border_subtitle = meter_text(count, empty) if count is not None else ""
         fraction = count.fraction if count is not None else None
         over = count is not None and count.over
         box.set_class(over, "-over-limit")

@@ -3,7 +3,8 @@
 Pure Python over a ``ConversationStore``. JSON carries everything the store holds (ids,
 roles, content, generated token ids, meta with the turn's metrics, the selected branch);
 Markdown is for reading: the active path as a chat, or the tree as an outline where the
-branches on the active path are marked ``●``. A message cut inside a code block (a
+branches on the active path are marked ``●``; user and system text is escaped so that it
+renders as typed (replies are the model's Markdown). A message cut inside a code block (a
 stopped reply, the token cap) gets its fence closed, so the rest of the file stays text.
 """
 
@@ -47,6 +48,28 @@ def close_fences(text: str) -> str:
     if not open_fence:
         return text
     return text + ("" if text.endswith("\n") else "\n") + open_fence
+
+
+_INLINE = re.compile(r"([\\`*_\[\]<>|~&])")
+_LINE_START = re.compile(r"^(\s*)([#+\-=>]|\d+[.)])")
+
+
+def literal_markdown(text: str) -> str:
+    """``text`` as Markdown that renders it as typed: every character that CommonMark
+    reads as markup inline (emphasis, code, links, raw HTML, entities, tables, strikes)
+    is backslash-escaped, a line that would open a heading, list, quote or setext
+    underline gets its first mark escaped, and each line break is a hard break
+    (a backslash at the end of the line, CommonMark 0.31 "Hard line breaks")."""
+    out = []
+    for line in text.strip("\n").split("\n"):
+        line = _INLINE.sub(r"\\\1", line)
+        match = _LINE_START.match(line)
+        if match is not None:
+            mark = match.group(2)
+            escaped = mark[:-1] + "\\" + mark[-1] if mark[0].isdigit() else "\\" + mark
+            line = match.group(1) + escaped + line[match.end() :]
+        out.append(line)
+    return "\\\n".join(out)
 
 
 def _node_dict(node: Node, *, active: bool) -> dict[str, Any]:
@@ -113,13 +136,14 @@ def export_conversation(
     lines = [f"# {title}", ""]
     system = (settings or {}).get("system")
     if system and not (path and path[0].role == "system"):
-        lines += ["## System", "", close_fences(system), ""]
+        lines += ["## System", "", literal_markdown(system), ""]
     if scope == "path":
         for node in path:
             model = (node.meta or {}).get("model")
             head = ROLE_TITLES.get(node.role, node.role)
             title = f"## {head}" + (f" · {model}" if model else "")
-            lines += [title, "", close_fences(node.content), ""]
+            body = close_fences(node.content) if node.role == "assistant" else None
+            lines += [title, "", body if body is not None else literal_markdown(node.content), ""]
         return "\n".join(lines).rstrip() + "\n"
 
     roots, children = _tree(store, conversation_id)
@@ -127,7 +151,8 @@ def export_conversation(
 
     def walk(node: Node, depth: int) -> None:
         mark = "●" if node.id in active else "○"
-        text = close_fences(node.content.strip())
+        content = node.content.strip()
+        text = close_fences(content) if node.role == "assistant" else literal_markdown(content)
         text = text.replace("\n", "\n" + "  " * (depth + 1) + "  ")
         lines.append(f"{'  ' * depth}- {mark} **{ROLE_TITLES.get(node.role, node.role)}**: {text}")
         for child in children.get(node.id, []):

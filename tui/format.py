@@ -10,7 +10,8 @@ from dataclasses import fields
 from typing import Any
 
 from tierchat.core.api import CACHE_KINDS, CACHE_SOURCES, TurnMetrics
-from tierchat.core.units import fmt_count, fmt_seconds
+from tierchat.core.chat.verify import VerifyReport
+from tierchat.core.units import fmt_bytes, fmt_count, fmt_seconds
 
 SOURCE_LABELS = {
     "hot": "hot",
@@ -21,6 +22,18 @@ SOURCE_LABELS = {
     "checkpoint": "checkpoint",
 }
 _TURN_FIELDS = {f.name for f in fields(TurnMetrics)}
+
+
+def verify_line(meta: dict[str, Any] | None) -> str:
+    """The stored verify-against-cold report of a reply (``meta["verify"]``,
+    :mod:`tierchat.core.chat.verify`) as one line, "" when there is none or it is unreadable."""
+    raw = (meta or {}).get("verify")
+    if not isinstance(raw, dict):
+        return ""
+    try:
+        return VerifyReport.from_dict(raw).describe()
+    except (KeyError, TypeError, ValueError):
+        return ""
 
 
 def metrics_from_meta(meta: dict[str, Any] | None) -> TurnMetrics | None:
@@ -97,6 +110,8 @@ def fmt_metrics(m: TurnMetrics) -> str:
     ]
     if m.restore_choice:  # e.g. "ssd 3.8K tok, 48 MiB, est 0.06 s < recompute 0.09 s"
         parts.append(m.restore_choice)
+    if m.ssd_write_bytes:  # files this turn handed to the SSD writer
+        parts.append(f"SSD +{fmt_bytes(m.ssd_write_bytes)}")
     if m.finish_reason == "cancelled":
         parts.append("stopped")
     elif m.finish_reason == "length":

@@ -52,6 +52,7 @@ class TurnRunner:
         self.key = 0
         self.handle: Any = None
         self.stream_view: MessageView | None = None
+        self.prefix = ""  # a continue streams after the text of the reply it extends
         self._ready = asyncio.Event()
         self._ready.set()
 
@@ -104,6 +105,8 @@ class TurnRunner:
         if not ok:
             return False
         self.handle = handle
+        continued = getattr(handle, "continued", None)
+        self.prefix = continued.content if continued is not None else ""
         screen.streaming = True
         screen.selected = None
         infos = screen.path_infos()
@@ -135,7 +138,7 @@ class TurnRunner:
             return
         self.screen.query_one(ActivityBar).hide()
         first = not self.stream_view.text
-        await self.stream_view.stream_to(event.text)
+        await self.stream_view.stream_to(self.prefix + event.text)
         if first:  # the engine's last-turn record is this turn's from its first token on
             self.screen.poll_stats()
 

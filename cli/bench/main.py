@@ -262,7 +262,9 @@ def bench_engine(
         return counts, (m.restore_s, m.restore_bytes)
 
     rows: list[dict] = []
-    engine = start_engine(settings)
+    # every prompt's entries reach the SSD tier (write-through, not admission by reuse,
+    # docs/DESIGN.md §8.6), so the exact SSD rows measure each prompt's restore from disk
+    engine = start_engine(dataclasses.replace(settings, ssd_admission=False))
     try:
         tok = engine.tokenizer
         prompts = measured_prompts(tok, lengths, repeat)
@@ -297,7 +299,11 @@ def bench_engine(
             rows += _hot_rows(n, prompts[n], ext, runners)
         if lru is not None:
             lru.clear()  # its caches hold no memory while the restarted engine measures
-        ssd_dir = engine.cache.ssd.dir if engine.cache and engine.cache.ssd else None
+        ssd_dir = (
+            engine.cache.ssd.dir
+            if engine.cache is not None and engine.cache.ssd is not None
+            else None
+        )
         dtype = engine.loaded.dtype
     finally:
         engine.close()

@@ -123,6 +123,9 @@ class Entry(EntryMeta):
     arrays: dict[str, Any] = field(default_factory=dict, repr=False)
     nbytes: int = 0
     snapshot_nbytes: int = 0
+    # a sequence end's prompt length (its reply starts there; 0: unknown), in RAM only
+    # (docs/DESIGN.md §8.6: a newer reply to the same prompt supersedes it)
+    prompt_end: int = 0
 
     @property
     def priority(self) -> int:

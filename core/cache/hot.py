@@ -4,7 +4,8 @@ Blocks, MRU tails and checkpoints share the budget. Eviction is LRU inside prior
 classes: blocks ending in assistant messages go first, then user, then tails/checkpoints,
 then system; entries of a pinned system prompt never go. Tails and checkpoints are also
 bounded by count (``max_tails`` for prompt tails and sequence ends, ``max_checkpoints`` for
-message-boundary checkpoints). Evicted entries are still on the SSD tier (write-through).
+message-boundary checkpoints). An evicted entry not yet on the SSD tier is written then
+(unless covered: docs/DESIGN.md §8.6).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
-from .blocks import KIND_BLOCK, KIND_BOUNDARY, Entry
+from .blocks import KIND_BLOCK, KIND_BOUNDARY, KIND_SEQ, Entry
 
 
 class HotTier:
@@ -71,7 +72,13 @@ class HotTier:
 
     @property
     def n_checkpoints(self) -> int:
+        """Boundary checkpoints (bounded by ``max_checkpoints``)."""
         return len(self._checkpoints)
+
+    @property
+    def n_seq(self) -> int:
+        """Sequence ends (prompt + reply), held among the tails and bounded with them."""
+        return sum(1 for e in self._tails.values() if e.kind == KIND_SEQ)
 
     def _bound_for(self, e: Entry) -> OrderedDict | None:
         if e.kind == KIND_BLOCK:

@@ -38,8 +38,18 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from ..api import CACHE_KINDS, CACHE_SOURCES, ResidentStats, SnapshotStats, TailStats, TierStats
+from ..api import (
+    CACHE_KINDS,
+    CACHE_SOURCES,
+    LookupStats,
+    ResidentStats,
+    SnapshotStats,
+    TailStats,
+    TierStats,
+    WearStats,
+)
 from . import layers as L
+from .admission import WritePolicy
 from .blocks import (
     KIND_BLOCK,
     KIND_SEQ,
@@ -55,6 +65,7 @@ from .blocks import (
 from .hot import HotTier
 from .rates import Choice, Rates
 from .ssd import SSDTier
+from .wear import WriteLedger
 
 Spec = dict[str, tuple[tuple[int, ...], Any]]
 
@@ -117,6 +128,9 @@ class Resident:
     # (shape (vocab,)): what a forward of the prompt's last token gives again
     prompt_tokens: int = 0
     first_logprobs: Any = None
+    # the logprobs after its last token (shape (vocab,)): a continue of the reply, whose
+    # prompt is all of ``tokens``, samples its first token from them (no forward)
+    end_logprobs: Any = None
 
 
 @dataclass
@@ -208,6 +222,8 @@ class PrefixCache:
         pin_system: bool = True,
         exact_prefix: bool = False,
         rates: Rates | None = None,
+        write_budget: int = 0,
+        admission: bool = True,
     ) -> None:
         self.fingerprint = fingerprint
         # restores of models without state layers land on the exact common prefix
@@ -241,10 +257,19 @@ class PrefixCache:
         self._seq = itertools.count(1)
         self.hot = HotTier(hot_bytes, max_tails, max_checkpoints, on_evict=self._evicted)
         self.ssd = (
-            SSDTier(ssd_dir, fingerprint, ssd_bytes, writer_queue, on_event=self.log)
+            SSDTier(
+                ssd_dir,
+                fingerprint,
+                ssd_bytes,
+                writer_queue,
+                on_event=self.log,
+                ledger=WriteLedger(Path(ssd_dir) / "ssd-writes.json", write_budget),
+            )
             if ssd_dir is not None
             else None
         )
+        # which committed entries the SSD tier writes, and when (.admission)
+        self.writes = WritePolicy(self._children, enabled=admission)
         self.resident: Resident | None = None
         self._unsaved: list[Entry] = []
         # counters
@@ -252,6 +277,7 @@ class PrefixCache:
         self.resident_hits = 0
         self.tail_stashes = self.tail_hits = self.tail_misses = self.tail_tokens_saved = 0
         self.checkpoint_hits = 0
+        self.lookups: dict[str, int] = dict.fromkeys(("resident", "hot", "ssd", "cold", "tail"), 0)
         self.restore_errors = 0
         self._ssd_read = 0  # bytes of SSD files the current restore read
         self._evicted_batch = [0, 0]  # [tails and checkpoints, blocks]
@@ -263,6 +289,8 @@ class PrefixCache:
     def _evicted(self, e: Entry, why: str) -> None:
         # named as the counters are: hot.evictions (blocks), tails.evictions (the rest)
         self._evicted_batch[e.kind == KIND_BLOCK] += 1
+        if self.ssd is not None and self.writes.evicted(e):
+            self._unsaved.append(e)  # RAM lets go of an entry not yet written
 
     def _flush_evictions(self) -> None:
         tails, blocks = self._evicted_batch
@@ -288,13 +316,17 @@ class PrefixCache:
         caches: list[Any],
         prompt_tokens: int = 0,
         first_logprobs: Any = None,
+        end_logprobs: Any = None,
     ) -> None:
         """Keep ``caches`` (holding exactly ``tokens``) live for the next request; its bytes
         count against the hot budget. ``first_logprobs`` (shape ``(vocab,)``): the
         logprobs the first reply token was sampled from, after the first
-        ``prompt_tokens`` of ``tokens`` (:meth:`restore_repeat`)."""
+        ``prompt_tokens`` of ``tokens``; ``end_logprobs``: those after all of ``tokens``
+        (:meth:`restore_repeat`)."""
         nbytes = sum(c.nbytes for c in caches)
-        self.resident = Resident(tuple(tokens), caches, nbytes, prompt_tokens, first_logprobs)
+        self.resident = Resident(
+            tuple(tokens), caches, nbytes, prompt_tokens, first_logprobs, end_logprobs
+        )
         self.hot.reserve(nbytes)
         self._flush_evictions()
 
@@ -526,8 +558,18 @@ class PrefixCache:
         regenerate, or the same question again): the first token then needs no forward,
         and the logprobs are the very ones a cold run samples it from. None (the resident
         stays) when the prompt differs, no logprobs were kept, or a leaf cannot be cut
-        there in place (a state layer, a window that rotated)."""
+        there in place (a state layer, a window that rotated).
+
+        A prompt that is all of the resident's tokens (a continue of the reply it ended
+        with) takes it whole, with the logprobs kept after its last token."""
         r, n = self.resident, len(prompt)
+        if r is not None and r.end_logprobs is not None and r.tokens == tuple(prompt):
+            self.take_resident()
+            self.resident_hits += 1
+            out = Restored(n, caches=r.caches, first_logprobs=r.end_logprobs)
+            out.cached_kind["resident"] = out.cached_by["hot"] = n
+            self.log(f"hit {n} tokens: resident, whole (a continue), first token from its end")
+            return out
         if r is None or r.first_logprobs is None or r.prompt_tokens != n:
             return None
         if r.tokens[:n] != tuple(prompt):
@@ -622,6 +664,7 @@ class PrefixCache:
                 self.restore_errors += 1
                 self.log(f"entry {bad[:12]} could not be loaded: evicted")
                 self.hot.remove(bad)
+                self.writes.forget(bad)
                 if self.ssd is not None:
                     self.ssd.remove(bad)
                 continue
@@ -631,7 +674,8 @@ class PrefixCache:
             out.choice, out.ssd_bytes = choice, self._ssd_read
             if kept is not None:
                 out.first_logprobs = kept
-                self.log(f"first token of {plan.position} from the tail's kept logprobs")
+                where = f"{kept_from} tail" if kept_from else "tail"
+                self.log(f"first token of {plan.position} from the {where}'s kept logprobs")
             return out
         if self.ssd is not None:
             self.ssd.drop_reads()
@@ -696,9 +740,11 @@ class PrefixCache:
 
         out = Restored(P, nbytes=copied, caches=caches)
         sources = [src for _, _, src in loaded] + ([tail[1]] if tail else [])
-        sources += [kept_from] if kept_from else []
-        self.hot_hits += sources.count("hot")
+        self.hot_hits += (sources + ([kept_from] if kept_from else [])).count("hot")
         if plan.cut:
+            # The resident cache is RAM: its tokens count for the hot tier unless a leaf
+            # that could not be cut was filled from SSD entries. A tail read only for its
+            # kept logprobs moves no K/V (its read shows in ``ssd_bytes`` and the log).
             self.resident_hits += 1
             out.cached_kind["resident"] = P
             out.cached_by["ssd" if "ssd" in sources else "hot"] = P
@@ -770,7 +816,7 @@ class PrefixCache:
             ):
                 held = self.hot.peek(ids[j])
                 if held is not None:
-                    self._persist(held)
+                    self._repair(held)
                 continue
             todo.append(j)
         out = []
@@ -815,7 +861,7 @@ class PrefixCache:
                 keep = logprobs
             held = self.hot.get(tid)
             if held is not None and (keep is None or held.logprobs):
-                self._persist(held)
+                self._repair(held)
             else:
                 role = "assistant" if end_kind == KIND_SEQ else role_at(boundaries, end)
                 e = self._entry(live, tid, parent, end_kind, j * bs, seg, role, True, defer_kv)
@@ -909,24 +955,33 @@ class PrefixCache:
             e.nbytes = sum(a.nbytes for a in e.arrays.values())
             e.snapshot_nbytes = self._snapshot_nbytes(e.arrays)
             self.hot.put(e, pin=self.pin_system and e.kind == KIND_BLOCK and e.role == "system")
-            if self.ssd is not None:
+            if self.ssd is not None and self.writes.offer(e):
                 self._unsaved.append(e)
             if e.kind != KIND_BLOCK and e.id in self.hot:
                 self.tail_stashes += 1
         self._flush_evictions()
 
-    def persist(self) -> None:
-        """Hand the entries committed since the last call to the SSD tier (write-through),
-        in commit order."""
+    def persist(self) -> int:
+        """Hand the entries admitted since the last call (:mod:`.admission`) to the SSD
+        tier, in commit order; returns the bytes of files it accepted."""
         unsaved, self._unsaved = self._unsaved, []
-        if self.ssd is not None and unsaved:
-            self.ssd.put_many(unsaved)
+        if self.ssd is None or not unsaved:
+            return 0
+        before = self.ssd.bytes_queued
+        self.ssd.put_many(unsaved)
+        return self.ssd.bytes_queued - before
 
     def _persist(self, e: Entry) -> None:
-        """Write-through repair: a hot entry the SSD tier does not hold (after an SSD
-        clear, a dropped write or a full disk) goes to it at the next :meth:`persist`, so
-        a restart still finds it."""
-        if self.ssd is not None:
+        """A hot entry reused (read by a restore): admitted
+        (:meth:`.admission.WritePolicy.hit`), and repaired if the SSD tier lost it."""
+        if self.ssd is not None and self.writes.hit(e):
+            self._unsaved.append(e)
+
+    def _repair(self, e: Entry) -> None:
+        """A hot entry captured again: unless admission still defers it, handed to the SSD
+        tier again, which writes it only if it lost it (an SSD clear, a dropped write, a
+        full disk), so a restart still finds it."""
+        if self.ssd is not None and not self.writes.is_deferred(e.id):
             self._unsaved.append(e)
 
     # ------------------------------------------------------------------ admin
@@ -937,6 +992,14 @@ class PrefixCache:
         parts = []
         if tier == "resident":
             parts.append(f"resident cache of {self.drop_resident()} tokens")
+        if tier == "hot" and self.ssd is not None:
+            # RAM goes: what it held and the SSD tier does not is written first
+            self._unsaved += self.writes.flush()
+            self.persist()
+        if tier in ("all", "tails"):
+            for e in list(self.hot.entries()):
+                if tier == "all" or e.kind != KIND_BLOCK:
+                    self.writes.forget(e.id)
         if tier in ("hot", "all"):
             nbytes = self.hot.nbytes
             parts.append(f"hot {self.hot.clear()} entries ({nbytes / 2**20:.1f} MiB)")
@@ -960,6 +1023,10 @@ class PrefixCache:
         return msg
 
     def close(self) -> None:
+        """Write what was admitted and what is still deferred (:mod:`.admission`), save
+        the rates, close the SSD tier (its writer writes what is queued)."""
+        if self.ssd is not None:
+            self._unsaved += self.writes.flush()
         self.persist()
         if self.rates is not None:
             self.rates.save()
@@ -967,6 +1034,23 @@ class PrefixCache:
             self.ssd.close()
 
     # ------------------------------------------------------------------ stats
+    def count_lookup(self, restored: Restored, prompt_tokens: int) -> None:
+        """Count one request's restore by where its prefix came from (one per request:
+        :class:`~tierchat.core.api.LookupStats`); a cold one is logged as a miss."""
+        if not restored.position:
+            self.lookups["cold"] += 1
+            self.log(f"miss: nothing cached for {prompt_tokens} tokens, all prefilled")
+            return
+        kind, by = restored.cached_kind, restored.cached_by
+        if kind.get("resident"):
+            self.lookups["resident"] += 1
+        else:
+            self.lookups["ssd" if by.get("ssd", 0) > by.get("hot", 0) else "hot"] += 1
+        self.lookups["tail"] += bool(kind.get("tail") or kind.get("checkpoint"))
+
+    def lookup_stats(self) -> LookupStats:
+        return LookupStats(**self.lookups)
+
     def tier_stats(
         self,
     ) -> tuple[TierStats, TierStats, TailStats, SnapshotStats, ResidentStats]:
@@ -991,6 +1075,7 @@ class PrefixCache:
                 hits=s.hits,
                 misses=s.misses,
                 evictions=s.evictions,
+                evicted_bytes=s.evicted_bytes,
                 saves_queued=s.saves_queued,
                 saves_persisted=s.saves_persisted,
                 write_drops=s.write_drops,
@@ -1009,7 +1094,8 @@ class PrefixCache:
             misses=self.tail_misses,
             evictions=hot.tail_evictions,
             tokens_saved=self.tail_tokens_saved,
-            checkpoints=hot.n_checkpoints,
+            # sequence ends and boundaries: what a turn's "checkpoint" tokens came from
+            checkpoints=hot.n_checkpoints + hot.n_seq,
             checkpoint_hits=self.checkpoint_hits,
             supported=True,
         )
@@ -1019,3 +1105,25 @@ class PrefixCache:
             tokens=len(r.tokens) if r else 0, nbytes=r.nbytes if r else 0, hits=self.resident_hits
         )
         return hot_stats, ssd_stats, tails, snaps, resident
+
+    def wear_stats(self) -> WearStats:
+        """SSD bytes written and what admission deferred or skipped (docs/DESIGN.md §8.6)."""
+        s, w = self.ssd, self.writes
+        if s is None:
+            return WearStats(enabled=False)
+        led = s.ledger
+        return WearStats(
+            session_bytes=led.session_bytes,
+            session_files=led.session_files,
+            total_bytes=led.total_bytes,
+            total_files=led.total_files,
+            day_bytes=led.day_bytes(),
+            budget_bytes=led.budget,
+            pending_bytes=s.pending_bytes,
+            deferred=w.deferred,
+            deferred_bytes=w.deferred_bytes,
+            skipped=w.skipped,
+            skipped_bytes=w.skipped_bytes,
+            budget_skips=s.budget_skips,
+            budget_skipped_bytes=s.budget_skipped_bytes,
+        )

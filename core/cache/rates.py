@@ -96,7 +96,11 @@ class Rates:
             return
         tmp = self.path.with_suffix(f".tmp-{os.getpid()}")
         try:
-            tmp.write_text(json.dumps({"prefill_tps": self.prefill_tps, "read_bps": self.read_bps}))
+            data = json.dumps({"prefill_tps": self.prefill_tps, "read_bps": self.read_bps})
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # owner only
+            with open(fd, "w") as f:
+                f.write(data)
+            os.chmod(tmp, 0o600)  # an old tmp of another mode
             os.replace(tmp, self.path)
         except OSError:
             tmp.unlink(missing_ok=True)

@@ -59,6 +59,7 @@ class CacheRequest:
         self.max_position = max_position
         self.ids = cache.ids(self.prompt)
         self.read_ssd = False  # the restore read from the SSD tier
+        self.ssd_write_bytes = 0  # bytes of SSD files this request handed to the writer
         self._restored_at = time.perf_counter()
         self._position = 0
         # state models keep a checkpoint at every chunk end (message ends included)
@@ -81,7 +82,8 @@ class CacheRequest:
             restored = self.cache.restore(
                 self.prompt, self.ids, self.points, self.fresh, max_position=limit
             )
-        self.read_ssd = bool(restored.cached_by.get("ssd"))
+        self.read_ssd = bool(restored.cached_by.get("ssd") or restored.ssd_bytes)
+        self.cache.count_lookup(restored, n)
         self._restored_at = time.perf_counter()
         self._position = restored.position
         if self.cache.rates is not None and restored.ssd_bytes:
@@ -120,7 +122,7 @@ class CacheRequest:
             elapsed = time.perf_counter() - self._restored_at
             self.cache.rates.observe_prefill(len(self.prompt) - self._position, elapsed)
         self._complete(caches)
-        self.cache.persist()
+        self.ssd_write_bytes += self.cache.persist()
         self._resume_writer()
 
     def cancel(self, caches: list[Any], position: int) -> int:
@@ -134,22 +136,32 @@ class CacheRequest:
             self.cache.log(f"cancelled during prefill: kept {position} tokens")
         return position
 
-    def finish(self, caches: list[Any], sequence: Sequence[int], first_logprobs: Any) -> None:
+    def finish(
+        self,
+        caches: list[Any],
+        sequence: Sequence[int],
+        first_logprobs: Any,
+        end_logprobs: Any = None,
+    ) -> None:
         """The reply ended with ``caches`` holding ``sequence`` (prompt + every yielded
         token): store its new blocks and its end, and keep it resident with the logprobs
-        the first token was sampled from (shape ``(vocab,)``)."""
+        the first token was sampled from and, when known, those after its last token
+        (``end_logprobs``, for a continue), both of shape ``(vocab,)``."""
         self._complete(caches)
         cache = self.cache
         seq_ids = cache.ids(sequence)
         entries = cache.capture(caches, sequence, seq_ids, 0, len(sequence), (), KIND_SEQ)
+        for e in entries:
+            if e.kind == KIND_SEQ:
+                e.prompt_end = len(self.prompt)
         mx.eval([c.state for c in caches] + [a for e in entries for a in e.arrays.values()])
         cache.commit(entries)
-        cache.persist()
-        cache.set_resident(sequence, caches, len(self.prompt), first_logprobs)
+        self.ssd_write_bytes += cache.persist()
+        cache.set_resident(sequence, caches, len(self.prompt), first_logprobs, end_logprobs)
 
     def close(self) -> None:
         """Hand anything committed to the SSD tier and let its writer run (idempotent)."""
-        self.cache.persist()
+        self.ssd_write_bytes += self.cache.persist()
         self._resume_writer()
 
     def _complete(self, caches: list[Any]) -> None:
@@ -168,6 +180,7 @@ class ColdRequest:
     request's TTFT meets the same disk."""
 
     read_ssd = False
+    ssd_write_bytes = 0
 
     def __init__(self, fresh: Callable[[], list[Any]], ssd: Any = None) -> None:
         self.fresh = fresh
@@ -189,7 +202,9 @@ class ColdRequest:
     def cancel(self, caches: list[Any], position: int) -> int:
         return 0
 
-    def finish(self, caches: list[Any], sequence: Sequence[int], first_logprobs: Any) -> None:
+    def finish(
+        self, caches: list[Any], sequence: Sequence[int], first_logprobs: Any, end_logprobs=None
+    ) -> None:
         pass
 
     def close(self) -> None:

@@ -88,6 +88,7 @@ from .blocks import (
 from .blocks import root_id as _root_id
 from .blocks import tail_id as _tail_id
 from .dir_lock import LOCK_FILE, CacheDirBusy, acquire_dir, release_dir, relock_dir
+from .wear import WriteLedger
 
 FORMAT = f"tierchat-kv/{FORMAT_VERSION}"
 PREFIX = b'{"__metadata__":{"hcrc":"'
@@ -484,6 +485,9 @@ class SSDTier:
     Test hooks: ``write_delay_s`` (every write sleeps this long first) and
     ``write_jitter_s`` (plus a random ``[0, write_jitter_s)``), as instance or class
     attributes; ``verify_at_start`` turns the background verifier off.
+
+    ``ledger`` (:mod:`.wear`) records every file written and holds the write budget: an
+    entry that does not fit it is not accepted (``budget_skips``, ``budget_skipped_bytes``).
     """
 
     write_delay_s: float = 0.0
@@ -501,8 +505,12 @@ class SSDTier:
         queue_size: int = 64,
         on_event=None,
         max_pending_bytes: int = 1 << 30,
+        ledger: WriteLedger | None = None,
     ) -> None:
         self.fingerprint = fingerprint
+        self.ledger = ledger if ledger is not None else WriteLedger(None)
+        self.budget_skips = self.budget_skipped_bytes = 0
+        self.bytes_queued = 0  # bytes of the files accepted for writing (put_many)
         self.max_bytes = max_bytes
         self.configured_max_bytes = max_bytes  # max_bytes shrinks on a full disk
         self._retry_at = 0.0  # monotonic time to try the configured cap again
@@ -528,6 +536,7 @@ class SSDTier:
         self._stop = False
         self.nbytes = 0
         self.hits = self.misses = self.evictions = 0
+        self.evicted_bytes = 0  # bytes of the entries evicted under the cap
         self.memory_hits = 0  # loads served from a pending entry's arrays
         self.saves_queued = self.saves_persisted = self.write_drops = 0
         self.backpressure_waits = 0
@@ -828,6 +837,12 @@ class SSDTier:
                 if len(head) + data > self.max_bytes:
                     self._refuse(f"entry of {len(head) + data} bytes exceeds the cap")
                     continue
+                room = self.ledger.room(self._pending_bytes + sum(a[1].nbytes for a in accepted))
+                if room is not None and len(head) + data > room:
+                    with self._lock:
+                        self.budget_skips += 1
+                        self.budget_skipped_bytes += len(head) + data
+                    continue
                 item = _Pending(replace(e, arrays=dict(e.arrays)), head, len(head) + data)
                 item.begin, item.end = offset, offset + data
                 offset += data
@@ -851,11 +866,12 @@ class SSDTier:
                 return False
             if e.id in self._index:
                 self._drop(e.id)  # replaced by an entry with more parts
-            self._evict_for(size)
+            self._evict_for(size, keep=e.parent)
             self._add(FileMeta(**e.meta(), nbytes=size, atime=time.time()))
             self._pending[e.id] = item
             self._pending_bytes += size
             self.saves_queued += 1
+            self.bytes_queued += size
             self._queue.append(item)
             self._cond.notify_all()
         return True
@@ -935,6 +951,7 @@ class SSDTier:
                     del self._pending[eid]
                     self._pending_bytes -= item.nbytes
                     self.saves_persisted += 1
+                    self.ledger.record(item.nbytes)
                     self._cond.notify_all()
                     return
             tmp.unlink(missing_ok=True)  # dropped while written
@@ -979,11 +996,29 @@ class SSDTier:
             except (OSError, CacheDirBusy) as exc:
                 self._event(f"SSD: cannot lock {self.cache_root} again: {exc}")
 
-    def _evict_for(self, incoming: int) -> None:
-        # caller holds the lock; the index is in LRU order
+    def _evict_for(self, incoming: int, keep: str | None = None) -> None:
+        """Evict until ``incoming`` more bytes fit under the cap, leaves first (see
+        :meth:`_eviction_victim`); caller holds the lock. ``keep``: the parent of the
+        entry being added, evicted only when nothing else is left."""
         while self._index and self.nbytes + incoming > self.max_bytes:
-            self._drop(next(iter(self._index)))
+            meta = self._drop(self._eviction_victim(keep))
             self.evictions += 1
+            self.evicted_bytes += meta.nbytes if meta is not None else 0
+
+    def _eviction_victim(self, keep: str | None = None) -> str:
+        """The entry to evict next: the least recently used one that no entry in the
+        index continues (a leaf of its chain). A restore walks a chain from the root, so
+        a block whose descendants stayed would leave them unreachable: chains shrink from
+        their ends, least recently used chain first (docs/DESIGN.md §8.4). Caller holds
+        the lock; the index is not empty."""
+        fallback = None
+        for entry_id in self._index:  # least recently used first
+            if self.children.get(entry_id):
+                continue
+            if entry_id != keep:
+                return entry_id
+            fallback = entry_id
+        return fallback if fallback is not None else next(iter(self._index))
 
     def flush(self, timeout: float = 60.0) -> bool:
         """Wait until every accepted entry is on disk (or dropped); False on timeout."""
@@ -1038,6 +1073,7 @@ class SSDTier:
                 self._cond.notify_all()
             self._writer.join(timeout=5)
             self._verifier.join(timeout=5)
+        self.ledger.save()
         if self._locked:
             self._locked = False
             release_dir(self.cache_root)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .prompts import _encode
+from .prompts import encode_text
 
 
 @dataclass(frozen=True)
@@ -55,4 +55,4 @@ def count_draft(session: Any, text: str) -> DraftCount | None:
     prompt = session.build_prompt(messages)
     context = getattr(engine, "context_length", None)
     context = context if isinstance(context, int) and context > 0 else None
-    return DraftCount(len(_encode(tokenizer, text)), len(prompt.token_ids), context)
+    return DraftCount(len(encode_text(tokenizer, text)), len(prompt.token_ids), context)

@@ -16,6 +16,11 @@ How (works with any chat template that renders messages in order):
    closing tokens, e.g. ``<|im_end|>\\n``).
 2. Cut ``T`` at every content start/end and message end, and tokenize piece by piece with
    ``add_special_tokens=False`` (the template text already holds BOS/special tokens).
+   Template markup is tokenized with its special tokens; a message's content as text
+   (:func:`encode_text`): a special token's spelling inside content (``<|im_end|>``)
+   becomes ordinary tokens, so no message can open or close a role. A message without a
+   content span whose content spells a special token is found in ``T`` by search and cut
+   out as text the same way.
    Because the cuts of turn k are also cuts of turn k+1 and each piece is tokenized on its
    own, turn k's ids are a prefix of turn k+1's.
 3. For an assistant message with ``token_ids``: when ``decode(ids)`` (EOS included) equals
@@ -43,6 +48,7 @@ just misses from that point):
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import itertools
 import threading
@@ -111,6 +117,39 @@ def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
 
 
+def encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
+    """Token ids of ``text`` as plain text: the spelling of a special token
+    (``<|im_end|>``, ``<|user|>``) becomes ordinary tokens, as llama.cpp and the OpenAI API
+    treat message content (Hugging Face ``split_special_tokens``; a tokenizer without that
+    option has no special tokens to split). ``add_special_tokens``: the tokenizer's own
+    BOS/EOS around it, for a raw completion prompt (docs/DESIGN.md §4)."""
+    if not text:
+        return []
+    try:
+        ids = tokenizer.encode(
+            text, add_special_tokens=add_special_tokens, split_special_tokens=True
+        )
+    except TypeError:  # tokenizers without that option (the test fake)
+        ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return list(ids)
+
+
+def special_spellings(tokenizer: Tokenizer) -> tuple[str, ...]:
+    """The text of every special (control) token of ``tokenizer``: added tokens marked
+    special, else ``all_special_tokens``; () when it names none."""
+    out: set[str] = set()
+    try:
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        out.update(str(t) for t in added.values() if getattr(t, "special", False))
+    except Exception:  # noqa: BLE001 -- a tokenizer without that table
+        pass
+    try:
+        out.update(str(t) for t in getattr(tokenizer, "all_special_tokens", None) or ())
+    except Exception:  # noqa: BLE001
+        pass
+    return tuple(sorted(t for t in out if t))
+
+
 def decode_ids(tokenizer: Tokenizer, ids: Sequence[int], *, skip_special: bool = False) -> str:
     """``ids`` as text, without the tokenizer's clean-up of spaces (the text must be the
     one the ids stand for); ``skip_special`` drops special tokens (a reply's end token)."""
@@ -172,7 +211,8 @@ class PromptBuilder:
         self.max_entries = max_entries
         self.max_renders = max_renders
         self._cache: OrderedDict[bytes, _Rendered | None] = OrderedDict()
-        self._pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self._pieces: OrderedDict[tuple[str, bool], list[int]] = OrderedDict()
+        self._specials: tuple[str, ...] | None = None
         self._splices: OrderedDict[tuple, tuple[int, int]] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -182,13 +222,21 @@ class PromptBuilder:
             while len(cache) > self.max_entries:
                 cache.popitem(last=False)
 
-    def _encode(self, text: str) -> list[int]:
-        """Token ids of one piece of prompt text (cached: pieces repeat every turn)."""
-        ids = self._pieces.get(text)
+    def _encode(self, text: str, as_text: bool = False) -> list[int]:
+        """Token ids of one piece of prompt text (cached: pieces repeat every turn);
+        ``as_text``: message content, special tokens' spellings as plain text."""
+        ids = self._pieces.get((text, as_text))
         if ids is None:
-            ids = _encode(self.tokenizer, text)
-            self._remember(self._pieces, text, ids)
+            ids = encode_text(self.tokenizer, text) if as_text else _encode(self.tokenizer, text)
+            self._remember(self._pieces, (text, as_text), ids)
         return ids
+
+    @property
+    def specials(self) -> tuple[str, ...]:
+        """:func:`special_spellings` of the tokenizer (computed once)."""
+        if self._specials is None:
+            self._specials = special_spellings(self.tokenizer)
+        return self._specials
 
     def _splice(self, ids: tuple[int, ...], full: str, span: _Span) -> tuple[int, int]:
         """``(n, nchars)``: splice ``ids[:n]``, covering ``nchars`` characters of ``full``
@@ -297,13 +345,15 @@ def _build(
     cuts = {0, len(full)}
     splices: dict[int, tuple[int, ...]] = {}  # char start -> ids covering [start, stop)
     stops: dict[int, int] = {}
+    content = _content_ranges(msgs, spans, full, builder.specials)
+    for a, b in content.items():
+        cuts.update((a, b))
     for m, span in zip(msgs, spans, strict=True):
         if span is None:
             continue
         cuts.add(span.end)
         if span.content_end is None:
             continue
-        cuts.update((span.content_start, span.content_end))
         if m.role == "assistant" and m.token_ids:
             j, nchars = builder._splice(m.token_ids, full, span)
             if j:
@@ -321,13 +371,14 @@ def _build(
     ids: list[int] = []
     plain_ids: list[int] = []
     offset_of: dict[int, int] = {0: 0}
+    starts = sorted(content)
     for a, b in itertools.pairwise(ordered):
-        piece = builder._encode(full[a:b])
+        piece = builder._encode(full[a:b], _inside(starts, content, a, b))
         plain_ids.extend(piece)
         ids.extend(splices.get(a, piece))
         offset_of[b] = len(ids)
 
-    whole = _encode(tokenizer, full)
+    whole = _encode_whole(builder, full, content)
     fallback = ""
     if plain_ids != whole and decode_ids(tokenizer, plain_ids) != decode_ids(tokenizer, whole):
         fallback = "tokenizing the prompt piece by piece changes its text"
@@ -344,6 +395,55 @@ def _build(
             if not boundaries or end > boundaries[-1][0]:
                 boundaries.append((end, m.role))
     return Prompt(tuple(ids), tuple(boundaries), full, len(splices), plain_ids == whole, "")
+
+
+def _content_ranges(
+    msgs: list[_Msg], spans: list[_Span | None], full: str, specials: tuple[str, ...]
+) -> dict[int, int]:
+    """``start -> end`` (characters of ``full``) of every message content to tokenize as
+    text: each content span, and the content of a message without one when it spells a
+    special token (found by search after the previous message's end; where the template
+    changed it beyond a strip, it is not found and stays with the markup)."""
+    out: dict[int, int] = {}
+    pos = 0
+    for m, span in zip(msgs, spans, strict=True):
+        if span is not None:
+            if span.content_end is not None and span.content_end > span.content_start:
+                out[span.content_start] = span.content_end
+            pos = max(pos, span.end)
+            continue
+        if not any(t in m.content for t in specials):
+            continue
+        for text in (m.content, m.content.strip()):
+            at = full.find(text, pos) if text else -1
+            if at >= 0:
+                out[at] = at + len(text)
+                pos = at + len(text)
+                break
+    return out
+
+
+def _inside(starts: list[int], content: dict[int, int], a: int, b: int) -> bool:
+    """Whether the piece ``[a, b)`` lies inside one content range."""
+    i = bisect.bisect_right(starts, a) - 1
+    return i >= 0 and b <= content[starts[i]]
+
+
+def _encode_whole(builder, full: str, content: dict[int, int]) -> list[int]:
+    """The whole-text tokenization of ``full`` (the canonical form and the fallback): in
+    one piece, but cut around each content range that spells a special token, which is
+    tokenized as text."""
+    risky = sorted(
+        (a, b) for a, b in content.items() if any(t in full[a:b] for t in builder.specials)
+    )
+    if not risky:
+        return _encode(builder.tokenizer, full)
+    out: list[int] = []
+    pos = 0
+    for a, b in risky:
+        out += _encode(builder.tokenizer, full[pos:a]) + encode_text(builder.tokenizer, full[a:b])
+        pos = b
+    return out + _encode(builder.tokenizer, full[pos:])
 
 
 def _fallback_boundaries(tokenizer, msgs, spans, full, whole) -> tuple[tuple[int, str], ...]:

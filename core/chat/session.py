@@ -16,6 +16,9 @@ What is stored, and when (events arrive on the engine thread):
 - ``Failed`` (or a cancel before any token): nothing half is kept: the user node this call
   added (``send``, ``edit``) is removed and the previous selection restored; the caller
   still has the text.
+- A prompt whose tokens plus ``max_tokens`` do not fit the model's context is refused
+  before it is submitted (:class:`ContextLimitError`, with the numbers and what to do);
+  the user node is removed as for a failure.
 
 Generation settings (system prompt, temperature, top-p, max tokens, seed) are per
 conversation (:class:`ConversationSettings`, saved in the store with it); the session's
@@ -44,7 +47,9 @@ from ..api import (
     GenerateRequest,
     RequestHandle,
 )
-from .prompts import Prompt, PromptBuilder
+from ..engine.sampling_checks import check_sampling
+from .context_limit import ContextLimitExceeded, context_length, generation_room
+from .prompts import Prompt, PromptBuilder, decode_ids
 from .store import ConversationStore, Node, PathEntry
 
 
@@ -53,19 +58,38 @@ class SessionError(Exception):
     or a reply still being generated."""
 
 
+class ContextLimitError(SessionError):
+    """The prompt cannot fit the model's context (nothing was submitted); ``limit`` is the
+    :class:`~tierchat.core.chat.context_limit.ContextLimitExceeded` with the numbers."""
+
+    def __init__(self, limit: ContextLimitExceeded) -> None:
+        super().__init__(str(limit))
+        self.limit = limit
+
+
 @dataclass(frozen=True)
 class ConversationSettings:
     """How a conversation generates. ``system``: the system prompt ("" for none; it
-    replaces a system message stored at the root of the tree). ``seed`` None: unseeded."""
+    replaces a system message stored at the root of the tree). ``seed`` None: unseeded.
+    ``top_k`` 0, ``min_p`` 0 and ``repetition_penalty`` 1 are off; ``stop``: strings a
+    reply ends before (core/engine/sampling.py). ``swipe_temperature``: the temperature of a
+    regenerate while ``temperature`` is 0 (0: regenerates stay greedy and repeat)."""
 
     system: str = ""
     temperature: float = 0.0
     top_p: float = 1.0
     max_tokens: int = 512
     seed: int | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    swipe_temperature: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out["stop"] = list(self.stop)
+        return out
 
     @classmethod
     def from_dict(
@@ -77,23 +101,37 @@ class ConversationSettings:
             if f.name in data:
                 values[f.name] = data[f.name]
         try:
+            stop = values["stop"]
+            if isinstance(stop, str) or not all(isinstance(x, str) for x in stop):
+                raise TypeError("stop must be a list of strings")
             out = cls(
                 system=str(values["system"] or ""),
                 temperature=float(values["temperature"]),
                 top_p=float(values["top_p"]),
+                top_k=int(values["top_k"]),
+                min_p=float(values["min_p"]),
+                repetition_penalty=float(values["repetition_penalty"]),
+                stop=tuple(stop),
                 max_tokens=int(values["max_tokens"]),
                 seed=None if values["seed"] is None else int(values["seed"]),
+                swipe_temperature=float(values["swipe_temperature"]),
             )
+            return out.checked()
         except (TypeError, ValueError):
             return defaults
-        return out.checked()
 
     def checked(self) -> ConversationSettings:
         """Raises ``ValueError`` naming the first value out of range."""
-        if not 0.0 <= self.temperature <= 5.0:
-            raise ValueError(f"temperature must be in 0..5, not {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top-p must be in (0, 1], not {self.top_p}")
+        check_sampling(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            stop=self.stop,
+        )
+        if not 0.0 <= self.swipe_temperature <= 5.0:
+            raise ValueError(f"swipe temperature must be in 0..5, not {self.swipe_temperature}")
         if self.max_tokens < 1:
             raise ValueError(f"max tokens must be at least 1, not {self.max_tokens}")
         return self
@@ -104,8 +142,8 @@ class TurnHandle(RequestHandle):
     engine's handle after the session has handled them, so ``events()``, ``wait()`` and
     the caller's ``on_event`` all see a finished reply already stored and selected.
     ``user_node`` is the user message answered, ``reply_node`` the stored reply once
-    finished (None before, and after a failure). ``kind`` is "send", "regenerate" or
-    "edit"; ``prompt`` the prompt submitted; ``error`` an exception raised while storing
+    finished (None before, and after a failure). ``kind`` is "send", "regenerate",
+    "edit" or "continue"; ``prompt`` the prompt of the path to ``user_node``; ``error`` an exception raised while storing
     the reply (the event is still forwarded)."""
 
     def __init__(
@@ -116,6 +154,7 @@ class TurnHandle(RequestHandle):
         self.user_node = user_node
         self.prompt = prompt
         self.reply_node: Node | None = None
+        self.continued: Node | None = None  # the reply a "continue" extends
         self.error: Exception | None = None
         self.request: GenerateRequest | None = None
         self._handle: RequestHandle | None = None
@@ -149,6 +188,7 @@ class ChatSession:
         top_p: float = 1.0,
         seed: int | None = None,
         use_cache: bool = True,
+        sampling: dict[str, Any] | None = None,
     ) -> None:
         self.engine = engine
         self.store = store
@@ -156,6 +196,9 @@ class ChatSession:
         self.temperature = temperature
         self.top_p = top_p
         self.seed = seed
+        # more defaults of ConversationSettings (top_k, min_p, repetition_penalty, stop,
+        # swipe_temperature), checked there
+        self.sampling = dict(sampling or {})
         self.use_cache = use_cache
         self.conversation_id: int | None = None
         self.current: TurnHandle | None = None
@@ -172,7 +215,8 @@ class ChatSession:
             top_p=self.top_p,
             max_tokens=self.max_tokens,
             seed=self.seed,
-        )
+            **self.sampling,
+        ).checked()
 
     def settings(self, conversation_id: int | None = None) -> ConversationSettings:
         """The settings of ``conversation_id`` (default: the open one; the defaults when
@@ -267,8 +311,9 @@ class ChatSession:
         return self.store.user_turns(self._cid())
 
     def _user(self, turn: int) -> Node:
+        """User turn ``turn`` of the active path (negative counts from the end)."""
         users = self.user_turns()
-        if not 0 <= turn < len(users):
+        if not -len(users) <= turn < len(users):
             raise SessionError(f"no user turn {turn} (the active path has {len(users)})")
         return users[turn]
 
@@ -337,19 +382,27 @@ class ChatSession:
             return self._generate("send", user, None, max_tokens, on_event)
 
     def regenerate(
-        self, *, max_tokens: int | None = None, on_event: EventCallback | None = None
+        self,
+        *,
+        turn: int | None = None,
+        max_tokens: int | None = None,
+        on_event: EventCallback | None = None,
     ) -> TurnHandle:
-        """Generate a new reply to the last user message of the active path, as a sibling
-        of the reply shown (or the first reply when the path ends in a user message).
-        Raises :class:`SessionError` when there is no user message."""
+        """Generate a new reply to user turn ``turn`` of the active path (default: the
+        last; negative counts from the end), as a sibling of the reply shown there (or
+        its first reply when it has none). The new reply is selected, so the active
+        path now ends at it. Its prompt is the path up to that user message: the prompt
+        of the reply it is a sibling of. Raises :class:`SessionError` when there is no
+        such user message."""
         with self._lock:
             self._check_idle()
-            path = self.active_path()
-            users = [i for i, n in enumerate(path) if n.role == "user"]
+            users = self.user_turns() if self.conversation_id is not None else []
             if not users:
                 raise SessionError("nothing to regenerate: no user message on the active path")
-            user = path[users[-1]]
-            return self._generate("regenerate", user, None, max_tokens, on_event)
+            index = len(users) - 1 if turn is None else turn
+            if not -len(users) <= index < len(users):
+                raise SessionError(f"no user turn {turn} (the active path has {len(users)})")
+            return self._generate("regenerate", users[index], None, max_tokens, on_event)
 
     def edit(
         self,
@@ -367,6 +420,39 @@ class ChatSession:
             user = self.store.add_node(self._cid(), old.parent_id, "user", text)
             return self._generate("edit", user, old, max_tokens, on_event)
 
+    def continue_reply(
+        self,
+        reply_id: int | None = None,
+        *,
+        max_tokens: int | None = None,
+        on_event: EventCallback | None = None,
+    ) -> TurnHandle:
+        """Generate more of reply ``reply_id`` (default: the last reply of the active path;
+        one cut at ``max_tokens`` or stopped). The prompt is that reply's prompt followed
+        by its generated ids, so the resident cache that ended with it restores all of it
+        with the logprobs after its last token (docs/DESIGN.md §8.1): nothing prefilled.
+        The result is stored as a new sibling holding the whole reply (old + new ids), and
+        selected; the cut reply stays. Raises :class:`SessionError` when there is no such
+        reply, or its ids are not the loaded model's (regenerate it instead)."""
+        with self._lock:
+            self._check_idle()
+            if reply_id is None:
+                path = self.active_path()
+                if not path or path[-1].role != "assistant":
+                    raise SessionError("nothing to continue: the active path ends in no reply")
+                reply = path[-1]
+            else:
+                reply = self.store.get_node(reply_id)
+                if reply.role != "assistant":
+                    raise SessionError("only a reply can be continued")
+            model = (reply.meta or {}).get("model")
+            if not reply.token_ids or model != self.engine.model_name:
+                raise SessionError(
+                    "this reply's token ids are not the loaded model's: regenerate it instead"
+                )
+            user = self.store.get_node(reply.parent_id)
+            return self._generate("continue", user, None, max_tokens, on_event, reply)
+
     def _check_idle(self) -> None:
         if self.busy:
             raise SessionError("a reply is still being generated")
@@ -378,27 +464,39 @@ class ChatSession:
         restore: Node | None,
         max_tokens: int | None,
         on_event: EventCallback | None,
+        continued: Node | None = None,
     ) -> TurnHandle:
-        """Submit the prompt for the path ending at ``user``. ``kind`` "send"/"edit" added
-        ``user`` and remove it again on failure (reselecting ``restore``)."""
+        """Submit the prompt for the path ending at ``user`` (for a "continue", followed by
+        the ids of the reply ``continued``). ``kind`` "send"/"edit" added ``user`` and
+        remove it again on failure (reselecting ``restore``)."""
         added = kind in ("send", "edit")
         try:
             settings = self.settings(user.conversation_id)
             prompt = self.build_prompt(self.store.path_to(user.id), settings)
             n_replies = len(self.store.replies(user.id))
+            ids = prompt.token_ids + (tuple(continued.token_ids) if continued is not None else ())
+            max_tokens = self._room(len(ids), max_tokens, settings)
         except Exception:
             if added:
                 self._rollback(user, restore)
             raise
         turn = TurnHandle(kind, user, prompt, on_event)
+        turn.continued = continued
+        temperature = settings.temperature
+        if kind == "regenerate" and temperature == 0:
+            temperature = settings.swipe_temperature  # a regenerate that differs
         seed = settings.seed
-        if seed is not None and settings.temperature > 0:
+        if seed is not None and temperature > 0:
             seed += n_replies  # reply k of this message: a new sample, reproducibly
         request = GenerateRequest(
-            prompt_ids=prompt.token_ids,
-            max_tokens=max_tokens if max_tokens is not None else settings.max_tokens,
-            temperature=settings.temperature,
+            prompt_ids=ids,
+            max_tokens=max_tokens,
+            temperature=temperature,
             top_p=settings.top_p,
+            top_k=settings.top_k,
+            min_p=settings.min_p,
+            repetition_penalty=settings.repetition_penalty,
+            stop=settings.stop,
             seed=seed,
             boundaries=prompt.boundaries,
             use_cache=self.use_cache,
@@ -421,6 +519,21 @@ class ChatSession:
         self.current = turn
         return turn
 
+    def _room(
+        self, prompt_tokens: int, max_tokens: int | None, settings: ConversationSettings
+    ) -> int:
+        """The reply's token budget: ``max_tokens`` of this call, else the conversation's
+        (both the user's choice, so neither is cut silently), which must fit beside the
+        prompt in the model's context. Raises :class:`ContextLimitError` before anything is
+        submitted (docs/DESIGN.md §12)."""
+        asked = max_tokens if max_tokens is not None else settings.max_tokens
+        try:
+            return generation_room(
+                prompt_tokens, asked, context_length(self.engine), explicit=True
+            )
+        except ContextLimitExceeded as e:
+            raise ContextLimitError(e) from None
+
     def _finished(self, turn: TurnHandle, event: Finished, added: bool, restore) -> None:
         metrics = event.metrics
         if metrics.finish_reason == "cancelled" and not event.token_ids:
@@ -429,14 +542,24 @@ class ChatSession:
             return
         meta = dataclasses.asdict(metrics)
         meta["model"] = self.engine.model_name
+        text, ids = event.text, event.token_ids
+        old = turn.continued
+        if old is not None:  # the whole reply, as one generation would have made it
+            meta["continued_from"] = old.id
+            ids = tuple(old.token_ids or ()) + tuple(ids)
+            text = old.content + text
+            try:
+                text = decode_ids(self.engine.tokenizer, ids, skip_special=True)
+            except Exception:  # noqa: BLE001 -- keep the joined text
+                pass
 
         def store() -> None:
             turn.reply_node = self.store.add_node(
                 turn.user_node.conversation_id,
                 turn.user_node.id,
                 "assistant",
-                event.text,
-                token_ids=event.token_ids,
+                text,
+                token_ids=ids,
                 meta=meta,
             )
 

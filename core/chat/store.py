@@ -18,7 +18,8 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Self
@@ -261,18 +262,27 @@ class ConversationStore:
     """Conversation trees in one SQLite file (``":memory:"`` for a throwaway store).
 
     Raises :class:`StoreError` when the file is not a SQLite database or was written by a
-    newer tierchat (a schema version above :data:`SCHEMA_VERSION`).
+    newer tierchat (a schema version above :data:`SCHEMA_VERSION`). A file locked by
+    another process is waited for up to ``busy_timeout_s`` seconds per operation (SQLite's
+    busy handler retries meanwhile), then the operation raises a "busy" ``StoreError`` and
+    the store stays usable for the next one (docs/DESIGN.md §12).
     """
 
-    def __init__(self, path: str | Path, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        clock: Callable[[], float] = time.time,
+        busy_timeout_s: float = BUSY_TIMEOUT_S,
+    ) -> None:
         self.path = str(path)
         self.clock = clock
+        self.busy_timeout_s = busy_timeout_s
         if self.path != ":memory:":
             _private_file(Path(self.path))
         self._lock = threading.RLock()
         try:
             conn = sqlite3.connect(
-                self.path, check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_S
+                self.path, check_same_thread=False, isolation_level=None, timeout=busy_timeout_s
             )
         except sqlite3.Error as e:
             raise store_error(e, self.path, "open the store") from None
@@ -286,7 +296,7 @@ class ConversationStore:
     def _setup(self) -> None:
         """Set WAL and migrate, retrying while another process holds the file busy: the
         first switch to WAL can answer SQLITE_BUSY without calling the busy handler."""
-        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        deadline = time.monotonic() + self.busy_timeout_s
         while True:
             try:
                 return self._migrate()
@@ -342,8 +352,8 @@ class ConversationStore:
 
     # ------------------------------------------------------------------ helpers
 
-    def _tx(self) -> _Transaction:
-        return _Transaction(self._conn, self._lock)
+    def _tx(self) -> AbstractContextManager[None]:
+        return _transaction(self._conn, self._lock)
 
     def _one(self, sql: str, args: Iterable = ()) -> tuple | None:
         return self._conn.execute(sql, tuple(args)).fetchone()
@@ -460,6 +470,19 @@ class ConversationStore:
         if row is None:
             raise ConversationError(f"no node with id {node_id}")
         return _node(row)
+
+    def update_meta(self, node_id: int, key: str, value: Any) -> None:
+        """Set ``meta[key] = value`` (JSON-serializable) on a node, keeping its other
+        keys (a verify report next to the turn's metrics). Raises
+        :class:`ConversationError` for an unknown id."""
+        with self._tx():
+            row = self._one("SELECT meta FROM nodes WHERE id = ?", (node_id,))
+            if row is None:
+                raise ConversationError(f"no node with id {node_id}")
+            meta = {**json.loads(row[0] or "{}"), key: value}
+            self._conn.execute(
+                "UPDATE nodes SET meta = ? WHERE id = ?", (json.dumps(meta), node_id)
+            )
 
     def children(self, node_id: int) -> list[Node]:
         """Children of ``node_id`` in creation order. Raises :class:`ConversationError`."""
@@ -632,6 +655,20 @@ class ConversationStore:
                 self._set_selected(node.conversation_id, node.parent_id, keep)
             self._touch(node.conversation_id)
         return self.get_node(child.id) if child is not None else None
+
+    def move_node(self, node_id: int, parent_id: int) -> None:
+        """Hang ``node_id`` (and what follows it) under ``parent_id`` of the same
+        conversation, selected there (undoing :meth:`delete_message`). Raises
+        :class:`ConversationError` for an unknown node or parent, or another conversation."""
+        with self._tx():
+            node, parent = self.get_node(node_id), self.get_node(parent_id)
+            if node.conversation_id != parent.conversation_id:
+                raise ConversationError("a message moves only within its conversation")
+            # where it was selected, the newest sibling left becomes the selection there
+            # (selected_child falls back to it)
+            self._conn.execute("UPDATE nodes SET parent_id = ? WHERE id = ?", (parent_id, node_id))
+            self._set_selected(node.conversation_id, parent_id, node_id)
+            self._touch(node.conversation_id)
 
     def subtree_size(self, node_id: int) -> int:
         """Messages in the subtree of ``node_id``, itself included (what
@@ -813,32 +850,34 @@ def _ids(token_ids: Iterable[int] | None) -> tuple[int, ...] | None:
     return tuple(int(i) for i in token_ids) if token_ids is not None else None
 
 
-class _Transaction:
-    """Hold the store lock and one SQLite transaction; nested use joins the outer one."""
+@contextmanager
+def _transaction(conn: _Conn, lock: threading.RLock) -> Iterator[None]:
+    """Hold the store lock and one SQLite transaction; nested use joins the outer one.
 
-    def __init__(self, conn: _Conn, lock: threading.RLock) -> None:
-        self.conn = conn
-        self.lock = lock
-        self.outer = False
-
-    def __enter__(self) -> None:
-        self.lock.acquire()
-        self.outer = not self.conn.in_transaction
-        if self.outer:
-            self.conn.execute("BEGIN IMMEDIATE")
-
-    def __exit__(self, exc_type, *exc: object) -> None:
+    The lock is taken by a ``with`` that also covers ``BEGIN``, so a ``BEGIN IMMEDIATE``
+    that fails (the file locked by another process past the busy timeout: a
+    :class:`StoreError` of kind "busy") releases it again. Body errors roll the
+    transaction back; a failed ``COMMIT`` rolls back and raises."""
+    with lock:
+        outer = not conn.in_transaction
+        if outer:
+            conn.execute("BEGIN IMMEDIATE")
         try:
-            if self.outer:
+            yield
+        except BaseException:
+            if outer and conn.in_transaction:
                 try:
-                    self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
+                    conn.execute("ROLLBACK")
                 except StoreError:
-                    if self.conn.in_transaction:  # a failed COMMIT: undo the turn's write
-                        try:
-                            self.conn.execute("ROLLBACK")
-                        except StoreError:
-                            pass
-                    if exc_type is None:
-                        raise
-        finally:
-            self.lock.release()
+                    pass
+            raise
+        if outer:
+            try:
+                conn.execute("COMMIT")
+            except StoreError:
+                if conn.in_transaction:  # a failed COMMIT: undo the turn's write
+                    try:
+                        conn.execute("ROLLBACK")
+                    except StoreError:
+                        pass
+                raise

@@ -69,6 +69,30 @@ def device_info(dtype: str | None = None) -> DeviceInfo:
     return DeviceInfo(kind, backend, name, dtype or dtype_name(compute_dtype()))
 
 
+# MLX's CUDA backend runs attention through cuDNN's SDPA by default. Its decode steps (one
+# query) are not reproducible: on an H100 (shape:qwen3-8b, bf16, a 256-token prompt, 40
+# greedy tokens) two processes agreed on 27 of 40 tokens, and two runs in one process
+# differed too, while every op of the prefill (435 outputs: matmuls, norms, attention) and a
+# teacher-forced forward were bit-identical across processes. MLX's own attention kernels
+# (this variable) made both agree on 40 of 40, decoding ~5% slower (89-94 against 94-101
+# tok/s); CUDA_LAUNCH_BLOCKING=1 (38/40) and MLX_USE_CUDA_GRAPHS=0 (29/40) did not
+# (docs/DESIGN.md §18, scripts/gpu_determinism.py).
+DETERMINISTIC_ENV: dict[str, str] = {"MLX_CUDA_USE_CUDNN_SDPA": "0"}
+
+
+def use_deterministic_kernels() -> dict[str, str]:
+    """Set :data:`DETERMINISTIC_ENV` (the ``bitwise`` setting on CUDA; harmless elsewhere:
+    only MLX's CUDA backend reads it) unless the environment already says otherwise;
+    returns what it set. MLX reads the variable at its first attention in the process, so
+    this runs before any model does (the engine's constructor). Long prefill chunks then
+    also leave cuDNN (slower beyond 512 tokens, docs/DESIGN.md §7)."""
+    import os
+
+    done = {k: v for k, v in DETERMINISTIC_ENV.items() if k not in os.environ}
+    os.environ.update(done)
+    return done
+
+
 def describe_device(dtype: str | None = None) -> str:
     """One line naming the device and compute dtype, for headers and logs:
     "gpu (NVIDIA H100 80GB HBM3, cuda), bfloat16", "gpu (Apple M3 Max, metal), bfloat16",

@@ -14,7 +14,8 @@ The protocol, all over ``mx.distributed`` collectives:
   ``generate``, ``clear``, ``close``, ``exit``) as its byte length, then its bytes as a
   ``uint8`` array; every other rank contributes zeros to the same two ``all_sum`` calls
   (as mlx-lm's server shares requests, ``mlx_lm/server.py`` ``_share_object``). Workers
-  wait for the next message as long as rank 0 is idle.
+  wait for the next message as long as rank 0 is idle, blocked on a doorbell socket
+  (``doorbell.py``: no CPU) rather than in the ring's polling collective.
 - **Agreement** (:meth:`Ranks.all_min`, :meth:`Ranks.all_max`): the prefill chunk, the
   restore position and cancels are decided by every rank together.
 - **Tokens**: rank 0 samples; each decode step's ``all_sum`` carries its token and its
@@ -38,6 +39,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..api import RankStats
+from .doorbell import Doorbell, rank0_host
 
 # variables a launcher sets for every rank (mlx.launch: MLX_RANK; mpirun: OMPI_*, PMI_*);
 # cli/ranks.py reads the same without importing MLX
@@ -111,6 +113,9 @@ class Ranks:
         self._section: str | None = None
         self._last_tick = 0.0
         self._watchdog: threading.Thread | None = None
+        self._bell: Doorbell | None = None  # in use on every rank once agreed
+        self._pending_bell: Doorbell | None = None  # set up, not yet agreed on
+        self._bell_tried = False
 
     @property
     def is_main(self) -> bool:
@@ -133,15 +138,60 @@ class Ranks:
         Raises:
             RankError: a rank was lost while sending.
         """
+        bell = None
         if self.is_main:
+            if self._bell is not None:
+                self._bell.ring()
+            elif not self._bell_tried:
+                bell = self._open_bell()
+                if bell is not None:
+                    message = {**message, "_bell": bell}
             data = json.dumps(message, separators=(",", ":")).encode()
             size = self._sum(mx.array([len(data)], dtype=mx.int64)).item()
             payload = mx.array(memoryview(data), dtype=mx.uint8)
         else:
+            if self._bell is not None and not self._bell.wait():
+                self.failed = self.failed or "rank 0 was lost (its doorbell closed)"
+                raise RankError("rank 0 was lost (its doorbell closed)")
             size = self._sum(mx.zeros((1,), dtype=mx.int64)).item()
             payload = mx.zeros((int(size),), dtype=mx.uint8)
         got = self._sum(payload)
-        return message if self.is_main else json.loads(bytes(memoryview(got)))
+        if self.is_main:
+            if bell is not None:
+                self._agree_bell(self._pending_bell.accept(self.size - 1))
+                message = {k: v for k, v in message.items() if k != "_bell"}
+            return message
+        out = json.loads(bytes(memoryview(got)))
+        if "_bell" in out:
+            address = out.pop("_bell")
+            pending = Doorbell()
+            ok = pending.connect((address[0], int(address[1])))
+            self._pending_bell = pending
+            self._agree_bell(ok)
+        return out
+
+    def _open_bell(self) -> list | None:
+        """Rank 0, first message: listen for the workers' doorbell connections; the
+        address to send them, or None (no ring hostfile, or no socket)."""
+        self._bell_tried = True
+        host = rank0_host()
+        if host is None:
+            return None
+        pending = Doorbell()
+        address = pending.listen(host)
+        if address is None:
+            return None
+        self._pending_bell = pending
+        return [address[0], address[1]]
+
+    def _agree_bell(self, ok: bool) -> None:
+        """Every rank: use the doorbell only if every rank set it up (one ``all_min``)."""
+        self._bell_tried = True
+        pending, self._pending_bell = self._pending_bell, None
+        if self.all_min(int(ok))[0] == 1:
+            self._bell = pending
+        else:
+            pending.close()
 
     def send_exit(self) -> bool:
         """Rank 0, after its last engine closed: tell the workers to exit. The collective

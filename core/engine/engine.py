@@ -37,7 +37,6 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
-from mlx_lm.sample_utils import make_sampler
 
 from ...config.settings import Settings
 from ..api import (
@@ -63,9 +62,10 @@ from ..memory import prefill as prefill_mod
 from ..memory import pressure as memory_mod
 from . import distributed as dist
 from .attention import OFF, chunk_attention, mlx_softmax, plan_attention, pow_softmax
-from .device import device_info
+from .device import device_info, use_deterministic_kernels
 from .forward import last_logits_fn, logprobs_of, verify_last_logits
 from .ranks import RankSeams
+from .sampling import RequestSampling, StopStrings, keep_last_logits, make_request_sampler
 
 _STOP = object()
 # the CPU's limit on a folded last chunk, per layer (docs/DESIGN.md §7): a 1-token forward of
@@ -87,7 +87,7 @@ def _close_live_engines() -> None:
         engine.close()
 
 
-def _from_kept(logprobs: mx.array, model, caches, max_tokens: int, sampler):
+def _from_kept(logprobs: mx.array, model, caches, max_tokens: int, sampler, logits_processors=None):
     """What ``generate_step`` yields for a prompt whose every token is in ``caches``, given
     the logprobs (shape ``(vocab,)``) its last token's forward gave before: the first
     token sampled from them, then ``generate_step`` from that token. The sampler is called
@@ -96,7 +96,12 @@ def _from_kept(logprobs: mx.array, model, caches, max_tokens: int, sampler):
     yield y.item(), logprobs
     if max_tokens > 1:
         yield from generate_step(
-            y, model, prompt_cache=caches, max_tokens=max_tokens - 1, sampler=sampler
+            y,
+            model,
+            prompt_cache=caches,
+            max_tokens=max_tokens - 1,
+            sampler=sampler,
+            logits_processors=logits_processors,
         )
 
 
@@ -111,6 +116,8 @@ class Engine(RankSeams):
 
     def __init__(self, settings: Settings, on_log: Callable[[str], None] | None = None) -> None:
         self.settings = settings
+        if settings.bitwise:  # reproducible decode on CUDA too (core/engine/device.py)
+            use_deterministic_kernels()
         self.model_name = ""
         self.loaded = None
         self.cache: PrefixCache | None = None
@@ -214,6 +221,12 @@ class Engine(RankSeams):
             if self.ranks is None or not self.ranks.failed:
                 self._thread.join(timeout=60)
 
+    def note(self, text: str) -> None:
+        """Add ``text`` to the cache events (a verify report, core/chat/verify.py); any thread
+        (one append to a bounded deque)."""
+        if self.cache is not None:
+            self.cache.log(text)
+
     def stats(self) -> CacheStats:
         """One immutable snapshot; safe to call from any thread."""
         mem = self.monitor.stats()
@@ -240,9 +253,11 @@ class Engine(RankSeams):
             layer_kinds=self.layer_kinds,
             hot=hot,
             ssd=ssd,
+            wear=cache.wear_stats(),
             tails=tails,
             snapshots=snaps,
             resident=resident,
+            lookups=cache.lookup_stats(),
             memory=mem,
             last_turn=self._last,
             events=tuple(cache.events),
@@ -415,6 +430,8 @@ class Engine(RankSeams):
                 rates=Rates(Path(s.cache_dir) / f"rates-{fingerprint[:16]}.json")
                 if s.choose_recompute and self.ranks is None
                 else None,
+                write_budget=s.ssd_write_budget,
+                admission=s.ssd_admission,
             )
             if self.cache.ssd is not None and not self.cache.ssd.enabled:
                 warning = self.cache.ssd.reason
@@ -489,8 +506,12 @@ class Engine(RankSeams):
         fold = self._last_logits is not None
         points = schedule_points(n, chunk, req.boundaries, fold=fold)
         cache = self.cache
+        sampling = make_request_sampler(req)  # the one place sampling is built (§2)
         if cache is not None and req.use_cache:
-            turn = cache.begin(req.prompt_ids, points, req.boundaries, self._make_cache)
+            # sampling hook: processors need the first token's logits, so such a request
+            # restores at most N - 1 (the cache keeps the model's own logprobs)
+            limit = n - 1 if sampling.needs_logits else None
+            turn = cache.begin(req.prompt_ids, points, req.boundaries, self._make_cache, limit)
         else:
             turn = ColdRequest(self._make_cache, cache.ssd if cache is not None else None)
         self._in_request, self._handle = True, handle
@@ -502,7 +523,7 @@ class Engine(RankSeams):
                 chunk_attention(self._attention),
                 self._watched("a request"),
             ):
-                self._generate_one(req, handle, points, chunk if fold else 0, turn)
+                self._generate_one(req, handle, points, chunk if fold else 0, turn, sampling)
         finally:
             self._in_request, self._handle = False, None
             turn.close()
@@ -516,6 +537,7 @@ class Engine(RankSeams):
         points: list[int],
         fold_chunk: int,
         turn: CacheRequest | ColdRequest,
+        sampling: RequestSampling,
     ) -> None:
         t0 = time.perf_counter()
         mx.reset_peak_memory()
@@ -560,6 +582,7 @@ class Engine(RankSeams):
         if ends:  # the prefill starts: its first chunk may take long (a CPU, a long prompt)
             handle.emit(PrefillProgress(0, total, 0.0))
         first_logprobs = restored.first_logprobs if start == n else None
+        first_sample = None  # the folded chunk's logprobs with the processors applied
         for end in ends:
             self._drain_control()
             if self._cancelled(handle):
@@ -570,8 +593,12 @@ class Engine(RankSeams):
             tokens_in = mx.array(prompt[pos:end])[None]
             computed = []
             if end == n:  # folded: this chunk gives the first token's logits
-                first_logprobs = logprobs_of(self._last_logits(tokens_in, caches)).squeeze(0)
+                logits = self._last_logits(tokens_in, caches)
+                first_logprobs = logprobs_of(logits).squeeze(0)  # kept: pre-processor
                 computed.append(first_logprobs)
+                if sampling.needs_logits:
+                    first_sample = sampling.first_logprobs(logits.reshape(1, -1), prompt)
+                    computed.append(first_sample)
             else:
                 model(tokens_in, cache=caches)
             computed += [c.state for c in caches] + turn.chunk(caches, pos, end, first_logprobs)
@@ -588,7 +615,10 @@ class Engine(RankSeams):
         # decode from the last prompt token
         if req.temperature > 0 and req.seed is not None:
             mx.random.seed(req.seed)
-        sampler = make_sampler(temp=req.temperature, top_p=req.top_p)
+        sampler = sampling.sampler
+        # continue hook: the first processor remembers each decode step's raw logits, so
+        # the logprobs after the reply's last token are kept with the resident cache
+        keep_end, end_logits = keep_last_logits()
         eos = self.eos_token_ids
         record = self.record_logprobs
         max_tokens = self._cap_tokens(req.max_tokens, n)
@@ -605,15 +635,27 @@ class Engine(RankSeams):
         ttft = t_first = None
         reason = "length"
         if first_logprobs is not None:  # kept from before, or the folded last chunk's
-            steps = _from_kept(first_logprobs, model, caches, max_tokens, sampler)
+            processors = [keep_end, *sampling.with_context(prompt)]
+            steps = _from_kept(
+                first_sample if first_sample is not None else first_logprobs,
+                model,
+                caches,
+                max_tokens,
+                sampler,
+                processors,
+            )
         else:
+            processors = [keep_end, *sampling.with_context(prompt[:-1])]
             steps = generate_step(
                 mx.array(prompt[n - 1 :]),
                 model,
                 prompt_cache=caches,
                 max_tokens=max_tokens,
                 sampler=sampler,
+                logits_processors=processors,
             )
+        stops = StopStrings(sampling.stops)
+        shown = ""  # text sent so far (held back while it may begin a stop string)
         first_lp = None
         for tok, lp in steps:
             if ttft is None:
@@ -633,7 +675,15 @@ class Engine(RankSeams):
                 reason = "stop"
                 break
             detok.add_token(tok)
-            handle.emit(TokenBatch((tok,), detok.last_segment))
+            if stops.stops:
+                safe, hit = stops.feed(detok.text)
+                handle.emit(TokenBatch((tok,), safe[len(shown) :]))
+                shown = safe
+                if hit:
+                    reason = "stop"
+                    break
+            else:
+                handle.emit(TokenBatch((tok,), detok.last_segment))
             self._drain_control()
             if self._stopped(handle, stop_flags, len(tokens) - 1):
                 reason = "cancelled"
@@ -642,20 +692,35 @@ class Engine(RankSeams):
             # generate_step computes one step ahead, so a cold run's cache also holds the
             # first token when the reply stops there: forward it here, as that step would
             for _ in generate_step(
-                mx.array(tokens), model, prompt_cache=caches, max_tokens=0, sampler=sampler
+                mx.array(tokens),
+                model,
+                prompt_cache=caches,
+                max_tokens=0,
+                sampler=sampler,
+                logits_processors=[keep_end],
             ):
                 pass
         # generate_step evaluates one step ahead: wait for that step, or the thread-local
         # stream still has work when the thread ends and the process aborts at exit
         mx.synchronize(generation_stream)
         detok.finalize()
-        tail_text = detok.last_segment
+        text = detok.text
+        if stops.stops:
+            text, _ = stops.feed(text) if reason == "stop" else (text, False)
+            tail_text = text[len(shown) :]
+        else:
+            tail_text = detok.last_segment
         if tail_text:
             handle.emit(TokenBatch((), tail_text))
         t_end = time.perf_counter()
         # the cache holds prompt + every yielded token: store its new blocks and its end,
-        # then keep it resident for the next request
-        turn.finish(caches, prompt + tokens, first_lp)
+        # then keep it resident for the next request, with the logprobs after its last
+        # token (the last decode step's forward) for a continue
+        end = end_logits()
+        end_lp = logprobs_of(end).reshape(-1) if end is not None and tokens else None
+        if end_lp is not None:
+            mx.eval(end_lp)
+        turn.finish(caches, prompt + tokens, first_lp, end_lp)
         handle.logprobs = logprobs
         handle.restored_position = start
         ttft = ttft if ttft is not None else t_end - t0
@@ -669,10 +734,11 @@ class Engine(RankSeams):
             restore_s=restore_s,
             restore_bytes=restored.nbytes,
             restore_choice=restored.choice.describe() if restored.choice else "",
+            ssd_write_bytes=turn.ssd_write_bytes,
         )
         self._last = metrics
         self._gather_rank_stats()  # before Finished: the caller's next stats() has them
-        handle.emit(Finished(tuple(tokens), detok.text, metrics))
+        handle.emit(Finished(tuple(tokens), text, metrics))
         self._apply_memory_pressure()
 
     def _cap_tokens(self, max_tokens: int, n: int) -> int:

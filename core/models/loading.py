@@ -41,6 +41,7 @@ from ..engine.device import compute_dtype, dtype_name
 from ..files import remove_stale_temps, temp_file
 from . import shapes, tiny
 from .gguf import GGUFError, convert_gguf
+from .weight_digest import weight_digests
 
 Progress = Callable[[int, int, str], None]
 
@@ -296,11 +297,14 @@ def _file_sha256(path: Path) -> str:
 
 
 def model_fingerprint(identity: str, model_dir: Path, dtype: str) -> str:
-    """sha256 hex over identity, canonical config.json, tokenizer.json, weight files, dtype."""
+    """sha256 hex over identity, canonical config.json, tokenizer.json, the weight files'
+    names and contents (:func:`~tierchat.core.models.weight_digest.weight_digests`: new weights
+    are a new fingerprint whatever their size and mtime), and dtype (docs/DESIGN.md §3)."""
     config = json.loads((model_dir / "config.json").read_text())
     canonical = json.dumps(config, sort_keys=True, separators=(",", ":"))
     weights = sorted(model_dir.glob("model*.safetensors"))
-    stamps = [f"{w.name}:{w.stat().st_size}:{w.stat().st_mtime_ns}" for w in weights]
+    digests = weight_digests(weights)
+    stamps = [f"{w.name}:{d}" for w, d in zip(weights, digests, strict=True)]
     h = hashlib.sha256()
     for part in (
         identity,

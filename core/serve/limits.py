@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..chat.context_limit import ContextLimitExceeded, config_int, generation_room
+from ..chat.context_limit import context_length as context_length  # re-exported for serve
 from ..text import one_line
 from .prompts import APIError
 
@@ -149,10 +151,37 @@ def _depth(obj: Any, limit: int) -> int:
     return deepest
 
 
+def _bad_unicode(obj: Any) -> tuple[str, str] | None:
+    """``(param, what)`` of the first string (key or value) of parsed JSON that is not
+    valid Unicode: a lone surrogate, which JSON's ``\\udc80`` escape can spell and no
+    tokenizer or UTF-8 writer accepts; None when all are valid. Iterative."""
+    stack: list[tuple[Any, str]] = [(obj, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, str):
+            items: list[tuple[Any, str]] = []
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return path, f"lone surrogate U+{ord(node[e.start]):04X} at character {e.start}"
+        elif isinstance(node, dict):
+            items = []
+            for k, v in node.items():
+                where = f"{path}.{k}" if path else str(k)
+                items += [(k, path or "body"), (v, where)]
+        elif isinstance(node, list):
+            items = [(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node)]
+        else:
+            items = []
+        stack.extend(reversed(items))
+    return None
+
+
 def parse_body(content_type: str | None, raw: bytes) -> dict[str, Any]:
     """A request body as a JSON object. Raises :class:`APIError`: 415 unless the media
     type is ``application/json``; 400 for bad JSON, non-finite or huge numbers, nesting
-    deeper than :data:`MAX_DEPTH` or a body that is not an object."""
+    deeper than :data:`MAX_DEPTH`, a body that is not an object, or a string that is
+    not valid Unicode (``invalid_unicode``, naming its param)."""
     media = (content_type or "").split(";", 1)[0].strip().lower()
     if media != "application/json":
         raise APIError(
@@ -177,6 +206,11 @@ def parse_body(content_type: str | None, raw: bytes) -> dict[str, Any]:
         raise APIError("the request body must be a JSON object")
     if _depth(body, MAX_DEPTH) > MAX_DEPTH:
         raise APIError(f"the request body nests deeper than {MAX_DEPTH} levels")
+    bad = _bad_unicode(body)
+    if bad is not None:
+        param, what = bad
+        safe = param.encode("utf-8", "backslashreplace").decode()[:80]
+        raise APIError(f"{safe} is not valid Unicode ({what})", param=safe, code="invalid_unicode")
     return body
 
 
@@ -207,39 +241,24 @@ def check_prompt(
                 param="prompt",
                 code="invalid_token_id",
             )
-    if context is None:
-        return max_tokens
     n = len(ids)
-    if n >= context or (explicit and n + max_tokens > context):
+    try:
+        return generation_room(n, max_tokens, context, explicit=explicit)
+    except ContextLimitExceeded:
         asked = f"{n} in the prompt" + (f" + {max_tokens} to generate" if explicit else "")
         raise APIError(
             f"this model's maximum context length is {context} tokens; the request asks for "
             f"{asked}",
-            param="max_tokens" if n < context else param,
+            param="max_tokens" if context is not None and n < context else param,
             code="context_length_exceeded",
-        )
-    return min(max_tokens, context - n)
-
-
-def _config_int(engine: Any, keys: tuple[str, ...]) -> int | None:
-    """The first positive int among ``keys`` in the loaded model's args, or in its
-    ``text_config`` (multimodal wrappers such as Qwen3.5 keep the text model's there)."""
-    loaded = getattr(engine, "loaded", None)
-    args = getattr(getattr(loaded, "model", None), "args", None)
-    text = getattr(args, "text_config", None)
-    for source in (args, text):
-        for key in keys:
-            value = source.get(key) if isinstance(source, dict) else getattr(source, key, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return None
+        ) from None
 
 
 def model_vocab(engine: Any) -> int | None:
     """The model's embedding rows (``vocab_size`` of its args or their ``text_config``),
     or None when its config does not say. The model may generate any of these ids, even
     past the ones its tokenizer names."""
-    return _config_int(engine, ("vocab_size",))
+    return config_int(engine, ("vocab_size",))
 
 
 def vocab_size(engine: Any) -> int | None:
@@ -255,15 +274,6 @@ def vocab_size(engine: Any) -> int | None:
     except TypeError:
         size = getattr(tokenizer, "vocab_size", None)
         return size if isinstance(size, int) and size > 0 else None
-
-
-def context_length(engine: Any) -> int | None:
-    """The model's context length in tokens: the engine's, else ``max_position_embeddings``
-    of the args' ``text_config``; None when unknown."""
-    value = getattr(engine, "context_length", None)
-    if isinstance(value, int) and value > 0:
-        return value
-    return _config_int(engine, ("max_position_embeddings", "max_seq_len", "n_ctx"))
 
 
 # The count flags of ServeLimits: (field, help with ``{}`` for the default). The flag is

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..api import Tokenizer
-from ..chat.prompts import Prompt, PromptBuilder, decode_ids
+from ..chat.prompts import Prompt, PromptBuilder, decode_ids, encode_text
 from ..files import private_dirs
 
 THINK_END = "</think>"
@@ -42,6 +42,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -49,6 +50,7 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.retry_after_s = retry_after_s  # a Retry-After header (503s worth retrying)
 
     def body(self) -> dict[str, Any]:
         return {
@@ -258,20 +260,28 @@ def build_chat_prompt(
     except APIError:
         raise
     except Exception as e:  # noqa: BLE001 -- the template's own complaint, as a 400
+        # a template's raise_exception ("roles must alternate") is for the client; any
+        # other error names our internals, so it is said without them
+        said = f": {e}" if type(e).__module__.startswith("jinja2") else ""
         raise APIError(
-            f"the chat template cannot render these messages: {e}", param="messages"
+            f"the chat template cannot render these messages{said}", param="messages"
         ) from None
     return ChatPrompt(prompt, tuple(messages), reused)
 
 
 def completion_prompt(tokenizer: Tokenizer, body: Mapping[str, Any]) -> tuple[int, ...]:
     """The token ids of a ``/v1/completions`` ``prompt``: a string, or a list of token ids.
+    A string is tokenized as text (with the tokenizer's BOS): a special token's spelling in
+    it is ordinary tokens (docs/DESIGN.md §4); a client wanting control tokens sends ids.
     Raises :class:`APIError` otherwise (a list of several prompts is not supported)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
+        try:
+            ids = encode_text(tokenizer, prompt, add_special_tokens=True)
+        except (TypeError, ValueError, UnicodeError):  # the tokenizer refuses this text
+            raise APIError("'prompt' cannot be tokenized", param="prompt") from None
     elif isinstance(prompt, list) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt
     ):
@@ -296,6 +306,12 @@ class Sampling:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    # OpenAI's penalties, and mlx_lm.server's names for what OpenAI lacks (off at these)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 def _number(body: Mapping[str, Any], name: str, default, lo: float, hi: float, kind=float):
@@ -307,16 +323,68 @@ def _number(body: Mapping[str, Any], name: str, default, lo: float, hi: float, k
     if kind is int and value != int(value):
         raise APIError(f"'{name}' must be an integer", param=name)
     if not lo <= value <= hi:
-        raise APIError(f"'{name}' must be between {lo:g} and {hi:g}", param=name)
+        raise APIError(f"'{name}' must be between {_plain(lo)} and {_plain(hi)}", param=name)
     return kind(value)
+
+
+def _plain(x: float) -> str:
+    """A bound as a person writes it: ``1048576``, ``0.5`` (never ``1.04858e+06``)."""
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+# Parameters of the OpenAI API that tierchat does not implement: a request that sets one
+# to anything but its neutral value gets a 400 naming it, never a silent ignore.
+# name -> the values that mean "not used"
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "best_of": (None, 1),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+def check_unsupported(body: Mapping[str, Any]) -> None:
+    """Raise :class:`APIError` 400 ``unsupported_parameter`` naming the first parameter of
+    :data:`UNSUPPORTED` that ``body`` sets to a value that would change the reply."""
+    for name, neutral in UNSUPPORTED.items():
+        if name in body and body[name] not in neutral:
+            raise APIError(
+                f"'{name}' is not supported by this server",
+                param=name,
+                code="unsupported_parameter",
+            )
+
+
+def returned_tokens(
+    tokenizer: Tokenizer, token_ids: Sequence[int], text: str, stopped: bool
+) -> int:
+    """How many of the generated ``token_ids`` the returned ``text`` holds: all of them,
+    unless a stop string cut the reply (``stopped``); then the fewest whose decoding
+    covers ``text`` (the tokens decoded past the stop are not the client's)."""
+    if not stopped:
+        return len(token_ids)
+    lo, hi = 0, len(token_ids)
+    while lo < hi:  # the first k whose decoding is at least as long as text
+        mid = (lo + hi) // 2
+        if len(decode_ids(tokenizer, token_ids[:mid], skip_special=True)) >= len(text):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def sampling(
     body: Mapping[str, Any], default_max_tokens: int, default_seed: int | None
 ) -> Sampling:
     """Read ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``,
-    ``seed``, ``stop``, ``n``, ``stream`` and ``stream_options``. Raises :class:`APIError`
-    for a bad value or an unsupported feature (``n`` > 1, ``logprobs``, ``tools``)."""
+    ``presence_penalty``, ``frequency_penalty``, ``seed``, ``stop``, ``n``, ``stream`` and
+    ``stream_options`` (OpenAI's names), and ``top_k``, ``min_p``, ``repetition_penalty``
+    (``mlx_lm.server``'s). Raises :class:`APIError` for a bad value or an unsupported
+    feature (``n`` > 1, ``logprobs``, ``tools``)."""
     if not isinstance(body, Mapping):
         raise APIError("the request body must be a JSON object")
     max_name = (
@@ -326,12 +394,20 @@ def sampling(
     temperature = _number(body, "temperature", 0.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     seed = _number(body, "seed", default_seed, -(1 << 63), (1 << 64) - 1, int)
+    presence = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
+    frequency = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    top_k = _number(body, "top_k", 0, 0, 1 << 20, int)
+    min_p = _number(body, "min_p", 0.0, 0.0, 0.999)
+    repetition = _number(body, "repetition_penalty", 1.0, 0.0, 10.0)
+    if repetition <= 0:
+        raise APIError("'repetition_penalty' must be above 0 (1: off)", param="repetition_penalty")
     if _number(body, "n", 1, 1, 128, int) != 1:
         raise APIError("only n=1 is supported", param="n")
     if body.get("logprobs") or body.get("top_logprobs"):
         raise APIError("logprobs are not supported", param="logprobs")
     if body.get("tools"):
         raise APIError("tools are not supported", param="tools")
+    check_unsupported(body)
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -355,6 +431,11 @@ def sampling(
         stops,
         stream,
         bool(options.get("include_usage")),
+        presence,
+        frequency,
+        top_k,
+        min_p,
+        repetition,
     )
 
 

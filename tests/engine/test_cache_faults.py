@@ -18,6 +18,8 @@ def engines(tmp_path, models_dir):
     made = []
 
     def make(**overrides):
+        # the writer's faults need writes: every entry at once (write-through)
+        overrides.setdefault("ssd_admission", False)
         e = make_engine(MODEL, tmp_path, models_dir, **overrides)
         made.append(e)
         return e

@@ -41,8 +41,10 @@ def test_hot_and_ssd_counters(engine):
     assert s.hot.entries > 0 and s.hot.nbytes > 0 and s.hot.max_bytes == 256 << 20
     assert s.hot.misses == 6  # 99 // 16 blocks looked up, none held
     assert s.ssd.misses == 6
-    assert s.ssd.saves_queued == s.ssd.saves_persisted == s.ssd.entries > 0
-    assert s.ssd.nbytes > 0 and s.ssd.queue_depth == 0
+    # admission (docs/DESIGN.md §8.6): nothing of a first turn is written until it is
+    # read again, evicted or closed; the hot tier holds it meanwhile
+    assert s.ssd.saves_queued == s.ssd.saves_persisted == s.ssd.entries == 0
+    assert s.wear.deferred == s.hot.entries > 0 and s.wear.deferred_bytes == s.hot.nbytes
     assert s.hot.hits == 0 and s.ssd.hits == 0
     assert s.last_turn.prompt_tokens == 100 and s.last_turn.cached_tokens == 0
 
@@ -64,9 +66,13 @@ def test_hot_and_ssd_counters(engine):
     assert s2.last_turn.cached_by["hot"] == 99 and s2.last_turn.cached_kind["tail"] == 3
     assert any("hit 99 tokens" in text for _, text in s2.events)
 
-    e.clear("hot")
+    e.clear("hot")  # what RAM held and the SSD tier did not is written first
+    e.cache.ssd.flush()
     s3 = e.stats()
-    assert s3.hot.entries == 0 and s3.hot.nbytes == 0
+    assert s3.hot.entries == 0 and s3.hot.nbytes == 0 and s3.wear.deferred == 0
+    assert s3.ssd.saves_queued == s3.ssd.saves_persisted == s3.ssd.entries > 0
+    assert s3.ssd.nbytes > 0 and s3.ssd.queue_depth == 0
+    assert s3.wear.session_bytes == s3.ssd.nbytes
     assert any("cleared hot" in text for _, text in s3.events)
     generate(e, p)
     s4 = e.stats()
@@ -130,7 +136,7 @@ def test_boundary_checkpoints_stored_for_state_models(engine):
         GenerateRequest(prompt_ids=p, max_tokens=2, boundaries=((21, "system"), (45, "user")))
     )
     h.wait(60)
-    assert e.stats().tails.checkpoints == 2
+    assert e.stats().tails.checkpoints == 3  # two boundaries and the sequence end
     # an edit after the system prompt restores from its checkpoint
     edited = p[:30] + random_prompt(30, seed=10)
     e.clear("resident")
@@ -167,3 +173,26 @@ def test_failed_model_load_keeps_the_current_model_and_cache(engine):
     assert after.hot.entries == before.hot.entries
     r, _ = generate(e, random_prompt(40), max_tokens=2)
     assert r.metrics.cached_tokens == 40  # the resident cache survived, kept logprobs too
+
+
+def test_lookups_count_one_per_turn_and_checkpoints_agree_with_turn_labels(engine):
+    """One count per turn by where its prefix came from; a cold turn is a logged miss;
+    a turn labelled "checkpoint" (a sequence end) finds the checkpoint counted as held."""
+    e = engine()
+    p = random_prompt(60, seed=5)
+    first, _ = generate(e, p)
+    s = e.stats()
+    assert (s.lookups.cold, s.lookups.hits) == (1, 0)
+    assert any(text.startswith("miss: nothing cached for 60 tokens") for _, text in s.events)
+
+    generate(e, p)  # the resident cache
+    assert e.stats().lookups.resident == 1
+
+    e.clear("resident")  # the next turn continues at the sequence end entry
+    nxt = p + tuple(first.token_ids) + random_prompt(5, seed=6)
+    out, _ = generate(e, nxt)
+    s = e.stats()
+    assert out.metrics.cached_kind["checkpoint"] > 0, out.metrics
+    assert s.tails.checkpoints >= 1 and s.tails.checkpoint_hits == 1
+    assert s.lookups.hot == 1 and s.lookups.tail == 1
+    assert (s.lookups.hits, s.lookups.lookups, s.lookups.hit_rate) == (2, 3, 2 / 3)

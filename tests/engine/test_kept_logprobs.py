@@ -163,10 +163,11 @@ def test_corrupt_logprobs_in_a_file_are_never_used(tmp_path, models_dir, monkeyp
         assert e.stats().ssd.corrupt == 1
         # the restore fell back below N (the sequence end's entry still gives N - 1)
         assert m.prefill_tokens >= 1 and m.cached_kind["tail"] == 0, m
-        e.cache.ssd.flush()  # the tail is captured again, healthy
-        assert read_file(path)[0].meta["logprobs"] == "1"
     finally:
         e.close()
+    # the tail is captured again, healthy, and written at the close (the newest prompt
+    # tail: docs/DESIGN.md §8.6)
+    assert read_file(path)[0].meta["logprobs"] == "1"
 
 
 def test_header_flag_round_trips_and_older_headers_read_without_it():
@@ -218,3 +219,29 @@ def test_restore_or_recompute_choice_still_holds_for_the_whole_prompt(tmp_path, 
                 assert m.cached_tokens == 0 and m.prefill_tokens == len(prompt), m
         finally:
             e.close()
+
+
+def test_resident_with_logprobs_from_an_ssd_tail_is_labelled_hot_resident(tmp_path, models_dir):
+    """The resident cache (RAM) cut back to A, A's kept logprobs read from its SSD tail
+    only: the tokens count for the hot tier, kind resident; the log names the SSD tail
+    as the first token's source. An "SSD resident" label said the K/V came from disk."""
+    model = "tiny:llama"
+    cold = cold_run(model, tmp_path, models_dir)
+    # write-through: the test takes the tail out of RAM itself, not through an eviction
+    e = make_engine(model, tmp_path, models_dir, bitwise=False, ssd_admission=False)
+    try:
+        generate(e, PROMPT)
+        generate(e, PROMPT + OTHER[:7])
+        e.call(lambda: e.cache.ssd.flush(), timeout=60)
+        j = len(PROMPT) // BS
+        tid = tail_id(e.cache.ids(PROMPT)[j - 1], PROMPT[j * BS :])
+        e.call(lambda: e.cache.hot.remove(tid), timeout=60)
+        again, handle = generate(e, PROMPT)
+        assert_same(*cold, again, handle)
+        m = again.metrics
+        assert m.prefill_tokens == 0 and m.cached_kind["resident"] == len(PROMPT), m
+        assert m.cached_by["hot"] == len(PROMPT) and m.cached_by["ssd"] == 0, m
+        events = [text for _, text in e.stats().events]
+        assert any("from the ssd tail's kept logprobs" in t for t in events), events[-5:]
+    finally:
+        e.close()

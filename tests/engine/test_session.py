@@ -137,6 +137,26 @@ def test_regenerate_and_swipe(session, engine):
         session.swipe(1, 0)
 
 
+def test_regenerate_an_earlier_turn_and_negative_turns(session, engine):
+    """``regenerate(turn=k)`` answers user turn k again with that turn's prompt, as a
+    sibling of its reply; negative turns count from the end (``/swipe -1 0``)."""
+    first = session.send("one").wait(TIMEOUT)
+    session.send("two").wait(TIMEOUT)
+    prompt0 = engine.requests[0].prompt_ids
+    turn = session.regenerate(turn=0)
+    again = turn.wait(TIMEOUT)
+    assert engine.requests[-1].prompt_ids == prompt0
+    assert turn.user_node.content == "one"
+    assert [r.content for r in session.replies(0)] == [first.text, again.text]
+    assert [n.content for n in session.active_path()][-2:] == ["one", again.text]
+    assert "two" not in [n.content for n in session.active_path()]
+    assert session.swipe(-1, 0).content == first.text
+    assert session.selected_reply(0) == (0, 2)  # the path holds "two" again
+    assert session.selected_reply(-1) == (0, 1)
+    with pytest.raises(SessionError):
+        session.regenerate(turn=5)
+
+
 def test_edit_makes_a_branch(session, store):
     session.send("q1").wait(TIMEOUT)
     session.send("q2").wait(TIMEOUT)
@@ -410,3 +430,45 @@ def test_select_any_sibling_and_path_entries(session):
     session.select(old_user.id)
     assert session.active_path()[1].content == "first"
     assert session.active_path()[-1].content.endswith("to: first")
+
+
+def test_settings_keep_the_sampling_controls_per_conversation(session, engine):
+    from tierchat.core.chat.session import ConversationSettings
+
+    session.send("hello").wait(TIMEOUT)
+    chosen = ConversationSettings(
+        temperature=0.7, top_k=40, min_p=0.05, repetition_penalty=1.3, stop=("END",), seed=3
+    )
+    session.save_settings(chosen)
+    assert session.settings() == chosen  # stored and read back
+    session.send("again").wait(TIMEOUT)
+    req = engine.requests[-1]
+    assert (req.top_k, req.min_p, req.repetition_penalty, req.stop) == (40, 0.05, 1.3, ("END",))
+    other = session.new_conversation()
+    assert session.settings(other).top_k == 0  # another conversation keeps the defaults
+    with pytest.raises(ValueError, match="top-k"):
+        session.save_settings(ConversationSettings(top_k=-2))
+
+
+def test_a_regenerate_at_temperature_0_samples_at_the_swipe_temperature(engine, store):
+    session = ChatSession(engine, store, seed=5, sampling={"swipe_temperature": 0.8})
+    session.send("hi").wait(TIMEOUT)
+    assert engine.requests[-1].temperature == 0.0  # the turn itself stays greedy
+    session.regenerate().wait(TIMEOUT)
+    req = engine.requests[-1]
+    assert req.temperature == 0.8 and req.seed == 5 + 1  # reply 1 of this message
+
+
+def test_continue_extends_the_last_reply_as_a_new_sibling(session, engine):
+    first = session.send("tell me more").wait(TIMEOUT)
+    cut = session.active_path()[-1]
+    turn = session.continue_reply()
+    more = turn.wait(TIMEOUT)
+    req = engine.requests[-1]
+    assert req.prompt_ids == engine.requests[0].prompt_ids + first.token_ids
+    new = session.active_path()[-1]
+    assert new.parent_id == cut.parent_id and new.id != cut.id
+    assert new.token_ids == first.token_ids + more.token_ids
+    assert new.content == engine.tokenizer.decode(list(new.token_ids), skip_special_tokens=True)
+    assert new.meta["continued_from"] == cut.id
+    assert [r.id for r in session.replies(0)] == [cut.id, new.id]

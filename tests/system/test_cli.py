@@ -216,6 +216,29 @@ def test_chat(capsys, tiny, monkeypatch):
     assert "error: no user turn 7" in err
 
 
+def test_chat_continue_set_and_negative_turns(capsys, tiny, monkeypatch):
+    lines = [
+        "hello there, a first message",
+        "/continue",
+        "/swipe -1 0",
+        "/set top_k 3",
+        "/set top_k -1",
+        "/set stop END|\\n\\n",
+        "/set",
+        "/regen 0",
+    ]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    code, out, err = run(capsys, ["chat", *tiny, "--max-tokens", "4"])
+    assert code == 0, err
+    metrics = [line for line in out.splitlines() if line.startswith("[cached ")]
+    assert len(metrics) == 3  # hello, /continue, /regen 0
+    # continue: the cut reply's prompt + ids are all resident, nothing is prefilled
+    assert " · prefilled 0 · " in metrics[1] and "resident " in metrics[1], metrics[1]
+    assert "[turn -1: reply 1 of 2]" in out
+    assert "[top_k = 3]" in out and "error: top-k must be 0 (off) or more" in err
+    assert "[stop = ('END', '\\n\\n')]" in out and "[swipe_temperature = 0.8]" in out
+
+
 def test_chat_ends_at_eof(capsys, tiny, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("hi"))  # no newline, then EOF
     code, out, _ = run(capsys, ["chat", *tiny, "--max-tokens", "2"])

@@ -496,7 +496,7 @@ def test_12_disk_full_reaches_the_events_chat_reads(engines, monkeypatch):
         return real_open(path, flags, mode, **kw)
 
     monkeypatch.setattr(ssd_mod.os, "open", full)
-    e = engines()
+    e = engines(ssd_admission=False)  # every entry written at once: the disk fills now
     generate(e, PROMPT)
     e.cache.ssd.flush()
     err = io.StringIO()

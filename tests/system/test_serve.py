@@ -317,6 +317,33 @@ def test_sampling_parameters_follow_openai_names():
             sampling(body, 100, 0)
 
 
+def test_sampling_controls_reach_the_request_under_openai_and_mlx_lm_names(served):
+    """OpenAI's ``top_p``, ``presence_penalty``, ``frequency_penalty`` and mlx_lm.server's
+    ``top_k``, ``min_p``, ``repetition_penalty`` reach the engine's request; bad values
+    are a 400 naming the field."""
+    state, url = served
+    c = client(url)
+    c.chat.completions.create(
+        model="fake",
+        messages=[{"role": "user", "content": "hi"}],
+        temperature=0.7,
+        top_p=0.9,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        extra_body={"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.2},
+    )
+    req = state.engine.engine.requests[-1]
+    got = (req.top_p, req.presence_penalty, req.frequency_penalty)
+    assert got == (0.9, 0.5, -0.25)
+    assert (req.top_k, req.min_p, req.repetition_penalty) == (40, 0.05, 1.2)
+    for bad in ({"top_k": -1}, {"min_p": 1.5}, {"repetition_penalty": 0}, {"presence_penalty": 3}):
+        with pytest.raises(openai.BadRequestError) as err:
+            c.chat.completions.create(
+                model="fake", messages=[{"role": "user", "content": "hi"}], extra_body=bad
+            )
+        assert err.value.body["param"] == next(iter(bad))
+
+
 def test_reply_memory_persists_and_compacts_its_file(tmp_path):
     tok = FakeTokenizer()
     path = tmp_path / "replies" / "m.jsonl"

@@ -328,7 +328,13 @@ async def test_every_tool_command_runs_from_the_palette(make_app, tmp_path, monk
         for command in TOOL_COMMANDS:
             if command.action == "clear_input":
                 screen.query_one(ChatInput).insert("to clear")
+            if command.action == "undo_delete":  # offered once something was deleted
+                reply = chat_screen(app).path_infos()[-1].node_id
+                app.trash.delete_branch(reply)
+                nodes = len(app.store.active_path(screen.conversation_id))
             await run_command(pilot, command.title)
+            if command.action == "undo_delete":
+                assert len(app.store.active_path(screen.conversation_id)) == nodes + 1
             if command.action in expected:
                 assert isinstance(app.screen, expected[command.action]), command
                 await pilot.press("escape")

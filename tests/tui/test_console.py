@@ -199,6 +199,8 @@ async def test_sending_without_a_model_says_so(make_app):
             await settle(pilot)
             text = " ".join(notes(app))
             assert "no model is loaded" in text and "NoneType" not in text
+            assert app.store.list_conversations() == []  # no empty conversation made
+            assert chat_screen(app).query_one(ChatInput).text == "hello"
     finally:
         engine.close()
 

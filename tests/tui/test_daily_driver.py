@@ -83,6 +83,28 @@ def test_markdown_export_closes_the_fence_of_a_reply_cut_in_a_code_block(store, 
     assert close_fences("~~~\n```\n") == "~~~\n```\n~~~"
 
 
+@pytest.mark.parametrize("scope", ["path", "tree"])
+def test_markdown_export_renders_user_text_as_typed(store, scope):
+    """User text is escaped (``<br>``, ``*3*``, a leading ``#``, ``1.``, links, entities);
+    its line breaks stay line breaks; replies stay the model's Markdown."""
+    from markdown_it import MarkdownIt
+    from tierchat.tui.export import export_conversation
+
+    typed = "In HTML, what does <br> do?\ncompute *3* _x_ `y` [a](b) &amp; a\\b\n# no\n1. no\n- no"
+    cid = store.create_conversation("literal")
+    q = store.add_node(cid, None, "user", typed)
+    store.add_node(cid, q.id, "assistant", "**bold** reply")
+    md = export_conversation(store, cid, "md", scope)
+    html = MarkdownIt("commonmark").render(md)
+    shown = (
+        html.replace("<br />\n", "\n").replace("&lt;", "<").replace("&gt;", ">")
+        .replace("&amp;", "&")
+    )  # fmt: skip
+    assert typed in shown, html
+    assert "<strong>bold</strong>" in html
+    assert "<h1>no" not in html and "<ol>" not in html and "<em>" not in html
+
+
 async def _start_held_reply(pilot, engine, text: str):
     """Send ``text`` with decoding held after the first token batch; the screen streams."""
     from tierchat.tui.widgets.chat_input import ChatInput
@@ -249,3 +271,54 @@ def test_the_memory_ceiling_says_what_bounds_it():
     assert ceiling_source(by_limit) == "limit"
     unknown_system = MemoryStats(active=gib, limit=8 * gib)  # no /proc/meminfo: the limit
     assert ceiling_source(unknown_system) == "limit"
+
+
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)])
+async def test_the_help_fits_with_its_last_line_and_the_footer(make_app, size):
+    """At 120×40 the help's last line and the footer were cut off; the table scrolls."""
+    from textual.widgets import DataTable, Footer, Static
+
+    app = make_app()
+    async with app.run_test(size=size) as pilot:
+        await settle(pilot)
+        await pilot.press("f1")
+        await settle(pilot)
+        hint = app.screen.query_one(".hint", Static)
+        dialog = app.screen.query_one("#dialog")
+        assert hint.region.height >= 1 and hint.region.bottom <= dialog.region.bottom - 1
+        assert dialog.region.bottom <= size[1] - 1  # the footer's row stays free
+        footer = app.screen_stack[0].query_one(Footer)
+        assert footer.region.y == size[1] - 1
+        table = app.screen.query_one(DataTable)
+        assert table.row_count > table.region.height  # every binding, by scrolling
+
+
+async def test_a_long_paste_is_folded_in_the_transcript_and_sent_whole(make_app, engine):
+    from tierchat.tui.widgets.transcript import FOLD_SHOWN
+
+    pasted = "\n".join(f"line {i}" for i in range(300))
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, pasted)
+        await settle(pilot)
+        user = [v for v in app.screen.query_one(Transcript).views if v.info.role == "user"][0]
+        rows = rows_of(app, user.query_one(".message-body"))
+        assert rows[:FOLD_SHOWN] == [f"line {i}" for i in range(FOLD_SHOWN)]
+        assert rows[FOLD_SHOWN] == f"… {300 - FOLD_SHOWN} more lines (v shows the whole message)"
+        assert len(rows) == FOLD_SHOWN + 1
+        assert user.text == pasted  # copy and raw view take the whole message
+        assert engine.tokenizer.decode(engine.requests[-1].prompt_ids).count("line ") == 300
+
+
+async def test_messages_show_when_they_were_written(make_app):
+    from tierchat.tui.widgets.conversation_list import fmt_when
+    from tui_kit import fixed_clock
+
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "what time is it?")
+        await settle(pilot)
+        user, reply = views(app)
+        when = fmt_when(fixed_clock())
+        assert str(user.query_one(".role").render()) == f"you · {when}"
+        assert str(reply.query_one(".role").render()) == f"assistant · demo · {when}"

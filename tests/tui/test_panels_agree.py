@@ -53,8 +53,10 @@ async def agree(pilot, engine) -> tuple:
             tails += int(m[2] or 0)
     assert (blocks, tails) == (s.hot.evictions, s.tails.evictions)
     evicted = s.hot.evictions + s.tails.evictions
-    assert text_of(panels, "#hot-counters") == (
-        f"hits {s.hot.hits} · misses {s.hot.misses} · evicted {evicted}"
+    assert text_of(panels, "#hot-counters") == (f"entries used {s.hot.hits} · evicted {evicted}")
+    lk = s.lookups
+    assert text_of(panels, "#hits-rate") == (
+        f"hit rate {lk.hit_rate:.0%} ({lk.hits}/{lk.lookups} turns) · cold {lk.cold}"
     )
     assert text_of(panels, "#hot-size").endswith(f"· {s.hot.entries} entries")
     assert text_of(panels, "#hot-resident").startswith(f"resident {s.resident.tokens:,} tok")

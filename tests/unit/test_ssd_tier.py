@@ -190,6 +190,39 @@ def test_cap_evicts_least_recently_used_at_put(tier, tmp_path):
     assert not ssd._path(e2.id).exists()
 
 
+def test_cap_evicts_chains_from_their_ends_least_recent_chain_first(tier, tmp_path):
+    """Two chains a0 <- a1 <- a2 and b0 <- b1 <- b2, written in that order (so the roots
+    are the least recently used entries): the cap evicts a2, a1, a0 before any b block,
+    and never a block whose descendants stay (a restore walks from the root)."""
+    probe = SSDTier(tmp_path / "probe", FP, 1 << 30)
+    probe.put(entry(0))
+    probe.close()
+    one = probe.nbytes
+    ssd = tier(max_bytes=6 * one + one // 2)  # room for six entries
+    chains = []
+    for first in (0, 10):
+        parent, chain = None, []
+        for i in range(first, first + 3):
+            chain.append(entry(i, parent=parent))
+            parent = chain[-1].id
+        chains.append(chain)
+        ssd.put_many(chain)
+    a, b = chains
+    assert ssd.evictions == 0
+    a_bytes = sum(ssd.meta(x.id).nbytes for x in a)
+    c = entry(20)  # a third chain: one eviction, the end of the least recent chain
+    ssd.put(c)
+    assert a[2].id not in ssd and {a[0].id, a[1].id} <= set(ssd._index)
+    c1 = entry(21, parent=c.id)
+    ssd.put(c1)
+    ssd.put(entry(22, parent=c1.id))
+    kept = set(ssd._index)
+    assert not {a[0].id, a[1].id, a[2].id} & kept and {x.id for x in b} <= kept
+    for meta in ssd._index.values():  # every entry kept is reachable from the root
+        assert meta.parent == root_id(FP) or meta.parent in kept
+    assert ssd.evictions == 3 and ssd.evicted_bytes == a_bytes
+
+
 def test_shape_mismatch_is_a_miss_and_removes_the_file(tier):
     ssd = tier()
     e = entry(1)

@@ -61,7 +61,7 @@ def test_every_user_formats_sizes_through_core_units():
 
     assert not hasattr(memory, "format_bytes")
     assert not hasattr(config, "format_size")
-    assert not hasattr(tui_format, "fmt_bytes")
+    assert getattr(tui_format, "fmt_bytes", fmt_bytes) is fmt_bytes  # imported, not its own
     assert memory.fmt_bytes is fmt_bytes
 
 
@@ -69,6 +69,7 @@ def test_refusal_and_cli_print_sizes_in_the_same_form():
     from types import SimpleNamespace
 
     from tierchat.cli.chat import stats_lines
+    from tierchat.core.api import LookupStats
     from tierchat.core.memory.prefill import PrefillRefused
 
     err = PrefillRefused(estimate_bytes=3 << 30, limit_bytes=2 << 30, chunk_tokens=512)
@@ -79,5 +80,6 @@ def test_refusal_and_cli_print_sizes_in_the_same_form():
         hot=SimpleNamespace(**tier, evictions=0),
         ssd=SimpleNamespace(**tier, enabled=True, reason=""),
         tails=SimpleNamespace(entries=0, hits=0, checkpoint_hits=0),
+        lookups=LookupStats(),
     )
     assert "3.0 GiB of 4.0 GiB" in stats_lines(stats)

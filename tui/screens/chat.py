@@ -114,6 +114,10 @@ class ChatScreen(ChatTools):
         Binding("escape", "stop", "Stop", id="stop", priority=True),
         Binding("ctrl+c", "stop", "Stop", id="interrupt", show=False, priority=True),
         Binding("ctrl+r", "regenerate", "Regenerate", id="regenerate"),
+        # priority: the terminal sends Alt+C as ESC c, a printable "c" the input would take
+        Binding(
+            "alt+c", "continue_reply", "Continue", id="continue_reply", show=False, priority=True
+        ),
         Binding("alt+left", "swipe(-1)", "Prev branch", id="swipe_prev"),
         Binding("alt+right", "swipe(1)", "Next branch", id="swipe_next"),
         Binding("alt+up", "select(-1)", "Messages", id="select_prev"),
@@ -205,6 +209,7 @@ class ChatScreen(ChatTools):
 
     def on_mount(self) -> None:
         self._fit_width(self.app.size.width)
+        self.query_one(ChatInput).prompt_history = self._prompt_history
         cache_dir = getattr(self.tierchat.settings, "cache_dir", None)
         if cache_dir is not None:
             self._status = StatusWriter(Path(cache_dir), process="TUI")
@@ -218,6 +223,11 @@ class ChatScreen(ChatTools):
         self.poll_stats()
         if not self.tierchat.engine.model_name:
             self.load_model(self.tierchat.settings.model)
+
+    def _prompt_history(self) -> list[str]:
+        """What ↑ recalls in the input: the user messages of the open conversation's
+        active path, oldest first."""
+        return [i.content for i in self.path_infos() if i.role == "user" and i.node_id]
 
     def watch_loading_model(self, spec: str) -> None:
         # the engine has no cache while it loads: the panels say "loading", not "off"
@@ -317,9 +327,12 @@ class ChatScreen(ChatTools):
         if action == "stop":
             return True if self.streaming else None
         if action == "regenerate":
-            views = self._views()
-            ok = not busy and bool(views) and views[-1].info.role in ("user", "assistant")
-            return True if ok and views[-1].info.node_id is not None else None
+            target = self._regenerate_target()
+            ok = not busy and target is not None and target.info.turn >= 0
+            return True if ok else None
+        if action == "continue_reply":
+            target = self._continue_target()
+            return True if not busy and target is not None else None
         if action == "swipe":
             target = self._branch_target()
             if busy or target is None:
@@ -337,9 +350,9 @@ class ChatScreen(ChatTools):
             return True if ok else None
         if action == "copy":
             return True if self._target() is not None else None
-        if action == "toggle_reasoning":
+        if action == "toggle_reasoning":  # a reply without reasoning says so
             target = self._target()
-            return True if target is not None and target.has_reasoning else None
+            return True if target is not None and target.info.role == "assistant" else None
         if action in ("rename_conversation", "delete_conversation", "export"):
             return True if self.conversation_id is not None and not self.streaming else None
         if action in ("new_conversation", "open_conversation", "conversation_settings"):
@@ -386,6 +399,8 @@ class ChatScreen(ChatTools):
         self.sync_transcript()
         self.refresh_conversations()
         self._update_titles()
+        self.query_one(ChatInput).forget_recall()
+        self.draft_meter.changed()
 
     def action_open_conversation(self, conversation_id: int) -> None:
         self.open_conversation(conversation_id)
@@ -430,7 +445,8 @@ class ChatScreen(ChatTools):
 
     def action_delete_conversation(self) -> None:
         listing = self.query_one(ConversationList)
-        cid = listing.highlighted_id if listing.has_focus else self.conversation_id
+        from_list = listing.has_focus
+        cid = listing.highlighted_id if from_list else self.conversation_id
         if cid is None:
             return
         info = self.tierchat.store.get_conversation(cid)
@@ -439,14 +455,17 @@ class ChatScreen(ChatTools):
         def done(confirmed: bool | None) -> None:
             if not confirmed:
                 return
-            store = self.tierchat.store
-            ok, _ = self.attempt("Delete failed", lambda: store.delete_conversation(cid))
+            trash = self.tierchat.trash
+            ok, _ = self.attempt("Delete failed", lambda: trash.delete_conversation(cid))
             if not ok:
                 return
             if cid == self.conversation_id:
                 self.action_new_conversation()
             self.refresh_conversations()
-            self.notify(f"Deleted “{title}”")
+            self.refresh_bindings()
+            if from_list:  # u there brings it back
+                listing.focus()
+            self.notify(f"Deleted “{title}”; u undoes it (the list or the messages).")
 
         body = f"“{title}” and every branch in it will be deleted from the store."
         self.app.push_screen(
@@ -614,23 +633,73 @@ class ChatScreen(ChatTools):
         if self.loading_model:
             self.notify(f"{self.loading_model} is still loading.", severity="warning")
             return
+        if not self.tierchat.engine.model_name:  # before a conversation is made for it
+            self.notify(
+                "no model is loaded: F4 picks one; your message stays in the input.",
+                title="Cannot generate",
+                severity="error",
+            )
+            return
         if not self._ensure_conversation(event.text):
             return
         session = self.tierchat.session
         if await self.turns.start(lambda cb: session.send(event.text, on_event=cb)):
             self.query_one(ChatInput).clear()
 
+    def _regenerate_target(self) -> MessageView | None:
+        """The message whose user turn a regenerate answers again: the one under the
+        cursor (a reply or its user message), else the last message."""
+        views = self._views()
+        if self.selected is not None and 0 <= self.selected < len(views):
+            view = views[self.selected]
+            if view.info.node_id is not None and view.info.role in ("user", "assistant"):
+                return view
+            return None
+        if views and views[-1].info.role in ("user", "assistant") and views[-1].info.node_id:
+            return views[-1]
+        return None
+
     async def action_regenerate(self) -> None:
+        """A new reply to the user turn of the message under the cursor (from the input:
+        the last one), a sibling of the reply shown there; its prompt ends at that user
+        message."""
+        target = self._regenerate_target()
+        if target is None or target.info.turn < 0:
+            return
         session = self.tierchat.session
         settings = session.settings()
-        views = self._views()
-        if settings.temperature == 0 and views and views[-1].info.role == "assistant":
+        turn = target.info.turn
+        if settings.temperature == 0 and target.info.role == "assistant":
+            swipe = settings.swipe_temperature
             self.notify(
-                "Temperature is 0 (greedy): the new reply will match the old one. F9 sets "
-                "a temperature for this conversation.",
+                f"Temperature is 0: this regenerate samples at the swipe temperature {swipe:g} "
+                "(F9 sets both)."
+                if swipe > 0
+                else "Temperature and swipe temperature are 0 (greedy): the new reply will "
+                "match the old one. F9 sets them for this conversation.",
                 timeout=5,
             )
-        await self.turns.start(lambda cb: session.regenerate(on_event=cb))
+        await self.turns.start(lambda cb: session.regenerate(turn=turn, on_event=cb))
+        self.focus_input()
+
+    def _continue_target(self) -> MessageView | None:
+        """The reply a continue extends: the one under the cursor, else the last one;
+        only a reply cut at max tokens or stopped, made by the loaded model."""
+        target = self._regenerate_target()
+        if target is None or target.info.role != "assistant" or target.info.node_id is None:
+            return None
+        metrics = target.info.metrics
+        cut = metrics is not None and metrics.finish_reason in ("length", "cancelled")
+        return target if cut and target.info.model == self.tierchat.engine.model_name else None
+
+    async def action_continue_reply(self) -> None:
+        """Generate more of a cut reply: its prompt + its ids, all in the resident cache
+        (nothing prefilled); the whole reply becomes a new sibling (the cut one stays)."""
+        target = self._continue_target()
+        if target is None:
+            return
+        node_id, session = target.info.node_id, self.tierchat.session
+        await self.turns.start(lambda cb: session.continue_reply(node_id, on_event=cb))
         self.focus_input()
 
     def action_edit(self) -> None:
@@ -668,11 +737,13 @@ class ChatScreen(ChatTools):
         await self.turns.failed(event)
 
     def turn_ended(self) -> None:
-        """After a reply finished or failed: refresh the list, the keys and the panels."""
+        """After a reply finished or failed: refresh the list, the keys, the panels and
+        the context the input's border shows."""
         self.refresh_conversations()
         self._show_selection()
         self.refresh_bindings()
         self.poll_stats()
+        self.draft_meter.changed()
 
     # ------------------------------------------------------------------ branches
 
@@ -724,8 +795,12 @@ class ChatScreen(ChatTools):
 
     def action_toggle_reasoning(self) -> None:
         target = self._target()
-        if target is not None:
-            target.toggle_reasoning()
+        if target is None:
+            return
+        if not target.has_reasoning:
+            self.notify("This reply has no reasoning (<think>…</think>) to show.", timeout=3)
+            return
+        target.toggle_reasoning()
 
     def action_export(self, fmt: str = "md", scope: str = "path") -> None:
         """Write the open conversation (active path or whole tree) under the data dir."""

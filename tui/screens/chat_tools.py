@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from textual import on
+from textual import on, work
 from textual.app import SuspendNotSupported
 from textual.binding import Binding, BindingType
 from textual.screen import Screen
@@ -27,6 +27,7 @@ from textual.widgets import TextArea
 from tierchat.core.chat.code_blocks import CodeBlock, fenced_blocks
 from tierchat.core.chat.editor import EditorError, edit_text
 from tierchat.core.chat.importer import read_export
+from tierchat.core.chat.verify import VerifyReport, verify_reply
 from tierchat.tui.draft_meter import DraftMeter
 from tierchat.tui.screens.code_blocks import CodeBlocksScreen, block_label
 from tierchat.tui.screens.confirm import ConfirmScreen
@@ -81,12 +82,18 @@ class ChatTools(Screen):
         chat = self.chat
         if action == "raw_message":
             return True if self._message_target() is not None else None
+        if action == "verify_turn":
+            target = self._message_target()
+            ok = not chat.streaming and target is not None and target.info.role == "assistant"
+            return True if ok else None
         if action == "copy_code":
             target = self._message_target()
             return True if target is not None and fenced_blocks(target.text) else None
         if action in ("delete_message", "delete_branch"):
             ok = not chat.streaming and self._message_target() is not None
             return True if ok else None
+        if action == "undo_delete":
+            return True if not chat.streaming and len(chat.tierchat.trash) else None
         if action == "open_found":
             return None if chat.streaming else True
         if action == "import_conversation":
@@ -179,6 +186,31 @@ class ChatTools(Screen):
         title = f"Raw text · {ROLE_NAMES.get(node.role, node.role)} message"
         self.app.push_screen(RawMessageScreen(node.content, title))
 
+    def action_verify_turn(self) -> None:
+        """Verify the selected reply against cold (core/chat/verify.py) on a thread: the
+        report goes to the reply's row (stored with it), a notification and the events."""
+        target = self._message_target()
+        if target is None or target.info.role != "assistant" or not target.info.node_id:
+            self.notify("Select a reply to verify", severity="warning")
+            return
+        self.notify("Recomputing the reply with no cache, twice…", title="Verify against cold")
+        self._verify(target.info.node_id)
+
+    @work(thread=True, group="verify", exclusive=True)
+    def _verify(self, node_id: int) -> None:
+        try:
+            report = verify_reply(self.chat.tierchat.session, node_id)
+        except Exception as e:  # noqa: BLE001 - reported on the UI thread
+            text = str(e) or type(e).__name__
+            self.app.call_from_thread(self.notify, text, title="Verify failed", severity="error")
+            return
+        self.app.call_from_thread(self._verified, report)
+
+    def _verified(self, report: VerifyReport) -> None:
+        self.notify(report.describe(), title="Verify against cold")
+        self.chat.sync_transcript()
+        self.chat.poll_stats()
+
     def action_copy_code(self) -> None:
         """Copy one fenced code block of the message under the cursor: at once when it
         has one, else from a list."""
@@ -231,8 +263,9 @@ class ChatTools(Screen):
                 body += " Two messages of one role will then follow each other."
         else:
             body = f"{who.capitalize()} message is deleted (it is the last of its branch)."
+        trash = self.chat.tierchat.trash
         self._confirm_delete(
-            "Delete message?", body, lambda: store.delete_message(node_id), "Deleted the message."
+            "Delete message?", body, lambda: trash.delete_message(node_id), "Deleted the message."
         )
 
     def action_delete_branch(self) -> None:
@@ -241,7 +274,7 @@ class ChatTools(Screen):
         if asked is None:
             return
         target, size = asked
-        store, node_id = self.chat.tierchat.store, target.info.node_id
+        node_id = target.info.node_id
         who = ROLE_NAMES.get(target.info.role, target.info.role)
         after = size - 1
         body = (
@@ -251,7 +284,8 @@ class ChatTools(Screen):
             else f"{who.capitalize()} message is deleted (nothing follows it)."
         )
         note = f"Deleted {size} message{'s' if size != 1 else ''}."
-        self._confirm_delete("Delete branch?", body, lambda: store.delete_subtree(node_id), note)
+        trash = self.chat.tierchat.trash
+        self._confirm_delete("Delete branch?", body, lambda: trash.delete_branch(node_id), note)
 
     def _confirm_delete(self, title: str, body: str, delete: Callable[[], Any], note: str) -> None:
         """Ask ``title``/``body`` in a :class:`ConfirmScreen`; on Delete, run ``delete()``
@@ -276,7 +310,19 @@ class ChatTools(Screen):
         chat._show_selection()
         chat.refresh_conversations()
         chat.refresh_bindings()
-        self.notify(note, timeout=3)
+        self.notify(f"{note} u on the messages undoes it.", timeout=4)
+
+    async def action_undo_delete(self) -> None:
+        """Put the newest deletion of this session back (core/chat/trash.py)."""
+        chat = self.chat
+        ok, got = chat.attempt("Cannot undo", chat.tierchat.trash.restore)
+        if not ok or got is None:
+            return
+        item, cid, _node = got
+        chat.open_conversation(cid)
+        chat.refresh_conversations()
+        chat.refresh_bindings()
+        self.notify(f"Restored {item.label}.", title="Undo delete", timeout=3)
 
     # ------------------------------------------------------------------ the input
 

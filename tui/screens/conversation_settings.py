@@ -1,4 +1,5 @@
-"""Per-conversation settings: system prompt, temperature, top-p, max tokens and seed.
+"""Per-conversation settings: system prompt, sampling (temperature, swipe temperature,
+top-p, top-k, min-p, repetition penalty, stop strings), max tokens and seed.
 
 Saved in the store with the conversation (``ChatSession.save_settings``). A new
 conversation starts from the config file's ``temperature``, ``top_p``, ``max_tokens`` and
@@ -21,6 +22,17 @@ from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Static, TextArea
 from tierchat.core.chat.session import ConversationSettings
+
+
+def format_stops(stops: tuple[str, ...]) -> str:
+    """Stop strings as the form shows them: ``|`` between, a line break as ``\\n``."""
+    return " | ".join(s.replace("\n", "\\n") for s in stops)
+
+
+def parse_stops(text: str) -> tuple[str, ...]:
+    """The form's stop strings: split at ``|``, ends stripped, ``\\n`` a line break."""
+    parts = (p.strip().replace("\\n", "\n") for p in text.split("|"))
+    return tuple(p for p in parts if p)
 
 
 class ConversationSettingsScreen(ModalScreen[ConversationSettings | None]):
@@ -56,14 +68,24 @@ class ConversationSettingsScreen(ModalScreen[ConversationSettings | None]):
             yield TextArea(s.system, id="system", soft_wrap=True, tab_behavior="focus")
             yield Static("", id="reuse-note", markup=False)
             with Grid(id="numbers"):
-                yield Label("Temperature (0 = greedy)")
+                yield Label("Temperature (0 greedy)")
                 yield Input(f"{s.temperature:g}", id="temperature", type="number")
-                yield Label("Top-p")
+                yield Label("Swipe temperature")
+                yield Input(f"{s.swipe_temperature:g}", id="swipe_temperature", type="number")
+                yield Label("Top-p (1 off)")
                 yield Input(f"{s.top_p:g}", id="top_p", type="number")
+                yield Label("Top-k (0 off)")
+                yield Input(str(s.top_k), id="top_k", type="integer")
+                yield Label("Min-p (0 off)")
+                yield Input(f"{s.min_p:g}", id="min_p", type="number")
+                yield Label("Repetition penalty")
+                yield Input(f"{s.repetition_penalty:g}", id="repetition_penalty", type="number")
                 yield Label("Max tokens")
                 yield Input(str(s.max_tokens), id="max_tokens", type="integer")
-                yield Label("Seed (empty = unseeded)")
+                yield Label("Seed (empty: none)")
                 yield Input("" if s.seed is None else str(s.seed), id="seed", type="integer")
+            yield Label("Stop strings (separated by |, \\n for a line break)")
+            yield Input(format_stops(s.stop), id="stop")
             yield Static("", id="error", markup=False)
             default = (
                 f" · new conversations start at temperature {self.default_temperature:g} "
@@ -72,8 +94,9 @@ class ConversationSettingsScreen(ModalScreen[ConversationSettings | None]):
                 else ""
             )
             yield Static(
-                "Ctrl+S save · Esc cancel · at temperature > 0 each regenerate samples anew "
-                f"(seed + reply number){default}",
+                "Ctrl+S save · Esc cancel · each regenerate samples anew (seed + reply "
+                "number) at the temperature, or at the swipe temperature while it is 0"
+                f"{default}",
                 classes="hint",
                 markup=False,
             )
@@ -108,17 +131,37 @@ class ConversationSettingsScreen(ModalScreen[ConversationSettings | None]):
 
         try:
             temperature = float(value("temperature") or 0)
+            swipe = float(value("swipe_temperature") or 0)
             top_p = float(value("top_p") or 1)
+            min_p = float(value("min_p") or 0)
+            penalty = float(value("repetition_penalty") or 1)
+        except ValueError:
+            raise ValueError(
+                "temperatures, top-p, min-p and the repetition penalty are numbers"
+            ) from None
+        try:
+            top_k = int(value("top_k") or 0)
             max_tokens = int(value("max_tokens"))
         except ValueError:
-            raise ValueError("temperature and top-p are numbers, max tokens an integer") from None
+            raise ValueError("top-k and max tokens are integers") from None
         seed_text = value("seed")
         try:
             seed = int(seed_text) if seed_text else None
         except ValueError:
             raise ValueError("the seed is an integer (or empty)") from None
         system = self.query_one("#system", TextArea).text.strip()
-        return ConversationSettings(system, temperature, top_p, max_tokens, seed).checked()
+        return ConversationSettings(
+            system,
+            temperature,
+            top_p,
+            max_tokens,
+            seed,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=penalty,
+            stop=parse_stops(self.query_one("#stop", Input).value),
+            swipe_temperature=swipe,
+        ).checked()
 
     @dataclass
     class SaveRequest(Message):

@@ -17,7 +17,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
 from textual.reactive import reactive
 from textual.widgets import DataTable, ProgressBar, RichLog, Static
-from tierchat.core.api import CacheStats, MemoryStats, TailStats, TierStats
+from tierchat.core.api import CacheStats, LookupStats, MemoryStats, TailStats, TierStats, WearStats
 from tierchat.core.units import fmt_bytes, fmt_count, fmt_seconds
 from tierchat.tui.format import fmt_cached_by, fmt_cached_kind, fmt_rate
 
@@ -121,6 +121,8 @@ class TierPanel(Panel):
         yield Static("", classes="line when-on", id=f"{self.tier}-counters", markup=False)
         if self.tier == "hot":
             yield Static("", classes="line when-on", id="hot-resident", markup=False)
+        else:
+            yield Static("", classes="line when-on", id="ssd-writes", markup=False)
 
     def show(self, stats: CacheStats, loading: str = "") -> None:
         t: TierStats = getattr(stats, self.tier)
@@ -140,8 +142,10 @@ class TierPanel(Panel):
             # resident cache (the last request's, reused in place) is RAM too, counted apart.
             # Evicted: every entry the tier dropped, blocks (hot.evictions) and tails and
             # checkpoints (tails.evictions), as the Events log counts them.
+            # Per-block misses are left out here: a turn served from the resident cache
+            # misses every block it never looked up. Turn-level hits: the Hits panel.
             evicted = t.evictions + stats.tails.evictions
-            counters = f"hits {t.hits} · misses {t.misses} · evicted {evicted}"
+            counters = f"entries used {t.hits} · evicted {evicted}"
             r = getattr(stats, "resident", None)
             if r is not None:
                 self.query_one("#hot-resident", Static).update(
@@ -149,14 +153,59 @@ class TierPanel(Panel):
                 )
         else:
             counters = (
-                f"hits {t.hits} · queue {t.queue_depth} · errors {t.errors} · drops {t.write_drops}"
+                f"read {t.hits} · queue {t.queue_depth} · errors {t.errors} · drops {t.write_drops}"
             )
             if t.corrupt:
                 counters += f" · corrupt {t.corrupt}"
+            self.query_one("#ssd-writes", Static).update(fmt_wear(stats.wear))
         self.query_one(f"#{self.tier}-counters", Static).update(counters)
 
 
+def fmt_wear(w: WearStats) -> str:
+    """The SSD panel's line of bytes written (docs/DESIGN.md §8.6): this session, in
+    total, the last 24 hours against the budget, and what admission deferred or skipped."""
+    day = fmt_bytes(w.day_bytes) + (f"/{fmt_bytes(w.budget_bytes)}" if w.budget_bytes else "")
+    line = f"written {fmt_bytes(w.session_bytes)} · total {fmt_bytes(w.total_bytes)} · 24 h {day}"
+    if w.deferred:
+        line += f" · deferred {w.deferred}"
+    if w.skipped:
+        line += f" · skipped {w.skipped} ({fmt_bytes(w.skipped_bytes)})"
+    if w.budget_skips:
+        line += f" · over budget {w.budget_skips}"
+    return line
+
+
 SPARK_BARS = "▁▂▃▄▅▆▇█"
+
+
+def fmt_lookups(lk: LookupStats) -> tuple[str, str]:
+    """Two lines: the hit rate over turns, and where the hits came from."""
+    if not lk.lookups:
+        return "no turn yet", ""
+    rate = f"hit rate {lk.hit_rate:.0%} ({lk.hits}/{lk.lookups} turns) · cold {lk.cold}"
+    split = f"resident {lk.resident} · hot {lk.hot} · SSD {lk.ssd} · via tail {lk.tail}"
+    return rate, split
+
+
+class HitsPanel(Panel):
+    """Turns by where their cached prefix came from: every kind of hit (resident, hot
+    entries, SSD, tails) against cold turns, one count per turn (not per block)."""
+
+    TITLE = "Hits"
+
+    def compose(self) -> ComposeResult:
+        yield Static("", classes="na", markup=False)
+        yield Static("", classes="line when-on", id="hits-rate", markup=False)
+        yield Static("", classes="line when-on", id="hits-split", markup=False)
+
+    def show(self, stats: CacheStats) -> None:
+        if stats.supported is False or not stats.enabled:
+            self.set_off(stats.reason or "caching off")
+            return
+        self.set_off(None)
+        rate, split = fmt_lookups(stats.lookups)
+        self.query_one("#hits-rate", Static).update(rate)
+        self.query_one("#hits-split", Static).update(split)
 
 
 class RateSparkline(Static):
@@ -304,6 +353,7 @@ class EventsPanel(Panel):
     def __init__(self, *, clock: Clock | None = None) -> None:
         super().__init__(clock=clock, id="events-panel")
         self._last_seq = 0
+        self._model = ""
 
     def compose(self) -> ComposeResult:
         # wrap: an event line is never cut off. min_width=1: RichLog renders a line at
@@ -314,6 +364,11 @@ class EventsPanel(Panel):
         yield log
 
     def show(self, stats: CacheStats) -> None:
+        newest = stats.events[-1][0] if stats.events else 0
+        if (stats.model and stats.model != self._model) or newest < self._last_seq:
+            # a model load makes a new cache: its events restart, as its counters do
+            self._model, self._last_seq = stats.model, 0
+            self.query_one(RichLog).clear()
         fresh = [(seq, text) for seq, text in stats.events if seq > self._last_seq]
         if fresh:
             self._last_seq = fresh[-1][0]
@@ -324,7 +379,7 @@ class EventsPanel(Panel):
 
 
 def cache_summary(stats: CacheStats | None, loading: str = "") -> str:
-    """The panels in one line, for narrow terminals: hot and SSD use, tail hit rate, the
+    """The panels in one line, for narrow terminals: hot and SSD use, turn hit rate, the
     last turn's reuse and TTFT, memory pressure. ``loading``: the model being loaded."""
     if loading:
         return f"cache (F2): loading {loading}…"
@@ -342,7 +397,8 @@ def cache_summary(stats: CacheStats | None, loading: str = "") -> str:
     return (
         f"cache (F2): {last} · hot {fmt_bytes(stats.hot.nbytes)}/{stats.hot.entries} · "
         f"SSD {fmt_bytes(stats.ssd.nbytes)}/{stats.ssd.entries} · "
-        f"tails {stats.tails.hit_rate:.0%} hit · memory {stats.memory.level}"
+        f"hit {stats.lookups.hit_rate:.0%} of {stats.lookups.lookups} turns · "
+        f"memory {stats.memory.level}"
     )
 
 
@@ -393,6 +449,7 @@ class CachePanels(VerticalScroll):
         yield Static("cache: waiting for the engine…", id="cache-model", markup=False)
         yield RanksPanel(clock=self._clock, id="ranks-panel")  # several ranks only
         yield MemoryPanel(clock=self._clock, id="memory-panel")
+        yield HitsPanel(clock=self._clock, id="hits-panel")
         yield TierPanel("hot", "Hot tier (RAM)", clock=self._clock)
         yield TierPanel("ssd", "SSD tier", clock=self._clock)
         yield TailsPanel(clock=self._clock)

@@ -10,10 +10,14 @@ reaches the TextArea later, through the input's own message queue. So "hi" + Ent
 one terminal read (tmux, expect scripts, a fast typist) would run the send binding before
 "h" and "i" are in the text. The send action therefore only queues a :class:`SendRequest`
 to the input itself, behind the characters; its handler reads the text.
+
+History: ↑ on the first line recalls the previous prompt (the user messages the screen's
+``prompt_history`` gives, oldest first), ↓ on the last line the next, then the draft again.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -55,7 +59,14 @@ class ChatInput(TextArea):
             show=False,  # the placeholder names the keys; the footer keeps its room
         ),
         Binding("escape", "screen.select(-1)", "Messages", id="to_messages", show=False),
+        # on the first (last) line, ↑ (↓) recall earlier (later) prompts; elsewhere they
+        # move the cursor as in any TextArea
+        Binding("up", "recall(-1)", "Earlier prompt", id="recall_prev", show=False),
+        Binding("down", "recall(1)", "Later prompt", id="recall_next", show=False),
     ]
+
+    prompt_history: Callable[[], list[str]] | None = None
+    """The prompts ↑ walks back through, oldest first (set by the screen)."""
 
     @dataclass
     class SendRequest(Message):
@@ -79,6 +90,34 @@ class ChatInput(TextArea):
     def on_mount(self) -> None:
         # Headless runs (tests, screenshots) must render the same frame every time.
         self.cursor_blink = not self.app.is_headless
+        self._recalled: list[str] | None = None  # the history while recalling
+        self._recall_at = 0  # index into it; len() is the draft
+        self._draft = ""
+
+    def action_recall(self, delta: int) -> None:
+        """↑/↓ at the first/last line: the previous/next prompt of :attr:`prompt_history` (the
+        draft typed before comes back after the newest); elsewhere, a cursor move."""
+        row = self.cursor_location[0]
+        edge = row == 0 if delta < 0 else row == self.document.line_count - 1
+        if not edge or (self._recalled is None and delta > 0) or self.prompt_history is None:
+            (self.action_cursor_up if delta < 0 else self.action_cursor_down)()
+            return
+        if self._recalled is None:
+            self._recalled = [t for t in self.prompt_history() if t.strip()]
+            self._recall_at, self._draft = len(self._recalled), self.text
+        at = self._recall_at + delta
+        if not 0 <= at <= len(self._recalled):
+            return
+        self._recall_at = at
+        text = self._recalled[at] if at < len(self._recalled) else self._draft
+        if at == len(self._recalled):
+            self._recalled = None  # back at the draft: typing ends the walk
+        self.load_text(text)
+        self.move_cursor(self.document.end if delta > 0 else (0, len(text.split("\n")[0])))
+
+    def forget_recall(self) -> None:
+        """Typing or sending ends a walk through the history."""
+        self._recalled = None
 
     def action_send(self) -> None:
         self.post_message(self.SendRequest())
@@ -91,6 +130,7 @@ class ChatInput(TextArea):
         event.stop()
         text = self.text.strip()
         if text:
+            self.forget_recall()
             self.post_message(MessageSubmitted(text))
 
     @on(NewlineRequest)

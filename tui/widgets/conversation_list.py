@@ -50,6 +50,7 @@ class ConversationList(OptionList):
 
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("delete", "screen.delete_conversation", "Delete", id="delete_conversation"),
+        Binding("u", "screen.undo_delete", "Undo delete", id="undo_delete_list", show=False),
     ]
 
     def __init__(self, *, id: str | None = None) -> None:

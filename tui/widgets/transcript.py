@@ -24,8 +24,9 @@ from textual.events import Click
 from textual.widgets import Collapsible, Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 from tierchat.core.api import TurnMetrics
-from tierchat.tui.format import fmt_metrics, metrics_from_meta, split_think
+from tierchat.tui.format import fmt_metrics, metrics_from_meta, split_think, verify_line
 from tierchat.tui.messages import BranchRequested, MessageClicked, TypedInTranscript
+from tierchat.tui.widgets.conversation_list import fmt_when
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,23 @@ class MessageInfo:
     count: int = 1
     metrics: TurnMetrics | None = None
     model: str = ""
+    verify: str = ""  # the reply verified against cold (core/chat/verify.py), one line
+    created_at: float = 0.0  # epoch seconds; 0: not stored yet (a streaming reply)
+
+
+FOLD_LINES = 16
+"""A user or system message longer than this many lines shows its first FOLD_SHOWN."""
+FOLD_SHOWN = 8
+
+
+def fold_long(text: str) -> str:
+    """``text``, or for a long paste its first :data:`FOLD_SHOWN` lines and a line saying
+    how many more there are (``v`` shows the whole message; the model sees all of it)."""
+    lines = text.split("\n")
+    if len(lines) <= FOLD_LINES:
+        return text
+    more = len(lines) - FOLD_SHOWN
+    return "\n".join(lines[:FOLD_SHOWN]) + f"\n… {more:,} more lines (v shows the whole message)"
 
 
 def message_infos(entries: Sequence[Any], system: str | None = None) -> list[MessageInfo]:
@@ -55,7 +73,12 @@ def message_infos(entries: Sequence[Any], system: str | None = None) -> list[Mes
         node = entry.node
         if node.role == "user":
             turn += 1
-            infos.append(MessageInfo(node.id, "user", node.content, turn, entry.index, entry.count))
+            infos.append(
+                MessageInfo(
+                    node.id, "user", node.content, turn, entry.index, entry.count,
+                    created_at=node.created_at,
+                )
+            )  # fmt: skip
         elif node.role == "assistant":
             meta = node.meta or {}
             infos.append(
@@ -68,6 +91,8 @@ def message_infos(entries: Sequence[Any], system: str | None = None) -> list[Mes
                     entry.count,
                     metrics=metrics_from_meta(meta),
                     model=str(meta.get("model", "")),
+                    verify=verify_line(meta),
+                    created_at=node.created_at,
                 )
             )
         elif system != "":
@@ -177,7 +202,7 @@ class MessageView(Vertical):
                 answer or ("…" if self.has_class("-streaming") else ""), classes="message-body"
             )
         else:
-            yield Static(answer, classes="message-body", markup=False)
+            yield Static(fold_long(answer), classes="message-body", markup=False)
         if self.info.role in ("user", "assistant"):
             yield BranchBar(self.info.node_id, classes="branch-bar")
         if self.info.role == "assistant":
@@ -228,11 +253,13 @@ class MessageView(Vertical):
         self.post_message(MessageClicked(self))
 
     def _role_line(self) -> str:
+        when = f" · {fmt_when(self.info.created_at)}" if self.info.created_at else ""
         if self.info.role == "user":
-            return "you"
+            return f"you{when}"
         if self.info.role == "system":
             return "system prompt"
-        return f"assistant · {self.info.model}" if self.info.model else "assistant"
+        who = f"assistant · {self.info.model}" if self.info.model else "assistant"
+        return who + when
 
     def _refresh_bars(self, *, last_turn: bool) -> None:
         self._last_turn = last_turn
@@ -240,7 +267,9 @@ class MessageView(Vertical):
             self.query_one(BranchBar).show(self.info, last_turn=last_turn)
         if self.info.role == "assistant":
             metrics = self.info.metrics
-            self.query_one(".metrics", Static).update(fmt_metrics(metrics) if metrics else "")
+            lines = [fmt_metrics(metrics)] if metrics else []
+            lines += [self.info.verify] if self.info.verify else []
+            self.query_one(".metrics", Static).update("\n".join(lines))
 
     @property
     def markdown(self) -> Markdown:
@@ -262,7 +291,7 @@ class MessageView(Vertical):
     async def _show_content(self, content: str) -> None:
         reasoning, answer, closed = self._parts(content)
         if self.info.role != "assistant":
-            self.body.update(answer)
+            self.body.update(fold_long(answer))
             return
         await self._show_reasoning(reasoning, closed)
         await self.markdown.update(answer)
@@ -367,9 +396,11 @@ class Transcript(VerticalScroll):
         Binding("c", "screen.copy", "Copy", id="copy"),
         Binding("t", "screen.toggle_reasoning", "Reasoning", id="toggle_reasoning"),
         Binding("v", "screen.raw_message", "Raw text", id="raw_message", show=False),
+        Binding("V", "screen.verify_turn", "Verify vs cold", id="verify_turn", show=False),
         Binding("y", "screen.copy_code", "Copy code", id="copy_code", show=False),
         Binding("d", "screen.delete_message", "Delete", id="delete_message", show=False),
         Binding("D", "screen.delete_branch", "Delete branch", id="delete_branch", show=False),
+        Binding("u", "screen.undo_delete", "Undo delete", id="undo_delete", show=False),
         Binding("escape,enter,i", "screen.focus_input", "Type", id="msg_done"),
     ]
 

@@ -1,0 +1,161 @@
+"""Which committed entries the SSD tier writes, and when: admission by reuse.
+
+Writing every entry of every turn at once writes each token several times: a turn's prompt
+tail and its sequence end hold the same last partial block, and the next turn's tail and
+end hold it again, until the block fills (docs/DESIGN.md §8.6). Most of them are never read
+back: the next turn continues from the resident cache. So an entry committed to the hot
+tier is written to the SSD tier
+
+- **at once** when it is likely to be read again by another conversation or needed to
+  restore at all: a block of the system prompt, a message-boundary checkpoint (state
+  models restore only at a snapshot);
+- **when reused**: a restore read it from the hot tier, or a later prompt passed through it
+  again (:meth:`WritePolicy.hit`): a block already hit, a conversation the user returns to,
+  the same prompt regenerated;
+- **when RAM lets it go** (a hot eviction) **or at close**, unless it is *covered*: a longer
+  entry after the same block, on the SSD tier or about to be, starts with its tokens (a
+  turn's prompt tail, covered by its own sequence end; a sequence end, covered by the next
+  turn's). A covered entry is skipped, counted, never written; restores after a restart
+  still find its tokens in the entry that covers it. The newest prompt tail that kept its
+  first token's logprobs (§8.3) is never covered, so the last prompt regenerates after a
+  restart with no forward. A sequence end whose prompt a newer entry answers again (a
+  regenerated reply: :func:`replaced`) is skipped too: the prompt is kept by the newer one,
+  only the old reply's tokens would be computed again if the user went back to it.
+
+Deferred entries live in the hot tier meanwhile: a crash (not a close) loses them, never
+the blocks and checkpoints already written. Engine thread only.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from .blocks import KIND_BLOCK, KIND_BOUNDARY, KIND_SEQ, KIND_TAIL, Entry
+
+
+def covers(c: Any, t: Any) -> bool:
+    """Whether entry ``c`` (an ``Entry`` or the SSD tier's ``FileMeta``) holds every token
+    of ``t`` after the same block, with at least the layers ``t`` carries: then a restore
+    that would use ``t`` can use the first ``len(t.tokens)`` tokens of ``c``. An entry with
+    a state snapshot is covered by none (a snapshot is valid only at its own position)."""
+    n = len(t.tokens)
+    return (
+        c.id != t.id
+        and not t.snapshot
+        and c.parent == t.parent
+        and c.start == t.start
+        and len(c.tokens) > n
+        and tuple(c.tokens[:n]) == tuple(t.tokens)
+        and (c.window or not t.window)
+    )
+
+
+def replaced(c: Any, t: Entry) -> bool:
+    """Whether ``c`` holds all of the prompt that sequence end ``t`` answered (after the
+    same block): ``c`` is another reply to it (a regenerate) or continues a sibling."""
+    p = t.prompt_end - t.start
+    return (
+        t.kind == KIND_SEQ
+        and p > 0
+        and c.id != t.id
+        and not t.snapshot
+        and c.parent == t.parent
+        and c.start == t.start
+        and len(c.tokens) >= p
+        and tuple(c.tokens[:p]) == tuple(t.tokens[:p])
+        and tuple(c.tokens[: len(t.tokens)]) != tuple(t.tokens)
+    )
+
+
+class WritePolicy:
+    """Admission of committed entries to the SSD tier (see the module doc).
+
+    ``children``: the entries (hot ``Entry`` or SSD ``FileMeta``) after a parent id, for
+    :func:`covers`; ``enabled`` False admits every entry at once. Counters: ``deferred`` entries waiting (and their bytes), ``skipped``
+    entries dropped as covered (and their bytes of arrays), ``admitted`` entries handed
+    to the SSD tier by reason.
+    """
+
+    def __init__(self, children: Callable[[str], list[Any]], enabled: bool = True) -> None:
+        self._children = children
+        self.enabled = enabled  # False: every entry is written at once (write-through)
+        self._deferred: dict[str, Entry] = {}  # commit order
+        self._order: dict[str, int] = {}  # commit order of the deferred entries
+        self._seq = itertools.count()
+        self.newest_prompt_tail: str | None = None
+        self.skipped = self.skipped_bytes = 0
+        self.admitted: dict[str, int] = {"now": 0, "hit": 0, "evicted": 0, "close": 0}
+
+    @property
+    def deferred(self) -> int:
+        return len(self._deferred)
+
+    @property
+    def deferred_bytes(self) -> int:
+        return sum(e.nbytes for e in self._deferred.values())
+
+    def is_deferred(self, entry_id: str) -> bool:
+        return entry_id in self._deferred
+
+    def offer(self, e: Entry) -> bool:
+        """A committed entry: True to write it at the next persist, False when deferred."""
+        if e.kind == KIND_TAIL and e.logprobs:
+            self.newest_prompt_tail = e.id
+        urgent = (e.kind == KIND_BLOCK and e.role == "system") or e.kind == KIND_BOUNDARY
+        if urgent or not self.enabled:
+            self._deferred.pop(e.id, None)
+            self._order.pop(e.id, None)
+            self.admitted["now"] += 1
+            return True
+        self._deferred[e.id] = e
+        self._order[e.id] = next(self._seq)
+        return False
+
+    def hit(self, e: Entry) -> bool:
+        """``e`` was reused (read by a restore, or passed through by a later prompt):
+        True, it is to be written (a no-op for the SSD tier when it holds it already)."""
+        if self._deferred.pop(e.id, None) is not None:
+            self.admitted["hit"] += 1
+        self._order.pop(e.id, None)
+        return True
+
+    def evicted(self, e: Entry) -> bool:
+        """The hot tier dropped ``e``: True to write it now (deferred and not covered)."""
+        if self._deferred.pop(e.id, None) is None:
+            return False
+        keep = self._keep(e, "evicted")
+        self._order.pop(e.id, None)
+        return keep
+
+    def forget(self, entry_id: str) -> None:
+        """``entry_id`` left the hot tier without being written (a clear, a bad entry)."""
+        self._deferred.pop(entry_id, None)
+        self._order.pop(entry_id, None)
+
+    def flush(self) -> list[Entry]:
+        """At close: the deferred entries to write, in commit order; the covered ones are
+        skipped (counted)."""
+        entries, self._deferred = list(self._deferred.values()), {}
+        keep = []
+        for e in entries:
+            # coverage is judged against what stays: entries skipped just before still
+            # count (a longer one covers them in turn, and the longest is kept)
+            if self._keep(e, "close"):
+                keep.append(e)
+        self._order.clear()
+        return keep
+
+    def _keep(self, e: Entry, reason: str) -> bool:
+        order = self._order.get(e.id, -1)
+        children = self._children(e.parent)
+        gone = e.id != self.newest_prompt_tail and any(covers(c, e) for c in children)
+        # a reply the user regenerated: a newer entry answers (or continues) its prompt
+        gone = gone or any(replaced(c, e) and self._order.get(c.id, -1) > order for c in children)
+        if gone:
+            self.skipped += 1
+            self.skipped_bytes += e.nbytes
+            return False
+        self.admitted[reason] += 1
+        return True

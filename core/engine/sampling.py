@@ -1,0 +1,150 @@
+"""Sampling for one request: its sampler, logits processors and stop strings, from the
+:class:`~.api.GenerateRequest` fields (docs/DESIGN.md §2 "Sampling").
+
+One home: the engine (and a batched scheduler) calls :func:`make_request_sampler` once per
+request. The sampler and the processors are mlx-lm's (``make_sampler``,
+``make_logits_processors``: temperature, top-p, top-k, min-p; repetition, presence and
+frequency penalties); this module adds only what a prefix cache needs around them:
+
+- **Context.** mlx-lm's processors read the token history ``generate_step`` passes them,
+  which starts at the tokens it was given. Our prompts are prefilled apart (and restored
+  from the cache), so :class:`ContextProcessors` prepends the prompt's last tokens: a
+  penalty sees the same window as in a run that fed the whole prompt to
+  ``generate_step``.
+- **Raw logprobs.** A penalty is not shift-invariant (mlx-lm's repetition penalty divides a
+  positive logit and multiplies a negative one), so it cannot be applied to log-probs kept
+  from an earlier request. A request with processors therefore never starts from kept
+  logprobs (:attr:`RequestSampling.needs_logits`), and what the cache keeps is always the
+  model's own log-probs, before any processor.
+- **Stop strings** (:class:`StopStrings`): text is held back while it could still become a
+  stop string, so a streamed reply never shows part of one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from ..api import GenerateRequest
+from .sampling_checks import check_sampling
+
+__all__ = [
+    "RequestSampling",
+    "StopStrings",
+    "check_sampling",
+    "keep_last_logits",
+    "make_request_sampler",
+]
+
+Processor = Callable[[mx.array, mx.array], mx.array]
+
+PENALTY_CONTEXT_TOKENS = 20
+"""Tokens a penalty looks back over (mlx-lm's ``*_context_size`` default)."""
+
+
+@dataclass
+class RequestSampling:
+    """What :func:`make_request_sampler` builds for one request.
+
+    ``sampler``: log-probs ``(1, vocab)`` -> token ``(1,)``. ``processors``: mlx-lm
+    logits processors, ``(tokens (T,), logits (1, vocab)) -> logits``, without context
+    (see :meth:`with_context`). ``stops``: the request's stop strings."""
+
+    sampler: Callable[[mx.array], mx.array]
+    processors: list[Processor] = field(default_factory=list)
+    stops: tuple[str, ...] = ()
+
+    @property
+    def needs_logits(self) -> bool:
+        """The first token must come from the model's logits with the processors applied,
+        not from log-probs kept by the cache."""
+        return bool(self.processors)
+
+    def with_context(self, context: Sequence[int]) -> list[Processor]:
+        """The processors reading ``context`` (token ids before the ones
+        ``generate_step`` is given) ahead of its own history; [] without processors."""
+        if not self.processors:
+            return []
+        return [ContextProcessors(self.processors, context[-PENALTY_CONTEXT_TOKENS:])]
+
+    def first_logprobs(self, logits: mx.array, context: Sequence[int]) -> mx.array:
+        """Log-probs ``(vocab,)`` to sample the first token from, given the model's logits
+        ``(1, vocab)`` after the prompt ``context``: the processors applied, then
+        normalized, as ``generate_step`` does."""
+        for p in self.with_context(context):
+            logits = p(mx.array([], dtype=mx.uint32), logits)
+        return (logits - mx.logsumexp(logits, keepdims=True)).squeeze(0)
+
+
+class ContextProcessors:
+    """mlx-lm processors applied in order, each seeing ``context`` + the tokens passed."""
+
+    def __init__(self, processors: Sequence[Processor], context: Sequence[int]) -> None:
+        self.processors = list(processors)
+        self.context = mx.array(list(context), dtype=mx.uint32)
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        history = mx.concatenate([self.context, tokens.astype(mx.uint32)])
+        for p in self.processors:
+            logits = p(history, logits)
+        return logits
+
+
+def make_request_sampler(req: GenerateRequest) -> RequestSampling:
+    """The sampler, processors and stop strings of ``req`` (greedy at temperature 0;
+    top-p 1, top-k 0, min-p 0 and penalties 1/0 are off). Values were range-checked
+    where the request was made (:func:`~.sampling_checks.check_sampling`)."""
+    sampler = make_sampler(
+        temp=req.temperature,
+        top_p=req.top_p if req.top_p < 1.0 else 0.0,
+        min_p=req.min_p,
+        top_k=req.top_k,
+    )
+    processors = make_logits_processors(
+        repetition_penalty=req.repetition_penalty if req.repetition_penalty != 1.0 else None,
+        presence_penalty=req.presence_penalty or None,
+        frequency_penalty=req.frequency_penalty or None,
+    )
+    return RequestSampling(sampler, processors, tuple(s for s in req.stop if s))
+
+
+class StopStrings:
+    """Finds the first stop string in a growing reply text. :meth:`feed` takes the whole
+    text so far and returns ``(text safe to show, stopped)``: on a stop, the text before
+    it; else the text minus a tail that could still begin a stop string."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if not self.stops:
+            return text, False
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            return text[: min(hits)], True
+        keep = len(text)
+        for k in range(min(self._hold, len(text)), 0, -1):
+            if any(s.startswith(text[-k:]) for s in self.stops):
+                keep = len(text) - k
+                break
+        return text[:keep], False
+
+
+def keep_last_logits() -> tuple[Processor, Callable[[], Any]]:
+    """A pass-through processor that remembers the last logits it saw, and a getter for
+    them ``(1, vocab)`` (None before a call). Put first in ``generate_step``'s
+    processors, it sees the model's own logits of each decode step; after a reply, the
+    last ones are those after its last token (``generate_step`` computes one step
+    ahead), which the cache keeps for a continue."""
+    box: list[Any] = [None]
+
+    def processor(_tokens: mx.array, logits: mx.array) -> mx.array:
+        box[0] = logits
+        return logits
+
+    return processor, lambda: box[0]

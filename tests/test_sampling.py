@@ -1,0 +1,120 @@
+"""Sampling controls (core/engine/sampling.py): each one reaches the sampler, on a tiny model.
+
+Penalties are checked against mlx-lm itself: ``generate_step`` fed the whole prompt with
+mlx-lm's processors (so they see the prompt's last tokens) gives the tokens the engine
+gives, cold and from the cache. Top-k and min-p at a high temperature narrow the choice
+to the greedy token; a stop string ends the reply before it.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from engine_kit import generate, make_engine, random_prompt
+from tierchat.core.api import GenerateRequest, TokenBatch
+from tierchat.core.engine.sampling import StopStrings, check_sampling, make_request_sampler
+
+PROMPT = random_prompt(40, seed=3)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, models_dir):
+    e = make_engine("tiny:llama", tmp_path_factory.mktemp("sampling"), models_dir, bitwise=False)
+    yield e
+    e.close()
+
+
+def mlx_lm_tokens(engine, prompt, max_tokens, **processors) -> tuple[int, ...]:
+    """Greedy tokens of mlx-lm's ``generate_step`` over the whole prompt, fresh cache."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_logits_processors
+
+    def run():
+        steps = generate_step(
+            mx.array(prompt),
+            engine.loaded.model,
+            max_tokens=max_tokens,
+            logits_processors=make_logits_processors(**processors),
+        )
+        return tuple(tok for tok, _ in steps)
+
+    return engine.call(run, timeout=120)
+
+
+def test_sampler_controls_narrow_a_crafted_distribution():
+    logprobs = mx.log(mx.array([[0.5, 0.3, 0.15, 0.05]]))
+    draws = lambda **kw: {  # noqa: E731
+        make_request_sampler(GenerateRequest((1,), temperature=1.0, **kw)).sampler(logprobs).item()
+        for _ in range(200)
+    }
+    mx.random.seed(0)
+    assert draws() == {0, 1, 2, 3}
+    assert draws(top_k=2) == {0, 1}
+    assert draws(min_p=0.5) == {0, 1}  # 0.3 >= 0.5 * 0.5; 0.15 is not
+    assert draws(top_p=0.7) == {0, 1}
+
+
+@pytest.mark.parametrize(
+    "penalty",
+    [
+        {"repetition_penalty": 1.8},
+        {"presence_penalty": 1.5},
+        {"frequency_penalty": 1.5},
+    ],
+)
+def test_penalties_equal_mlx_lm_over_the_whole_prompt_cold_and_cached(engine, penalty):
+    plain, _ = generate(engine, PROMPT, max_tokens=10)
+    want = mlx_lm_tokens(engine, PROMPT, 10, **penalty)
+    assert want != plain.token_ids  # the penalty changes this reply
+    first, _ = generate(engine, PROMPT, max_tokens=10, **penalty)
+    assert first.token_ids == want
+    again, _ = generate(engine, PROMPT, max_tokens=10, **penalty)  # from the cache
+    assert again.token_ids == want
+    # the first token comes from processed logits: one token is computed again
+    assert again.metrics.prefill_tokens == 1, again.metrics
+    # and the cache's kept logprobs stay the model's own: no penalty leaks into them
+    back, _ = generate(engine, PROMPT, max_tokens=10)
+    assert back.token_ids == plain.token_ids and back.metrics.prefill_tokens == 0
+
+
+@pytest.mark.parametrize("control", [{"top_k": 1}, {"min_p": 0.9999}])
+def test_top_k_and_min_p_reach_the_sampler(engine, control):
+    greedy, _ = generate(engine, PROMPT, max_tokens=12)
+    hot, _ = generate(engine, PROMPT, max_tokens=12, temperature=5.0, seed=7)
+    assert hot.token_ids != greedy.token_ids  # a high temperature wanders off greedy
+    narrowed, _ = generate(engine, PROMPT, max_tokens=12, temperature=5.0, seed=7, **control)
+    assert narrowed.token_ids == greedy.token_ids
+
+
+def test_a_stop_string_ends_the_reply_before_it(engine):
+    full, _ = generate(engine, PROMPT, max_tokens=16)
+    text = full.text
+    assert len(text) > 6
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    want = text[: text.find(stop)]
+    handle = engine.submit(GenerateRequest(PROMPT, max_tokens=16, stop=("\x00never", stop)))
+    out = handle.wait(120)
+    assert out.text == want and out.metrics.finish_reason == "stop"
+    streamed = "".join(e.text for e in handle.events() if isinstance(e, TokenBatch))
+    assert streamed == want  # no part of the stop string was ever shown
+
+
+def test_stop_strings_hold_back_a_possible_start():
+    s = StopStrings(["END", "\n\n"])
+    assert s.feed("abc E") == ("abc ", False)
+    assert s.feed("abc EN") == ("abc ", False)
+    assert s.feed("abc ENx") == ("abc ENx", False)
+    assert s.feed("abc\n") == ("abc", False)
+    assert s.feed("abc\n\nmore END") == ("abc", True)
+
+
+def test_out_of_range_values_are_refused_by_name():
+    for kw, word in (
+        ({"top_k": -1}, "top-k"),
+        ({"min_p": 1.0}, "min-p"),
+        ({"repetition_penalty": 0}, "repetition penalty"),
+        ({"presence_penalty": 3}, "presence penalty"),
+        ({"stop": ["x"] * 5}, "stop"),
+    ):
+        with pytest.raises(ValueError, match=word):
+            check_sampling(**kw)

@@ -1,0 +1,102 @@
+"""Verify a turn against cold (core/chat/verify.py, docs/DESIGN.md §18).
+
+The comparison itself on hand-made logprobs; then on ``tiny:llama`` in float32 on the CPU:
+a cached turn (the resident cache, the first token from its kept logprobs) recomputed
+teacher-forced agrees with a cold run bit for bit, on both schedules, and so do two cold
+runs; the report is stored with the reply and logged in the events; ``tierchat verify``
+runs a script and prints one report per reply.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from engine_kit import make_engine
+from tierchat.core.chat.session import ChatSession
+from tierchat.core.chat.store import ConversationStore
+from tierchat.core.chat.verify import Agreement, VerifyError, VerifyReport, agreement, verify_reply
+
+
+def test_agreement_counts_top1_first_difference_and_largest_delta():
+    a = [
+        np.log(np.array(p, np.float32)) for p in ([0.7, 0.2, 0.1], [0.4, 0.5, 0.1], [0.3, 0.3, 0.4])
+    ]
+    b = [a[0].copy(), np.log(np.array([0.6, 0.3, 0.1], np.float32)), a[2].copy()]
+    got = agreement(a, b)
+    assert (got.positions, got.top1_agree, got.first_diff) == (3, 2, 1)
+    assert got.max_dlogprob == pytest.approx(float(np.max(np.abs(a[1] - b[1]))))
+    on_reply = agreement(a, b, tokens=[0, 2, 2])  # the reply's tokens only
+    assert on_reply.max_dlogprob == pytest.approx(abs(float(a[1][2] - b[1][2])))
+    assert on_reply.first_diff == 1 and on_reply.top1_agree == 2
+    same = agreement(a, [x.copy() for x in a])
+    assert same.bitwise and same.top1_agree == 3 and same.max_dlogprob == 0.0
+    assert "bitwise" in same.describe() and "first diff 1" in got.describe()
+    report = VerifyReport(got, same, 40, 39, "m")
+    assert VerifyReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
+    assert isinstance(report.cached, Agreement)
+
+
+@pytest.mark.parametrize("bitwise", [True, False])
+def test_a_cached_turn_verifies_bitwise_on_the_cpu(tmp_path, models_dir, bitwise):
+    engine = make_engine("tiny:llama", tmp_path, models_dir, bitwise=bitwise)
+    store = ConversationStore(tmp_path / "c.sqlite")
+    try:
+        session = ChatSession(engine, store, max_tokens=8)
+        session.new_conversation(system="You are terse.")
+        turn = session.send("Tell me about the tides and the moon, briefly please.")
+        turn.wait(120)
+        reply = turn.reply_node
+        report = verify_reply(session, reply.id)
+        assert report.cached_tokens == report.prompt_tokens > 0  # the cache served it all
+        assert report.cached.positions == len(reply.token_ids) > 0
+        assert report.cached.bitwise and report.floor.bitwise, report
+        assert report.cached.top1_agree == report.cached.positions
+        assert report.cached.max_dlogprob == 0.0
+        stored = store.get_node(reply.id).meta
+        assert VerifyReport.from_dict(stored["verify"]) == report
+        assert stored["prompt_tokens"] == report.prompt_tokens  # the metrics stay
+        assert any(text.startswith("verify vs cold") for _, text in engine.stats().events)
+        with pytest.raises(VerifyError):
+            verify_reply(session, turn.user_node.id)
+    finally:
+        engine.close()
+        store.close()
+
+
+def test_verify_command_runs_a_script(tmp_path, models_dir, capsys, monkeypatch):
+    from tierchat.cli.main import main
+
+    script = tmp_path / "s.jsonl"
+    lines = [
+        {"op": "new", "system": "You are terse."},
+        {"op": "user", "text": "Name three rivers of Europe, please.", "max_tokens": 6},
+        {"op": "regenerate", "max_tokens": 6},
+    ]
+    script.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    monkeypatch.setenv("TIERCHAT_BITWISE", "1")
+    args = ["--model", "tiny:llama", "--models-dir", str(models_dir)]
+    args += ["--cache-dir", str(tmp_path / "kv"), "--data-dir", str(tmp_path / "data")]
+    code = main([*args, "verify", str(script)])
+    out = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert code == 0
+    reports = [x for x in out if "verify" in x]
+    assert [r["op_index"] for r in reports] == [1, 2]
+    for r in reports:
+        assert r["verify"]["cached"]["first_diff"] is None, r["line"]
+        assert r["verify"]["floor"]["top1_agree"] == r["verify"]["floor"]["positions"] > 0
+    # the stored conversation again, by id: the same figures
+    code = main([*args, "verify", "--conversation", "1"])
+    again = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert code == 0 and len(again) == 1 and again[0]["verify"]["cached"]["first_diff"] is None
+    assert main([*args, "verify"]) == 2
+
+
+def test_bitwise_asks_for_reproducible_attention_kernels(monkeypatch):
+    from tierchat.core.engine.device import DETERMINISTIC_ENV, use_deterministic_kernels
+
+    monkeypatch.delenv("MLX_CUDA_USE_CUDNN_SDPA", raising=False)
+    assert use_deterministic_kernels() == DETERMINISTIC_ENV == {"MLX_CUDA_USE_CUDNN_SDPA": "0"}
+    monkeypatch.setenv("MLX_CUDA_USE_CUDNN_SDPA", "1")  # the user's own choice stays
+    assert use_deterministic_kernels() == {}
