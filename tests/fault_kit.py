@@ -1,4 +1,4 @@
-"""Helpers of the fault tests (tests/test_faults.py): ``tierchat replay`` and ``tierchat
+"""Helpers of the fault tests (tests/system/test_faults.py): ``tierchat replay`` and ``tierchat
 serve`` as real subprocesses on tiny models, with a tmp cache, data and empty config."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 ``tierchat chat`` as subprocesses on tiny models (a locked store, content as text, the SSD
 cap, the model fingerprint, the context limit, owner-only files). Each case ends with a
 normal turn answered with the output of a cold run (``--no-cache``). The serve cases are in
-``tests/test_faults_serve.py``, the TUI's context refusal in
+``tests/system/test_faults_serve.py``, the TUI's context refusal in
 ``tests/tui/test_context_refusal.py``."""
 
 from __future__ import annotations
