@@ -85,7 +85,7 @@ class ColdReference:
 
     def __init__(self, tmp: Path, models_dir: Path, model: str = "tiny:llama") -> None:
         from engine_kit import make_engine
-        from tierchat.cli.serve import ServerThread, ServeState, create_app
+        from tierchat.core.serve.app import ServerThread, ServeState, create_app
         from tierchat.core.serve.log import RequestLog, TrackedEngine
 
         self.engine = TrackedEngine(make_engine(model, tmp, models_dir), RequestLog())

@@ -189,7 +189,7 @@ class Ours:
         self.settings = settings
 
     def start(self):
-        from tierchat.cli.serve import ServerThread, ServeState, create_app, reply_memory_path
+        from tierchat.core.serve.app import ServerThread, ServeState, create_app, reply_memory_path
         from tierchat.core.serve.log import RequestLog, TrackedEngine
 
         engine = start_engine(self.settings, quiet=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 import openai
 import pytest
 from engine_kit import make_engine
-from tierchat.cli.serve import ServerThread, ServeState, create_app
+from tierchat.core.serve.app import ServerThread, ServeState, create_app
 from tierchat.core.serve.log import RequestLog, TrackedEngine
 
 MAX_TOKENS = 8

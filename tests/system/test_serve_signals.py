@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from engine_kit import make_engine
-from tierchat.cli.serve import ServerThread, ServeState, create_app
+from tierchat.core.serve.app import ServerThread, ServeState, create_app
 from tierchat.core.serve.log import RequestLog, TrackedEngine
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
@@ -53,6 +53,9 @@ def env_for(tmp: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERCHAT_")}
     (tmp / "empty.toml").write_text("")
     env["TIERCHAT_CONFIG"] = str(tmp / "empty.toml")
+    # write-through: these tests count the entries on disk while the server runs and after
+    # its stop sequence (admission by reuse defers most writes to eviction or close)
+    env["TIERCHAT_SSD_ADMISSION"] = "0"
     return env
 
 

@@ -111,3 +111,17 @@ def test_code_cites_the_design_not_issue_numbers():
                 if pattern.search(line):
                     found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_cli_holds_no_http_route_or_server():
+    """The server (routes, SSE, guards, its thread) is a library module of its own
+    (core/serve/app.py); cli/ parses arguments and dispatches."""
+    found = []
+    for path in sorted((ROOT / "cli").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("Route", "Starlette"):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.func.id}(...)")
+            if isinstance(node, ast.ClassDef) and node.name.endswith(("Server", "ServerThread")):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: class {node.name}")
+    assert not found, "\n".join(found)
