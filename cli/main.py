@@ -214,6 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="--workload: warm both systems up at unrelated lengths first (default none)",
     )
     p.add_argument(
+        "--baseline",
+        choices=("lru", "server"),
+        default="lru",
+        help="--workload: mlx-lm's prompt cache as mlx_lm.server runs it, in this process "
+        "(lru, default), or tierchat serve and mlx_lm.server over HTTP, each with its own "
+        "replies (server)",
+    )
+    p.add_argument(
         "--serve",
         action="store_true",
         help="instead: replay a chat through `tierchat serve` and `mlx_lm.server` (serve_bench)",
@@ -343,7 +351,7 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
 
         return run_serve_bench(settings, args)
     if command == "bench" and args.workload:
-        from tierchat.cli.bench.workload import run_workload_bench
+        from tierchat.cli.bench.workload_cmd import run_workload_bench
 
         return run_workload_bench(settings, args)
     if command == "bench":

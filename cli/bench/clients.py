@@ -38,12 +38,13 @@ from typing import Any
 
 from tierchat.cli.bench.main import WARMUP_SALT, make_prompt
 from tierchat.cli.bench.serve import FILLER, TOPICS, MlxLm, Ours, chat
-from tierchat.cli.bench.workload import p90, ratio_text
+from tierchat.cli.bench.workload_report import p90, ratio_text
 from tierchat.cli.common import EXIT_OK, EXIT_USAGE, CLIError, table
 
 TIERCHAT, MLX_LM = "tierchat", "mlx-lm"
 TURNS = 2  # user turns per client
 WARMUP_TOKENS = 24  # the warm-up request's prompt, tokens of unrelated text
+RETRIES = 2  # a request whose connection fails is sent again, as OpenAI's client does
 
 
 def parse_counts(text: str) -> list[int]:
@@ -101,6 +102,7 @@ class ClientRequest:
     sent_s: float
     ttft_s: float
     done_s: float
+    retries: int = 0
 
 
 @dataclass
@@ -132,10 +134,28 @@ class Round:
             "clients": self.clients,
             "requests": len(self.requests),
             "completion_tokens": sum(r.completion_tokens for r in self.requests),
+            "retries": sum(r.retries for r in self.requests),
             "wall_s": self.wall_s,
             "tokens_per_s": self.tokens_per_s,
             **self.ttft(),
         }
+
+
+def ask(port: int, messages: list[dict], max_tokens: int) -> tuple[str, dict, float, int]:
+    """:func:`~tierchat.cli.bench.serve.chat`, sent again up to :data:`RETRIES` times when
+    the connection fails (a full listen backlog under many clients resets some): (text,
+    usage, TTFT from the first attempt, retries)."""
+    t0 = time.perf_counter()
+    for retry in range(RETRIES + 1):
+        attempt = time.perf_counter() - t0
+        try:
+            text, usage, ttft = chat(port, messages, max_tokens)
+        except ConnectionError:
+            if retry == RETRIES:
+                raise
+            continue
+        return text, usage, attempt + ttft, retry
+    raise AssertionError("unreachable")
 
 
 def run_round(server: str, port: int, script: Script, max_tokens: int) -> Round:
@@ -155,7 +175,7 @@ def run_round(server: str, port: int, script: Script, max_tokens: int) -> Round:
             for t, text in enumerate(script.users[c]):
                 messages.append({"role": "user", "content": text})
                 sent = time.perf_counter() - t0
-                reply, usage, ttft = chat(port, messages, max_tokens)
+                reply, usage, ttft, retries = ask(port, messages, max_tokens)
                 done = time.perf_counter() - t0
                 messages.append({"role": "assistant", "content": reply})
                 details = usage.get("prompt_tokens_details") or {}
@@ -168,6 +188,7 @@ def run_round(server: str, port: int, script: Script, max_tokens: int) -> Round:
                     round(sent, 6),
                     round(ttft, 6),
                     round(done, 6),
+                    retries,
                 )
                 with lock:
                     out.requests.append(row)
@@ -209,9 +230,11 @@ def run_server(
         for script in rounds:
             r = run_round(server, port, script, max_tokens)
             s = r.ttft()
+            retries = sum(q.retries for q in r.requests)
             log(
-                f"{server}, {r.clients} clients: {r.tokens_per_s:.1f} tokens/s, TTFT median "
+                f"{server}, {r.clients} client(s): {r.tokens_per_s:.1f} tokens/s, TTFT median "
                 f"{s['ttft_median_s']:.2f} s, p90 {s['ttft_p90_s']:.2f} s"
+                + (f" ({retries} requests sent again)" if retries else "")
             )
             got.append(r)
         return got
@@ -239,26 +262,27 @@ def clients_bench(
 ) -> ClientsBench:
     """Every round of :func:`run_round` on tierchat serve (a fresh temporary cache dir),
     then (with ``baseline``) on mlx_lm.server, same model directory."""
-    from tierchat.cli.common import start_engine
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from tierchat.cli.bench.shape_export import mlx_model_dir
     from tierchat.core.engine.device import describe_device
     from tierchat.core.models.loading import resolve_model_dir
 
+    tok = load_tokenizer(resolve_model_dir(settings.model, settings.models_dir))
+    rounds = scripts(tok, counts, system_tokens, turn_tokens)
+    warmup = tok.decode(make_prompt(tok, WARMUP_TOKENS, salt=WARMUP_SALT)).strip()
+    devices: list[str] = []
     with tempfile.TemporaryDirectory(prefix="tierchat-clients-bench-") as tmp:
         fresh = {"cache_dir": Path(tmp) / "kv", "data_dir": Path(tmp) / "data", "no_cache": False}
         ours = Ours(dataclasses.replace(settings, **fresh))
-        engine = start_engine(ours.settings, quiet=True)
-        try:
-            tok = engine.tokenizer
-            rounds = scripts(tok, counts, system_tokens, turn_tokens)
-            warmup = tok.decode(make_prompt(tok, WARMUP_TOKENS, salt=WARMUP_SALT)).strip()
-            device = describe_device(engine.loaded.dtype)
-        finally:
-            engine.close()
-        got = run_server(
-            TIERCHAT, ours.start, ours.stop, ours.port, warmup, rounds, max_tokens, log
-        )
+
+        def start():
+            handle = ours.start()
+            devices.append(describe_device(handle[0].loaded.dtype))
+            return handle
+
+        got = run_server(TIERCHAT, start, ours.stop, ours.port, warmup, rounds, max_tokens, log)
         if baseline:
-            model_dir = resolve_model_dir(settings.model, settings.models_dir)
+            model_dir = mlx_model_dir(settings.model, settings.models_dir)
             log_file = Path(tmp) / "mlx_lm_server.log"
             mlx = MlxLm(model_dir, max_tokens, log_file)
             try:
@@ -268,7 +292,7 @@ def clients_bench(
             except CLIError as e:
                 tail = log_file.read_text(errors="replace")[-2000:] if log_file.exists() else ""
                 raise CLIError(f"{e.message}\n{tail}") from None
-    return ClientsBench(got, device)
+    return ClientsBench(got, devices[0])
 
 
 def summarize(rounds: Sequence[Round]) -> list[dict]:

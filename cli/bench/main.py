@@ -17,12 +17,13 @@ tierchat rows (through the :class:`~tierchat.core.engine.engine.Engine`):
                  (``posix_fadvise`` DONTNEED after ``fsync``; the output says whether it
                  could), once the start-up verifier has read every file
 
-mlx-lm rows (``mlx_lm.models.cache.LRUPromptCache`` used as ``mlx_lm/server.py`` does:
-``fetch_nearest_cache``, prefill the rest with ``generate_step`` (``prefill_step_size``
-2048, the server's default), ``insert_cache`` of prompt + generated tokens; at most 10
-entries, the server's ``--prompt-cache-size``): cold, exact hot, nearest hot. It has no
-disk tier. On a hybrid model (``shape:qwen3.5-0.8b``) its rows still run: it reuses only
-exact or shorter checkpoints there, which is the point of the comparison.
+mlx-lm rows (:class:`~tierchat.cli.bench.mlx_baseline.LRUBaseline`: ``mlx_lm.server``'s
+default path for a completion request: ``fetch_nearest_cache``, its ``BatchGenerator``
+prefilling the rest in steps of 2048, a cache saved one token before the prompt's end,
+and prompt + generated tokens saved at the end; 10 entries, the server's
+``--prompt-cache-size``): cold, exact hot, nearest hot. It has no disk tier. On a hybrid
+model (``shape:qwen3.5-0.8b``) its rows still run: it reuses only exact or shorter
+checkpoints there, which is the point of the comparison.
 
 The two systems take turns, request by request: each prompt's cold, exact hot and nearest
 hot request runs on tierchat and on mlx-lm one after the other (who goes first alternates
@@ -59,6 +60,7 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from tierchat.cli.bench.mlx_baseline import LRUBaseline
 from tierchat.cli.common import EXIT_OK, EXIT_USAGE, CLIError, start_engine, table
 from tierchat.core.cache.ssd import ReadBandwidth, measure_read_bandwidth
 from tierchat.core.cache.ssd import drop_page_cache as _drop_files
@@ -139,18 +141,6 @@ def drop_page_cache(directory: Path) -> tuple[bool, str]:
     if done < len(files):
         return False, f"page cache dropped for {done} of {len(files)} files"
     return True, f"page cache dropped for {len(files)} files (fsync + posix_fadvise DONTNEED)"
-
-
-def _state_nbytes(caches: list[Any]) -> int:
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    total = 0
-    for c in caches:
-        for _, a in tree_flatten(c.state):
-            if isinstance(a, mx.array):
-                total += a.nbytes
-    return total
 
 
 def measured_prompts(tokenizer: Any, lengths: list[int], repeat: int) -> dict[int, list]:
@@ -337,90 +327,6 @@ def bench_engine(
     finally:
         engine.close()
     return EngineBench(rows, note, disk, dtype)
-
-
-PREFILL_STEP_SIZE = 2048  # mlx_lm.server's --prefill-step-size default
-
-
-class LRURequest(NamedTuple):
-    """One mlx-lm request: ``counts`` (prompt, cached, prefilled tokens and ``ttft_s``),
-    ``restore`` (``(restore_s, restore_bytes)``) and the generated token ids."""
-
-    counts: dict
-    restore: tuple[float, int]
-    tokens: list[int]
-
-
-class LRUBaseline:
-    """mlx-lm's ``LRUPromptCache`` as ``mlx_lm/server.py`` uses it, on the engine thread
-    (:meth:`Engine.call <tierchat.core.engine.engine.Engine.call>`) with the engine's model: its
-    own cache, never the engine's."""
-
-    def __init__(self, engine: Any, key: str) -> None:
-        from mlx_lm.models.cache import LRUPromptCache
-        from mlx_lm.sample_utils import make_sampler
-
-        self.engine, self.key = engine, key
-        self.lru = LRUPromptCache(max_size=10)
-        self.sampler = make_sampler(temp=0.0)
-
-    def run(self, prompt: list[int]) -> tuple[dict, tuple[float, int]]:
-        """One request (one generated token): ``(counts, (restore_s, restore_bytes))``,
-        restore being ``fetch_nearest_cache`` (deep copy + trim) plus an ``mx.eval`` of the
-        copied state."""
-        got = self.generate(prompt, max_tokens=1)
-        return got.counts, got.restore
-
-    def generate(self, prompt: list[int], max_tokens: int) -> LRURequest:
-        """One request of up to ``max_tokens`` greedy tokens, as ``mlx_lm/server.py`` runs
-        it: ``fetch_nearest_cache``, ``generate_step`` over the rest (``prefill_step_size``
-        2048), stopping after an EOS token (kept, as the server keeps it in the key), then
-        ``insert_cache`` of prompt + generated tokens. On the engine thread."""
-        return self.engine.call(lambda: self._generate(prompt, max_tokens))
-
-    def clear(self) -> None:
-        self.engine.call(lambda: self.lru.trim_to(n_sequences=0))
-
-    def _generate(self, prompt: list[int], max_tokens: int) -> LRURequest:
-        import mlx.core as mx
-        from mlx_lm.generate import generate_step
-        from mlx_lm.models.cache import make_prompt_cache
-
-        model = self.engine.loaded.model
-        eos = set(self.engine.tokenizer.eos_token_ids)
-        t0 = time.perf_counter()
-        cache, rest = self.lru.fetch_nearest_cache(self.key, prompt)
-        cached = len(prompt) - len(rest)
-        if cache is None:
-            cache = make_prompt_cache(model)
-            restore = (0.0, 0)
-        else:
-            mx.eval([c.state for c in cache])
-            restore = (time.perf_counter() - t0, _state_nbytes(cache))
-        ttft, tokens = 0.0, []
-        steps = generate_step(
-            mx.array(rest),
-            model,
-            prompt_cache=cache,
-            max_tokens=max_tokens,
-            sampler=self.sampler,
-            prefill_step_size=PREFILL_STEP_SIZE,
-        )
-        for token, _ in steps:
-            if not tokens:
-                ttft = time.perf_counter() - t0
-            tokens.append(int(token))
-            if token in eos:
-                break
-        steps.close()  # as stream_generate leaving its loop: no step past the last token
-        self.lru.insert_cache(self.key, prompt + tokens, cache)
-        counts = {
-            "prompt_tokens": len(prompt),
-            "cached_tokens": cached,
-            "prefill_tokens": len(prompt) - cached,
-            "ttft_s": ttft,
-        }
-        return LRURequest(counts, restore, tokens)
 
 
 def add_speedups(rows: list[dict]) -> None:

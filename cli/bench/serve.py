@@ -292,7 +292,7 @@ def serve_bench(
 ) -> list[Turn]:
     """Replay the chat through tierchat (a fresh temporary cache dir) and mlx-lm; returns
     every request's :class:`Turn`, tierchat's first."""
-    from tierchat.core.models.loading import resolve_model_dir
+    from tierchat.cli.bench.shape_export import mlx_model_dir
 
     with tempfile.TemporaryDirectory(prefix="tierchat-serve-bench-") as tmp:
         fresh = {"cache_dir": Path(tmp) / "kv", "data_dir": Path(tmp) / "data", "no_cache": False}
@@ -307,7 +307,7 @@ def serve_bench(
             engine.close()
         rows = replay("tierchat", ours.start, ours.stop, ours.port, users, max_tokens, log)
         if baseline:
-            model_dir = resolve_model_dir(settings.model, settings.models_dir)
+            model_dir = mlx_model_dir(settings.model, settings.models_dir)
             mlx = MlxLm(model_dir, max_tokens, Path(tmp) / "mlx_lm_server.log")
             try:
                 rows += replay("mlx-lm", mlx.start, mlx.stop, mlx.port, users, max_tokens, log)

@@ -12,11 +12,13 @@ a :class:`~tierchat.core.chat.session.ChatSession` over the engine and a throwaw
 Before each generating op the prompt is built once, with the session's own prompt builder,
 for the path that op will generate on; mlx-lm gets those token ids, and tierchat's session
 must build the same ones (checked; a difference is an error). mlx-lm's side is
-:class:`~tierchat.cli.bench.main.LRUBaseline`: ``fetch_nearest_cache``, ``generate_step``
-(``prefill_step_size`` 2048) until ``max_tokens`` or an EOS token, ``insert_cache`` of
-prompt + generated tokens, 10 entries, on the engine thread with the engine's model. It
-sees the same conversation (tierchat's replies are spliced into later prompts), so a
-regenerate or an edit hits or misses in its trie as it would in ``mlx_lm.server``.
+:class:`~tierchat.cli.bench.mlx_baseline.LRUBaseline`: ``mlx_lm.server``'s default (batched)
+path, with the chat's messages for its segments: caches saved at the end of the system
+prompt and of the user segment, and of prompt + reply at the end; 10 entries; on the
+engine thread with the engine's model. It sees the same conversation (tierchat's replies
+are spliced into later prompts), so where its own reply would differ its trie stops
+matching after the previous prompt; ``--baseline server`` (cli/bench/workload_http.py) replays
+the workload through both servers over HTTP instead, each with its own replies.
 
 Who goes first alternates from request to request; before each request of either system
 the SSD writer has written what earlier requests stored (:func:`~tierchat.cli.bench.main
@@ -45,9 +47,6 @@ from __future__ import annotations
 import gc
 import gzip
 import io
-import json
-import math
-import statistics
 import sys
 import tempfile
 import time
@@ -56,14 +55,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierchat.cli.bench.main import (
-    WARMUP_SALT,
-    LRUBaseline,
-    _fresh_cache_dir,
-    make_prompt,
-    writer_idle,
+from tierchat.cli.bench.main import WARMUP_SALT, make_prompt, writer_idle
+from tierchat.cli.bench.mlx_baseline import LRUBaseline
+from tierchat.cli.bench.workload_report import (  # noqa: F401 -- the report's names, here too
+    ALL,
+    KINDS,
+    MLX_LM,
+    MLX_LM_SERVER,
+    TIERCHAT,
+    format_summary,
+    p90,
+    ratio_text,
+    summarize,
 )
-from tierchat.cli.common import EXIT_OK, EXIT_USAGE, CLIError, open_store, table
+from tierchat.cli.common import EXIT_USAGE, CLIError, open_store
 from tierchat.cli.replay import (
     GENERATING,
     Op,
@@ -76,16 +81,6 @@ from tierchat.cli.replay import (
 
 WORKLOADS_DIR = Path(__file__).resolve().parents[1] / "workloads"
 NAMED: dict[str, str] = {"chat": "chat.jsonl.gz", "chat-ci": "chat-ci.jsonl"}
-KINDS: tuple[str, ...] = (
-    "new conversation",
-    "next user turn",
-    "regenerate",
-    "edit",
-    "turn after the edit",
-    "turn after a restart",
-)
-ALL = "all"
-TIERCHAT, MLX_LM = "tierchat", "mlx-lm LRU"
 WARMUP_LENGTHS: tuple[int, ...] = (96, 480, 1500)  # tokens; see the module doc
 
 
@@ -156,9 +151,10 @@ def op_kinds(ops: Sequence[Op]) -> dict[int, str]:
 
 
 def next_prompt(session: Any, op: Op):
-    """The :class:`~tierchat.core.chat.prompts.Prompt` that ``session`` will submit for the
-    generating ``op`` (built with its own builder, for the path the op generates on),
-    without changing the conversation.
+    """``(prompt, messages)``: the :class:`~tierchat.core.chat.prompts.Prompt` that ``session``
+    will submit for the generating ``op`` (built with its own builder, for the path the op
+    generates on) and the role/content messages it was built from, without changing the
+    conversation.
 
     Raises:
         SessionError: as the op itself would (no such turn, nothing to regenerate).
@@ -171,7 +167,8 @@ def next_prompt(session: Any, op: Op):
         users = [i for i, n in enumerate(path) if n.role == "user"]
         if not users:
             raise SessionError("nothing to regenerate: no user message on the active path")
-        return session.build_prompt(path[: users[-1] + 1], settings)
+        messages = session.prompt_messages(path[: users[-1] + 1], settings)
+        return session.build_prompt(messages, settings), messages
     if op.op == "edit":
         turns = session.user_turns()
         turn = op.args["turn"]
@@ -183,7 +180,7 @@ def next_prompt(session: Any, op: Op):
         base = session.active_path()
     messages = session.prompt_messages(base, settings)
     messages.append({"role": "user", "content": op.args["text"], "token_ids": None})
-    return session.build_prompt(messages, settings)
+    return session.build_prompt(messages, settings), messages
 
 
 # ------------------------------------------------------------------ running
@@ -283,12 +280,12 @@ class WorkloadRun:
         ``cached_tokens``, ``prefill_tokens``, ``ttft_s`` and the generated ``token_ids``;
         ``same_tokens`` when both generated the same ids."""
         session = self.replay.session
-        prompt = next_prompt(session, op)
+        prompt, messages = next_prompt(session, op)
         ids = tuple(prompt.token_ids)
         max_tokens = op.args.get("max_tokens") or session.settings().max_tokens
         runs = {TIERCHAT: lambda: self._tierchat(op, ids)}
         if self.lru is not None:
-            runs[MLX_LM] = lambda: self._mlx_lm(ids, max_tokens)
+            runs[MLX_LM] = lambda: self._mlx_lm(ids, max_tokens, messages)
         order = list(runs) if index % 2 == 0 else list(runs)[::-1]
         got = {}
         for system in order:
@@ -335,8 +332,8 @@ class WorkloadRun:
             "token_ids": list(turn.reply_node.token_ids or ()),
         }
 
-    def _mlx_lm(self, ids: tuple[int, ...], max_tokens: int) -> dict:
-        got = self.lru.generate(list(ids), max_tokens)
+    def _mlx_lm(self, ids: tuple[int, ...], max_tokens: int, messages: list[dict]) -> dict:
+        got = self.lru.generate(list(ids), max_tokens, messages)
         return {
             "cached_tokens": got.counts["cached_tokens"],
             "prefill_tokens": got.counts["prefill_tokens"],
@@ -345,9 +342,9 @@ class WorkloadRun:
         }
 
 
-def progress_line(row: dict, total: int) -> str:
+def progress_line(row: dict, total: int, systems: Sequence[str] = (TIERCHAT, MLX_LM)) -> str:
     parts = [f"{row['request'] + 1}/{total} {row['kind']} ({row['prompt_tokens']} tokens):"]
-    for system in (TIERCHAT, MLX_LM):
+    for system in systems:
         if system in row:
             r = row[system]
             parts.append(f"{system} {r['ttft_s']:.4f} s, prefilled {r['prefill_tokens']};")
@@ -379,126 +376,3 @@ def run_workload(
                 run.close()
         finally:
             store.close()
-
-
-# ------------------------------------------------------------------ the report
-
-
-def p90(values: Sequence[float]) -> float:
-    """The 90th percentile by nearest rank: the smallest value with at least 90% of the
-    values at or below it."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
-
-
-def summarize(rows: Sequence[dict]) -> list[dict]:
-    """One entry per kind present (in :data:`KINDS` order) and one for all requests:
-    ``count``, and per system ``prefill_tokens`` (sum), ``ttft_median_s``, ``ttft_p90_s``,
-    ``ttft_worst_s``; ``ratio`` = tierchat's median / mlx-lm's (None without mlx-lm)."""
-    out = []
-    for kind in (*KINDS, ALL):
-        got = [r for r in rows if kind in (ALL, r["kind"])]
-        if not got:
-            continue
-        entry: dict[str, Any] = {"kind": kind, "count": len(got)}
-        for system in (TIERCHAT, MLX_LM):
-            if system not in got[0]:
-                continue
-            ttfts = [r[system]["ttft_s"] for r in got]
-            entry[system] = {
-                "prefill_tokens": sum(r[system]["prefill_tokens"] for r in got),
-                "ttft_median_s": statistics.median(ttfts),
-                "ttft_p90_s": p90(ttfts),
-                "ttft_worst_s": max(ttfts),
-            }
-        base = entry.get(MLX_LM, {}).get("ttft_median_s")
-        entry["ratio"] = entry[TIERCHAT]["ttft_median_s"] / base if base else None
-        out.append(entry)
-    return out
-
-
-def ratio_text(ratio: float | None) -> str:
-    """``0.42x``; three decimals below 0.1 (a regenerate's ratio is often ~0.003)."""
-    if ratio is None:
-        return "-"
-    return f"{ratio:.3f}x" if ratio < 0.1 else f"{ratio:.2f}x"
-
-
-def format_summary(summary: Sequence[dict]) -> str:
-    def cells(entry: dict, system: str) -> tuple:
-        s = entry.get(system)
-        if s is None:
-            return ("-",) * 4
-        times = (s["ttft_median_s"], s["ttft_p90_s"], s["ttft_worst_s"])
-        return (s["prefill_tokens"], *(f"{t:.4f}" for t in times))
-
-    rows = [
-        (
-            e["kind"],
-            e["count"],
-            *cells(e, TIERCHAT),
-            *cells(e, MLX_LM),
-            ratio_text(e["ratio"]),
-        )
-        for e in summary
-    ]
-    headers = ("op", "n", "tc prefilled", "tc median s", "tc p90 s", "tc worst s")
-    headers += ("mlx prefilled", "mlx median s", "mlx p90 s", "mlx worst s", "vs mlx-lm")
-    return table(rows, headers)
-
-
-def run_workload_bench(settings: Any, args: Any) -> int:
-    """``tierchat bench --workload``: replay the script in a new empty SSD directory inside
-    the cache dir (removed at the end), print the per-kind table, write ``--json``."""
-    if settings.no_cache:
-        raise CLIError("bench measures the cache: drop --no-cache", EXIT_USAGE)
-    warmup = getattr(args, "warmup", "none")
-    path, ops = read_workload(args.workload)
-
-    def log(text: str) -> None:
-        print(f"bench: {text}", file=sys.stderr, flush=True)
-
-    settings.temperature = 0.0  # greedy, whatever the config file says
-    with _fresh_cache_dir(Path(settings.cache_dir), log) as tmp:
-        settings.cache_dir = tmp
-        log(f"workload {path}; model {settings.model}, block size {settings.block_size}")
-        result = run_workload(
-            settings,
-            ops,
-            path,
-            baseline=not args.no_baseline,
-            warmup=warmup == "unrelated",
-            log=log,
-        )
-    from tierchat.core.engine.device import describe_device, device_info
-
-    summary = summarize(result.rows)
-    device = describe_device(result.dtype)
-    same = [r["same_tokens"] for r in result.rows if r["same_tokens"] is not None]
-    print(f"model {settings.model} · block size {settings.block_size} · {device}")
-    print(f"workload {path}: {len(result.rows)} requests; warm-up: {warmup}")
-    print(format_summary(summary))
-    note = f"({result.wall_s:.1f} s; tc = tierchat, mlx = mlx-lm LRUPromptCache; "
-    note += "vs mlx-lm = tierchat median TTFT / mlx-lm median TTFT"
-    if same:
-        note += f"; same reply tokens in {sum(same)} of {len(same)} requests"
-    print(note + ")")
-    if args.json_out:
-        doc = {
-            "model": settings.model,
-            "block_size": settings.block_size,
-            "prefill_chunk": settings.prefill_chunk,
-            "device": device,
-            "device_info": device_info(result.dtype)._asdict(),
-            "workload": path,
-            "warmup": warmup,
-            "warmup_lengths": list(WARMUP_LENGTHS) if warmup == "unrelated" else [],
-            "wall_s": result.wall_s,
-            "summary": summary,
-            "rows": result.rows,
-        }
-        try:
-            Path(args.json_out).write_text(json.dumps(doc, indent=2) + "\n")
-        except OSError as e:
-            raise CLIError(f"cannot write {args.json_out}: {e.strerror or e}") from None
-    return EXIT_OK
