@@ -14,8 +14,8 @@ import openai
 import pytest
 from fakes import END_ID, FakeEngine, FakeTokenizer
 from tierchat.cli.common import CLIError
-from tierchat.core.serve.app import ServerThread, ServeState, create_app, is_loopback
 from tierchat.cli.serve import check_bind
+from tierchat.core.serve.app import ServerThread, ServeState, create_app, is_loopback
 from tierchat.core.serve.log import RequestLog, TrackedEngine
 from tierchat.core.serve.prompts import APIError, ReplyMemory, StopMatcher, sampling
 

@@ -15,9 +15,9 @@ import pytest
 from fakes import FakeEngine
 from textual.clock import MockClock
 from textual.widgets import DataTable, Static
-from tierchat.core.serve.app import ServerThread, ServeState, create_app
 from tierchat.config.settings import Settings
 from tierchat.core.chat.store import ConversationStore
+from tierchat.core.serve.app import ServerThread, ServeState, create_app
 from tierchat.core.serve.log import RequestLog, TrackedEngine
 
 pytestmark = pytest.mark.anyio

@@ -18,10 +18,10 @@ import httpx
 import openai
 import pytest
 from engine_kit import make_engine
-from tierchat.core.serve.app import ServerThread, ServeState, create_app
 from tierchat.cli.serve import _print_record
 from tierchat.core.chat.prompts import PromptBuilder
 from tierchat.core.live_status import STATUS_FILE, StatusService
+from tierchat.core.serve.app import ServerThread, ServeState, create_app
 from tierchat.core.serve.limits import ServeLimits, context_length, vocab_size
 from tierchat.core.serve.log import RequestLog, TrackedEngine
 
