@@ -71,12 +71,12 @@ def device_info(dtype: str | None = None) -> DeviceInfo:
 
 # MLX's CUDA backend runs attention through cuDNN's SDPA by default. Its decode steps (one
 # query) are not reproducible: on an H100 (shape:qwen3-8b, bf16, a 256-token prompt, 40
-# greedy tokens) two processes agreed on 27 of 40 tokens, and two runs in one process
-# differed too, while every op of the prefill (435 outputs: matmuls, norms, attention) and a
-# teacher-forced forward were bit-identical across processes. MLX's own attention kernels
-# (this variable) made both agree on 40 of 40, decoding ~5% slower (89-94 against 94-101
-# tok/s); CUDA_LAUNCH_BLOCKING=1 (38/40) and MLX_USE_CUDA_GRAPHS=0 (29/40) did not
-# (docs/DESIGN.md §18, scripts/gpu_determinism.py).
+# greedy tokens) two processes agreed on 27 of 40 tokens, and two runs in one process were
+# not bit-identical either, while every op of the prefill (435 outputs: matmuls, norms,
+# attention) and a teacher-forced forward were bit-identical across processes. MLX's own
+# attention kernels (this variable) made both agree on 40 of 40, decoding ~5% slower
+# (89-94 against 94-101 tok/s); CUDA_LAUNCH_BLOCKING=1 (38/40) and MLX_USE_CUDA_GRAPHS=0
+# (29/40) did not (docs/DESIGN.md §18, scripts/gpu_determinism.py).
 DETERMINISTIC_ENV: dict[str, str] = {"MLX_CUDA_USE_CUDNN_SDPA": "0"}
 
 
