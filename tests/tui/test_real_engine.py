@@ -44,7 +44,7 @@ async def test_tiny_llama_send_regenerate_swipe_clear_hot(real_settings):
     app = TierchatApp(engine, store, real_settings, clock=MockClock(0.0))
     app.animation_level = "none"
     try:
-        async with app.run_test(size=(120, 40)) as pilot:
+        async with app.run_test(size=(150, 40)) as pilot:
             await settle(pilot, timeout=REAL_TIMEOUT_S)  # the app loads tiny:llama itself
             assert engine.model_name == "tiny:llama"
             screen = chat_screen(app)
