@@ -488,6 +488,9 @@ class SSDTier:
 
     ``ledger`` (:mod:`.wear`) records every file written and holds the write budget: an
     entry that does not fit it is not accepted (``budget_skips``, ``budget_skipped_bytes``).
+    Under the cap an entry never evicts the chain it hangs from: one that would is not
+    accepted, counted as evicted on arrival (``evictions``, ``evicted_bytes``;
+    :meth:`_fits_chain`).
     """
 
     write_delay_s: float = 0.0
@@ -864,6 +867,11 @@ class SSDTier:
                 self.write_drops += 1
                 self._event("SSD writer stuck: entry not saved")
                 return False
+            if not self._fits_chain(e, size):
+                # the chain's end goes first, and the entry is its end: evicted on arrival
+                self.evictions += 1
+                self.evicted_bytes += size
+                return False
             if e.id in self._index:
                 self._drop(e.id)  # replaced by an entry with more parts
             self._evict_for(size, keep=e.parent)
@@ -995,6 +1003,28 @@ class SSDTier:
                 relock_dir(self.cache_root)
             except (OSError, CacheDirBusy) as exc:
                 self._event(f"SSD: cannot lock {self.cache_root} again: {exc}")
+
+    def _fits_chain(self, e: Entry, size: int) -> bool:
+        """Whether ``e`` (``size`` bytes) may go under the cap without evicting its own
+        chain; caller holds the lock. Evictions take leaves, so they can free everything
+        but the entry's ancestors: when those and the entry exceed the cap, the chain
+        shrinks from its end, which is ``e`` itself (refused), not from the blocks it hangs
+        from (docs/DESIGN.md §8.4). An entry whose parent is not on the SSD tier (deferred
+        by admission, refused or evicted before) evicts nothing: refused when over the cap,
+        so that the end of a chain too long for the cap never eats the chain's head."""
+        old = self._index.get(e.id)
+        total = self.nbytes - (old.nbytes if old is not None else 0) + size
+        if total <= self.max_bytes:
+            return True
+        chain, parent, seen = size, e.parent, set()
+        while parent != self.root:
+            meta = self._index.get(parent)
+            if meta is None or parent in seen:
+                return False  # an orphan over the cap
+            seen.add(parent)
+            chain += meta.nbytes
+            parent = meta.parent
+        return chain <= self.max_bytes
 
     def _evict_for(self, incoming: int, keep: str | None = None) -> None:
         """Evict until ``incoming`` more bytes fit under the cap, leaves first (see

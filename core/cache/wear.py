@@ -14,11 +14,12 @@ Hours older than that are forgotten. The clock is injected for tests.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from ..live_status import write_atomic
 
 HOUR_S = 3600
 WINDOW_HOURS = 25  # the current hour and the 24 before it
@@ -95,7 +96,7 @@ class WriteLedger:
             self.save()
 
     def save(self) -> None:
-        """Write the ledger (atomically; a failure leaves the old file)."""
+        """Write the ledger (atomically, owner-only; a failure leaves the old file)."""
         if self.path is None:
             return
         with self._lock:
@@ -105,12 +106,7 @@ class WriteLedger:
                 "total_files": self.total_files,
                 "hours": {str(h): n for h, n in sorted(self._hours.items())},
             }
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            tmp.write_text(json.dumps(body))
-            os.replace(tmp, self.path)
+            write_atomic(self.path, body)  # 0600, like every file in the cache dir
         except OSError:
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
+            pass
