@@ -9,76 +9,53 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from textual.clock import MockClock
-from tierchat.config.settings import Settings
-from tierchat.core.chat.store import ConversationStore
-from tui_kit import chat_screen, fixed_clock, send, settle
+from tui_kit import REAL_TIMEOUT_S, chat_screen, real_app, real_settings, send, settle
 
-engine_module = pytest.importorskip("tierchat.core.engine.engine")
+pytest.importorskip("tierchat.core.engine.engine")
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
-REAL_TIMEOUT_S = 180.0
 
 
 @pytest.fixture
-def real_settings(tmp_path: Path) -> Settings:
-    return Settings(
-        model="tiny:llama",
-        data_dir=tmp_path / "data",
-        cache_dir=tmp_path / "kv",
-        models_dir=tmp_path / "models",
-        block_size=16,
-        max_tokens=12,
-        hot_bytes=64 << 20,
-        ssd_bytes=256 << 20,
-    )
+def settings(tmp_path: Path):
+    return real_settings(tmp_path, max_tokens=12)
 
 
-async def test_tiny_llama_send_regenerate_swipe_clear_hot(real_settings):
-    from tierchat.tui.app import TierchatApp
+async def test_tiny_llama_send_regenerate_swipe_clear_hot(settings):
     from tierchat.tui.widgets.cache_panels import CachePanels
 
-    engine = engine_module.Engine(real_settings)
-    store = ConversationStore(":memory:", clock=fixed_clock)
-    app = TierchatApp(engine, store, real_settings, clock=MockClock(0.0))
-    app.animation_level = "none"
-    try:
-        async with app.run_test(size=(150, 40)) as pilot:
-            await settle(pilot, timeout=REAL_TIMEOUT_S)  # the app loads tiny:llama itself
-            assert engine.model_name == "tiny:llama"
-            screen = chat_screen(app)
+    async with real_app(settings, size=(150, 40)) as (app, pilot, engine, store):
+        assert engine.model_name == "tiny:llama"
+        screen = chat_screen(app)
 
-            await send(pilot, "Hello, tiny model. Tell me about caches.")
-            await settle(pilot, timeout=REAL_TIMEOUT_S)
-            cid = screen.conversation_id
-            path = store.active_path(cid)
-            assert [n.role for n in path] == ["user", "assistant"]
-            first = path[-1]
-            assert first.token_ids  # the generated ids are kept for splicing
+        await send(pilot, "Hello, tiny model. Tell me about caches.")
+        await settle(pilot, timeout=REAL_TIMEOUT_S)
+        cid = screen.conversation_id
+        path = store.active_path(cid)
+        assert [n.role for n in path] == ["user", "assistant"]
+        first = path[-1]
+        assert first.token_ids  # the generated ids are kept for splicing
 
-            await pilot.press("ctrl+r")
-            await settle(pilot, timeout=REAL_TIMEOUT_S)
-            user = store.active_path(cid)[0]
-            replies = store.replies(user.id)
-            assert len(replies) == 2
-            assert store.active_path(cid)[-1].id == replies[1].id
-            stats = engine.stats()
-            # regenerate reuses the prompt: only the last token (at most a block) is new
-            assert stats.last_turn.cached_tokens > 0
-            assert stats.last_turn.prefill_tokens < stats.last_turn.prompt_tokens
-            assert stats.hot.entries > 0
+        await pilot.press("ctrl+r")
+        await settle(pilot, timeout=REAL_TIMEOUT_S)
+        user = store.active_path(cid)[0]
+        replies = store.replies(user.id)
+        assert len(replies) == 2
+        assert store.active_path(cid)[-1].id == replies[1].id
+        stats = engine.stats()
+        # regenerate reuses the prompt: only the last token (at most a block) is new
+        assert stats.last_turn.cached_tokens > 0
+        assert stats.last_turn.prefill_tokens < stats.last_turn.prompt_tokens
+        assert stats.hot.entries > 0
 
-            await pilot.press("alt+left")
-            await settle(pilot, timeout=REAL_TIMEOUT_S)
-            assert store.active_path(cid)[-1].id == first.id
+        await pilot.press("alt+left")
+        await settle(pilot, timeout=REAL_TIMEOUT_S)
+        assert store.active_path(cid)[-1].id == first.id
 
-            await pilot.press("f5", "y")
-            await settle(pilot, timeout=REAL_TIMEOUT_S)
-            stats = engine.stats()
-            assert stats.hot.entries == 0 and stats.hot.nbytes == 0
-            assert screen.query_one(CachePanels).stats.hot.entries == 0
-            assert any(n.title == "Cache cleared" for n in app._notifications)
-    finally:
-        engine.close()
-        store.close()
+        await pilot.press("f5", "y")
+        await settle(pilot, timeout=REAL_TIMEOUT_S)
+        stats = engine.stats()
+        assert stats.hot.entries == 0 and stats.hot.nbytes == 0
+        assert screen.query_one(CachePanels).stats.hot.entries == 0
+        assert any(n.title == "Cache cleared" for n in app._notifications)

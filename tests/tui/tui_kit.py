@@ -12,6 +12,7 @@ engine thread, the workers and the message queues before anything is asserted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import threading
 import time
@@ -116,3 +117,52 @@ async def send(pilot: Pilot, text: str) -> None:
     box.insert(text)
     await pilot.press("enter")
     await settle(pilot)
+
+
+# ------------------------------------------------------------------ the real engine
+
+REAL_TIMEOUT_S = 180.0
+"""How long a step through the real engine on a tiny model may take (a loaded CI machine)."""
+
+
+def real_settings(tmp_path: Path, **overrides):
+    """Settings for the real engine on ``tiny:llama`` under ``tmp_path`` (16-token blocks,
+    small tiers); ``overrides`` replace any field."""
+    from tierchat.config.settings import Settings
+
+    values = dict(
+        model="tiny:llama",
+        data_dir=tmp_path / "data",
+        cache_dir=tmp_path / "kv",
+        models_dir=tmp_path / "models",
+        block_size=16,
+        max_tokens=8,
+        hot_bytes=64 << 20,
+        ssd_bytes=256 << 20,
+    )
+    values.update(overrides)
+    return Settings(**values)
+
+
+@contextlib.asynccontextmanager
+async def real_app(settings, size: tuple[int, int] = (150, 40)):
+    """The app over the real engine and an in-memory store, started, with the model loaded
+    (the app loads ``settings.model`` itself), then closes the
+    engine and the store. Yields ``(app, pilot, engine, store)``; the engine (MLX) is imported
+    here, not at collection."""
+    from textual.clock import MockClock
+    from tierchat.core.chat.store import ConversationStore
+    from tierchat.core.engine.engine import Engine
+    from tierchat.tui.app import TierchatApp
+
+    engine = Engine(settings)
+    store = ConversationStore(":memory:", clock=fixed_clock)
+    app = TierchatApp(engine, store, settings, clock=MockClock(0.0))
+    app.animation_level = "none"
+    try:
+        async with app.run_test(size=size) as pilot:
+            await settle(pilot, timeout=REAL_TIMEOUT_S)
+            yield app, pilot, engine, store
+    finally:
+        engine.close()
+        store.close()
