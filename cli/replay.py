@@ -399,14 +399,20 @@ class Replay:
 
 def run_replay(settings: Any, script: str, *, data_dir_given: bool = False) -> int:
     """``tierchat replay``: parse the whole script, then run it. Returns the exit code."""
+    return run_script(Replay, settings, script, data_dir_given=data_dir_given)
 
+
+def run_script(kind: type[Replay], settings: Any, script: str, *, data_dir_given: bool) -> int:
+    """Parse the whole ``script`` (a path, or "-" for stdin), then run it with a ``kind``
+    (:class:`Replay` or a subclass) over the data dir's store when ``data_dir_given``, else
+    a store in a temporary folder. Returns the exit code."""
     ops = read_script(script)
     name = "<stdin>" if script == "-" else script
     with tempfile.TemporaryDirectory(prefix="tierchat-replay-") as tmp:
         db = settings.db_path if data_dir_given else Path(tmp) / "replay.sqlite"
         store = open_store(db, settings.store_busy_s)
         try:
-            replay = Replay(settings, store, name, sys.stdout)
+            replay = kind(settings, store, name, sys.stdout)
             try:
                 return replay.run(ops)
             finally:

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from tierchat.cli.common import (
@@ -34,7 +32,7 @@ from tierchat.cli.common import (
     open_store,
     start_engine,
 )
-from tierchat.cli.replay import Op, Replay, read_script
+from tierchat.cli.replay import Op, Replay, run_script
 
 
 def _line(report: Any, **head: Any) -> dict[str, Any]:
@@ -68,19 +66,7 @@ def run_verify(settings: Any, args: Any) -> int:
     if (script is None) == (cid is None and nid is None) or (cid is not None and nid is not None):
         raise CLIError("verify: give a SCRIPT, or --conversation ID, or --node ID", EXIT_USAGE)
     if script is not None:
-        ops = read_script(script)
-        name = "<stdin>" if script == "-" else script
-        with tempfile.TemporaryDirectory(prefix="tierchat-verify-") as tmp:
-            db = settings.db_path if "data_dir" in args else Path(tmp) / "verify.sqlite"
-            store = open_store(db)
-            try:
-                replay = VerifyReplay(settings, store, name, sys.stdout)
-                try:
-                    return replay.run(ops)
-                finally:
-                    replay.close()
-            finally:
-                store.close()
+        return run_script(VerifyReplay, settings, script, data_dir_given="data_dir" in args)
     return _verify_stored(settings, cid, nid)
 
 
