@@ -169,7 +169,7 @@ def _is_number(text: str) -> bool:
     return True
 
 
-# cache events that mean the SSD tier lost capacity or turned off (core/cache/ssd.py)
+# cache events that mean the SSD tier lost capacity or turned off (core/cache/ssd/tier.py)
 SSD_LOSS_MARKERS = ("disk full: SSD cap shrunk", "SSD tier off", "SSD write failed")
 SSD_LOSS_MARKERS += ("cannot read", "cannot verify", "retrying writes")
 

@@ -1,6 +1,6 @@
 """A running engine's cache figures on disk, and clear requests to it. Pure Python.
 
-One process owns a cache dir (the SSD tier's lock, :func:`~tierchat.core.cache.ssd.
+One process owns a cache dir (the SSD tier's lock, :func:`~tierchat.core.cache.ssd.tier.
 acquire_dir`). Its hot tier, tails and counters live in that process; ``tierchat cache
 stats`` in another shell would otherwise load the model and show a fresh process's zeros,
 and its ``cache clear`` would delete SSD files under the running engine. So every process

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import mlx.core as mx
 from tierchat.core.cache.blocks import KIND_BLOCK, Entry, chain_ids, root_id
-from tierchat.core.cache.ssd import SSDTier, drop_page_cache, measure_read_bandwidth
+from tierchat.core.cache.ssd.io import drop_page_cache, measure_read_bandwidth
+from tierchat.core.cache.ssd.tier import SSDTier
 
 FP = "5d" * 32
 

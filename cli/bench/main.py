@@ -62,8 +62,8 @@ from typing import Any, NamedTuple
 
 from tierchat.cli.bench.mlx_baseline import LRUBaseline
 from tierchat.cli.common import EXIT_OK, EXIT_USAGE, CLIError, start_engine, table
-from tierchat.core.cache.ssd import ReadBandwidth, measure_read_bandwidth
-from tierchat.core.cache.ssd import drop_page_cache as _drop_files
+from tierchat.core.cache.ssd.io import ReadBandwidth, measure_read_bandwidth
+from tierchat.core.cache.ssd.io import drop_page_cache as _drop_files
 from tierchat.core.units import fmt_bytes
 
 SENTENCES = (

@@ -64,7 +64,7 @@ from .blocks import (
 )
 from .hot import HotTier
 from .rates import Choice, Rates
-from .ssd import SSDTier
+from .ssd.tier import SSDTier
 from .wear import WriteLedger
 
 Spec = dict[str, tuple[tuple[int, ...], Any]]

@@ -100,7 +100,7 @@ def test_foreign_model_entry_is_never_used(engines, tmp_path, models_dir, cold):
 
 
 def test_disk_full_shrinks_cap_and_chat_goes_on(engines, cold, monkeypatch):
-    import tierchat.core.cache.ssd as ssd_mod
+    import tierchat.core.cache.ssd.tier as ssd_mod
 
     real_open = os.open
     calls = {"n": 0}
@@ -207,7 +207,8 @@ def test_one_flipped_bit_in_every_file(tmp_path, models_dir, capsys, monkeypatch
     import random
     import shutil
 
-    from tierchat.core.cache.ssd import SSDTier, read_file
+    from tierchat.core.cache.ssd.io import read_file
+    from tierchat.core.cache.ssd.tier import SSDTier
 
     script = tmp_path / "s.jsonl"
     script.write_text("\n".join(json.dumps(op) for op in FAULT_SCRIPT) + "\n")
@@ -245,7 +246,7 @@ def test_one_flipped_bit_in_every_file(tmp_path, models_dir, capsys, monkeypatch
 def test_running_out_of_file_descriptors_deletes_no_cache_file(engines, cold, monkeypatch):
     """Issue 22 case 4: EMFILE at start (the scan) and at a load is a resource error, not
     corruption: counted and logged, every file kept, the turn a miss equal to cold."""
-    import tierchat.core.cache.ssd as ssd_mod
+    import tierchat.core.cache.ssd.tier as ssd_mod
 
     first = fill_and_restart(engines)
     files = {p: p.read_bytes() for p in ssd_files(first)}

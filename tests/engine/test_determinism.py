@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from tierchat.cli.main import main
-from tierchat.core.cache.ssd import SSDTier
+from tierchat.core.cache.ssd.tier import SSDTier
 
 pytestmark = pytest.mark.usefixtures("isolated_settings")
 

@@ -19,7 +19,9 @@ from tierchat.core.cache.blocks import (
     root_id,
     tail_id,
 )
-from tierchat.core.cache.ssd import CorruptEntry, SSDTier, _meta_strings, entry_meta, read_file
+from tierchat.core.cache.ssd.format import CorruptEntry, _meta_strings, entry_meta
+from tierchat.core.cache.ssd.io import read_file
+from tierchat.core.cache.ssd.tier import SSDTier
 
 BS = 16
 PROMPT = random_prompt(45, seed=11)  # 2 blocks and a 13-token tail

@@ -21,9 +21,9 @@ from tierchat.cli.common import SSDWatch
 from tierchat.cli.main import main
 from tierchat.config.settings import SettingsError, load_settings
 from tierchat.core.api import Finished, TokenBatch, TurnMetrics
-from tierchat.core.cache import ssd as ssd_mod
 from tierchat.core.cache.blocks import chain_ids
-from tierchat.core.cache.ssd import SSDTier
+from tierchat.core.cache.ssd import tier as ssd_mod
+from tierchat.core.cache.ssd.tier import SSDTier
 from tierchat.core.chat.store import ConversationStore, StoreError, store_error
 from tierchat.core.memory import prefill as MP
 from tierchat.core.memory import pressure as M

@@ -352,7 +352,7 @@ def test_5_a_removed_cache_dir_is_recreated_and_said(served):
 def test_5_a_full_disk_is_said_and_retried(served, monkeypatch):
     import errno
 
-    import tierchat.core.cache.ssd as ssd_mod
+    import tierchat.core.cache.ssd.tier as ssd_mod
 
     real_open = os.open
     full = {"on": True}

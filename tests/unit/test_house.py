@@ -120,8 +120,12 @@ def test_cli_holds_no_http_route_or_server():
     for path in sorted((ROOT / "cli").rglob("*.py")):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("Route", "Starlette"):
-                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.func.id}(...)")
-            if isinstance(node, ast.ClassDef) and node.name.endswith(("Server", "ServerThread")):
-                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: class {node.name}")
+            if isinstance(node, ast.Call):
+                name = ast.unparse(node.func)
+                if name in ("Route", "Starlette", "uvicorn.Server", "uvicorn.Config", "uvicorn.run"):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}(...)")
+            if isinstance(node, ast.ClassDef):
+                bases = [ast.unparse(b) for b in node.bases]
+                if any(b in ("uvicorn.Server", "Starlette", "threading.Thread") for b in bases):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: class {node.name}")
     assert not found, "\n".join(found)

@@ -10,9 +10,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from ssd_kit import FP, entry
-from tierchat.core.cache import ssd as ssd_mod
 from tierchat.core.cache.blocks import KIND_BLOCK, KIND_TAIL, root_id
-from tierchat.core.cache.ssd import CorruptEntry, SSDTier
+from tierchat.core.cache.ssd import format as ssd_format
+from tierchat.core.cache.ssd import tier as ssd_mod
+from tierchat.core.cache.ssd.format import CorruptEntry
+from tierchat.core.cache.ssd.tier import SSDTier
 
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 
@@ -113,7 +115,7 @@ def test_files_open_in_other_tools(tier):
     ssd.put(f32)
     ssd.flush()
     with safe_open(str(ssd._path(f32.id)), framework="numpy") as f:
-        assert f.metadata()["format"] == ssd_mod.FORMAT
+        assert f.metadata()["format"] == ssd_format.FORMAT
         assert np.array_equal(f.get_tensor("0.k"), np.array(f32.arrays["0.k"]))
 
 

@@ -53,16 +53,14 @@ arrays the engine made (:func:`staging`, :func:`read_file`). The index is guarde
 lock.
 """
 
+
 from __future__ import annotations
 
 import errno
 import itertools
-import json
-import math
 import os
 import random
 import stat
-import struct
 import threading
 import time
 import zlib
@@ -70,397 +68,43 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import NamedTuple
 
 import mlx.core as mx
-import numpy as np
 
-from ..files import pid_alive, private_dirs
-from .blocks import (
-    FORMAT_VERSION,
+from ...files import pid_alive, private_dirs
+from ..blocks import (
     KIND_BLOCK,
-    KIND_TAIL,
-    TAIL_KINDS,
     Entry,
     EntryMeta,
-    chain_ids,
 )
-from .blocks import root_id as _root_id
-from .blocks import tail_id as _tail_id
-from .dir_lock import LOCK_FILE, CacheDirBusy, acquire_dir, release_dir, relock_dir
-from .wear import WriteLedger
+from ..blocks import root_id as _root_id
+from ..dir_lock import LOCK_FILE, CacheDirBusy, acquire_dir, release_dir, relock_dir
+from ..wear import WriteLedger
+from .format import (
+    _NAME_OF,
+    CorruptEntry,
+    FileMeta,
+    _meta_strings,
+    check_arrays,
+    encode_header,
+    entry_meta,
+    parse_header,
+    seal_header,
+)
+from .io import (
+    _flat_copy,
+    _inode,
+    _open_regular,
+    _raw_bytes,
+    _read_head,
+    _real_dir,
+    arrays_in,
+    read_file,
+    staging,
+)
 
-FORMAT = f"tierchat-kv/{FORMAT_VERSION}"
-PREFIX = b'{"__metadata__":{"hcrc":"'
-HCRC_AT = 8 + len(PREFIX)  # byte offset of hcrc's 8 hex digits in the file
-DCRC_AT = HCRC_AT + 8 + len(b'","dcrc":"')
-CHUNK = 1 << 20  # bytes read (and checksummed while in cache) at a time
-MAX_HEADER = 16 << 20
 STALE_TMP_S = 600.0  # a .tmp file this old is removed even when its writer may live
 RETRY_AFTER_S = 30.0  # after a full disk, writes at the configured cap are tried again
-
-# safetensors dtype name -> (MLX dtype, numpy dtype of the stored bits)
-DTYPES: dict[str, tuple[mx.Dtype, type]] = {
-    "BOOL": (mx.bool_, np.bool_),
-    "U8": (mx.uint8, np.uint8),
-    "I8": (mx.int8, np.int8),
-    "U16": (mx.uint16, np.uint16),
-    "I16": (mx.int16, np.int16),
-    "U32": (mx.uint32, np.uint32),
-    "I32": (mx.int32, np.int32),
-    "U64": (mx.uint64, np.uint64),
-    "I64": (mx.int64, np.int64),
-    "F16": (mx.float16, np.float16),
-    "BF16": (mx.bfloat16, np.uint16),  # numpy has no bfloat16: the bits as uint16
-    "F32": (mx.float32, np.float32),
-    "F64": (mx.float64, np.float64),
-}
-_NAME_OF = {mxd: name for name, (mxd, _) in DTYPES.items()}
-_HEX = frozenset("0123456789abcdef")
-
-
-@dataclass
-class FileMeta(EntryMeta):
-    """An index row: the entry's description plus its file's size and last access."""
-
-    nbytes: int = 0  # file size (reserved at ``put``, before the file exists)
-    atime: float = 0.0
-
-
-class CorruptEntry(Exception):
-    """An SSD entry (or arrays) that cannot be proven valid; the message says why."""
-
-
-class Layout(NamedTuple):
-    """A verified header: metadata strings, tensors ``(name, dtype, shape, begin, end)``
-    with offsets relative to ``data_start``, and the data CRC the header promises."""
-
-    meta: dict[str, str]
-    tensors: list[tuple[str, str, tuple[int, ...], int, int]]
-    data_start: int
-    dcrc: int
-
-
-class ReadBandwidth(NamedTuple):
-    """One sequential read of a set of files (:func:`measure_read_bandwidth`): ``nbytes``
-    in ``seconds``; ``gbps`` is ``nbytes / seconds / 1e9``; ``dropped`` says whether their
-    page cache was dropped first (else the figure may be the page cache's, not the disk's).
-    """
-
-    files: int
-    nbytes: int
-    seconds: float
-    gbps: float
-    dropped: bool
-
-
-# ---------------------------------------------------------------------- file format
-
-
-def _hex8(value: int) -> bytes:
-    return f"{value & 0xFFFFFFFF:08x}".encode()
-
-
-def encode_header(meta: dict[str, str], tensors: list[tuple[str, str, tuple, int]]) -> bytes:
-    """The length prefix and header of a file, CRC fields zeroed (:func:`seal_header`).
-
-    ``tensors``: ``(name, dtype name, shape, nbytes)`` in file order.
-    """
-    body: dict = {"__metadata__": {"hcrc": "0" * 8, "dcrc": "0" * 8, **meta}}
-    off = 0
-    for name, dtype, shape, nbytes in tensors:
-        body[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + nbytes]}
-        off += nbytes
-    raw = json.dumps(body, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % 8)  # data starts 8-aligned, as safetensors pads
-    return struct.pack("<Q", len(raw)) + raw
-
-
-def seal_header(head: bytes, dcrc: int) -> bytes:
-    """``head`` (from :func:`encode_header`) with the data CRC and its own CRC filled in."""
-    out = bytearray(head)
-    out[DCRC_AT : DCRC_AT + 8] = _hex8(dcrc)
-    out[HCRC_AT : HCRC_AT + 8] = _hex8(_header_crc(out))
-    return bytes(out)
-
-
-def _header_crc(head) -> int:
-    mv = memoryview(head)
-    return zlib.crc32(mv[HCRC_AT + 8 :], zlib.crc32(mv[:HCRC_AT]))
-
-
-def parse_header(head, size: int) -> Layout:
-    """Verify and parse the first ``8 + N`` bytes of a file of ``size`` bytes.
-
-    Raises:
-        CorruptEntry: not this format, bad hcrc, bad JSON, bad dtypes, shapes or offsets,
-            or a size other than the header says (truncated or padded).
-    """
-    if bytes(head[8:HCRC_AT]) != PREFIX:
-        raise CorruptEntry(f"not a {FORMAT} file")
-    try:
-        want = int(bytes(head[HCRC_AT : HCRC_AT + 8]), 16)
-    except ValueError:
-        raise CorruptEntry("bad header checksum field") from None
-    if _header_crc(head) != want:
-        raise CorruptEntry("header checksum mismatch")
-    try:
-        body = json.loads(bytes(head[8:]))
-        meta = body.pop("__metadata__")
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-            raise ValueError("metadata values must be strings")
-        tensors, off = [], 0
-        for name, t in sorted(body.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-            dtype, shape, (begin, end) = t["dtype"], tuple(t["shape"]), t["data_offsets"]
-            if dtype not in DTYPES or not all(isinstance(s, int) and s >= 0 for s in shape):
-                raise ValueError(f"tensor {name}: bad dtype or shape")
-            itemsize = np.dtype(DTYPES[dtype][1]).itemsize
-            if begin != off or end - begin != math.prod(shape) * itemsize:
-                raise ValueError(f"tensor {name}: bad offsets")
-            tensors.append((name, dtype, shape, begin, end))
-            off = end
-        dcrc = int(meta["dcrc"], 16)
-    except (ValueError, TypeError, KeyError, AttributeError, IndexError) as exc:
-        raise CorruptEntry(f"bad header: {exc}") from None
-    if len(head) + off != size:
-        raise CorruptEntry(f"size {size} != {len(head) + off} (truncated or padded)")
-    return Layout(meta, tensors, len(head), dcrc)
-
-
-def _open_regular(path: Path):
-    """Open ``path`` for reading without following a link or blocking on a FIFO.
-
-    Raises CorruptEntry unless it is a regular file; OSError as the system raises it.
-    """
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-    fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise CorruptEntry("not a regular file")
-    return open(fd, "rb", buffering=0), st  # noqa: SIM115 (closed by the caller)
-
-
-def _fill(f, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = f.readinto(view[got:])
-        if not n:
-            raise CorruptEntry("file shrank while read")
-        got += n
-
-
-def _read_head(f, size: int) -> bytes:
-    if size < HCRC_AT + 8:
-        raise CorruptEntry("short file")
-    first = bytearray(8)
-    _fill(f, memoryview(first))
-    (n,) = struct.unpack("<Q", first)
-    if n > MAX_HEADER or 8 + n > size:
-        raise CorruptEntry("bad header length")
-    head = bytearray(8 + n)
-    head[:8] = first
-    _fill(f, memoryview(head)[8:])
-    return bytes(head)
-
-
-def read_file(
-    path: Path, keep: bool = True, into: memoryview | None = None
-) -> tuple[Layout, bytearray | memoryview | None, int]:
-    """Read and verify a whole entry file: ``(layout, file bytes or None, inode)``.
-
-    Reads in :data:`CHUNK` pieces into one buffer, checksumming each piece while it is in
-    cache: ``into`` when given (the bytes of a :func:`staging` array of the file's size,
-    as indexed; plain file I/O into its memory, no MLX call, so a reader thread may do
-    it), else a new ``bytearray``. With ``keep=False`` only verifies (one reused buffer).
-
-    Raises:
-        CorruptEntry: not a regular file, not the size of ``into``, or any check of
-            :func:`parse_header` or the data CRC fails.
-        OSError: the file cannot be opened or read.
-    """
-    f, st = _open_regular(path)
-    with f:
-        if into is not None and st.st_size != len(into):
-            raise CorruptEntry("file size changed since indexed")
-        if keep and hasattr(os, "posix_fadvise"):  # the kernel reads ahead while we check
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
-        head = _read_head(f, st.st_size)
-        layout = parse_header(head, st.st_size)
-        n = st.st_size - len(head)
-        if keep:
-            buf = into if into is not None else bytearray(st.st_size)
-            whole = memoryview(buf)
-            whole[: len(head)] = head
-            views = (whole[o : o + CHUNK] for o in range(len(head), st.st_size, CHUNK))
-        else:
-            buf, scratch = None, memoryview(bytearray(min(CHUNK, max(n, 1))))
-            views = (scratch[: min(CHUNK, n - o)] for o in range(0, n, CHUNK))
-        crc = 0
-        for view in views:
-            _fill(f, view)
-            crc = zlib.crc32(view, crc)
-    if crc != layout.dcrc:
-        raise CorruptEntry("data checksum mismatch")
-    return layout, buf, st.st_ino
-
-
-def staging(size: int) -> mx.array:
-    """A new evaluated ``uint8`` array of ``size`` bytes in host-written memory, for
-    :func:`read_file` to read into (engine thread). Made on the CPU stream: on CUDA, MLX gives an array
-    made without a GPU stream managed memory, here first touched by MLX's CPU thread
-    while the GIL is free, so readers write into resident pages and no copy follows."""
-    stage = mx.zeros((size,), dtype=mx.uint8, stream=mx.cpu)
-    mx.eval(stage)
-    return stage
-
-
-def arrays_in(layout: Layout, stage: mx.array) -> dict[str, mx.array]:
-    """The tensors of a verified file read into ``stage`` (:func:`read_file`), as views of
-    it (no copy; a tensor whose offset is not a multiple of its item size is copied out);
-    evaluated. Engine thread only."""
-    arrays = {}
-    for name, dtype, shape, begin, end in layout.tensors:
-        mxd, npd = DTYPES[dtype]
-        lo, hi = layout.data_start + begin, layout.data_start + end
-        if hi == lo:
-            arrays[name] = mx.zeros(shape, dtype=mxd)
-        elif lo % mxd.size == 0:
-            arrays[name] = stage[lo:hi].view(mxd).reshape(shape)
-        else:
-            bits = np.frombuffer(memoryview(stage).cast("B")[lo:hi], npd).reshape(shape)
-            arrays[name] = mx.array(bits).view(mxd) if dtype == "BF16" else mx.array(bits)
-    mx.eval(list(arrays.values()))
-    return arrays
-
-
-def drop_page_cache(paths) -> int:
-    """Ask the kernel to forget cached pages of ``paths`` (``fsync``, then
-    ``posix_fadvise(POSIX_FADV_DONTNEED)``), so the next read comes from the disk.
-
-    Returns how many files it was done for: 0 where ``posix_fadvise`` does not exist
-    (macOS). DONTNEED is advice: Linux drops clean pages not mapped elsewhere.
-    """
-    if not hasattr(os, "posix_fadvise"):
-        return 0
-    done = 0
-    for p in paths:
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            done += 1
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return done
-
-
-def measure_read_bandwidth(
-    paths, drop_cache: bool = True, buffer_bytes: int = 8 << 20
-) -> ReadBandwidth:
-    """Sequential read bandwidth of ``paths``, read whole one after another in
-    ``buffer_bytes`` pieces into one reused buffer: the disk's speed as the SSD tier sees
-    it when ``drop_cache`` empties the page cache first. The yardstick for SSD restores
-    (docs/DESIGN.md §8.5). The page cache is left holding the files afterwards."""
-    paths = list(paths)
-    dropped = drop_cache and bool(paths) and drop_page_cache(paths) == len(paths)
-    buf = memoryview(bytearray(buffer_bytes))
-    total = 0
-    t0 = time.perf_counter()
-    for p in paths:
-        with open(p, "rb", buffering=0) as f:
-            while n := f.readinto(buf):
-                total += n
-    dt = max(time.perf_counter() - t0, 1e-9)
-    return ReadBandwidth(len(paths), total, dt, total / dt / 1e9, dropped)
-
-
-def _is_hex_id(value) -> bool:
-    return isinstance(value, str) and len(value) == 64 and set(value) <= _HEX
-
-
-def entry_meta(meta: dict[str, str], fingerprint: str) -> EntryMeta:
-    """The entry a verified header describes, after checking it belongs to this model and
-    that its tokens hash to its id. Raises CorruptEntry saying what does not hold."""
-    if meta.get("format") != FORMAT:
-        raise CorruptEntry(f"format {meta.get('format')!r}, expected {FORMAT}")
-    if meta.get("fingerprint") != fingerprint:
-        raise CorruptEntry("entry of another model")
-    try:
-        tokens = tuple(json.loads(meta["tokens"]))
-        m = EntryMeta(
-            id=meta["id"],
-            parent=meta["parent"],
-            kind=meta["kind"],
-            start=int(meta["start"]),
-            tokens=tokens,
-            role=meta["role"],
-            window={"1": True, "0": False}[meta["window"]],
-            snapshot={"1": True, "0": False}[meta["snapshot"]],
-            # files written before kept logprobs existed have no such field
-            logprobs={"1": True, "0": False}[meta.get("logprobs", "0")],
-        )
-    except (KeyError, ValueError, TypeError) as exc:
-        raise CorruptEntry(f"bad metadata: {exc}") from None
-    if not (_is_hex_id(m.id) and _is_hex_id(m.parent)):
-        raise CorruptEntry("bad id or parent")
-    if not tokens or not all(type(t) is int and 0 <= t < 1 << 32 for t in tokens):
-        raise CorruptEntry("bad tokens")
-    if m.kind == KIND_BLOCK:
-        want = chain_ids(m.parent, tokens, len(tokens), 1)[0]
-    elif m.kind in TAIL_KINDS:
-        want = _tail_id(m.parent, tokens)
-    else:
-        raise CorruptEntry(f"unknown kind {m.kind!r}")
-    if want != m.id:
-        raise CorruptEntry("tokens do not hash to the entry id")
-    if m.start < 0 or (m.parent == _root_id(fingerprint) and m.start != 0):
-        raise CorruptEntry("bad start")
-    if m.logprobs and m.kind != KIND_TAIL:
-        raise CorruptEntry(f"kept logprobs in a {m.kind} entry")
-    return m
-
-
-def _meta_strings(e: EntryMeta, fingerprint: str) -> dict[str, str]:
-    return {
-        "format": FORMAT,
-        "fingerprint": fingerprint,
-        "id": e.id,
-        "parent": e.parent,
-        "kind": e.kind,
-        "start": str(e.start),
-        "tokens": json.dumps(list(e.tokens), separators=(",", ":")),
-        "role": e.role,
-        "window": "1" if e.window else "0",
-        "snapshot": "1" if e.snapshot else "0",
-        # only where set: an entry without kept logprobs writes the format it always did
-        **({"logprobs": "1"} if e.logprobs else {}),
-    }
-
-
-def _raw_bytes(a) -> np.ndarray:
-    """The bytes of an evaluated, row-contiguous MLX array (any dtype, bf16 included) as
-    uint8, through the buffer protocol: no MLX graph is built (writer thread)."""
-    try:
-        return np.frombuffer(memoryview(a).cast("B"), dtype=np.uint8)
-    except (TypeError, ValueError, BufferError):  # not contiguous: numpy copies it
-        return np.ascontiguousarray(np.asarray(a)).view(np.uint8).reshape(-1)
-
-
-def _flat_copy(arrays: list[mx.array]) -> mx.array:
-    """A new flat ``uint8`` array of ``arrays``' bytes, one after the other, each in row
-    order (bf16 bits included; lazy, one concatenate). Never a view of an input: the SSD
-    writer reads it from the host, and on CUDA MLX moves a buffer the host reads to
-    managed memory for good (``allocator::Buffer::raw_ptr``), where later GPU reads of it
-    fault pages back. The hot tier's arrays so stay in device memory."""
-    flat = [a.reshape(-1).view(mx.uint8) for a in arrays]
-    # concatenate returns a lone input as it is: an empty second one makes it copy
-    return mx.concatenate(flat + [mx.zeros((0,), dtype=mx.uint8)])
 
 
 @dataclass(eq=False)
@@ -1243,36 +887,3 @@ class SSDTier:
             for i in ids:
                 self._drop(i)
         return len(ids)
-
-
-def _inode(path: Path) -> int | None:
-    try:
-        return os.lstat(path).st_ino
-    except OSError:
-        return None
-
-
-def _real_dir(path: Path) -> None:
-    """Make ``path`` a real 0700 directory: a symbolic link there is removed, never
-    followed."""
-    if path.is_symlink():
-        path.unlink()
-    path.mkdir(exist_ok=True, mode=0o700)
-
-
-def check_arrays(arrays: dict, expected: dict[str, tuple], ntokens: int) -> None:
-    """Raise CorruptEntry unless ``arrays`` has exactly the names/shapes/dtypes expected.
-
-    ``expected[name] = (shape, dtype)`` where a ``-1`` in shape stands for ``ntokens``.
-    Names absent from ``arrays`` are allowed only if the whole leaf part is optional, which
-    the caller expresses by leaving them out of ``expected``.
-    """
-    for name, (shape, dtype) in expected.items():
-        a = arrays.get(name)
-        if a is None:
-            raise CorruptEntry(f"missing tensor {name}")
-        want = tuple(ntokens if s == -1 else s for s in shape)
-        if tuple(a.shape) != want or a.dtype != dtype:
-            raise CorruptEntry(
-                f"tensor {name}: {tuple(a.shape)} {a.dtype}, expected {want} {dtype}"
-            )

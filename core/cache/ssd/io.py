@@ -1,0 +1,223 @@
+"""The SSD tier's I/O: reading a file into an MLX array in checksummed chunks, staging
+and views, the page cache, the disk's read bandwidth, host copies for the writer, and the
+directory and inode helpers (docs/DESIGN.md §8.4). Moves bytes only; never builds an MLX
+graph (docs/DESIGN.md §2).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import struct
+import time
+import zlib
+from pathlib import Path
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+from .format import DTYPES, HCRC_AT, MAX_HEADER, CorruptEntry, Layout, parse_header
+
+CHUNK = 1 << 20  # bytes read (and checksummed while in cache) at a time
+
+
+class ReadBandwidth(NamedTuple):
+    """One sequential read of a set of files (:func:`measure_read_bandwidth`): ``nbytes``
+    in ``seconds``; ``gbps`` is ``nbytes / seconds / 1e9``; ``dropped`` says whether their
+    page cache was dropped first (else the figure may be the page cache's, not the disk's).
+    """
+
+    files: int
+    nbytes: int
+    seconds: float
+    gbps: float
+    dropped: bool
+
+
+def _open_regular(path: Path):
+    """Open ``path`` for reading without following a link or blocking on a FIFO.
+
+    Raises CorruptEntry unless it is a regular file; OSError as the system raises it.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CorruptEntry("not a regular file")
+    return open(fd, "rb", buffering=0), st  # noqa: SIM115 (closed by the caller)
+
+
+def _fill(f, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise CorruptEntry("file shrank while read")
+        got += n
+
+
+def _read_head(f, size: int) -> bytes:
+    if size < HCRC_AT + 8:
+        raise CorruptEntry("short file")
+    first = bytearray(8)
+    _fill(f, memoryview(first))
+    (n,) = struct.unpack("<Q", first)
+    if n > MAX_HEADER or 8 + n > size:
+        raise CorruptEntry("bad header length")
+    head = bytearray(8 + n)
+    head[:8] = first
+    _fill(f, memoryview(head)[8:])
+    return bytes(head)
+
+
+def read_file(
+    path: Path, keep: bool = True, into: memoryview | None = None
+) -> tuple[Layout, bytearray | memoryview | None, int]:
+    """Read and verify a whole entry file: ``(layout, file bytes or None, inode)``.
+
+    Reads in :data:`CHUNK` pieces into one buffer, checksumming each piece while it is in
+    cache: ``into`` when given (the bytes of a :func:`staging` array of the file's size,
+    as indexed; plain file I/O into its memory, no MLX call, so a reader thread may do
+    it), else a new ``bytearray``. With ``keep=False`` only verifies (one reused buffer).
+
+    Raises:
+        CorruptEntry: not a regular file, not the size of ``into``, or any check of
+            :func:`parse_header` or the data CRC fails.
+        OSError: the file cannot be opened or read.
+    """
+    f, st = _open_regular(path)
+    with f:
+        if into is not None and st.st_size != len(into):
+            raise CorruptEntry("file size changed since indexed")
+        if keep and hasattr(os, "posix_fadvise"):  # the kernel reads ahead while we check
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
+        head = _read_head(f, st.st_size)
+        layout = parse_header(head, st.st_size)
+        n = st.st_size - len(head)
+        if keep:
+            buf = into if into is not None else bytearray(st.st_size)
+            whole = memoryview(buf)
+            whole[: len(head)] = head
+            views = (whole[o : o + CHUNK] for o in range(len(head), st.st_size, CHUNK))
+        else:
+            buf, scratch = None, memoryview(bytearray(min(CHUNK, max(n, 1))))
+            views = (scratch[: min(CHUNK, n - o)] for o in range(0, n, CHUNK))
+        crc = 0
+        for view in views:
+            _fill(f, view)
+            crc = zlib.crc32(view, crc)
+    if crc != layout.dcrc:
+        raise CorruptEntry("data checksum mismatch")
+    return layout, buf, st.st_ino
+
+
+def staging(size: int) -> mx.array:
+    """A new evaluated ``uint8`` array of ``size`` bytes in host-written memory, for
+    :func:`read_file` to read into (engine thread). Made on the CPU stream: on CUDA, MLX gives an array
+    made without a GPU stream managed memory, here first touched by MLX's CPU thread
+    while the GIL is free, so readers write into resident pages and no copy follows."""
+    stage = mx.zeros((size,), dtype=mx.uint8, stream=mx.cpu)
+    mx.eval(stage)
+    return stage
+
+
+def arrays_in(layout: Layout, stage: mx.array) -> dict[str, mx.array]:
+    """The tensors of a verified file read into ``stage`` (:func:`read_file`), as views of
+    it (no copy; a tensor whose offset is not a multiple of its item size is copied out);
+    evaluated. Engine thread only."""
+    arrays = {}
+    for name, dtype, shape, begin, end in layout.tensors:
+        mxd, npd = DTYPES[dtype]
+        lo, hi = layout.data_start + begin, layout.data_start + end
+        if hi == lo:
+            arrays[name] = mx.zeros(shape, dtype=mxd)
+        elif lo % mxd.size == 0:
+            arrays[name] = stage[lo:hi].view(mxd).reshape(shape)
+        else:
+            bits = np.frombuffer(memoryview(stage).cast("B")[lo:hi], npd).reshape(shape)
+            arrays[name] = mx.array(bits).view(mxd) if dtype == "BF16" else mx.array(bits)
+    mx.eval(list(arrays.values()))
+    return arrays
+
+
+def drop_page_cache(paths) -> int:
+    """Ask the kernel to forget cached pages of ``paths`` (``fsync``, then
+    ``posix_fadvise(POSIX_FADV_DONTNEED)``), so the next read comes from the disk.
+
+    Returns how many files it was done for: 0 where ``posix_fadvise`` does not exist
+    (macOS). DONTNEED is advice: Linux drops clean pages not mapped elsewhere.
+    """
+    if not hasattr(os, "posix_fadvise"):
+        return 0
+    done = 0
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            done += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return done
+
+
+def measure_read_bandwidth(
+    paths, drop_cache: bool = True, buffer_bytes: int = 8 << 20
+) -> ReadBandwidth:
+    """Sequential read bandwidth of ``paths``, read whole one after another in
+    ``buffer_bytes`` pieces into one reused buffer: the disk's speed as the SSD tier sees
+    it when ``drop_cache`` empties the page cache first. The yardstick for SSD restores
+    (docs/DESIGN.md §8.5). The page cache is left holding the files afterwards."""
+    paths = list(paths)
+    dropped = drop_cache and bool(paths) and drop_page_cache(paths) == len(paths)
+    buf = memoryview(bytearray(buffer_bytes))
+    total = 0
+    t0 = time.perf_counter()
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
+    dt = max(time.perf_counter() - t0, 1e-9)
+    return ReadBandwidth(len(paths), total, dt, total / dt / 1e9, dropped)
+
+
+def _raw_bytes(a) -> np.ndarray:
+    """The bytes of an evaluated, row-contiguous MLX array (any dtype, bf16 included) as
+    uint8, through the buffer protocol: no MLX graph is built (writer thread)."""
+    try:
+        return np.frombuffer(memoryview(a).cast("B"), dtype=np.uint8)
+    except (TypeError, ValueError, BufferError):  # not contiguous: numpy copies it
+        return np.ascontiguousarray(np.asarray(a)).view(np.uint8).reshape(-1)
+
+
+def _flat_copy(arrays: list[mx.array]) -> mx.array:
+    """A new flat ``uint8`` array of ``arrays``' bytes, one after the other, each in row
+    order (bf16 bits included; lazy, one concatenate). Never a view of an input: the SSD
+    writer reads it from the host, and on CUDA MLX moves a buffer the host reads to
+    managed memory for good (``allocator::Buffer::raw_ptr``), where later GPU reads of it
+    fault pages back. The hot tier's arrays so stay in device memory."""
+    flat = [a.reshape(-1).view(mx.uint8) for a in arrays]
+    # concatenate returns a lone input as it is: an empty second one makes it copy
+    return mx.concatenate(flat + [mx.zeros((0,), dtype=mx.uint8)])
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return os.lstat(path).st_ino
+    except OSError:
+        return None
+
+
+def _real_dir(path: Path) -> None:
+    """Make ``path`` a real 0700 directory: a symbolic link there is removed, never
+    followed."""
+    if path.is_symlink():
+        path.unlink()
+    path.mkdir(exist_ok=True, mode=0o700)
