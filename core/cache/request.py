@@ -89,16 +89,23 @@ class CacheRequest:
         return restored
 
     def chunk(
-        self, caches: list[Any], start: int, end: int, first_logprobs: Any = None
+        self,
+        caches: list[Any],
+        start: int,
+        end: int,
+        first_logprobs: Any = None,
+        checkpoint: bool = True,
     ) -> list[mx.array]:
         """Capture what the chunk ``[start, end)`` just computed into ``caches`` (lazy):
         window slices and state snapshots, which a later chunk would overwrite, and the
         prompt's tail entry at ``N - 1`` (at ``N`` on the folded schedule, keeping
         ``first_logprobs``, the first token's logprobs of shape ``(vocab,)`` that chunk
         gave). Returns the arrays to evaluate with the chunk (one eval). KV slices wait
-        for :meth:`first_token` (the live cache keeps them)."""
+        for :meth:`first_token` (the live cache keeps them). ``checkpoint`` False: ``end``
+        is no schedule point (a piece inside a chunk, docs/DESIGN.md §20), so no state
+        checkpoint is taken there."""
         n = len(self.prompt)
-        kind = KIND_TAIL if end >= n - 1 else self._checkpoint_kind
+        kind = KIND_TAIL if end >= n - 1 else (self._checkpoint_kind if checkpoint else None)
         entries = self.cache.capture(
             caches,
             self.prompt,
@@ -179,7 +186,12 @@ class ColdRequest:
         return Restored(caches=self.fresh())
 
     def chunk(
-        self, caches: list[Any], start: int, end: int, first_logprobs: Any = None
+        self,
+        caches: list[Any],
+        start: int,
+        end: int,
+        first_logprobs: Any = None,
+        checkpoint: bool = True,
     ) -> list[mx.array]:
         return []
 
