@@ -104,6 +104,7 @@ class DecodeBatch:
         self._greedy = make_sampler(temp=0.0)
         self._main: _Batch | None = None  # merged, or one mergeable sequence alone
         self._alone: dict[int, _Batch] = {}  # sequences whose caches cannot merge
+        self.peak = 0  # the most sequences that decoded together
 
     def __len__(self) -> int:
         return (len(self._main) if self._main is not None else 0) + len(self._alone)
@@ -135,19 +136,19 @@ class DecodeBatch:
             [max_tokens],
         )
         batch.kinds = [_kinds(caches)]
+        main = self._main
         if not mergeable(caches):
             self._alone[uid] = batch
-            return
-        main = self._main
-        if main is None or len(main) == 0:
+        elif main is None or len(main) == 0:
             self._main = batch
-            return
-        if not main.merged:
-            main.prompt_cache = _merge([main.prompt_cache])
-            main.merged = True
-        batch.prompt_cache = _merge([caches])
-        batch.merged = True
-        main.extend(batch)
+        else:
+            if not main.merged:
+                main.prompt_cache = _merge([main.prompt_cache])
+                main.merged = True
+            batch.prompt_cache = _merge([caches])
+            batch.merged = True
+            main.extend(batch)
+        self.peak = max(self.peak, len(self))
 
     def step(self) -> list[Step]:
         """One decode step of every sequence: each yields one token."""

@@ -7,8 +7,10 @@ chunk ends at ``N`` and gives the first token's logprobs), each capturing what t
 tiers keep. A *piece* is the work of one scheduler step: a whole chunk, or part of one.
 
 - The engine's fixed ``prefill_step`` (tokens, set at load, 0: none) cuts chunks at its
-  absolute multiples. A function of positions only, so a cold run and a run restored at a
-  schedule point cut at the same places and stay bit-identical on the bitwise schedule.
+  absolute multiples, which join the bitwise schedule's points (without state checkpoints):
+  a function of positions only, so a cold run and a run restored at any point cut at the
+  same places and stay bit-identical, and a cancelled prefill's retry restores each
+  finished piece (blocks and the resident cache: attention layers).
 - While other requests wait or decode, a piece also stops after ``budget`` tokens (from the
   measured prefill rate, aligned down to the block size) -- on schedules that promise float
   rounding only (not ``bitwise``), where where a cut falls changes nothing but rounding.
@@ -57,6 +59,7 @@ class Prefill:
         self.restore_s = time.perf_counter() - t0
         self.first_logprobs = restored.first_logprobs if self.start == self.n else None
         self.total = self.n - self.start
+        self.checkpoints: set[int] = set()  # the schedule points that take state checkpoints
 
     @classmethod
     def begin(cls, engine: Any, req: GenerateRequest, handle: RequestHandle) -> Prefill:
@@ -70,6 +73,10 @@ class Prefill:
         chunk = e._agreed_chunk(n)
         fold = e._last_logits is not None
         points = schedule_points(n, chunk, req.boundaries, fold=fold)
+        checkpoints = set(points)
+        step = e._prefill_step
+        if step and not fold:  # the step's multiples are schedule points too (no checkpoint)
+            points = sorted(checkpoints | set(range(step, n - 1, step)))
         cache = e.cache
         if cache is not None and req.use_cache:
             turn = cache.begin(req.prompt_ids, points, req.boundaries, e._make_cache)
@@ -89,6 +96,7 @@ class Prefill:
             ends[-1] = n - 1  # too long to fold here: the last token goes to decode
         handle.chunk_ends = tuple(ends)
         p = cls(e, req, handle, turn, restored, ends, t0)
+        p.checkpoints = checkpoints
         if ends:  # the prefill starts: its first piece may take long (a CPU, a long prompt)
             handle.emit(PrefillProgress(0, p.total, 0.0))
         return p
@@ -125,7 +133,7 @@ class Prefill:
             e.loaded.model(tokens_in, cache=self.caches)
         computed += [c.state for c in self.caches]
         computed += self.turn.chunk(
-            self.caches, pos, end, self.first_logprobs, checkpoint=end == chunk_end
+            self.caches, pos, end, self.first_logprobs, checkpoint=end in self.checkpoints
         )
         mx.eval(computed)
         self.pos = end

@@ -1,0 +1,188 @@
+"""Many requests at once (docs/DESIGN.md §20): batched replies equal the same requests run
+alone, every way of ending early frees the engine within one step, and the engine shows
+the requests it holds. Tiny models on the CPU in float32; deterministic (the engine is
+held with :meth:`Engine.call` while requests queue, cancels happen in event callbacks)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from engine_kit import LOGPROB_TOL, generate, make_engine, random_prompt
+from tierchat.core.api import (
+    Failed,
+    Finished,
+    GenerateRequest,
+    PrefillProgress,
+    Stopping,
+    TokenBatch,
+)
+from tierchat.core.tiny import TINY_ARCHS
+
+
+class Hold:
+    """Keeps the engine thread busy in a :meth:`Engine.call` until :meth:`release`, so
+    requests submitted meanwhile are admitted together."""
+
+    def __init__(self, engine) -> None:
+        self.gate, started = threading.Event(), threading.Event()
+
+        def block() -> None:
+            started.set()
+            self.gate.wait(120)
+
+        self.thread = threading.Thread(target=engine.call, args=(block, 180), daemon=True)
+        self.thread.start()
+        assert started.wait(120)
+
+    def release(self) -> None:
+        self.gate.set()
+        self.thread.join(120)
+
+
+def _prompts(vocab: int = 250) -> list[tuple[int, ...]]:
+    shared = random_prompt(40, seed=11, vocab=vocab)
+    return [
+        shared + random_prompt(13, seed=1, vocab=vocab),  # restores the shared prefix
+        random_prompt(71, seed=2, vocab=vocab),
+        random_prompt(9, seed=3, vocab=vocab),
+        shared + random_prompt(30, seed=4, vocab=vocab),
+    ]
+
+
+def _assert_close(a, ha, b, hb) -> None:
+    assert a.token_ids == b.token_ids
+    assert len(ha.logprobs) == len(hb.logprobs) > 0
+    for x, y in zip(ha.logprobs, hb.logprobs, strict=True):
+        assert float(np.abs(x - y).max()) < LOGPROB_TOL
+
+
+@pytest.mark.parametrize("bitwise", [True, False], ids=["bitwise", "folded"])
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_batched_replies_equal_each_request_alone(arch, bitwise, tmp_path, models_dir):
+    """Four requests decoded in one batch (one of them restoring a cached prefix, lengths
+    9 to 71) give the tokens and logprobs of each run alone on a cold engine."""
+    if not bitwise and arch not in ("llama", "gemma3", "qwen3_5"):
+        pytest.skip("the folded schedule: one model of each layer kind")
+    kw = dict(prefill_chunk=32, prefill_step=16, bitwise=bitwise)
+    cold = make_engine(f"tiny:{arch}", tmp_path / "cold", models_dir, no_cache=True, **kw)
+    hot = make_engine(f"tiny:{arch}", tmp_path / "hot", models_dir, **kw)
+    try:
+        cold.record_logprobs = hot.record_logprobs = 6
+        prompts = _prompts()
+        alone = [generate(cold, p, max_tokens=6) for p in prompts]
+        generate(hot, prompts[0][:40] + (7, 7), max_tokens=2)  # the shared prefix, cached
+        hold = Hold(hot)
+        handles = [
+            hot.submit(GenerateRequest(prompt_ids=p, max_tokens=6 + i)) for i, p in enumerate(prompts)
+        ]
+        hold.release()
+        results = [h.wait(300) for h in handles]
+        assert all(isinstance(r, Finished) for r in results), results
+        assert hot._sched.batch.peak >= 2  # they decoded together
+        assert handles[0].restored_position > 0
+        for (a, ha), b, hb in zip(alone, results, handles, strict=True):
+            n = len(a.token_ids)
+            assert b.token_ids[:n] == a.token_ids
+            _assert_close(a, ha, type(a)(b.token_ids[:n], "", b.metrics), hb)
+        # what they stored is what a request alone stores: each prompt again restores
+        for p, (a, _) in zip(prompts, alone, strict=True):
+            again, h = generate(hot, p, max_tokens=6)
+            assert again.token_ids == a.token_ids
+            assert h.restored_position > 0
+    finally:
+        cold.close()
+        hot.close()
+
+
+@pytest.fixture
+def engine(tmp_path, models_dir):
+    e = make_engine("tiny:llama", tmp_path, models_dir, prefill_chunk=64, prefill_step=16)
+    yield e
+    e.close()
+
+
+def _next_request_runs(engine) -> None:
+    result, _ = generate(engine, random_prompt(5, seed=9), max_tokens=2)
+    assert isinstance(result, Finished)
+
+
+def test_cancel_while_queued_fails_it_before_any_work(engine):
+    hold = Hold(engine)
+    a = engine.submit(GenerateRequest(prompt_ids=random_prompt(30), max_tokens=3))
+    b = engine.submit(GenerateRequest(prompt_ids=random_prompt(30, seed=5), max_tokens=3))
+    b.cancel()
+    hold.release()
+    result = b.wait(120)
+    assert isinstance(result, Failed) and result.kind == "cancelled"
+    assert "before it started" in result.message
+    assert isinstance(a.wait(120), Finished)
+    events = list(b.events())
+    assert isinstance(events[0], Stopping) and not any(isinstance(e, TokenBatch) for e in events)
+
+
+def test_cancel_during_prefill_stops_at_the_next_piece_and_keeps_it(engine):
+    """Cancelled after the first 16-token piece of a 200-token prompt: the prefill stops
+    there (no second piece), keeps those tokens, and a retry restores them."""
+    prompt = random_prompt(200, seed=6)
+    seen: list = []
+
+    def on_event(event) -> None:
+        seen.append(event)
+        if isinstance(event, PrefillProgress) and event.done > 0:
+            handle.cancel()
+
+    handle = engine.submit(GenerateRequest(prompt_ids=prompt, max_tokens=3), on_event)
+    result = handle.wait(120)
+    assert isinstance(result, Failed) and result.kind == "cancelled"
+    assert result.kept_tokens == 16
+    progress = [e.done for e in seen if isinstance(e, PrefillProgress)]
+    assert progress == [0, 16]
+    assert any(isinstance(e, Stopping) for e in seen)
+    _next_request_runs(engine)
+    _, again = generate(engine, prompt, max_tokens=3)
+    assert again.restored_position >= 16
+
+
+def test_cancel_during_decode_leaves_the_batch_at_the_next_step(engine):
+    """A reply cancelled at its first token ends with that token while another request
+    keeps decoding; the cancelled one's cache is stored like a finished reply's."""
+    hold = Hold(engine)
+    other = engine.submit(GenerateRequest(prompt_ids=random_prompt(20, seed=8), max_tokens=12))
+
+    def on_event(event) -> None:
+        if isinstance(event, TokenBatch) and event.token_ids:
+            handle.cancel()
+
+    prompt = random_prompt(20, seed=7)
+    handle = engine.submit(GenerateRequest(prompt_ids=prompt, max_tokens=50), on_event)
+    hold.release()
+    result = handle.wait(120)
+    assert isinstance(result, Finished)
+    assert result.metrics.finish_reason == "cancelled"
+    assert len(result.token_ids) == 1
+    assert isinstance(other.wait(120), Finished)
+    assert len(other.result.token_ids) == 12 or other.result.metrics.finish_reason == "stop"
+    _next_request_runs(engine)
+
+
+def test_stats_show_the_requests_held(engine):
+    """While one request decodes, stats list it and the one waiting behind it."""
+    snapshots: list = []
+    hold = Hold(engine)
+
+    def on_event(event) -> None:
+        if isinstance(event, TokenBatch) and event.token_ids:
+            snapshots.append(engine.stats().requests)
+
+    a = engine.submit(GenerateRequest(prompt_ids=random_prompt(10), max_tokens=4), on_event)
+    b = engine.submit(GenerateRequest(prompt_ids=random_prompt(150, seed=2), max_tokens=2))
+    hold.release()
+    assert isinstance(a.wait(120), Finished) and isinstance(b.wait(120), Finished)
+    states = [(s.state, s.prompt_tokens) for snap in snapshots for s in snap]
+    assert ("decoding", 10) in states
+    assert ("prefill", 150) in states  # while the first decodes, the second prefills
+    assert engine.stats().requests == ()
+    described = [s.describe() for snap in snapshots for s in snap]
+    assert "prefill 16/150" in described and "decoding (1 tokens)" in described
