@@ -57,7 +57,13 @@ from tierchat.core.serve_limits import (
     parse_body,
     vocab_size,
 )
-from tierchat.core.serve_log import RequestLog, RequestRecord, TrackedEngine, log_safe
+from tierchat.core.serve_log import (
+    LIVE_STATUSES,
+    RequestLog,
+    RequestRecord,
+    TrackedEngine,
+    log_safe,
+)
 from tierchat.core.serve_prompts import (
     APIError,
     ReplyMemory,
@@ -227,6 +233,11 @@ class Generation:
         self.handle.cancel()
 
     async def events(self, http: Request | None = None) -> AsyncIterator[Event | APIError]:
+        """The engine's events up to a terminal one. With ``http`` (a response sent at the
+        end), a watcher cancels the request the moment the client disconnects, so the
+        engine drops it at its next step (docs/DESIGN.md §20); a streaming response's
+        disconnect cancels through Starlette closing this generator."""
+        watcher = asyncio.ensure_future(self._watch(http)) if http is not None else None
         try:
             while True:
                 if http is None:
@@ -242,9 +253,20 @@ class Generation:
                 if isinstance(event, Finished | Failed | APIError):
                     return
         finally:
+            if watcher is not None:
+                watcher.cancel()
             self.state.generations.discard(self)
             if not self.handle.done:
                 self.handle.cancel()
+
+    async def _watch(self, http: Request) -> None:
+        """Wait for the client's disconnect (its body is read: the next ASGI message is
+        ``http.disconnect``) and cancel the request then."""
+        while not self.handle.done:
+            message = await http.receive()
+            if message.get("type") == "http.disconnect":
+                self.handle.cancel()
+                return
 
 
 class ClientGone(Exception):
@@ -665,7 +687,7 @@ def check_bind(host: str, allow_remote: bool, api_key: str | None) -> None:
 
 
 def _print_record(record: RequestRecord) -> None:
-    if record.status in ("waiting", "running"):
+    if record.status in LIVE_STATUSES:
         return
     m = record.metrics
     by = ", ".join(f"{k} {v}" for k, v in m.cached_by.items() if v) or "none"
