@@ -13,10 +13,18 @@ import time
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.sample_utils import make_sampler
 
-from .api import Failed, Finished, GenerateRequest, PrefillProgress, RequestHandle, TokenBatch, TurnMetrics
+from .api import (
+    Failed,
+    Finished,
+    GenerateRequest,
+    PrefillProgress,
+    RequestHandle,
+    TokenBatch,
+    TurnMetrics,
+)
 from .cache.prefix import chunk_ends
 from .cache.request import CacheRequest, ColdRequest
 from .forward import logprobs_of
@@ -33,7 +41,6 @@ def _from_kept(logprobs: mx.array, model, caches, max_tokens: int, sampler):
         yield from generate_step(
             y, model, prompt_cache=caches, max_tokens=max_tokens - 1, sampler=sampler
         )
-
 
 
 def generate_alone(
@@ -67,12 +74,7 @@ def generate_alone(
 
     ends = chunk_ends(start, points, fold_chunk)
     limit = engine._fold_limit
-    if (
-        fold_chunk
-        and limit is not None
-        and ends
-        and ends[-1] - max([start, *ends[:-1]]) > limit
-    ):
+    if fold_chunk and limit is not None and ends and ends[-1] - max([start, *ends[:-1]]) > limit:
         ends[-1] = n - 1  # too long to fold here: the last token goes to decode
     handle.chunk_ends = tuple(ends)
 
@@ -201,4 +203,3 @@ def generate_alone(
     engine._gather_rank_stats()  # before Finished: the caller's next stats() has them
     handle.emit(Finished(tuple(tokens), detok.text, metrics))
     engine._apply_memory_pressure()
-

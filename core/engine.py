@@ -41,21 +41,18 @@ from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 from ..config.settings import Settings
 from . import distributed as dist
 from . import memory as memory_mod
+from .alone import generate_alone
 from .api import (
     CacheStats,
     EventCallback,
     Failed,
-    Finished,
     GenerateRequest,
     ModelLoaded,
     ModelLoading,
-    PrefillProgress,
     RankStats,
     RequestHandle,
-    TokenBatch,
     TurnMetrics,
 )
-from .alone import generate_alone
 from .attention import OFF, chunk_attention, mlx_softmax, plan_attention, pow_softmax
 from .cache import layers as L
 from .cache.blocks import LOGPROBS

@@ -209,9 +209,12 @@ class Scheduler:
         if req.teacher_ids:
             forced = iter(req.teacher_ids)
             sampler = lambda logprobs: mx.array([next(forced, 0)])  # noqa: E731
-            seq.eos, seq.record, max_tokens, stop = set(), len(req.teacher_ids), len(
-                req.teacher_ids
-            ), []
+            seq.eos, seq.record, max_tokens, stop = (
+                set(),
+                len(req.teacher_ids),
+                len(req.teacher_ids),
+                [],
+            )
         seq.sampler = sampler
         seq.detok = e.loaded.tokenizer.detokenizer
         seq.detok.reset()
@@ -230,11 +233,15 @@ class Scheduler:
                 mx.eval([c.state for c in caches])
                 self._finish(seq, caches, end or "length")
                 return
-            self._batch().add(seq.uid, tok, caches, [*req.prompt_ids, tok], max_tokens - 1, stop, sampler)
+            self._batch().add(
+                seq.uid, tok, caches, [*req.prompt_ids, tok], max_tokens - 1, stop, sampler
+            )
         else:
             last = req.prompt_ids[-1]
             p.first_token()
-            self._batch().add(seq.uid, last, caches, list(req.prompt_ids[:-1]), max_tokens, stop, sampler)
+            self._batch().add(
+                seq.uid, last, caches, list(req.prompt_ids[:-1]), max_tokens, stop, sampler
+            )
         p.caches = None
         self.decoding[seq.uid] = seq
 
@@ -288,7 +295,9 @@ class Scheduler:
         metrics = dataclasses.replace(
             p.metrics(ttft),
             generation_tokens=g,
-            generation_tps=(g - 1) / (t_end - seq.t_first) if g > 1 and t_end > seq.t_first else 0.0,
+            generation_tps=(g - 1) / (t_end - seq.t_first)
+            if g > 1 and t_end > seq.t_first
+            else 0.0,
             peak_memory_bytes=int(mx.get_peak_memory()),
             finish_reason=reason,
         )

@@ -75,7 +75,8 @@ def test_batched_replies_equal_each_request_alone(arch, bitwise, tmp_path, model
         generate(hot, prompts[0][:40] + (7, 7), max_tokens=2)  # the shared prefix, cached
         hold = Hold(hot)
         handles = [
-            hot.submit(GenerateRequest(prompt_ids=p, max_tokens=6 + i)) for i, p in enumerate(prompts)
+            hot.submit(GenerateRequest(prompt_ids=p, max_tokens=6 + i))
+            for i, p in enumerate(prompts)
         ]
         hold.release()
         results = [h.wait(300) for h in handles]
