@@ -118,13 +118,21 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> None:
-        """One bounded step: cancels, one prefill piece, one batched decode step."""
+        """One bounded step: cancels, prefill pieces (up to :data:`BUSY_PIECE_S` of them
+        while others decode, one otherwise), one batched decode step."""
         e = self.engine
         with mx.stream(generation_stream), chunk_attention(e._attention):
             self._reap_cancelled()
-            self._start_queued()
-            if self.prefilling:
-                self._prefill_piece(self.prefilling[0])
+            t0 = time.perf_counter()
+            while True:
+                self._start_queued()
+                if not self.prefilling:
+                    break
+                self._prefill_piece(self.prefilling[0], BUSY_PIECE_S - (time.perf_counter() - t0))
+                if not self.decoding or time.perf_counter() - t0 >= BUSY_PIECE_S:
+                    break
+                if any(s.handle.cancelled for s in self.prefilling):
+                    break
             if self.decoding:
                 self._decode()
 
@@ -173,12 +181,12 @@ class Scheduler:
             if self.prefilling:
                 return  # one restore per step at most once a prefill waits
 
-    def _prefill_piece(self, seq: Sequence) -> None:
+    def _prefill_piece(self, seq: Sequence, left_s: float) -> None:
         p = seq.prefill
         budget = None
         if self.decoding or len(self.prefilling) > 1 or self.queued:
-            if self.prefill_tps > 0:
-                budget = max(1, int(self.prefill_tps * BUSY_PIECE_S))
+            if self.prefill_tps > 0:  # what fits the step's time left
+                budget = max(1, int(self.prefill_tps * max(left_s, 0.05)))
         t0 = time.perf_counter()
         done = p.piece(budget)
         dt = time.perf_counter() - t0

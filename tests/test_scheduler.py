@@ -169,21 +169,20 @@ def test_cancel_during_decode_leaves_the_batch_at_the_next_step(engine):
 
 
 def test_stats_show_the_requests_held(engine):
-    """While one request decodes, stats list it and the one waiting behind it."""
+    """While one request decodes, stats list it and the one prefilling beside it."""
     snapshots: list = []
     hold = Hold(engine)
 
     def on_event(event) -> None:
-        if isinstance(event, TokenBatch) and event.token_ids:
+        if isinstance(event, PrefillProgress) and event.done == 16:
             snapshots.append(engine.stats().requests)
 
-    a = engine.submit(GenerateRequest(prompt_ids=random_prompt(10), max_tokens=4), on_event)
-    b = engine.submit(GenerateRequest(prompt_ids=random_prompt(150, seed=2), max_tokens=2))
+    a = engine.submit(GenerateRequest(prompt_ids=random_prompt(10), max_tokens=4))
+    b = engine.submit(GenerateRequest(prompt_ids=random_prompt(150, seed=2), max_tokens=2), on_event)
     hold.release()
     assert isinstance(a.wait(120), Finished) and isinstance(b.wait(120), Finished)
-    states = [(s.state, s.prompt_tokens) for snap in snapshots for s in snap]
-    assert ("decoding", 10) in states
-    assert ("prefill", 150) in states  # while the first decodes, the second prefills
+    (snap,) = snapshots
+    assert [(s.state, s.prompt_tokens) for s in snap] == [("decoding", 10), ("prefill", 150)]
+    assert snap[1].describe() == "prefill 16/150"
+    assert snap[0].describe().startswith("decoding (")
     assert engine.stats().requests == ()
-    described = [s.describe() for snap in snapshots for s in snap]
-    assert "prefill 16/150" in described and "decoding (1 tokens)" in described
