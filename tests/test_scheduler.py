@@ -178,7 +178,9 @@ def test_stats_show_the_requests_held(engine):
             snapshots.append(engine.stats().requests)
 
     a = engine.submit(GenerateRequest(prompt_ids=random_prompt(10), max_tokens=4))
-    b = engine.submit(GenerateRequest(prompt_ids=random_prompt(150, seed=2), max_tokens=2), on_event)
+    b = engine.submit(
+        GenerateRequest(prompt_ids=random_prompt(150, seed=2), max_tokens=2), on_event
+    )
     hold.release()
     assert isinstance(a.wait(120), Finished) and isinstance(b.wait(120), Finished)
     (snap,) = snapshots
@@ -186,3 +188,72 @@ def test_stats_show_the_requests_held(engine):
     assert snap[1].describe() == "prefill 16/150"
     assert snap[0].describe().startswith("decoding (")
     assert engine.stats().requests == ()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_nothing_lost_under_load_and_after_a_restart(arch, tmp_path, models_dir):
+    """Six conversations at once, each with turns, a regenerate and an edit, every reply
+    equal to the same request run alone on a cold engine; after a restart each goes on from
+    the SSD tier with replies still equal."""
+    kw = dict(prefill_chunk=32, prefill_step=16)
+    hot = make_engine(f"tiny:{arch}", tmp_path / "hot", models_dir, **kw)
+    runs: list = []  # (request, handle), in any order
+    lock = threading.Lock()
+
+    def submit(engine, prompt, max_tokens=5):
+        req = GenerateRequest(prompt_ids=tuple(prompt), max_tokens=max_tokens)
+        handle = engine.submit(req)
+        result = handle.wait(300)
+        assert isinstance(result, Finished), result
+        with lock:
+            runs.append((req, handle))
+        return result
+
+    system = random_prompt(24, seed=99)
+    lasts: dict[int, list[int]] = {}
+
+    def conversation(c: int) -> None:
+        prompt = list(system)
+        for turn in range(3):
+            prompt += random_prompt(7 + c, seed=100 * c + turn)
+            reply = submit(hot, prompt)
+            if turn == 1:
+                submit(hot, prompt)  # regenerate
+                edited = prompt[:-3] + [5, 6, 7]
+                submit(hot, edited)  # an edit of the last message
+            prompt += list(reply.token_ids)
+        lasts[c] = prompt
+
+    try:
+        threads = [threading.Thread(target=conversation, args=(c,)) for c in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        assert len(lasts) == 6 and len(runs) == 6 * 5
+        assert hot._sched.batch.peak >= 2
+    finally:
+        hot.close()
+    # the restart: every conversation goes on, together, from what the tiers kept
+    again = make_engine(f"tiny:{arch}", tmp_path / "hot", models_dir, **kw)
+    try:
+        follow = {c: p + list(random_prompt(6, seed=7 + c)) for c, p in lasts.items()}
+        handles = {
+            c: again.submit(GenerateRequest(prompt_ids=tuple(p), max_tokens=5))
+            for c, p in follow.items()
+        }
+        for c, h in handles.items():
+            assert isinstance(h.wait(300), Finished)
+            runs.append((GenerateRequest(prompt_ids=tuple(follow[c]), max_tokens=5), h))
+        restored = [h.result.metrics for h in handles.values()]
+        assert all(m.cached_tokens > 0 for m in restored)
+        assert sum(m.cached_by.get("ssd", 0) for m in restored) > 0
+    finally:
+        again.close()
+    cold = make_engine(f"tiny:{arch}", tmp_path / "cold", models_dir, no_cache=True, **kw)
+    try:
+        for req, handle in runs:
+            alone, alone_handle = generate(cold, req.prompt_ids, max_tokens=req.max_tokens)
+            _assert_close(alone, alone_handle, handle.result, handle)
+    finally:
+        cold.close()
