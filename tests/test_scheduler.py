@@ -257,3 +257,54 @@ def test_nothing_lost_under_load_and_after_a_restart(arch, tmp_path, models_dir)
             _assert_close(alone, alone_handle, handle.result, handle)
     finally:
         cold.close()
+
+
+class _InterruptingOut:
+    """The chat's output: Ctrl+C (KeyboardInterrupt) arrives while the first token is
+    printed, as a terminal's SIGINT would during a stream."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.interrupted = False
+
+    def write(self, text: str) -> None:
+        self.parts.append(text)
+        if len(self.parts) > 1 and text.strip() and not self.interrupted:
+            self.interrupted = True
+            raise KeyboardInterrupt
+
+    def flush(self) -> None:
+        pass
+
+
+def test_ctrl_c_in_chat_stops_the_reply_at_the_next_step(engine, tmp_path):
+    """``tierchat chat``: Ctrl+C during a reply prints "stopping…", the reply ends with
+    the token it had (the engine steps once more at most) and is stored as cancelled."""
+    import io
+
+    from tierchat.cli.chat import LineChat
+    from tierchat.core.conversation import ConversationStore
+    from tierchat.core.session import ChatSession
+
+    session = ChatSession(engine, ConversationStore(tmp_path / "c.sqlite"), max_tokens=200)
+    session.new_conversation()
+    out = _InterruptingOut()
+    chat = LineChat(session, io.StringIO(), out, io.StringIO())
+    turns: list = []
+
+    def hold_first_token(event) -> None:  # the engine thread waits for the Ctrl+C
+        if isinstance(event, TokenBatch) and event.token_ids and len(turns) == 1:
+            turns.append(turns[0].request_handle._cancel.wait(60))
+
+    def start():
+        turns.append(session.send("tell me a story", on_event=hold_first_token))
+        return turns[0]
+
+    chat.stream(start)
+    text = "".join(out.parts)
+    assert out.interrupted and "[stopping…]" in text
+    assert turns[1] is True  # the cancel came while the engine waited at token 1
+    last = engine.stats().last_turn
+    assert last.finish_reason == "cancelled"
+    assert last.generation_tokens == 1  # the next step ended it
+    _next_request_runs(engine)
