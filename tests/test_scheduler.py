@@ -308,3 +308,23 @@ def test_ctrl_c_in_chat_stops_the_reply_at_the_next_step(engine, tmp_path):
     assert last.finish_reason == "cancelled"
     assert last.generation_tokens == 1  # the next step ended it
     _next_request_runs(engine)
+
+
+def test_quantized_kv_requests_decode_alone_beside_each_other(tmp_path, models_dir):
+    """``kv_bits``: QuantizedKVCache has no merge, so each sequence decodes in its own
+    one-row batch, in the same steps; replies equal each request run alone."""
+    kw = dict(prefill_chunk=32, prefill_step=16, kv_bits=8, kv_group_size=32)
+    cold = make_engine("tiny:llama", tmp_path / "cold", models_dir, no_cache=True, **kw)
+    hot = make_engine("tiny:llama", tmp_path / "hot", models_dir, **kw)
+    try:
+        prompts = _prompts()[:3]
+        alone = [generate(cold, p, max_tokens=6) for p in prompts]
+        hold = Hold(hot)
+        handles = [hot.submit(GenerateRequest(prompt_ids=p, max_tokens=6)) for p in prompts]
+        hold.release()
+        for (a, ha), h in zip(alone, handles, strict=True):
+            _assert_close(a, ha, h.wait(300), h)
+        assert hot._sched.batch.peak == 3  # three sequences in the same steps
+    finally:
+        cold.close()
+        hot.close()
