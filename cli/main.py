@@ -42,7 +42,10 @@ SETTING_FLAGS: dict[str, tuple[str, str]] = {
     "data_dir": ("DIR", "where the conversation store (SQLite) lives"),
     "block_size": ("TOKENS", "cache block size in tokens"),
     "prefill_chunk": ("TOKENS", "prefill chunk in tokens (mlx-lm's prefill_step_size: 2048)"),
-    "prefill_step": ("TOKENS", "cut prefill chunks at multiples of this (0: auto, 256 on the CPU)"),
+    "prefill_step": (
+        "TOKENS",
+        "cut prefill chunks at multiples of this (0: auto: on the CPU by model size)",
+    ),
     "hot_bytes": ("SIZE", "hot (RAM) tier budget: bytes or 512MB, 6GB, 16GiB"),
     "ssd_bytes": ("SIZE", "SSD tier cap"),
     "max_tokens": ("N", "reply length limit in tokens"),

@@ -67,8 +67,9 @@ class Settings:
     block_size: int = 256
     prefill_chunk: int = 2048
     # chunks are also cut at multiples of this many tokens, so a cancel or another
-    # request waits at most one step (docs/DESIGN.md §20); 0: auto (256 on the CPU, not
-    # cut on a GPU, whose 2048-token chunk takes a fraction of a second)
+    # request waits at most one step (docs/DESIGN.md §20); 0: auto (on the CPU from the
+    # model's size, 16 for demo; not cut on a GPU, where a 2048-token chunk takes a
+    # fraction of a second)
     prefill_step: int = 0
     # attentions of at most this many query tokens run in plain MLX ops
     # (core/attention.py): on CUDA prefill chunks, instead of cuDNN SDPA, which builds a

@@ -69,9 +69,12 @@ _STOP = object()
 # demo (24 layers, float32) costs about what 20 tokens' share of a prefill does, and the
 # folded chunk's extra work is one layer of its tokens
 FOLD_TOKENS_PER_LAYER = 20
-# the CPU's prefill step (tokens) when the settings leave it to the engine: chunks are cut
-# at its multiples so a cancel waits at most one step (docs/DESIGN.md §20)
-CPU_PREFILL_STEP = 256
+# the CPU's prefill step when the settings leave it to the engine (docs/DESIGN.md §20):
+# chunks are cut at multiples of CPU_STEP_WEIGHT_BYTES / (the weights' bytes) tokens, a
+# power of two from 16 to the chunk: a function of the model, so cold and cached runs cut
+# alike. demo (2 GB in float32) gets 16: about a second of this 2-core machine's prefill
+CPU_STEP_WEIGHT_BYTES = 1 << 35
+MIN_PREFILL_STEP = 16
 _live_engines: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -246,6 +249,7 @@ class Engine(RankSeams):
         other jobs (a load, :meth:`call`, the stop) wait for it to empty, in order, and
         the jobs behind them wait too (docs/DESIGN.md §20)."""
         backlog: deque = deque()
+        clear_when_idle = False  # a release of host buffers waits for no request held
         while True:
             sched = self._sched
             try:
@@ -261,9 +265,14 @@ class Engine(RankSeams):
                     backlog.popleft()
                     self._admit(job[1], job[2])
                     continue
-                if job is not _STOP and job[0] in (self._drain_control, self._clear_buffer_cache):
+                if job is not _STOP and job[0] == self._drain_control:
                     backlog.popleft()
                     self._run_job(job)
+                    continue
+                if job is not _STOP and job[0] == self._clear_buffer_cache and sched.busy:
+                    # between requests, as before batching: once none is held
+                    backlog.popleft()
+                    clear_when_idle = True
                     continue
                 if sched.busy:
                     break  # a barrier: the running requests end first
@@ -278,6 +287,9 @@ class Engine(RankSeams):
                 except Exception as exc:  # an engine error never kills the thread
                     self._on_log(f"engine error: {exc!r}")
                     sched.fail_all(f"{type(exc).__name__}: {exc}")
+            if clear_when_idle and not sched.busy:
+                clear_when_idle = False
+                self._clear_buffer_cache()
 
     def _admit(self, req: GenerateRequest, handle: RequestHandle) -> None:
         if self.ranks is not None and self.ranks.failed:
@@ -382,8 +394,7 @@ class Engine(RankSeams):
             self.cache.close()
         self.cache, self.supported = None, None
         self.loaded, self.model_name = loaded, spec
-        cpu_step = CPU_PREFILL_STEP if device_info().kind == "cpu" else 0
-        self._prefill_step = s.prefill_step or cpu_step
+        self._prefill_step = s.prefill_step or self._auto_prefill_step(loaded.model)
         self._last_logits = None
         warning = None
         self._kv_profile = memory_mod.kv_profile(loaded.model, lambda m: self._make_cache())
@@ -460,6 +471,19 @@ class Engine(RankSeams):
                     self._calibrate_prefill()
         self._gather_rank_stats()
         handle.emit(ModelLoaded(spec, warning=warning))
+
+    def _auto_prefill_step(self, model) -> int:
+        """The prefill step (tokens) on this device when not set: none (0) on a GPU;
+        on the CPU from the weights' size (:data:`CPU_STEP_WEIGHT_BYTES`)."""
+        if device_info().kind != "cpu":
+            return 0
+        from mlx.utils import tree_flatten
+
+        nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters())) or 1
+        chunk = max(1, self.settings.prefill_chunk)
+        step = max(MIN_PREFILL_STEP, CPU_STEP_WEIGHT_BYTES // nbytes)
+        step = 1 << (step.bit_length() - 1)  # a power of two
+        return 0 if step >= chunk else step
 
     def _calibrate_prefill(self, tokens: int = 1536) -> None:
         """Measure the prefill rate once, at load, for the restore-or-recompute choice
