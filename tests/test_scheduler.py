@@ -328,3 +328,26 @@ def test_quantized_kv_requests_decode_alone_beside_each_other(tmp_path, models_d
     finally:
         cold.close()
         hot.close()
+
+
+def test_a_retry_after_another_request_restores_the_cancelled_pieces(tmp_path, models_dir):
+    """A prefill cancelled after five 8-token pieces (40 tokens: two 16-token blocks and
+    half of one), then another request (which takes the resident cache), then the retry:
+    it restores all 40 tokens from the hot tier (the cancel stored its end)."""
+    engine = make_engine("tiny:llama", tmp_path, models_dir, prefill_chunk=64, prefill_step=8)
+    try:
+        prompt = random_prompt(200, seed=12)
+
+        def on_event(event) -> None:
+            if isinstance(event, PrefillProgress) and event.done >= 40:
+                handle.cancel()
+
+        handle = engine.submit(GenerateRequest(prompt_ids=prompt, max_tokens=3), on_event)
+        result = handle.wait(120)
+        assert isinstance(result, Failed) and result.kept_tokens == 40
+        _next_request_runs(engine)
+        assert engine.stats().resident.tokens != 40  # the other request's now
+        _, again = generate(engine, prompt, max_tokens=3)
+        assert again.restored_position == 40
+    finally:
+        engine.close()

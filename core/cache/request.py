@@ -137,6 +137,9 @@ class CacheRequest:
         number of prompt tokens kept."""
         self._complete(caches)
         if position > 0:
+            # its end too, as a finished reply's: a retry after another request (which
+            # takes the resident cache) still restores every finished chunk
+            self._store_end(caches, self.prompt[:position])
             self.cache.set_resident(self.prompt[:position], caches)
             self.cache.log(f"cancelled during prefill: kept {position} tokens")
         return position
@@ -146,13 +149,17 @@ class CacheRequest:
         token): store its new blocks and its end, and keep it resident with the logprobs
         the first token was sampled from (shape ``(vocab,)``)."""
         self._complete(caches)
+        self._store_end(caches, sequence)
+        self.cache.set_resident(sequence, caches, len(self.prompt), first_logprobs)
+
+    def _store_end(self, caches: list[Any], sequence: Sequence[int]) -> None:
+        """Store the blocks of ``sequence`` (what ``caches`` hold) and its end entry."""
         cache = self.cache
         seq_ids = cache.ids(sequence)
         entries = cache.capture(caches, sequence, seq_ids, 0, len(sequence), (), KIND_SEQ)
         mx.eval([c.state for c in caches] + [a for e in entries for a in e.arrays.values()])
         cache.commit(entries)
         cache.persist()
-        cache.set_resident(sequence, caches, len(self.prompt), first_logprobs)
 
     def close(self) -> None:
         """Hand anything committed to the SSD tier and let its writer run (idempotent)."""
