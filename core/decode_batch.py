@@ -38,7 +38,7 @@ def mergeable(caches: list[Any]) -> bool:
         sub = getattr(c, "caches", None)
         if sub is not None:  # CacheList
             return all(ok(x) for x in sub)
-        return hasattr(type(c), "merge") and hasattr(type(c), "extract")
+        return hasattr(type(c), "merge")  # (the batch class it merges into extracts)
 
     return all(ok(c) for c in caches)
 
@@ -104,7 +104,8 @@ class DecodeBatch:
         self._greedy = make_sampler(temp=0.0)
         self._main: _Batch | None = None  # merged, or one mergeable sequence alone
         self._alone: dict[int, _Batch] = {}  # sequences whose caches cannot merge
-        self.peak = 0  # the most sequences that decoded together
+        self.peak = 0  # the most sequences that decoded in one step
+        self.peak_merged = 0  # the most that decoded in one merged batch
 
     def __len__(self) -> int:
         return (len(self._main) if self._main is not None else 0) + len(self._alone)
@@ -149,6 +150,8 @@ class DecodeBatch:
             batch.merged = True
             main.extend(batch)
         self.peak = max(self.peak, len(self))
+        if self._main is not None and self._main.merged:
+            self.peak_merged = max(self.peak_merged, len(self._main))
 
     def step(self) -> list[Step]:
         """One decode step of every sequence: each yields one token."""
