@@ -177,7 +177,7 @@ class LineChat:
 
     def stream(self, start) -> None:
         """Start a turn with ``start()`` and print its reply as it streams."""
-        from tierchat.core.api import Failed, Finished, TokenBatch
+        from tierchat.core.api import Failed, Finished, Stopping, TokenBatch
         from tierchat.core.chat.session import SessionError
         from tierchat.core.chat.store import StoreError
 
@@ -197,6 +197,9 @@ class LineChat:
                 for event in events:
                     if isinstance(event, TokenBatch):
                         self.out.write(printable(event.text))
+                        self.out.flush()
+                    elif isinstance(event, Stopping):  # Ctrl+C: ends at the next step
+                        self.out.write(" [stopping…]")
                         self.out.flush()
                     elif isinstance(event, Finished):
                         self.say()

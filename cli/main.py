@@ -42,6 +42,10 @@ SETTING_FLAGS: dict[str, tuple[str, str]] = {
     "data_dir": ("DIR", "where the conversation store (SQLite) lives"),
     "block_size": ("TOKENS", "cache block size in tokens"),
     "prefill_chunk": ("TOKENS", "prefill chunk in tokens (mlx-lm's prefill_step_size: 2048)"),
+    "prefill_step": (
+        "TOKENS",
+        "cut prefill chunks at multiples of this (0: auto: on the CPU by model size)",
+    ),
     "hot_bytes": ("SIZE", "hot (RAM) tier budget: bytes or 512MB, 6GB, 16GiB"),
     "ssd_bytes": ("SIZE", "SSD tier cap"),
     "ssd_write_budget": ("SIZE", "SSD bytes written in any 24 hours at most (0: no budget)"),

@@ -20,7 +20,7 @@ from tierchat.core.serve.app import (
     ranks_failure,
     reply_memory_path,
 )
-from tierchat.core.serve.log import RequestLog, RequestRecord, TrackedEngine
+from tierchat.core.serve.log import LIVE_STATUSES, RequestLog, RequestRecord, TrackedEngine
 
 
 def check_bind(host: str, allow_remote: bool, api_key: str | None) -> None:
@@ -39,7 +39,7 @@ def check_bind(host: str, allow_remote: bool, api_key: str | None) -> None:
 
 
 def _print_record(record: RequestRecord) -> None:
-    if record.status in ("waiting", "running"):
+    if record.status in LIVE_STATUSES:
         return
     m = record.metrics
     if not m.finish_reason:  # failed or cancelled before it finished: no metrics to show

@@ -66,6 +66,11 @@ class Settings:
     data_dir: Path = field(default_factory=user_data_dir)
     block_size: int = 256
     prefill_chunk: int = 2048
+    # chunks are also cut at multiples of this many tokens, so a cancel or another
+    # request waits at most one step (docs/DESIGN.md §20); 0: auto (on the CPU from the
+    # model's size, 16 for demo; not cut on a GPU, where a 2048-token chunk takes a
+    # fraction of a second)
+    prefill_step: int = 0
     # attentions of at most this many query tokens run in plain MLX ops
     # (core/engine/attention.py): on CUDA prefill chunks, instead of cuDNN SDPA, which builds a
     # graph per new length; on the CPU every attention, with a softmax through pow;
@@ -350,6 +355,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "data_dir": _path,
     "block_size": _positive_int,
     "prefill_chunk": _positive_int,
+    "prefill_step": _nonneg_int,
     "chunk_attention": _chunk_attention,
     "bitwise": _to_bool,
     "choose_recompute": _to_bool,

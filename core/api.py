@@ -140,7 +140,13 @@ class ModelLoaded:
     warning: str | None = None
 
 
-Event = PrefillProgress | TokenBatch | Finished | Failed | ModelLoading | ModelLoaded
+@dataclass(frozen=True)
+class Stopping:
+    """The caller asked the request to stop (sent at once, from the caller's thread): it
+    leaves the engine at its next step (docs/DESIGN.md §20); a terminal event follows."""
+
+
+Event = PrefillProgress | TokenBatch | Finished | Failed | ModelLoading | ModelLoaded | Stopping
 EventCallback = Callable[[Event], None]
 
 
@@ -160,6 +166,7 @@ class RequestHandle:
         self._queue: queue.Queue[Event] = queue.Queue()
         self._on_event = on_event
         self._cancel = threading.Event()
+        self._cancel_lock = threading.Lock()
         self._done = threading.Event()
         self.result: Finished | Failed | ModelLoaded | None = None
 
@@ -182,7 +189,13 @@ class RequestHandle:
 
     # caller side
     def cancel(self) -> None:
-        self._cancel.set()
+        """Ask the engine to stop this request at its next step; a :class:`Stopping`
+        event goes out at once (once), unless the request already ended."""
+        with self._cancel_lock:
+            first = not self._cancel.is_set()
+            self._cancel.set()
+        if first and not self._done.is_set():
+            self.emit(Stopping())
 
     @property
     def done(self) -> bool:
@@ -357,6 +370,31 @@ class RankStats:
     cached_ssd: int = 0
 
 
+RequestStatus = Literal["queued", "prefill", "decoding", "stopping"]
+
+
+@dataclass(frozen=True)
+class RequestState:
+    """One request the engine holds: ``state`` (:data:`RequestStatus`), its prefill
+    progress (``prefill_done`` of ``prefill_total`` tokens, after what the cache restored)
+    and ``generated`` tokens so far (docs/DESIGN.md §20)."""
+
+    uid: int
+    state: RequestStatus = "queued"
+    prompt_tokens: int = 0
+    prefill_done: int = 0
+    prefill_total: int = 0
+    generated: int = 0
+
+    def describe(self) -> str:
+        """``prefill 512/3000``, ``decoding (37 tokens)``, ``queued`` or ``stopping…``."""
+        if self.state == "prefill":
+            return f"prefill {self.prefill_done}/{self.prefill_total}"
+        if self.state == "decoding":
+            return f"decoding ({self.generated} tokens)"
+        return "stopping…" if self.state == "stopping" else "queued"
+
+
 @dataclass(frozen=True)
 class CacheStats:
     """One immutable snapshot of the whole cache, taken by ``Engine.stats()``.
@@ -384,6 +422,8 @@ class CacheStats:
     events: tuple[tuple[int, str], ...] = ()
     # every rank's figures when the model runs across several (rank 0 first), else ()
     ranks: tuple[RankStats, ...] = ()
+    # the requests the engine holds now: decoding, then prefilling, then queued
+    requests: tuple[RequestState, ...] = ()
 
 
 class Tokenizer(Protocol):

@@ -82,8 +82,11 @@ class TurnRunner:
     # ------------------------------------------------------------------ UI thread
 
     def stop(self) -> None:
+        """Ask the engine to stop the turn; "stopping…" shows until its last event."""
         if self.handle is not None:
             self.handle.cancel()
+            if not getattr(self.handle, "done", False):
+                self.screen.query_one(ActivityBar).show_stopping()
 
     async def start(self, call: Callable[[Callable[[Event], None]], Any]) -> bool:
         """Run ``call(on_event)`` (a session call returning a turn handle) and mount the
@@ -126,7 +129,12 @@ class TurnRunner:
     def current(self, key: int) -> bool:
         return key == self.key
 
+    def _stopping(self) -> bool:
+        return bool(getattr(self.handle, "cancelled", False))
+
     def prefill(self, event: PrefillAdvanced) -> None:
+        if self._stopping():
+            return
         if self.current(event.turn_key) and self.screen.streaming and event.done < event.total:
             self.screen.query_one(ActivityBar).show_prefill(event.done, event.total, event.tps)
 
@@ -136,7 +144,8 @@ class TurnRunner:
         await self._ready.wait()
         if self.stream_view is None:
             return
-        self.screen.query_one(ActivityBar).hide()
+        if not self._stopping():
+            self.screen.query_one(ActivityBar).hide()
         first = not self.stream_view.text
         await self.stream_view.stream_to(self.prefix + event.text)
         if first:  # the engine's last-turn record is this turn's from its first token on

@@ -91,16 +91,23 @@ class CacheRequest:
         return restored
 
     def chunk(
-        self, caches: list[Any], start: int, end: int, first_logprobs: Any = None
+        self,
+        caches: list[Any],
+        start: int,
+        end: int,
+        first_logprobs: Any = None,
+        checkpoint: bool = True,
     ) -> list[mx.array]:
         """Capture what the chunk ``[start, end)`` just computed into ``caches`` (lazy):
         window slices and state snapshots, which a later chunk would overwrite, and the
         prompt's tail entry at ``N - 1`` (at ``N`` on the folded schedule, keeping
         ``first_logprobs``, the first token's logprobs of shape ``(vocab,)`` that chunk
         gave). Returns the arrays to evaluate with the chunk (one eval). KV slices wait
-        for :meth:`first_token` (the live cache keeps them)."""
+        for :meth:`first_token` (the live cache keeps them). ``checkpoint`` False: ``end``
+        is no schedule point (a piece inside a chunk, docs/DESIGN.md §20), so no state
+        checkpoint is taken there."""
         n = len(self.prompt)
-        kind = KIND_TAIL if end >= n - 1 else self._checkpoint_kind
+        kind = KIND_TAIL if end >= n - 1 else (self._checkpoint_kind if checkpoint else None)
         entries = self.cache.capture(
             caches,
             self.prompt,
@@ -132,6 +139,9 @@ class CacheRequest:
         number of prompt tokens kept."""
         self._complete(caches)
         if position > 0:
+            # its end too, as a finished reply's: a retry after another request (which
+            # takes the resident cache) still restores every finished chunk
+            self._store_end(caches, self.prompt[:position])
             self.cache.set_resident(self.prompt[:position], caches)
             self.cache.log(f"cancelled during prefill: kept {position} tokens")
         return position
@@ -148,16 +158,20 @@ class CacheRequest:
         the first token was sampled from and, when known, those after its last token
         (``end_logprobs``, for a continue), both of shape ``(vocab,)``."""
         self._complete(caches)
+        self._store_end(caches, sequence)
+        self.cache.set_resident(sequence, caches, len(self.prompt), first_logprobs, end_logprobs)
+
+    def _store_end(self, caches: list[Any], sequence: Sequence[int]) -> None:
+        """Store the blocks of ``sequence`` (what ``caches`` hold) and its end entry."""
         cache = self.cache
         seq_ids = cache.ids(sequence)
         entries = cache.capture(caches, sequence, seq_ids, 0, len(sequence), (), KIND_SEQ)
         for e in entries:
             if e.kind == KIND_SEQ:
-                e.prompt_end = len(self.prompt)
+                e.prompt_end = min(len(self.prompt), len(sequence))
         mx.eval([c.state for c in caches] + [a for e in entries for a in e.arrays.values()])
         cache.commit(entries)
         self.ssd_write_bytes += cache.persist()
-        cache.set_resident(sequence, caches, len(self.prompt), first_logprobs, end_logprobs)
 
     def close(self) -> None:
         """Hand anything committed to the SSD tier and let its writer run (idempotent)."""
@@ -192,7 +206,12 @@ class ColdRequest:
         return Restored(caches=self.fresh())
 
     def chunk(
-        self, caches: list[Any], start: int, end: int, first_logprobs: Any = None
+        self,
+        caches: list[Any],
+        start: int,
+        end: int,
+        first_logprobs: Any = None,
+        checkpoint: bool = True,
     ) -> list[mx.array]:
         return []
 

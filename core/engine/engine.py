@@ -8,9 +8,10 @@ A generation: restore the longest allowed cached prefix (the resident cache of t
 request cut back in place, or entries from the hot and SSD tiers), prefill the rest in the
 prompt's schedule of chunks (:func:`~.cache.prefix.schedule_points`: multiples of
 ``prefill_chunk``, message ends, N-1) with one eval per chunk that also materializes the
-blocks and checkpoints captured from it, then decode from the last prompt token with
-mlx-lm's ``generate_step``, store the prompt + reply and keep that cache resident. A cold
-run (``use_cache=False``) computes the same chunks, so a restore at a schedule point gives
+blocks and checkpoints captured from it, then decode from the last prompt token (many
+requests at once in the scheduler, :mod:`.scheduler`, docs/DESIGN.md §20; across ranks
+one at a time with mlx-lm's ``generate_step``, :mod:`.alone`), store the prompt + reply
+and keep that cache resident. A cold run (``use_cache=False``) computes the same chunks, so a restore at a schedule point gives
 the cold run's tokens bit for bit.
 
 The same prompt again (regenerate, or a retry) is the one case with no new token: the
@@ -29,13 +30,13 @@ import queue
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
-from mlx_lm.generate import generate_step, generation_stream
+from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
 from ...config.settings import Settings
@@ -43,35 +44,40 @@ from ..api import (
     CacheStats,
     EventCallback,
     Failed,
-    Finished,
     GenerateRequest,
     ModelLoaded,
     ModelLoading,
-    PrefillProgress,
     RankStats,
     RequestHandle,
-    TokenBatch,
     TurnMetrics,
 )
 from ..cache import layers as L
 from ..cache.blocks import LOGPROBS
-from ..cache.prefix import PrefixCache, chunk_ends, probe_specs, schedule_points
+from ..cache.prefix import PrefixCache, probe_specs, schedule_points
 from ..cache.rates import Rates
-from ..cache.request import CacheRequest, ColdRequest
+from ..cache.request import ColdRequest
 from ..memory import prefill as prefill_mod
 from ..memory import pressure as memory_mod
 from . import distributed as dist
+from .alone import generate_alone
 from .attention import OFF, chunk_attention, mlx_softmax, plan_attention, pow_softmax
 from .device import device_info, use_deterministic_kernels
-from .forward import last_logits_fn, logprobs_of, verify_last_logits
+from .forward import last_logits_fn, verify_last_logits
 from .ranks import RankSeams
-from .sampling import RequestSampling, StopStrings, keep_last_logits, make_request_sampler
+from .sampling import make_request_sampler
+from .scheduler import Scheduler
 
 _STOP = object()
 # the CPU's limit on a folded last chunk, per layer (docs/DESIGN.md §7): a 1-token forward of
 # demo (24 layers, float32) costs about what 20 tokens' share of a prefill does, and the
 # folded chunk's extra work is one layer of its tokens
 FOLD_TOKENS_PER_LAYER = 20
+# the CPU's prefill step when the settings leave it to the engine (docs/DESIGN.md §20):
+# chunks are cut at multiples of CPU_STEP_WEIGHT_BYTES / (the weights' bytes) tokens, a
+# power of two from 16 to the chunk: a function of the model, so cold and cached runs cut
+# alike. demo (2 GB in float32) gets 16: about a second of this 2-core machine's prefill
+CPU_STEP_WEIGHT_BYTES = 1 << 35
+MIN_PREFILL_STEP = 16
 _live_engines: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -87,31 +93,13 @@ def _close_live_engines() -> None:
         engine.close()
 
 
-def _from_kept(logprobs: mx.array, model, caches, max_tokens: int, sampler, logits_processors=None):
-    """What ``generate_step`` yields for a prompt whose every token is in ``caches``, given
-    the logprobs (shape ``(vocab,)``) its last token's forward gave before: the first
-    token sampled from them, then ``generate_step`` from that token. The sampler is called
-    in the same order as in ``generate_step``, so a seeded sampler draws the same."""
-    y = sampler(logprobs[None])
-    yield y.item(), logprobs
-    if max_tokens > 1:
-        yield from generate_step(
-            y,
-            model,
-            prompt_cache=caches,
-            max_tokens=max_tokens - 1,
-            sampler=sampler,
-            logits_processors=logits_processors,
-        )
-
-
 class Engine(RankSeams):
     """Owns the model, the prefix cache and the MLX thread.
 
     Construct with the :class:`~tierchat.config.settings.Settings` in force, then
     ``load_model(spec).wait()``; ``submit`` generations; ``stats`` and ``clear`` at will;
     ``close`` at the end (flushes the SSD writer). Its rank seams (docs/DESIGN.md §19) are
-    :class:`~.engine_ranks.RankSeams`.
+    :class:`~.ranks.RankSeams`.
     """
 
     def __init__(self, settings: Settings, on_log: Callable[[str], None] | None = None) -> None:
@@ -140,6 +128,8 @@ class Engine(RankSeams):
         self._attention = OFF  # which attentions run in plain MLX ops (core/engine/attention.py)
         self._last_logits = None  # set when this model's prompts use the folded schedule
         self._fold_limit: int | None = None  # longest folded last chunk (None: any)
+        self._prefill_step = 0  # chunks are cut at its multiples (tokens; 0: not cut)
+        self._sched = Scheduler(self)  # the requests of one process alone (no ranks)
         self.monitor = memory_mod.MemoryMonitor(
             limit_bytes=settings.memory_limit,
             soft_fraction=settings.memory_soft_fraction,
@@ -242,6 +232,7 @@ class Engine(RankSeams):
                 memory=mem,
                 last_turn=self._last,
                 ranks=self.rank_stats,
+                requests=self._sched.states(),
             )
         hot, ssd, tails, snaps, resident = cache.tier_stats()
         return CacheStats(
@@ -262,43 +253,95 @@ class Engine(RankSeams):
             last_turn=self._last,
             events=tuple(cache.events),
             ranks=self.rank_stats,
+            requests=self._sched.states(),
         )
 
     # ------------------------------------------------------------------ thread
     def _run(self) -> None:
+        """The job loop. Requests go to the scheduler, which steps while it holds any;
+        other jobs (a load, :meth:`call`, the stop) wait for it to empty, in order, and
+        the jobs behind them wait too (docs/DESIGN.md §20)."""
+        backlog: deque = deque()
+        clear_when_idle = False  # a release of host buffers waits for no request held
         while True:
-            job = self._jobs.get()
-            if job is _STOP:
-                try:
-                    self._send_to_ranks({"op": "close"})
-                except dist.RankError as exc:
-                    self._on_log(str(exc))
-                if self.cache is not None:
-                    self.cache.close()
-                    # the RAM tiers' arrays go now (the SSD tier's index stays readable)
-                    self.cache.hot.clear()
-                    self.cache.drop_resident()
-                # free the weights now, and MLX's buffer cache with them, so a restart in
-                # the same process (replay, the bench) never holds two models' memory at
-                # once (the folded schedule's head closure holds the trunk's weights too)
-                self.loaded, self._last_logits = None, None
-                gc.collect()
-                mx.clear_cache()
-                # MLX wants each thread to destroy its own streams before it ends, or the
-                # process may abort at exit (mlx >= 0.32: mx.clear_streams)
-                mx.synchronize(generation_stream)
-                mx.clear_streams()
-                return
-            fn, arg, handle = job
+            sched = self._sched
             try:
-                fn(arg, handle)
-            except Exception as exc:  # an engine error never kills the thread
-                self._on_log(f"engine error: {exc!r}")
-                if self.ranks is not None and not self.ranks.failed:
-                    # the other ranks may be anywhere in this job now: out of step
-                    self.ranks.failed = f"the ranks are out of step after {exc!r}"
-                if handle is not None and not handle.done:
-                    handle.emit(Failed(f"{type(exc).__name__}: {exc}"))
+                block = not backlog and not sched.busy
+                while True:
+                    backlog.append(self._jobs.get(block=block))
+                    block = False
+            except queue.Empty:
+                pass
+            while backlog:
+                job = backlog[0]
+                if job is not _STOP and job[0] == self._generate and self.ranks is None:
+                    backlog.popleft()
+                    self._admit(job[1], job[2])
+                    continue
+                if job is not _STOP and job[0] == self._drain_control:
+                    backlog.popleft()
+                    self._run_job(job)
+                    continue
+                if job is not _STOP and job[0] == self._clear_buffer_cache and sched.busy:
+                    # between requests, as before batching: once none is held
+                    backlog.popleft()
+                    clear_when_idle = True
+                    continue
+                if sched.busy:
+                    break  # a barrier: the running requests end first
+                backlog.popleft()
+                if job is _STOP:
+                    self._stop()
+                    return
+                self._run_job(job)
+            if sched.busy:
+                try:
+                    sched.step()
+                except Exception as exc:  # an engine error never kills the thread
+                    self._on_log(f"engine error: {exc!r}")
+                    sched.fail_all(f"{type(exc).__name__}: {exc}")
+            if clear_when_idle and not sched.busy:
+                clear_when_idle = False
+                self._clear_buffer_cache()
+
+    def _admit(self, req: GenerateRequest, handle: RequestHandle) -> None:
+        if self.ranks is not None and self.ranks.failed:
+            handle.emit(Failed(self.ranks.failed, kind="error"))
+            return
+        self._sched.admit(req, handle)
+
+    def _stop(self) -> None:
+        try:
+            self._send_to_ranks({"op": "close"})
+        except dist.RankError as exc:
+            self._on_log(str(exc))
+        if self.cache is not None:
+            self.cache.close()
+            # the RAM tiers' arrays go now (the SSD tier's index stays readable)
+            self.cache.hot.clear()
+            self.cache.drop_resident()
+        # free the weights now, and MLX's buffer cache with them, so a restart in
+        # the same process (replay, the bench) never holds two models' memory at
+        # once (the folded schedule's head closure holds the trunk's weights too)
+        self.loaded, self._last_logits = None, None
+        gc.collect()
+        mx.clear_cache()
+        # MLX wants each thread to destroy its own streams before it ends, or the
+        # process may abort at exit (mlx >= 0.32: mx.clear_streams)
+        mx.synchronize(generation_stream)
+        mx.clear_streams()
+
+    def _run_job(self, job) -> None:
+        fn, arg, handle = job
+        try:
+            fn(arg, handle)
+        except Exception as exc:  # an engine error never kills the thread
+            self._on_log(f"engine error: {exc!r}")
+            if self.ranks is not None and not self.ranks.failed:
+                # the other ranks may be anywhere in this job now: out of step
+                self.ranks.failed = f"the ranks are out of step after {exc!r}"
+            if handle is not None and not handle.done:
+                handle.emit(Failed(f"{type(exc).__name__}: {exc}"))
 
     def release_host_buffers(self) -> None:
         """Queue one clear of MLX's buffer cache on the engine thread, after the jobs
@@ -364,6 +407,7 @@ class Engine(RankSeams):
             self.cache.close()
         self.cache, self.supported = None, None
         self.loaded, self.model_name = loaded, spec
+        self._prefill_step = s.prefill_step or self._auto_prefill_step(loaded.model)
         self._last_logits = None
         warning = None
         self._kv_profile = prefill_mod.kv_profile(loaded.model, lambda m: self._make_cache())
@@ -442,6 +486,19 @@ class Engine(RankSeams):
                     self._calibrate_prefill()
         self._gather_rank_stats()
         handle.emit(ModelLoaded(spec, warning=warning))
+
+    def _auto_prefill_step(self, model) -> int:
+        """The prefill step (tokens) on this device when not set: none (0) on a GPU;
+        on the CPU from the weights' size (:data:`CPU_STEP_WEIGHT_BYTES`)."""
+        if device_info().kind != "cpu":
+            return 0
+        from mlx.utils import tree_flatten
+
+        nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters())) or 1
+        chunk = max(1, self.settings.prefill_chunk)
+        step = max(MIN_PREFILL_STEP, CPU_STEP_WEIGHT_BYTES // nbytes)
+        step = 1 << (step.bit_length() - 1)  # a power of two
+        return 0 if step >= chunk else step
 
     def _calibrate_prefill(self, tokens: int = 1536) -> None:
         """Measure the prefill rate once, at load, for the restore-or-recompute choice
@@ -523,223 +580,12 @@ class Engine(RankSeams):
                 chunk_attention(self._attention),
                 self._watched("a request"),
             ):
-                self._generate_one(req, handle, points, chunk if fold else 0, turn, sampling)
+                generate_alone(self, req, handle, points, chunk if fold else 0, turn, sampling)
         finally:
             self._in_request, self._handle = False, None
             turn.close()
             if turn.read_ssd:
                 self.release_host_buffers()
-
-    def _generate_one(
-        self,
-        req: GenerateRequest,
-        handle: RequestHandle,
-        points: list[int],
-        fold_chunk: int,
-        turn: CacheRequest | ColdRequest,
-        sampling: RequestSampling,
-    ) -> None:
-        t0 = time.perf_counter()
-        mx.reset_peak_memory()
-        prompt = list(req.prompt_ids)
-        n = len(prompt)
-        model = self.loaded.model
-        restored = self._restore(turn, points) if self.ranks is not None else turn.restore()
-        restore_s = time.perf_counter() - t0
-        caches = restored.caches
-        start = restored.position
-
-        def reuse(ttft: float) -> TurnMetrics:  # what the turn reused, known at its first token
-            return TurnMetrics(
-                prompt_tokens=n,
-                cached_tokens=start,
-                cached_by=dict(restored.cached_by),
-                cached_kind=dict(restored.cached_kind),
-                prefill_tokens=n - start,
-                ttft_s=ttft,
-                prefill_tps=(n - start) / ttft if ttft > 0 else 0.0,
-            )
-
-        ends = chunk_ends(start, points, fold_chunk)
-        limit = self._fold_limit
-        if (
-            fold_chunk
-            and limit is not None
-            and ends
-            and ends[-1] - max([start, *ends[:-1]]) > limit
-        ):
-            ends[-1] = n - 1  # too long to fold here: the last token goes to decode
-        handle.chunk_ends = tuple(ends)
-
-        # prefill [start, n - 1) in the schedule's chunks, one eval per chunk (the last one
-        # asynchronous, overlapping the first decode step's graph building), and the last
-        # prompt token through the first decode step; on the folded schedule the last
-        # chunk ends at n and gives the first token's logprobs itself (core/engine/forward.py).
-        # The request object captures window slices and state snapshots per chunk,
-        # before the next chunk moves them
-        total = n - start
-        pos = start
-        if ends:  # the prefill starts: its first chunk may take long (a CPU, a long prompt)
-            handle.emit(PrefillProgress(0, total, 0.0))
-        first_logprobs = restored.first_logprobs if start == n else None
-        first_sample = None  # the folded chunk's logprobs with the processors applied
-        for end in ends:
-            self._drain_control()
-            if self._cancelled(handle):
-                kept = turn.cancel(caches, pos)
-                why = f"cancelled during prefill; kept {kept} of {n} tokens"
-                handle.emit(Failed(why, kind="cancelled", kept_tokens=kept))
-                return
-            tokens_in = mx.array(prompt[pos:end])[None]
-            computed = []
-            if end == n:  # folded: this chunk gives the first token's logits
-                logits = self._last_logits(tokens_in, caches)
-                first_logprobs = logprobs_of(logits).squeeze(0)  # kept: pre-processor
-                computed.append(first_logprobs)
-                if sampling.needs_logits:
-                    first_sample = sampling.first_logprobs(logits.reshape(1, -1), prompt)
-                    computed.append(first_sample)
-            else:
-                model(tokens_in, cache=caches)
-            computed += [c.state for c in caches] + turn.chunk(caches, pos, end, first_logprobs)
-            if end == ends[-1]:
-                # the last chunk runs on the GPU while generate_step builds the first decode
-                # step behind it on the same stream (its progress event is sent at launch)
-                mx.async_eval(computed)
-            else:
-                mx.eval(computed)
-            pos = end
-            dt = time.perf_counter() - t0
-            handle.emit(PrefillProgress(pos - start, total, (pos - start) / dt if dt > 0 else 0.0))
-
-        # decode from the last prompt token
-        if req.temperature > 0 and req.seed is not None:
-            mx.random.seed(req.seed)
-        sampler = sampling.sampler
-        # continue hook: the first processor remembers each decode step's raw logits, so
-        # the logprobs after the reply's last token are kept with the resident cache
-        keep_end, end_logits = keep_last_logits()
-        eos = self.eos_token_ids
-        record = self.record_logprobs
-        max_tokens = self._cap_tokens(req.max_tokens, n)
-        if req.teacher_ids:
-            # generate_step samples one step ahead of what it yields: pad the last call
-            forced = iter(req.teacher_ids)
-            sampler = lambda logprobs: mx.array([next(forced, 0)])  # noqa: E731
-            eos, record, max_tokens = set(), len(req.teacher_ids), len(req.teacher_ids)
-        sampler, stop_flags = self._share_sampler(sampler, handle)
-        detok = self.loaded.tokenizer.detokenizer
-        detok.reset()
-        tokens: list[int] = []
-        logprobs: list[np.ndarray] = []
-        ttft = t_first = None
-        reason = "length"
-        if first_logprobs is not None:  # kept from before, or the folded last chunk's
-            processors = [keep_end, *sampling.with_context(prompt)]
-            steps = _from_kept(
-                first_sample if first_sample is not None else first_logprobs,
-                model,
-                caches,
-                max_tokens,
-                sampler,
-                processors,
-            )
-        else:
-            processors = [keep_end, *sampling.with_context(prompt[:-1])]
-            steps = generate_step(
-                mx.array(prompt[n - 1 :]),
-                model,
-                prompt_cache=caches,
-                max_tokens=max_tokens,
-                sampler=sampler,
-                logits_processors=processors,
-            )
-        stops = StopStrings(sampling.stops)
-        shown = ""  # text sent so far (held back while it may begin a stop string)
-        first_lp = None
-        for tok, lp in steps:
-            if ttft is None:
-                first_lp = lp
-                t_first = time.perf_counter()
-                ttft = t_first - t0
-                turn.first_token(caches)
-                if pos < n:  # the last prompt token went through the first decode step
-                    handle.emit(PrefillProgress(total, total, total / ttft if ttft else 0.0))
-                # what the turn reused and its TTFT are known now: the stats show them
-                # while it decodes (the decode rate comes with the finished record below)
-                self._last = reuse(ttft)
-            tokens.append(tok)
-            if len(logprobs) < record:
-                logprobs.append(np.array(lp.astype(mx.float32)))
-            if tok in eos:
-                reason = "stop"
-                break
-            detok.add_token(tok)
-            if stops.stops:
-                safe, hit = stops.feed(detok.text)
-                handle.emit(TokenBatch((tok,), safe[len(shown) :]))
-                shown = safe
-                if hit:
-                    reason = "stop"
-                    break
-            else:
-                handle.emit(TokenBatch((tok,), detok.last_segment))
-            self._drain_control()
-            if self._stopped(handle, stop_flags, len(tokens) - 1):
-                reason = "cancelled"
-                break
-        if first_logprobs is not None and len(tokens) == 1:
-            # generate_step computes one step ahead, so a cold run's cache also holds the
-            # first token when the reply stops there: forward it here, as that step would
-            for _ in generate_step(
-                mx.array(tokens),
-                model,
-                prompt_cache=caches,
-                max_tokens=0,
-                sampler=sampler,
-                logits_processors=[keep_end],
-            ):
-                pass
-        # generate_step evaluates one step ahead: wait for that step, or the thread-local
-        # stream still has work when the thread ends and the process aborts at exit
-        mx.synchronize(generation_stream)
-        detok.finalize()
-        text = detok.text
-        if stops.stops:
-            text, _ = stops.feed(text) if reason == "stop" else (text, False)
-            tail_text = text[len(shown) :]
-        else:
-            tail_text = detok.last_segment
-        if tail_text:
-            handle.emit(TokenBatch((), tail_text))
-        t_end = time.perf_counter()
-        # the cache holds prompt + every yielded token: store its new blocks and its end,
-        # then keep it resident for the next request, with the logprobs after its last
-        # token (the last decode step's forward) for a continue
-        end = end_logits()
-        end_lp = logprobs_of(end).reshape(-1) if end is not None and tokens else None
-        if end_lp is not None:
-            mx.eval(end_lp)
-        turn.finish(caches, prompt + tokens, first_lp, end_lp)
-        handle.logprobs = logprobs
-        handle.restored_position = start
-        ttft = ttft if ttft is not None else t_end - t0
-        g = len(tokens)
-        metrics = dataclasses.replace(
-            reuse(ttft),
-            generation_tokens=g,
-            generation_tps=(g - 1) / (t_end - t_first) if g > 1 and t_end > t_first else 0.0,
-            peak_memory_bytes=int(mx.get_peak_memory()),
-            finish_reason=reason,
-            restore_s=restore_s,
-            restore_bytes=restored.nbytes,
-            restore_choice=restored.choice.describe() if restored.choice else "",
-            ssd_write_bytes=turn.ssd_write_bytes,
-        )
-        self._last = metrics
-        self._gather_rank_stats()  # before Finished: the caller's next stats() has them
-        handle.emit(Finished(tuple(tokens), text, metrics))
-        self._apply_memory_pressure()
 
     def _cap_tokens(self, max_tokens: int, n: int) -> int:
         """``max_tokens`` capped so prompt + reply stays within the model's context length

@@ -252,6 +252,11 @@ class Generation:
         self.handle.cancel()
 
     async def events(self, http: Request | None = None) -> AsyncIterator[Event | APIError]:
+        """The engine's events up to a terminal one. With ``http`` (a response sent at the
+        end), a watcher cancels the request the moment the client disconnects, so the
+        engine drops it at its next step (docs/DESIGN.md §20); a streaming response's
+        disconnect cancels through Starlette closing this generator."""
+        watcher = asyncio.ensure_future(self._watch(http)) if http is not None else None
         try:
             while True:
                 if http is None:
@@ -267,9 +272,20 @@ class Generation:
                 if isinstance(event, Finished | Failed | APIError):
                     return
         finally:
+            if watcher is not None:
+                watcher.cancel()
             self.state.generations.discard(self)
             if not self.handle.done:
                 self.handle.cancel()
+
+    async def _watch(self, http: Request) -> None:
+        """Wait for the client's disconnect (its body is read: the next ASGI message is
+        ``http.disconnect``) and cancel the request then."""
+        while not self.handle.done:
+            message = await http.receive()
+            if message.get("type") == "http.disconnect":
+                self.handle.cancel()
+                return
 
 
 class ClientGone(Exception):

@@ -29,12 +29,15 @@ from ..api import (
     Failed,
     Finished,
     GenerateRequest,
+    PrefillProgress,
     RequestHandle,
+    Stopping,
     TokenBatch,
     TurnMetrics,
 )
 
-RequestStatus = Literal["waiting", "running", "done", "failed", "cancelled"]
+RequestStatus = Literal["waiting", "running", "stopping", "done", "failed", "cancelled"]
+LIVE_STATUSES: tuple[str, ...] = ("waiting", "running", "stopping")  # not ended yet
 
 _ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), 0x7F, *range(0x80, 0xA0))}
 
@@ -59,6 +62,8 @@ class RequestRecord:
     status: RequestStatus = "waiting"
     wait_s: float = 0.0
     error: str = ""
+    # while it runs, what it is doing: "prefill 512/3000", "decoding", "stopping…"
+    phase: str = ""
     # what the engine reported: the prompt length from the start, the rest when it ends
     metrics: TurnMetrics = field(default_factory=lambda: TurnMetrics(finish_reason=""))
 
@@ -149,7 +154,7 @@ class RequestLog:
             records = tuple(self._records)
             version, total, failed = self._version, self._total, self._failed
         waiting = sum(r.status == "waiting" for r in records)
-        running = sum(r.status == "running" for r in records)
+        running = sum(r.status in ("running", "stopping") for r in records)
         return LogSnapshot(version, records, waiting, running, total, failed, self.url)
 
 
@@ -212,25 +217,33 @@ class TrackedEngine:
         state = {"running": False, "first_token_at": 0.0}
 
         def watch(event: Event) -> None:
-            if not state["running"] and not isinstance(event, Failed | Finished):
+            if isinstance(event, Stopping):
+                self.log.update(seq, status="stopping", phase="stopping…")
+                state["stopping"] = True
+            elif not state["running"] and not isinstance(event, Failed | Finished):
                 state["running"] = True
                 n = len(request.prompt_ids)
                 self.log.update(seq, status="running", metrics_changes={"prompt_tokens": n})
+            if isinstance(event, PrefillProgress) and not state.get("stopping"):
+                self.log.update(seq, phase=f"prefill {event.done}/{event.total}")
             if isinstance(event, TokenBatch) and not state["first_token_at"]:
                 state["first_token_at"] = time.perf_counter()
+                if not state.get("stopping"):
+                    self.log.update(seq, phase="decoding")
             if isinstance(event, Finished):
                 m = event.metrics
                 first = state["first_token_at"] or time.perf_counter()
                 cancelled = m.finish_reason == "cancelled"
                 self.log.update(
                     seq,
+                    phase="",
                     status="cancelled" if cancelled else "done",
                     wait_s=max(0.0, first - t_submit - m.ttft_s),
                     metrics=m,
                 )
             elif isinstance(event, Failed):
                 status = "cancelled" if event.kind == "cancelled" else "failed"
-                self.log.update(seq, status=status, error=event.message)
+                self.log.update(seq, status=status, error=event.message, phase="")
             if on_event is not None:
                 on_event(event)
 

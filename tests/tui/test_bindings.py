@@ -10,6 +10,7 @@ from tierchat.tui.screens.confirm import ConfirmScreen
 from tierchat.tui.screens.help import HelpScreen
 from tierchat.tui.screens.model_picker import ModelPickerScreen
 from tierchat.tui.screens.prompt import EditMessageScreen, PromptScreen
+from tierchat.tui.widgets.activity import ActivityBar
 from tierchat.tui.widgets.cache_panels import CachePanels, CacheSummary
 from tierchat.tui.widgets.chat_input import ChatInput
 from tierchat.tui.widgets.conversation_list import ConversationList
@@ -131,9 +132,15 @@ async def test_escape_stops_generation(make_app, engine):
         await wait_for(pilot, lambda: screen.streaming and screen.turns.stream_view.text)
         assert screen.check_action("stop", ()) is True
         assert screen.check_action("regenerate", ()) is None  # dimmed while streaming
+        # "stopping…" shows at once, before the engine's next step ends the reply (the
+        # action called here, so no message is handled in between; the key: below)
+        bar = screen.query_one(ActivityBar)
+        screen.action_stop()
+        assert bar.has_class("-active") and bar.label == "stopping…"
         await pilot.press("escape")
         engine.gate.set()
         await settle(pilot)
+        assert not bar.has_class("-active")
         assert not screen.streaming
         assert screen.check_action("stop", ()) is None
         assert any("stopped" in n.message for n in app._notifications)

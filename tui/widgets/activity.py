@@ -49,6 +49,13 @@ class ActivityBar(Horizontal):
             return
         self._show(label, done, total)
 
+    def show_stopping(self) -> None:
+        """A stop was asked for: it takes effect at the engine's next step (an
+        indeterminate bar until the reply's last event)."""
+        self.add_class("-active")
+        self.query_one("#activity-label", Static).update("stopping…")
+        self.query_one(ProgressBar).update(total=None)
+
     def show_loading(self, model: str, done: int, total: int, note: str) -> None:
         """Model load progress; before the first step is done (a long GGUF assembly
         reports nothing for a while) the bar is indeterminate rather than stuck at 0%."""

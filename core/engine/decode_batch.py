@@ -1,0 +1,192 @@
+"""The running sequences' decode: one batched step for all of them (docs/DESIGN.md §20).
+
+Built on the decode half of mlx-lm's continuous batching (``mlx_lm.generate``'s
+``GenerationBatch``, what its ``BatchGenerator`` moves a sequence into once its prompt is
+processed): tierchat prefills each request itself (restore, schedule chunks, captures), so
+a sequence joins here with its filled cache and the token to feed next. Its caches merge
+into the batch's (``KVCache.merge`` -> ``BatchKVCache``, ``RotatingKVCache`` ->
+``BatchRotatingKVCache``, ``ArraysCache.merge``), which left-pads shorter sequences; a
+finished or removed sequence's cache comes back out as a plain per-request cache
+(``extract``), so the prefix cache stores and keeps it as a request run alone.
+
+One sequence alone decodes on its own cache list, as mlx-lm's ``generate_step`` would (no
+padding, no mask): a lone request's numbers are those of a request before batching. A
+second mergeable sequence merges the first into a batch. Caches with no ``merge``
+(``QuantizedKVCache``, ``kv_bits``) always decode alone, one step per sequence per batch
+step: correct, not batched.
+
+Everything here runs on the engine thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationBatch, StopSequences
+from mlx_lm.sample_utils import make_sampler
+
+Sampler = Callable[[mx.array], mx.array]
+
+
+def mergeable(caches: list[Any]) -> bool:
+    """Whether every layer cache of ``caches`` can join a batch (has ``merge``)."""
+
+    def ok(c: Any) -> bool:
+        sub = getattr(c, "caches", None)
+        if sub is not None:  # CacheList
+            return all(ok(x) for x in sub)
+        return hasattr(type(c), "merge")  # (the batch class it merges into extracts)
+
+    return all(ok(c) for c in caches)
+
+
+def _merge(caches: list[list[Any]]) -> list[Any]:
+    return [type(layer[0]).merge(list(layer)) for layer in zip(*caches, strict=True)]
+
+
+def _retype(caches: list[Any], kinds: list[Any]) -> list[Any]:
+    """``extract`` builds the base class (``ArraysCache`` of a ``MambaCache``): give each
+    layer cache back the class it joined with, which the prefix cache's adapters know."""
+    for c, kind in zip(caches, kinds, strict=True):
+        if isinstance(kind, tuple):  # CacheList: its members' classes
+            _retype(list(c.caches), list(kind))
+        elif type(c) is not kind and isinstance(c, kind.__mro__[1:]):
+            c.__class__ = kind
+    return caches
+
+
+def _kinds(caches: list[Any]) -> list[Any]:
+    return [tuple(_kinds(list(c.caches))) if hasattr(c, "caches") else type(c) for c in caches]
+
+
+class _Batch(GenerationBatch):
+    """A ``GenerationBatch`` whose caches are either merged (batch caches, ``merged``) or
+    one sequence's own list (``merged`` False: extracted as is)."""
+
+    merged = False
+    kinds: list[list[Any]]  # per sequence: the classes of its layer caches
+
+    def extract_cache(self, idx: int) -> list[Any]:
+        if self.merged:
+            return _retype(super().extract_cache(idx), self.kinds[idx])
+        return list(self.prompt_cache)  # filter() clears the list it holds
+
+    def filter(self, keep: list[int]) -> None:
+        self.kinds = [self.kinds[i] for i in keep]
+        super().filter(keep)
+
+    def extend(self, batch: _Batch) -> None:
+        self.kinds = self.kinds + batch.kinds
+        super().extend(batch)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One sequence's token from a decode step: ``token``, the ``logprobs`` it was sampled
+    from (shape ``(vocab,)``), ``finish`` ("stop", "length" or None) and, when finished,
+    its ``caches`` (the request's own cache list, holding every token fed so far)."""
+
+    uid: int
+    token: int
+    logprobs: mx.array
+    finish: str | None
+    caches: list[Any] | None = None
+
+
+class DecodeBatch:
+    """The decoding sequences of one model: :meth:`add`, :meth:`step`, :meth:`remove`."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self._greedy = make_sampler(temp=0.0)
+        self._main: _Batch | None = None  # merged, or one mergeable sequence alone
+        self._alone: dict[int, _Batch] = {}  # sequences whose caches cannot merge
+        self.peak = 0  # the most sequences that decoded in one step
+        self.peak_merged = 0  # the most that decoded in one merged batch
+
+    def __len__(self) -> int:
+        return (len(self._main) if self._main is not None else 0) + len(self._alone)
+
+    def add(
+        self,
+        uid: int,
+        token: int,
+        caches: list[Any],
+        context: list[int],
+        max_tokens: int,
+        stop: list[list[int]],
+        sampler: Sampler | None = None,
+        processors: list[Callable[[mx.array, mx.array], mx.array]] | None = None,
+    ) -> None:
+        """Start decoding sequence ``uid``: ``caches`` hold every token before ``token``,
+        which is fed next (its forward starts now); ``context``: the tokens in ``caches``
+        (for logits processors); at most ``max_tokens`` (> 0) tokens come out, ending early
+        at any of the ``stop`` sequences; ``sampler`` None: greedy (one batched argmax);
+        ``processors``: mlx-lm logits processors ``(history, logits (1, vocab)) -> logits``,
+        the history being ``context`` + the tokens fed since."""
+        batch = _Batch(
+            self.model,
+            [uid],
+            mx.array([token], dtype=mx.uint32),
+            caches,
+            [list(context)],
+            [sampler],
+            self._greedy,
+            [tuple(processors or ())],
+            [StopSequences(stop)],
+            [max_tokens],
+        )
+        batch.kinds = [_kinds(caches)]
+        main = self._main
+        if not mergeable(caches):
+            self._alone[uid] = batch
+        elif main is None or len(main) == 0:
+            self._main = batch
+        else:
+            if not main.merged:
+                main.prompt_cache = _merge([main.prompt_cache])
+                main.merged = True
+            batch.prompt_cache = _merge([caches])
+            batch.merged = True
+            main.extend(batch)
+        self.peak = max(self.peak, len(self))
+        if self._main is not None and self._main.merged:
+            self.peak_merged = max(self.peak_merged, len(self._main))
+
+    def step(self) -> list[Step]:
+        """One decode step of every sequence: each yields one token."""
+        out: list[Step] = []
+        batches = ([self._main] if self._main is not None and len(self._main) else []) + list(
+            self._alone.values()
+        )
+        for batch in batches:
+            for r in batch.next():
+                out.append(Step(r.uid, r.token, r.logprobs, r.finish_reason, r.prompt_cache))
+        for uid in [u for u, b in self._alone.items() if len(b) == 0]:
+            del self._alone[uid]
+        if self._main is not None and len(self._main) == 0:
+            self._main = None  # the next lone sequence decodes on its own caches again
+        return out
+
+    def remove(self, uid: int) -> list[Any]:
+        """Take sequence ``uid`` out of the batch (a cancel): its caches, holding every
+        token fed so far (the token sampled ahead is dropped).
+
+        Raises:
+            KeyError: ``uid`` is not decoding here.
+        """
+        batch = self._alone.pop(uid, None)
+        if batch is not None:
+            return batch.extract_cache(0)
+        main = self._main
+        if main is None or uid not in main.uids:
+            raise KeyError(uid)
+        i = main.uids.index(uid)
+        caches = main.extract_cache(i)
+        main.filter([j for j in range(len(main.uids)) if j != i])
+        if len(main) == 0:
+            self._main = None
+        return caches

@@ -1,0 +1,181 @@
+"""One request's prefill, in pieces the scheduler interleaves with decode steps
+(docs/DESIGN.md §9, §20).
+
+The prompt's schedule is as before batching: restore the furthest cached prefix, then the
+chunks of :func:`~.cache.prefix.schedule_points` from there (the folded schedule's last
+chunk ends at ``N`` and gives the first token's logprobs), each capturing what the cache
+tiers keep. A *piece* is the work of one scheduler step: a whole chunk, or part of one.
+
+- The engine's fixed ``prefill_step`` (tokens, set at load, 0: none) cuts chunks at its
+  absolute multiples, which join the bitwise schedule's points (without state checkpoints):
+  a function of positions only, so a cold run and a run restored at any point cut at the
+  same places and stay bit-identical, and a cancelled prefill's retry restores each
+  finished piece (blocks and the resident cache: attention layers).
+- While other requests wait or decode, a piece also stops after ``budget`` tokens (from the
+  measured prefill rate, aligned down to the block size) -- on schedules that promise float
+  rounding only (not ``bitwise``), where where a cut falls changes nothing but rounding.
+
+Checkpoints of state layers are taken at schedule points only; a piece that ends inside a
+chunk captures its blocks and window slices (a later piece would overwrite them). A cancel
+between pieces keeps everything computed so far (:meth:`CacheRequest.cancel`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import mlx.core as mx
+
+from ..api import GenerateRequest, PrefillProgress, RequestHandle, TurnMetrics
+from ..cache.prefix import Restored, chunk_ends, schedule_points
+from ..cache.request import CacheRequest, ColdRequest
+from .forward import logprobs_of
+from .sampling import RequestSampling, make_request_sampler
+
+
+class Prefill:
+    """The prefill state of one request: ``pos`` of ``n`` prompt tokens in ``caches``,
+    ``first_logprobs`` (shape ``(vocab,)``) once a folded last chunk or a kept tail gave
+    them, and ``first_sample`` (the same with the request's logits processors applied,
+    or None: sample from ``first_logprobs``). ``sampling``: the request's sampler,
+    processors and stop strings. Made by :meth:`begin`; advanced by :meth:`piece`."""
+
+    def __init__(
+        self,
+        engine: Any,
+        req: GenerateRequest,
+        handle: RequestHandle,
+        turn: CacheRequest | ColdRequest,
+        restored: Restored,
+        ends: list[int],
+        t0: float,
+        sampling: RequestSampling,
+    ) -> None:
+        self.engine, self.req, self.handle, self.turn = engine, req, handle, turn
+        self.sampling = sampling
+        self.first_sample: mx.array | None = None
+        self.restored = restored
+        self.caches = restored.caches
+        self.prompt = list(req.prompt_ids)
+        self.n = len(self.prompt)
+        self.start = self.pos = restored.position
+        self.ends = ends
+        self.t0 = t0
+        self.restore_s = time.perf_counter() - t0
+        self.first_logprobs = restored.first_logprobs if self.start == self.n else None
+        self.total = self.n - self.start
+        self.checkpoints: set[int] = set()  # the schedule points that take state checkpoints
+
+    @classmethod
+    def begin(cls, engine: Any, req: GenerateRequest, handle: RequestHandle) -> Prefill:
+        """Plan the schedule, open the request's cache object and restore.
+
+        Raises:
+            memory.prefill.PrefillRefused: no prefill chunk fits the memory limit.
+        """
+        e = engine
+        n = len(req.prompt_ids)
+        chunk = e._agreed_chunk(n)
+        fold = e._last_logits is not None
+        points = schedule_points(n, chunk, req.boundaries, fold=fold)
+        checkpoints = set(points)
+        step = e._prefill_step
+        if step and not fold:  # the step's multiples are schedule points too (no checkpoint)
+            points = sorted(checkpoints | set(range(step, n - 1, step)))
+        cache = e.cache
+        sampling = make_request_sampler(req)  # the one place sampling is built (§2)
+        if cache is not None and req.use_cache:
+            # processors need the first token's logits: restore at most N - 1
+            limit = n - 1 if sampling.needs_logits else None
+            turn = cache.begin(req.prompt_ids, points, req.boundaries, e._make_cache, limit)
+        else:
+            turn = ColdRequest(e._make_cache, cache.ssd if cache is not None else None)
+        t0 = time.perf_counter()
+        mx.reset_peak_memory()
+        try:
+            restored = turn.restore()
+        except BaseException:
+            turn.close()
+            raise
+        start = restored.position
+        ends = chunk_ends(start, points, chunk if fold else 0)
+        limit = e._fold_limit
+        if fold and limit is not None and ends and ends[-1] - max([start, *ends[:-1]]) > limit:
+            ends[-1] = n - 1  # too long to fold here: the last token goes to decode
+        handle.chunk_ends = tuple(ends)
+        p = cls(e, req, handle, turn, restored, ends, t0, sampling)
+        p.checkpoints = checkpoints
+        if ends:  # the prefill starts: its first piece may take long (a CPU, a long prompt)
+            handle.emit(PrefillProgress(0, p.total, 0.0))
+        return p
+
+    @property
+    def finished(self) -> bool:
+        """Every prompt token that prefill computes is in the cache."""
+        return not self.ends or self.pos >= self.ends[-1]
+
+    @property
+    def done(self) -> int:
+        return self.pos - self.start
+
+    def piece(self, budget: int | None = None) -> int:
+        """Prefill the next piece (at most ``budget`` tokens where the schedule allows
+        cuts anywhere; None: up to the next cut). Returns the tokens computed."""
+        e = self.engine
+        pos, n = self.pos, self.n
+        chunk_end = next(x for x in self.ends if x > pos)
+        end = chunk_end
+        step = e._prefill_step
+        if step:
+            end = min(end, (pos // step + 1) * step)
+        if budget is not None and not e.settings.bitwise:
+            block = e.cache.block_size if e.cache is not None else e.settings.block_size
+            cut = (pos + budget) // block * block
+            end = min(end, max(cut, (pos // block + 1) * block))
+        tokens_in = mx.array(self.prompt[pos:end])[None]
+        computed = []
+        if end == n:  # folded: this piece gives the first token's logits
+            logits = e._last_logits(tokens_in, self.caches)
+            self.first_logprobs = logprobs_of(logits).squeeze(0)  # kept: pre-processor
+            computed.append(self.first_logprobs)
+            if self.sampling.needs_logits:
+                first = self.sampling.first_logprobs(logits.reshape(1, -1), self.prompt)
+                self.first_sample = first
+                computed.append(first)
+        else:
+            e.loaded.model(tokens_in, cache=self.caches)
+        computed += [c.state for c in self.caches]
+        computed += self.turn.chunk(
+            self.caches, pos, end, self.first_logprobs, checkpoint=end in self.checkpoints
+        )
+        mx.eval(computed)
+        self.pos = end
+        dt = time.perf_counter() - self.t0
+        self.handle.emit(PrefillProgress(self.done, self.total, self.done / dt if dt > 0 else 0.0))
+        return end - pos
+
+    def cancel(self) -> int:
+        """Stop here, keeping what the finished pieces computed; returns the tokens kept."""
+        return self.turn.cancel(self.caches, self.pos)
+
+    def first_token(self) -> None:
+        """The sequence leaves prefill: complete the captured entries (KV slices) while
+        its own cache list still holds them, and let the SSD writer run."""
+        self.turn.first_token(self.caches)
+
+    def metrics(self, ttft: float) -> TurnMetrics:
+        """What the request reused and its TTFT (seconds), known at its first token."""
+        r = self.restored
+        return TurnMetrics(
+            prompt_tokens=self.n,
+            cached_tokens=self.start,
+            cached_by=dict(r.cached_by),
+            cached_kind=dict(r.cached_kind),
+            prefill_tokens=self.n - self.start,
+            ttft_s=ttft,
+            prefill_tps=(self.n - self.start) / ttft if ttft > 0 else 0.0,
+            restore_s=self.restore_s,
+            restore_bytes=r.nbytes,
+            restore_choice=r.choice.describe() if r.choice else "",
+        )

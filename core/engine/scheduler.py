@@ -1,0 +1,370 @@
+"""Many requests at once on the engine thread: queued -> prefill -> decoding -> done
+(docs/DESIGN.md §20).
+
+Each :meth:`Scheduler.step` does a bounded amount of work: it ends the requests cancelled
+since the last step (queued ones fail at once, a prefill keeps its finished chunks through
+its cache request's ``cancel``, a decoding one leaves the batch and stores what it has),
+runs one prefill piece of the request at the head of the prefill queue, then one batched
+decode step of every running sequence (:class:`~.decode_batch.DecodeBatch`). So a long
+prompt neither freezes the other streams nor makes Stop wait longer than one piece.
+
+A request's prefill is tierchat's own, as before batching (:mod:`.prefill_steps`): restore,
+schedule chunks with their captures, the folded last chunk that gives the first token's
+logprobs; then it joins the batch with its filled cache and the token to feed next, and
+when it ends its cache comes back out for ``turn.finish`` (the resident, hot and SSD tiers
+get it as a request run alone). Ranks (docs/DESIGN.md §19) do not come here: a model across
+ranks runs one request at a time (``Engine._generate``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generation_stream
+
+from ..api import (
+    Failed,
+    Finished,
+    GenerateRequest,
+    PrefillProgress,
+    RequestHandle,
+    RequestState,
+    TokenBatch,
+    TurnMetrics,
+)
+from ..memory import prefill as prefill_mod
+from .attention import chunk_attention
+from .decode_batch import DecodeBatch, Step
+from .forward import logprobs_of
+from .prefill_steps import Prefill
+from .sampling import StopStrings, keep_last_logits
+
+BUSY_PIECE_S = 0.25  # the most prefill work between two decode steps while others decode
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One request in the scheduler: its prefill, then its decode state."""
+
+    uid: int
+    req: GenerateRequest
+    handle: RequestHandle
+    prefill: Prefill | None = None
+    state: str = "queued"  # queued | prefill | decoding | stopping
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[np.ndarray] = dataclasses.field(default_factory=list)
+    first_lp: Any = None
+    t_first: float | None = None
+    detok: Any = None
+    eos: set[int] = dataclasses.field(default_factory=set)
+    record: int = 0
+    sampler: Any = None
+    end_logits: Any = None  # () -> the raw logits after the last token fed (1, vocab)
+    stops: StopStrings | None = None
+    shown: str = ""  # text sent so far (held back while it may begin a stop string)
+
+
+class Scheduler:
+    """The engine's requests when it runs alone (no ranks): :meth:`admit` from the job
+    loop, :meth:`step` while :attr:`busy`. Uses the engine's model, cache and settings."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.queued: deque[Sequence] = deque()
+        self.prefilling: deque[Sequence] = deque()
+        self.decoding: dict[int, Sequence] = {}
+        self.batch: DecodeBatch | None = None
+        self._uid = 0
+        self.prefill_tps = 0.0  # measured, for pieces while others decode (folded schedule)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.queued or self.prefilling or self.decoding)
+
+    def states(self) -> tuple[RequestState, ...]:
+        """The requests held now, oldest first (any thread: a snapshot of plain values)."""
+        out = []
+        for seq in [*list(self.decoding.values()), *list(self.prefilling), *list(self.queued)]:
+            p = seq.prefill
+            state = "stopping" if seq.handle.cancelled and seq.state != "queued" else seq.state
+            out.append(
+                RequestState(
+                    uid=seq.uid,
+                    state=state,
+                    prompt_tokens=len(seq.req.prompt_ids),
+                    prefill_done=p.done if p is not None else 0,
+                    prefill_total=p.total if p is not None else 0,
+                    generated=len(seq.tokens),
+                )
+            )
+        return tuple(out)
+
+    def admit(self, req: GenerateRequest, handle: RequestHandle) -> None:
+        """Queue a request (it starts at a later :meth:`step`)."""
+        self._uid += 1
+        self.queued.append(Sequence(self._uid, req, handle))
+
+    def fail_all(self, why: str) -> None:
+        """End every request held (the engine closes or loads another model)."""
+        for seq in [*self.queued, *self.prefilling, *self.decoding.values()]:
+            if seq.prefill is not None:
+                seq.prefill.turn.close()
+            if not seq.handle.done:
+                seq.handle.emit(Failed(why, kind="error"))
+        self.queued.clear()
+        self.prefilling.clear()
+        self.decoding.clear()
+        self.batch = None
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> None:
+        """One bounded step: cancels, prefill pieces (up to :data:`BUSY_PIECE_S` of them
+        while others decode, one otherwise), one batched decode step."""
+        e = self.engine
+        with mx.stream(generation_stream), chunk_attention(e._attention):
+            self._reap_cancelled()
+            t0 = time.perf_counter()
+            while True:
+                self._start_queued()
+                if not self.prefilling:
+                    break
+                self._prefill_piece(self.prefilling[0], BUSY_PIECE_S - (time.perf_counter() - t0))
+                if not self.decoding or time.perf_counter() - t0 >= BUSY_PIECE_S:
+                    break
+                if any(s.handle.cancelled for s in self.prefilling):
+                    break
+            if self.decoding:
+                self._decode()
+
+    def _reap_cancelled(self) -> None:
+        for seq in [s for s in self.queued if s.handle.cancelled]:
+            self.queued.remove(seq)
+            seq.handle.emit(Failed("cancelled before it started", kind="cancelled"))
+        for seq in [s for s in self.prefilling if s.handle.cancelled]:
+            self.prefilling.remove(seq)
+            p = seq.prefill
+            kept = p.cancel()
+            n = len(seq.req.prompt_ids)
+            why = f"cancelled during prefill; kept {kept} of {n} tokens"
+            seq.handle.emit(Failed(why, kind="cancelled", kept_tokens=kept))
+            self._after(p)
+        for seq in [s for s in self.decoding.values() if s.handle.cancelled]:
+            caches = self.batch.remove(seq.uid)
+            self._finish(seq, caches, "cancelled")
+
+    def _start_queued(self) -> None:
+        """Move queued requests to the prefill queue (checks and restore on the way; a
+        restore that needs no prefill goes straight to decode)."""
+        e = self.engine
+        while self.queued:
+            seq = self.queued.popleft()
+            if e.loaded is None:
+                seq.handle.emit(Failed("no model loaded", kind="error"))
+                continue
+            if not seq.req.prompt_ids:
+                seq.handle.emit(Failed("empty prompt"))
+                continue
+            e._apply_memory_pressure()
+            try:
+                seq.prefill = Prefill.begin(e, seq.req, seq.handle)
+            except prefill_mod.PrefillRefused as exc:
+                seq.handle.emit(Failed(str(exc), kind="refused"))
+                if e.cache is not None:
+                    n = len(seq.req.prompt_ids)
+                    e.cache.log(f"refused a {n}-token prefill: over the memory limit")
+                continue
+            seq.state = "prefill"
+            if seq.prefill.finished:
+                self._join(seq)
+            else:
+                self.prefilling.append(seq)
+            if self.prefilling:
+                return  # one restore per step at most once a prefill waits
+
+    def _prefill_piece(self, seq: Sequence, left_s: float) -> None:
+        p = seq.prefill
+        budget = None
+        if self.decoding or len(self.prefilling) > 1 or self.queued:
+            if self.prefill_tps > 0:  # what fits the step's time left
+                budget = max(1, int(self.prefill_tps * max(left_s, 0.05)))
+        t0 = time.perf_counter()
+        done = p.piece(budget)
+        dt = time.perf_counter() - t0
+        if dt > 0 and done > 0:
+            tps = done / dt
+            self.prefill_tps = tps if self.prefill_tps <= 0 else 0.7 * self.prefill_tps + 0.3 * tps
+        if p.finished:
+            self.prefilling.popleft()
+            self._join(seq)
+
+    # ------------------------------------------------------------------ decode
+    def _join(self, seq: Sequence) -> None:
+        """The prefill is done: the first token (from kept or folded logprobs), then the
+        sequence joins the batch."""
+        e, p, req = self.engine, seq.prefill, seq.req
+        n = len(req.prompt_ids)
+        sampling = p.sampling
+        if req.temperature > 0 and req.seed is not None:
+            mx.random.seed(req.seed)
+        # greedy requests share one batched argmax (None); others their own sampler
+        sampler = sampling.sampler if req.temperature > 0 else None
+        # continue hook: the first processor remembers each step's raw logits, so the
+        # logprobs after the reply's last token are kept with the resident cache
+        keep_end, seq.end_logits = keep_last_logits()
+        processors = [keep_end, *sampling.processors]
+        seq.stops = StopStrings(sampling.stops)
+        seq.eos = e.eos_token_ids
+        seq.record = e.record_logprobs
+        max_tokens = e._cap_tokens(req.max_tokens, n)
+        stop = [[t] for t in sorted(seq.eos)]
+        if req.teacher_ids:
+            forced = iter(req.teacher_ids)
+            sampler = lambda logprobs: mx.array([next(forced, 0)])  # noqa: E731
+            seq.eos, seq.record, max_tokens, stop = (
+                set(),
+                len(req.teacher_ids),
+                len(req.teacher_ids),
+                [],
+            )
+        seq.sampler = sampler
+        seq.detok = e.loaded.tokenizer.detokenizer
+        seq.detok.reset()
+        seq.state = "decoding"
+        caches = p.caches
+        if p.first_logprobs is not None:
+            # the first token from the kept (or folded) logprobs, sampled as generate_step;
+            # with processors, from the folded chunk's processed copy
+            lp = p.first_sample if p.first_sample is not None else p.first_logprobs
+            y = (sampler or _greedy)(lp[None])
+            tok = int(y.item())
+            p.first_token()
+            end = self._emit(seq, tok, lp)
+            if end is not None or max_tokens <= 1:
+                # forward it, as the step a cold run computes ahead would
+                logits = e.loaded.model(mx.array([[tok]]), cache=caches)
+                keep_end(None, logits[:, -1, :])
+                mx.eval([c.state for c in caches])
+                self._finish(seq, caches, end or "length")
+                return
+            self._batch().add(
+                seq.uid,
+                tok,
+                caches,
+                list(req.prompt_ids),
+                max_tokens - 1,
+                stop,
+                sampler,
+                processors,
+            )
+        else:
+            last = req.prompt_ids[-1]
+            p.first_token()
+            self._batch().add(
+                seq.uid,
+                last,
+                caches,
+                list(req.prompt_ids[:-1]),
+                max_tokens,
+                stop,
+                sampler,
+                processors,
+            )
+        p.caches = None
+        self.decoding[seq.uid] = seq
+
+    def _batch(self) -> DecodeBatch:
+        if self.batch is None:
+            self.batch = DecodeBatch(self.engine.loaded.model)
+        return self.batch
+
+    def _decode(self) -> None:
+        for s in self.batch.step():
+            seq = self.decoding.get(s.uid)
+            if seq is None:
+                continue
+            end = self._emit(seq, s.token, s.logprobs)
+            if s.finish is not None or end is not None:
+                caches = s.caches if s.caches is not None else self.batch.remove(s.uid)
+                self._finish(seq, caches, end or ("stop" if s.finish == "stop" else "length"))
+
+    def _emit(self, seq: Sequence, tok: int, lp: mx.array) -> str | None:
+        """Record token ``tok`` (sampled from ``lp``): its event, and why the reply ends
+        here ("stop" at an end-of-sequence token), or None."""
+        if seq.t_first is None:
+            seq.t_first = time.perf_counter()
+            seq.first_lp = lp
+            p = seq.prefill
+            if p.pos < p.n:  # the last prompt token went through the first decode step
+                ttft = seq.t_first - p.t0
+                seq.handle.emit(PrefillProgress(p.total, p.total, p.total / ttft if ttft else 0.0))
+            self.engine._last = p.metrics(seq.t_first - p.t0)
+        seq.tokens.append(tok)
+        if len(seq.logprobs) < seq.record:
+            seq.logprobs.append(np.array(lp.astype(mx.float32)))
+        if tok in seq.eos:
+            return "stop"
+        seq.detok.add_token(tok)
+        if seq.stops.stops:  # stop strings: hold back what may begin one
+            safe, hit = seq.stops.feed(seq.detok.text)
+            seq.handle.emit(TokenBatch((tok,), safe[len(seq.shown) :]))
+            seq.shown = safe
+            if hit:
+                return "stop"
+        else:
+            seq.handle.emit(TokenBatch((tok,), seq.detok.last_segment))
+        return None
+
+    def _finish(self, seq: Sequence, caches: list[Any], reason: str) -> None:
+        e, p = self.engine, seq.prefill
+        self.decoding.pop(seq.uid, None)
+        seq.detok.finalize()
+        text = seq.detok.text
+        if seq.stops.stops:
+            text = seq.stops.feed(text)[0] if reason == "stop" else text
+            tail_text = text[len(seq.shown) :]
+        else:
+            tail_text = seq.detok.last_segment
+        if tail_text:
+            seq.handle.emit(TokenBatch((), tail_text))
+        t_end = time.perf_counter()
+        # with the logprobs after the reply's last token, for a continue
+        end = seq.end_logits()
+        end_lp = logprobs_of(end).reshape(-1) if end is not None and seq.tokens else None
+        if end_lp is not None:
+            mx.eval(end_lp)
+        p.turn.finish(caches, list(seq.req.prompt_ids) + seq.tokens, seq.first_lp, end_lp)
+        seq.handle.logprobs = seq.logprobs
+        seq.handle.restored_position = p.start
+        ttft = (seq.t_first or t_end) - p.t0
+        g = len(seq.tokens)
+        metrics = dataclasses.replace(
+            p.metrics(ttft),
+            generation_tokens=g,
+            generation_tps=(g - 1) / (t_end - seq.t_first)
+            if g > 1 and t_end > seq.t_first
+            else 0.0,
+            peak_memory_bytes=int(mx.get_peak_memory()),
+            finish_reason=reason,
+            ssd_write_bytes=p.turn.ssd_write_bytes,
+        )
+        e._last = metrics
+        seq.handle.emit(Finished(tuple(seq.tokens), text, metrics))
+        self._after(p)
+        e._apply_memory_pressure()
+
+    def _after(self, p: Prefill) -> None:
+        p.turn.close()
+        if p.turn.read_ssd:
+            self.engine.release_host_buffers()
+
+
+def _greedy(logprobs: mx.array) -> mx.array:
+    return mx.argmax(logprobs, axis=-1)
+
+
+__all__ = ["Scheduler", "Sequence", "Step", "TurnMetrics"]
