@@ -352,3 +352,80 @@ def test_a_retry_after_another_request_restores_the_cancelled_pieces(tmp_path, m
         assert again.restored_position == 40
     finally:
         engine.close()
+
+
+def test_batched_penalties_stop_strings_and_continue_equal_each_request_alone(tmp_path, models_dir):
+    """Requests with penalties and a stop string decode in one batch beside a plain one:
+    each gives the tokens, logprobs and text of the same request alone on a cold engine;
+    the plain one finishes last (in the merged batch) and its continue prefills nothing
+    and equals one longer generation (the logprobs after its last token were kept)."""
+    kw = dict(prefill_chunk=32, prefill_step=16)
+    cold = make_engine("tiny:llama", tmp_path / "cold", models_dir, no_cache=True, **kw)
+    hot = make_engine("tiny:llama", tmp_path / "hot", models_dir, **kw)
+    try:
+        cold.record_logprobs = hot.record_logprobs = 6
+        prompts = _prompts()
+        plain, _ = generate(cold, prompts[2], max_tokens=12)
+        text = plain.text
+        penalized = random_prompt(40, seed=3)  # its greedy reply repeats a recent token
+        unpenalized, _ = generate(cold, penalized, max_tokens=10)
+        stop = text[len(text) // 2 : len(text) // 2 + 2]
+        assert stop.strip() and text.find(stop) > 0, text
+        reqs = [
+            dict(prompt_ids=penalized, max_tokens=10, repetition_penalty=1.8),
+            dict(prompt_ids=penalized, max_tokens=10, presence_penalty=1.5),
+            dict(prompt_ids=prompts[2], max_tokens=12, stop=(stop,)),
+            dict(prompt_ids=prompts[3], max_tokens=14),
+        ]
+        alone = [
+            generate(cold, r["prompt_ids"], **{k: v for k, v in r.items() if k != "prompt_ids"})
+            for r in reqs
+        ]
+        assert alone[2][0].metrics.finish_reason == "stop"
+        for (a, _), r in zip(alone[:2], reqs[:2], strict=True):  # the penalties applied
+            processors = {k: v for k, v in r.items() if k.endswith("penalty")}
+            assert a.token_ids == _mlx_lm_tokens(cold, penalized, 10, processors)
+            assert a.token_ids != unpenalized.token_ids
+        assert alone[2][0].text == text[: text.find(stop)]
+        hold = Hold(hot)
+        handles = [hot.submit(GenerateRequest(**r)) for r in reqs]
+        hold.release()
+        results = [h.wait(300) for h in handles]
+        assert all(isinstance(r, Finished) for r in results), results
+        assert hot._sched.batch.peak_merged >= 2  # they decoded in one batch
+        for (a, ha), b, hb in zip(alone, results, handles, strict=True):
+            _assert_close(a, ha, b, hb)
+            assert b.text == a.text
+            assert b.metrics.finish_reason == a.metrics.finish_reason
+        streamed = "".join(e.text for e in handles[2].events() if isinstance(e, TokenBatch))
+        assert streamed == alone[2][0].text  # no part of the stop string was shown
+        cold.record_logprobs = 18
+        whole, whole_h = generate(cold, prompts[3], max_tokens=18)
+        more, more_h = generate(hot, prompts[3] + results[3].token_ids, max_tokens=4)
+        assert more.metrics.prefill_tokens == 0, more.metrics
+        assert results[3].token_ids + more.token_ids == whole.token_ids
+        assert len(more_h.logprobs) == 4
+        for x, y in zip(more_h.logprobs, whole_h.logprobs[14:], strict=True):
+            assert float(np.abs(x - y).max()) < LOGPROB_TOL
+    finally:
+        cold.close()
+        hot.close()
+
+
+def _mlx_lm_tokens(engine, prompt, max_tokens: int, processors: dict) -> tuple[int, ...]:
+    """Greedy tokens of mlx-lm's ``generate_step`` over the whole prompt with its own
+    logits processors (fresh cache), on the engine thread."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_logits_processors
+
+    def run():
+        steps = generate_step(
+            mx.array(prompt),
+            engine.loaded.model,
+            max_tokens=max_tokens,
+            logits_processors=make_logits_processors(**processors),
+        )
+        return tuple(tok for tok, _ in steps)
+
+    return engine.call(run, timeout=120)
