@@ -11,8 +11,8 @@ prompt's schedule of chunks (:func:`~.cache.prefix.schedule_points`: multiples o
 blocks and checkpoints captured from it, then decode from the last prompt token (many
 requests at once in the scheduler, :mod:`.scheduler`, docs/DESIGN.md §20; across ranks
 one at a time with mlx-lm's ``generate_step``, :mod:`.alone`), store the prompt + reply
-and keep that cache resident. A cold run (``use_cache=False``) computes the same chunks, so a restore at a schedule point gives
-the cold run's tokens bit for bit.
+and keep that cache resident. A cold run (``use_cache=False``) computes the same chunks,
+so a restore at a schedule point gives the cold run's tokens bit for bit.
 
 The same prompt again (regenerate, or a retry) is the one case with no new token: the
 resident cache is cut back to the whole prompt and the first token is sampled from the
