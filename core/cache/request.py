@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from .blocks import KIND_BOUNDARY, KIND_SEQ, KIND_TAIL
-from .prefix import PrefixCache, Restored
+from .plans import Restored
+
+if TYPE_CHECKING:
+    from .prefix import PrefixCache
 
 
 class CacheRequest:
