@@ -537,6 +537,9 @@ class SSDTier:
         self.nbytes = 0
         self.hits = self.misses = self.evictions = 0
         self.evicted_bytes = 0  # bytes of the entries evicted under the cap
+        # entries not written: their parent is not held, or the cap cannot hold them
+        # beside it (their chain's prefix is kept instead)
+        self.orphan_skips = 0
         self.memory_hits = 0  # loads served from a pending entry's arrays
         self.saves_queued = self.saves_persisted = self.write_drops = 0
         self.backpressure_waits = 0
@@ -852,7 +855,8 @@ class SSDTier:
             return results
         blob = _flat_copy(flat)
         mx.eval(blob)
-        for i, item in accepted:
+        # parents before children (a parent starts earlier), so each finds its parent held
+        for i, item in sorted(accepted, key=lambda a: a[1].entry.start):
             item.blob = blob
             results[i] = self._enqueue(item)
         return results
@@ -864,9 +868,15 @@ class SSDTier:
                 self.write_drops += 1
                 self._event("SSD writer stuck: entry not saved")
                 return False
+            if e.parent != self.root and e.parent not in self._index:
+                # no restore can reach it (docs/DESIGN.md §8.4): not written
+                self.orphan_skips += 1
+                return False
             if e.id in self._index:
                 self._drop(e.id)  # replaced by an entry with more parts
-            self._evict_for(size, keep=e.parent)
+            if not self._evict_for(size, keep=e.parent):
+                self.orphan_skips += 1  # the cap holds its chain only up to its parent
+                return False
             self._add(FileMeta(**e.meta(), nbytes=size, atime=time.time()))
             self._pending[e.id] = item
             self._pending_bytes += size
@@ -996,29 +1006,30 @@ class SSDTier:
             except (OSError, CacheDirBusy) as exc:
                 self._event(f"SSD: cannot lock {self.cache_root} again: {exc}")
 
-    def _evict_for(self, incoming: int, keep: str | None = None) -> None:
+    def _evict_for(self, incoming: int, keep: str | None = None) -> bool:
         """Evict until ``incoming`` more bytes fit under the cap, leaves first (see
         :meth:`_eviction_victim`); caller holds the lock. ``keep``: the parent of the
-        entry being added, evicted only when nothing else is left."""
+        entry being added, never evicted for it. False when room cannot be made without
+        it (a chain longer than the cap keeps its prefix: the new entry is not written)."""
         while self._index and self.nbytes + incoming > self.max_bytes:
-            meta = self._drop(self._eviction_victim(keep))
+            victim = self._eviction_victim(keep)
+            if victim is None:
+                return False
+            meta = self._drop(victim)
             self.evictions += 1
             self.evicted_bytes += meta.nbytes if meta is not None else 0
+        return True
 
-    def _eviction_victim(self, keep: str | None = None) -> str:
+    def _eviction_victim(self, keep: str | None = None) -> str | None:
         """The entry to evict next: the least recently used one that no entry in the
-        index continues (a leaf of its chain). A restore walks a chain from the root, so
-        a block whose descendants stayed would leave them unreachable: chains shrink from
-        their ends, least recently used chain first (docs/DESIGN.md §8.4). Caller holds
-        the lock; the index is not empty."""
-        fallback = None
+        index continues (a leaf of its chain), other than ``keep``. A restore walks a
+        chain from the root, so a block whose descendants stayed would leave them
+        unreachable: chains shrink from their ends, least recently used chain first
+        (docs/DESIGN.md §8.4). None when only ``keep`` is left. Caller holds the lock."""
         for entry_id in self._index:  # least recently used first
-            if self.children.get(entry_id):
-                continue
-            if entry_id != keep:
+            if not self.children.get(entry_id) and entry_id != keep:
                 return entry_id
-            fallback = entry_id
-        return fallback if fallback is not None else next(iter(self._index))
+        return None
 
     def flush(self, timeout: float = 60.0) -> bool:
         """Wait until every accepted entry is on disk (or dropped); False on timeout."""

@@ -107,7 +107,9 @@ class WriteLedger:
             }
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            tmp.write_text(json.dumps(body))
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # owner only
+            with open(fd, "w") as f:
+                f.write(json.dumps(body))
             os.replace(tmp, self.path)
         except OSError:
             try:
