@@ -537,9 +537,9 @@ class SSDTier:
         self.nbytes = 0
         self.hits = self.misses = self.evictions = 0
         self.evicted_bytes = 0  # bytes of the entries evicted under the cap
-        # entries not written: their parent is not held, or the cap cannot hold them
-        # beside it (their chain's prefix is kept instead)
-        self.orphan_skips = 0
+        # entries not written because the cap cannot hold them beside their parent
+        # (their chain's prefix is kept instead; docs/DESIGN.md §8.4)
+        self.cap_skips = 0
         self.memory_hits = 0  # loads served from a pending entry's arrays
         self.saves_queued = self.saves_persisted = self.write_drops = 0
         self.backpressure_waits = 0
@@ -868,14 +868,10 @@ class SSDTier:
                 self.write_drops += 1
                 self._event("SSD writer stuck: entry not saved")
                 return False
-            if e.parent != self.root and e.parent not in self._index:
-                # no restore can reach it (docs/DESIGN.md §8.4): not written
-                self.orphan_skips += 1
-                return False
             if e.id in self._index:
                 self._drop(e.id)  # replaced by an entry with more parts
             if not self._evict_for(size, keep=e.parent):
-                self.orphan_skips += 1  # the cap holds its chain only up to its parent
+                self.cap_skips += 1  # the cap holds its chain only up to its parent
                 return False
             self._add(FileMeta(**e.meta(), nbytes=size, atime=time.time()))
             self._pending[e.id] = item
