@@ -1021,11 +1021,17 @@ class SSDTier:
         index continues (a leaf of its chain), other than ``keep``. A restore walks a
         chain from the root, so a block whose descendants stayed would leave them
         unreachable: chains shrink from their ends, least recently used chain first
-        (docs/DESIGN.md §8.4). None when only ``keep`` is left. Caller holds the lock."""
-        for entry_id in self._index:  # least recently used first
-            if not self.children.get(entry_id) and entry_id != keep:
+        (docs/DESIGN.md §8.4). An entry whose parent is not held (admission may write a
+        child before its parent) is unreachable and goes first. None when only ``keep`` is
+        left. Caller holds the lock."""
+        leaf = None
+        for entry_id, meta in self._index.items():  # least recently used first
+            if self.children.get(entry_id) or entry_id == keep:
+                continue
+            if meta.parent != self.root and meta.parent not in self._index:
                 return entry_id
-        return None
+            leaf = leaf or entry_id
+        return leaf
 
     def flush(self, timeout: float = 60.0) -> bool:
         """Wait until every accepted entry is on disk (or dropped); False on timeout."""
