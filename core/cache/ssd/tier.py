@@ -516,6 +516,12 @@ class SSDTier:
                 return False
             if e.id in self._index:
                 self._drop(e.id)  # replaced by an entry with more parts
+            orphan = e.parent != self.root and e.parent not in self._index
+            if orphan and self.nbytes + size > self.max_bytes:
+                # unreachable until its parent arrives: it may take free room, never
+                # another chain's entries (a chain too long for the cap keeps its head)
+                self.cap_skips += 1
+                return False
             if not self._evict_for(size, keep=e.parent):
                 self.cap_skips += 1  # the cap holds its chain only up to its parent
                 return False
