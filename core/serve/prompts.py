@@ -337,8 +337,6 @@ def _plain(x: float) -> str:
 # name -> the values that mean "not used"
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
     "best_of": (None, 1),
     "functions": (None, []),
     "function_call": (None, "none"),
