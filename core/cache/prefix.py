@@ -32,15 +32,12 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import mlx.core as mx
 
 from ..api import (
-    CACHE_KINDS,
-    CACHE_SOURCES,
     LookupStats,
     ResidentStats,
     SnapshotStats,
@@ -52,121 +49,23 @@ from . import layers as L
 from .admission import WritePolicy
 from .blocks import (
     KIND_BLOCK,
-    KIND_SEQ,
     KIND_TAIL,
     LOGPROBS,
     ChainHasher,
     Entry,
-    common_prefix_len,
-    role_at,
     root_id,
-    tail_id,
 )
+from .capture import Capture
 from .hot import HotTier
-from .rates import Choice, Rates
+from .planner import Planner
+from .plans import Held, Plan, Resident, Restored
+from .rates import Rates
+from .request import CacheRequest
+from .schedule import chunk_ends, schedule_points  # noqa: F401  (callers import them here)
 from .ssd.tier import SSDTier
 from .wear import WriteLedger
 
 Spec = dict[str, tuple[tuple[int, ...], Any]]
-
-
-def schedule_points(n: int, chunk: int, boundaries=(), fold: bool = False) -> list[int]:
-    """The prefill schedule of a prompt of ``n`` tokens: sorted chunk ends.
-
-    Bitwise schedule (``fold`` False), in ``(0, n - 1]``: every multiple of ``chunk`` below
-    ``n - 1``, every message end (``boundaries``: ``(end_offset, role)``) below ``n - 1``,
-    and ``n - 1`` itself (the last token is fed to decode, as mlx-lm's ``generate_step``
-    does). A fixed function of the prompt: a cold run and a run restored at one of these
-    points compute the same chunks after it, so their outputs are bit-identical.
-
-    Folded schedule (``fold`` True, models without recurrent state), in ``(0, n]``: every
-    multiple of ``chunk`` below ``n``, then ``n``: the last chunk includes the last prompt
-    token and gives the first token's logits, one forward fewer per request; message ends
-    are no chunk ends (a KV cache can be cut back anywhere, so a restore needs none).
-    """
-    if fold:
-        return sorted({*range(chunk, n, chunk), n}) if n > 0 else []
-    last = n - 1
-    if last <= 0:
-        return []
-    points = set(range(chunk, last, chunk))
-    points.update(end for end, _ in boundaries if 0 < end < last)
-    points.add(last)
-    return sorted(points)
-
-
-def chunk_ends(start: int, points: Sequence[int], chunk: int = 0) -> list[int]:
-    """The ends of the chunks that prefill from ``start``: the schedule points after it.
-
-    ``chunk`` > 0 (the folded schedule, whose restores land anywhere): chunks of ``chunk``
-    tokens counted from ``start`` up to the last point, so a turn of up to ``chunk`` new
-    tokens is one forward, as mlx-lm's prefill steps count from its restore point.
-    """
-    if chunk > 0 and points:
-        end = points[-1]
-        return [*range(start + chunk, end, chunk), end] if start < end else []
-    return [p for p in points if p > start]
-
-
-class Held(NamedTuple):
-    """Where an entry is held and what it carries."""
-
-    source: str  # "hot" | "ssd"
-    window: bool  # every window leaf's slice is present
-    snapshot: bool  # every state leaf's snapshot (at the entry's end) is present
-
-
-@dataclass
-class Resident:
-    """The live cache of the last request and the tokens it holds (``len(tokens)`` is
-    every leaf's position). Reused in place by the next request when it shares a prefix."""
-
-    tokens: tuple[int, ...]
-    caches: list[Any]
-    nbytes: int = 0
-    # the request's prompt length and the logprobs its first token was sampled from
-    # (shape (vocab,)): what a forward of the prompt's last token gives again
-    prompt_tokens: int = 0
-    first_logprobs: Any = None
-    # the logprobs after its last token (shape (vocab,)): a continue of the reply, whose
-    # prompt is all of ``tokens``, samples its first token from them (no forward)
-    end_logprobs: Any = None
-
-
-@dataclass
-class Restored:
-    """What a restore put into the cache: ``position`` tokens, split by tier (``cached_by``)
-    and by entry kind (``cached_kind``), and the cache list to continue with."""
-
-    position: int = 0
-    cached_by: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CACHE_SOURCES, 0))
-    cached_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CACHE_KINDS, 0))
-    nbytes: int = 0  # bytes copied into the cache (0 when the resident cache was cut)
-    caches: list[Any] | None = None
-    first_logprobs: Any = None  # set when position == the whole prompt (restore_repeat)
-    choice: Choice | None = None  # SSD read or recompute, when the rates chose (.rates)
-    ssd_bytes: int = 0  # bytes of SSD files read
-
-
-@dataclass
-class Plan:
-    """A restore at ``position``: leaves in ``cut`` from the resident cache, the others
-    from ``blocks`` (chain indices) and ``tail`` (an entry after block ``position // bs``,
-    of which the first ``tail_tokens`` are used). ``kept``: the prompt tail whose kept
-    logprobs give the first token, when ``position`` is the whole prompt (it is ``tail``
-    too, unless every leaf is cut from the resident cache)."""
-
-    position: int
-    cut: frozenset[str] = frozenset()
-    blocks: tuple[int, ...] = ()
-    tail: Any = None
-    tail_tokens: int = 0
-    kept: Any = None
-
-    def entry_ids(self) -> list[str]:
-        """The ids of the entries after the chain's blocks: the tail, and the kept
-        logprobs' tail where that is another entry."""
-        return list(dict.fromkeys(t.id for t in (self.tail, self.kept) if t is not None))
 
 
 def probe_specs(leaves: Sequence[L.Leaf], caches: list[Any]) -> Spec:
@@ -189,17 +88,6 @@ def probe_specs(leaves: Sequence[L.Leaf], caches: list[Any]) -> Spec:
                 shape[2] = -1
                 spec[f"{leaf.name}.{n}"] = (tuple(shape), a.dtype)
     return spec
-
-
-def _runs(items: list[int]) -> list[list[int]]:
-    """Consecutive runs of sorted integers: ``[1, 2, 3, 7, 8] -> [[1, 2, 3], [7, 8]]``."""
-    runs: list[list[int]] = []
-    for x in items:
-        if runs and runs[-1][-1] == x - 1:
-            runs[-1].append(x)
-        else:
-            runs.append([x])
-    return runs
 
 
 class PrefixCache:
@@ -256,6 +144,8 @@ class PrefixCache:
         self.events: deque[tuple[int, str]] = deque(maxlen=200)
         self._seq = itertools.count(1)
         self.hot = HotTier(hot_bytes, max_tails, max_checkpoints, on_evict=self._evicted)
+        self.planner = Planner(self)  # reads the tiers through this object
+        self.capturer = Capture(self)
         self.ssd = (
             SSDTier(
                 ssd_dir,
@@ -269,7 +159,7 @@ class PrefixCache:
             else None
         )
         # which committed entries the SSD tier writes, and when (.admission)
-        self.writes = WritePolicy(self._children, enabled=admission)
+        self.writes = WritePolicy(self.children, enabled=admission)
         self.resident: Resident | None = None
         self._unsaved: list[Entry] = []
         # counters
@@ -341,7 +231,8 @@ class PrefixCache:
         return len(r.tokens) if r is not None else 0
 
     # ------------------------------------------------------------------ lookup
-    def _held(self, entry_id: str, use_ssd: bool = True) -> Held | None:
+    def held(self, entry_id: str, use_ssd: bool = True) -> Held | None:
+        """Where ``entry_id`` is held (hot first, then SSD) and what it carries, or None."""
         e = self.hot.peek(entry_id)
         if e is not None:
             return Held("hot", e.window, e.snapshot)
@@ -351,7 +242,7 @@ class PrefixCache:
                 return Held("ssd", m.window, m.snapshot)
         return None
 
-    def _children(self, parent: str, use_ssd: bool = True) -> list:
+    def children(self, parent: str, use_ssd: bool = True) -> list:
         """Entries (hot ``Entry`` or SSD ``FileMeta``) that follow ``parent``."""
         found = {i: self.hot.peek(i) for i in self.hot.children.get(parent, ())}
         if self.ssd is not None and use_ssd:
@@ -359,176 +250,10 @@ class PrefixCache:
                 found.setdefault(m.id, m)
         return [t for t in found.values() if t is not None]
 
-    def plan(
-        self,
-        prompt: Sequence[int],
-        ids: Sequence[str],
-        points: Sequence[int],
-        resident: Resident | None = None,
-        max_position: int | None = None,
-        use_ssd: bool = True,
-    ) -> Plan | None:
-        """The furthest allowed position at which every leaf can be rebuilt, or None.
+    def plan(self, *args, **kwargs) -> Plan | None:
+        """The restore plan for a prompt (:meth:`.planner.Planner.plan`)."""
+        return self.planner.plan(*args, **kwargs)
 
-        ``ids``: the prompt's chain ids; ``points``: its schedule (:func:`schedule_points`);
-        ``max_position``: no plan beyond this many tokens (None: up to ``N - 1``, or ``N``
-        through the prompt's tail that kept its first token's logprobs, on the folded
-        schedule: :meth:`_plan_kept`); ``use_ssd``: False plans from the resident cache
-        and the hot tier only.
-        """
-        if self.exact_prefix and (max_position is None or max_position >= len(prompt)):
-            kept = self._plan_kept(prompt, ids, resident, use_ssd)
-            if kept is not None:
-                return kept
-        limit = len(prompt) - 1
-        if max_position is not None:
-            limit = min(limit, max_position)
-        if limit <= 0:
-            return None
-        bs = self.block_size
-        prompt = tuple(prompt)
-        if resident is not None and common_prefix_len(resident.tokens, prompt) >= limit:
-            # the resident cache holds the whole prompt: no restore can go further than
-            # cutting it back to N - 1, if every leaf can be cut there
-            live = L.leaf_map(resident.caches)
-            n_res = len(resident.tokens)
-            if all(lf.can_cut(live[lf.name], n_res, limit) for lf in self.leaves):
-                return Plan(limit, frozenset(lf.name for lf in self.leaves))
-        held = [self._held(i, use_ssd) for i in ids[: limit // bs]]
-        # entries after each chain block that match the prompt: (common tokens, entry)
-        after: dict[int, list[tuple[int, Any]]] = {}
-        allowed = set(points)
-        for j in range(len(held) + 1):
-            parent = ids[j - 1] if j else self.root
-            found = []
-            for t in self._children(parent, use_ssd):
-                if t.start != j * bs:
-                    continue
-                lo = j * bs
-                n = common_prefix_len(tuple(t.tokens), prompt[lo : min(limit, lo + len(t.tokens))])
-                if n:
-                    found.append((n, t))
-                    if n == len(t.tokens) and t.kind != KIND_BLOCK:
-                        allowed.add(j * bs + n)  # an earlier sequence stopped here
-            after[j] = found
-        common, live = 0, None
-        if resident is not None:
-            common = common_prefix_len(resident.tokens, prompt)
-            if common == len(resident.tokens):
-                allowed.add(common)
-            live = L.leaf_map(resident.caches)
-        best = None
-        for P in sorted((p for p in allowed if 0 < p <= limit), reverse=True):
-            best = self._plan_at(P, prompt, held, after, resident, common, live)
-            if best is not None:
-                break
-        if self.state:
-            return best
-        # Models without state layers can also stop at the exact common prefix (as a trie
-        # of trimmable caches would). With the bitwise schedule, only when it saves more
-        # than a block over the last schedule point: the tokens between would be computed
-        # in a chunk the cold run does not have, so the schedule point is preferred at
-        # equal speed. With the folded schedule (``exact_prefix``), whenever it is further.
-        n_chain = next((j for j, h in enumerate(held) if h is None), len(held))
-        extent = n_chain * bs + max((n for n, _ in after.get(n_chain, ())), default=0)
-        floor = best.position if best is not None else 0
-        margin = 0 if self.exact_prefix else bs
-        for P in sorted({min(limit, extent), min(limit, common)}, reverse=True):
-            if P - floor > margin:
-                plan = self._plan_at(P, prompt, held, after, resident, common, live)
-                if plan is not None:
-                    return plan
-        return best
-
-    def _kept_tail(self, prompt: Sequence[int], ids: Sequence[str], use_ssd: bool):
-        """The prompt's tail entry (hot ``Entry`` or SSD ``FileMeta``) that ends exactly at
-        the prompt's end and kept its first token's logprobs, or None."""
-        n, bs = len(prompt), self.block_size
-        j, r = divmod(n, bs)
-        if not r or self.logprobs_spec is None or len(ids) < j:
-            return None
-        parent = ids[j - 1] if j else self.root
-        seg = tuple(prompt[j * bs : n])
-        tid = tail_id(parent, seg)
-        found = self.hot.peek(tid)
-        if found is None and use_ssd and self.ssd is not None:
-            found = self.ssd.meta(tid)
-        if (
-            found is None
-            or not found.logprobs
-            or found.kind != KIND_TAIL
-            or found.start != j * bs
-            or tuple(found.tokens) != seg
-        ):
-            return None
-        return found
-
-    def _plan_kept(self, prompt, ids, resident: Resident | None, use_ssd: bool) -> Plan | None:
-        """A restore of the whole prompt (``N``) through its tail that kept the first
-        token's logprobs (:meth:`_kept_tail`): every leaf rebuilt at ``N`` from the
-        resident cache, the chain's blocks and that tail. None where any leaf cannot be."""
-        kept = self._kept_tail(prompt, ids, use_ssd)
-        if kept is None:
-            return None
-        n, bs = len(prompt), self.block_size
-        prompt = tuple(prompt)
-        held = [self._held(i, use_ssd) for i in ids[: n // bs]]
-        common, live = 0, None
-        if resident is not None:
-            common = common_prefix_len(resident.tokens, prompt)
-            live = L.leaf_map(resident.caches)
-        after = {n // bs: [(len(kept.tokens), kept)]}
-        plan = self._plan_at(n, prompt, held, after, resident, common, live)
-        if plan is None:
-            return None
-        plan.kept = kept
-        return plan
-
-    def _plan_at(self, P, prompt, held, after, resident, common, live) -> Plan | None:
-        bs = self.block_size
-        j, r = divmod(P, bs)
-        cut: set[str] = set()
-        if resident is not None and P <= common:
-            n_res = len(resident.tokens)
-            cut = {lf.name for lf in self.leaves if lf.can_cut(live[lf.name], n_res, P)}
-        rest = [lf for lf in self.leaves if lf.name not in cut]
-        if not rest:
-            return Plan(P, frozenset(cut))
-        slices = [lf for lf in rest if lf.slices]
-        need_window = any(lf.kind == L.KIND_WINDOW for lf in rest)
-        need_snapshot = any(lf.snapshots for lf in rest)
-        need = set()
-        if slices:
-            need.update(range(min(lf.first_needed(P) for lf in slices) // bs, j))
-        if need_snapshot and r == 0:
-            need.add(j - 1)
-        for i in need:
-            h = held[i] if 0 <= i < len(held) else None
-            if h is None or (need_window and not h.window):
-                return None
-        if need_snapshot and r == 0 and not held[j - 1].snapshot:
-            return None
-        tail = None
-        if r:
-            # one entry after block j covering [j * bs, P); ending exactly at P when it
-            # must carry the state snapshot. Hot entries first (no disk read).
-            # Ties are broken by a fixed order (hot, whole, prompt tail, id), never by
-            # set iteration order, so one cache state always gives one plan.
-            best = None
-            for n, t in after.get(j, ()):
-                if n < r or (need_window and not t.window):
-                    continue
-                if need_snapshot and not (t.snapshot and len(t.tokens) == r):
-                    continue
-                rank = (isinstance(t, Entry), len(t.tokens) == r, t.kind == KIND_TAIL, t.id)
-                if best is None or rank > best[0]:
-                    best = (rank, t)
-            if best is None:
-                return None
-            tail = best[1]
-        return Plan(P, frozenset(cut), tuple(sorted(need)), tail, r if tail is not None else 0)
-
-    # ------------------------------------------------------------------ restore
     def _fetch(self, entry_id: str) -> tuple[Entry, str] | None:
         e = self.hot.get(entry_id)
         if e is not None:
@@ -598,8 +323,6 @@ class PrefixCache:
         """One request's cache protocol: a :class:`~.request.CacheRequest` over this cache
         (restore, per-chunk capture, first token, finish); the SSD writer waits from here
         to the first token."""
-        from .request import CacheRequest
-
         return CacheRequest(self, prompt, points, boundaries, fresh, max_position)
 
     def restore(
@@ -779,174 +502,13 @@ class PrefixCache:
         return {k[len(prefix) :]: a for k, a in e.arrays.items() if k.startswith(prefix)}
 
     # ------------------------------------------------------------------ store
-    def capture(
-        self,
-        caches,
-        tokens: Sequence[int],
-        ids: Sequence[str],
-        start: int,
-        end: int,
-        boundaries=(),
-        end_kind: str | None = None,
-        defer_kv: bool = False,
-        logprobs: Any = None,
-    ) -> list[Entry]:
-        """Entries to store after the cache reached position ``end`` (= its offset).
-
-        Every block ending in ``(start, end]`` that no tier holds with everything it can
-        carry, and, when ``end_kind`` is given and ``end`` is not a block end, an entry of
-        that kind for ``[floor(end / bs) * bs, end)``. Only entries ending at ``end`` get
-        state snapshots. The arrays are lazy: evaluate them with the chunk (one eval), then
-        :meth:`commit`. ``defer_kv``: leave out the KV leaves' slices, which the live
-        cache keeps anyway; :meth:`complete` adds them later (after the first token), so
-        a prefill copies only what a later chunk would overwrite (windows, states).
-        ``logprobs``: the first reply token's logprobs (shape ``(vocab,)``) when ``end`` is
-        the end of the prompt ``tokens``; a prompt tail (``KIND_TAIL``) then keeps them
-        (where they match ``spec[LOGPROBS]``), so a restore reaches the whole prompt.
-        """
-        bs = self.block_size
-        live = L.leaf_map(caches)
-        todo = []
-        for j in range(start // bs, end // bs):
-            h = self._held(ids[j])
-            if (
-                h is not None
-                and (h.window or not self.window)
-                and (h.snapshot or not ((j + 1) * bs == end and self.state))
-            ):
-                held = self.hot.peek(ids[j])
-                if held is not None:
-                    self._repair(held)
-                continue
-            todo.append(j)
-        out = []
-        for run in _runs(todo):
-            parts = {j: {} for j in run}
-            complete = dict.fromkeys(run, True)
-            for leaf in self.window if defer_kv else self.kv + self.window:
-                c = live[leaf.name]
-                got = leaf.capture_blocks(c, run[0] * bs, len(run), bs)
-                if got is None:  # a window no longer holds the run's start: block by block
-                    got = [leaf.capture(c, j * bs, (j + 1) * bs) for j in run]
-                for j, arrays in zip(run, got, strict=True):
-                    if arrays is None:
-                        complete[j] = False
-                    else:
-                        parts[j].update({f"{leaf.name}.{k}": a for k, a in arrays.items()})
-            for j in run:
-                at_end = (j + 1) * bs == end
-                snap = at_end and bool(self.state)
-                if snap:
-                    parts[j].update(self._snapshot(live))
-                out.append(
-                    Entry(
-                        id=ids[j],
-                        parent=ids[j - 1] if j else self.root,
-                        kind=KIND_BLOCK,
-                        start=j * bs,
-                        tokens=tuple(tokens[j * bs : (j + 1) * bs]),
-                        role=role_at(boundaries, (j + 1) * bs),
-                        window=complete[j] or not self.window,
-                        snapshot=snap,
-                        arrays=parts[j],
-                    )
-                )
-        j = end // bs
-        if end_kind is not None and end % bs:
-            parent = ids[j - 1] if j else self.root
-            seg = tuple(tokens[j * bs : end])
-            tid = tail_id(parent, seg)
-            keep = None
-            if end_kind == KIND_TAIL and end == len(tokens) and self._fits(logprobs):
-                keep = logprobs
-            held = self.hot.get(tid)
-            if held is not None and (keep is None or held.logprobs):
-                self._repair(held)
-            else:
-                role = "assistant" if end_kind == KIND_SEQ else role_at(boundaries, end)
-                e = self._entry(live, tid, parent, end_kind, j * bs, seg, role, True, defer_kv)
-                if keep is not None:
-                    e.arrays[LOGPROBS], e.logprobs = keep, True
-                out.append(e)
-        return out
-
-    def _fits(self, logprobs: Any) -> bool:
-        """Whether first-token ``logprobs`` have the shape and dtype entries keep."""
-        spec = self.logprobs_spec
-        return (
-            logprobs is not None
-            and spec is not None
-            and tuple(logprobs.shape) == tuple(spec[0])
-            and logprobs.dtype == spec[1]
-        )
+    def capture(self, *args, **kwargs) -> list[Entry]:
+        """Entries for a span of the live cache (:meth:`.capture.Capture.capture`)."""
+        return self.capturer.capture(*args, **kwargs)
 
     def complete(self, caches, entries: list[Entry]) -> None:
-        """Add the KV leaves' slices to entries captured with ``defer_kv`` (the live cache
-        must still hold their tokens), evaluate them in one eval and :meth:`commit`."""
-        if not entries:
-            return
-        bs = self.block_size
-        live = L.leaf_map(caches)
-        blocks = {e.start // bs: e for e in entries if e.kind == KIND_BLOCK}
-        new, lost = [], set()
-        for run in _runs(sorted(blocks)):
-            for leaf in self.kv:
-                c = live[leaf.name]
-                got = leaf.capture_blocks(c, run[0] * bs, len(run), bs)
-                if got is None:
-                    got = [leaf.capture(c, j * bs, (j + 1) * bs) for j in run]
-                for j, arrays in zip(run, got, strict=True):
-                    if arrays is None:  # the live cache lost it: never store a partial entry
-                        lost.add(blocks[j].id)
-                        continue
-                    named = {f"{leaf.name}.{k}": a for k, a in arrays.items()}
-                    blocks[j].arrays.update(named)
-                    new.extend(named.values())
-        for e in entries:
-            if e.kind == KIND_BLOCK:
-                continue
-            for leaf in self.kv:
-                got = leaf.capture(live[leaf.name], e.start, e.end)
-                if got is None:
-                    lost.add(e.id)
-                    break
-                named = {f"{leaf.name}.{k}": a for k, a in got.items()}
-                e.arrays.update(named)
-                new.extend(named.values())
-        mx.eval(new)
-        self.commit([e for e in entries if e.id not in lost])
-
-    def _snapshot(self, live) -> dict:
-        arrays = {}
-        for leaf in self.state:
-            arrays.update(
-                {f"{leaf.name}.{k}": a for k, a in leaf.snapshot(live[leaf.name]).items()}
-            )
-        return arrays
-
-    def _entry(self, live, eid, parent, kind, start, tokens, role, at_end, defer_kv=False):
-        arrays, window_ok = {}, True
-        end = start + len(tokens)
-        for leaf in self.window if defer_kv else self.kv + self.window:
-            got = leaf.capture(live[leaf.name], start, end)
-            if got is None:
-                window_ok = False
-                continue
-            arrays.update({f"{leaf.name}.{k}": a for k, a in got.items()})
-        snap = at_end and bool(self.state)
-        if snap:
-            arrays.update(self._snapshot(live))
-        return Entry(
-            id=eid,
-            parent=parent,
-            kind=kind,
-            start=start,
-            tokens=tuple(tokens),
-            role=role,
-            window=window_ok or not self.window,
-            snapshot=snap,
-            arrays=arrays,
-        )
+        """Fill in what entries deferred (:meth:`.capture.Capture.complete`)."""
+        self.capturer.complete(caches, entries)
 
     def commit(self, entries: list[Entry]) -> None:
         """Put evaluated entries into the hot tier; they reach the SSD tier at the next
@@ -977,7 +539,7 @@ class PrefixCache:
         if self.ssd is not None and self.writes.hit(e):
             self._unsaved.append(e)
 
-    def _repair(self, e: Entry) -> None:
+    def repair(self, e: Entry) -> None:
         """A hot entry captured again: unless admission still defers it, handed to the SSD
         tier again, which writes it only if it lost it (an SSD clear, a dropped write, a
         full disk), so a restart still finds it."""

@@ -39,7 +39,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..api import RankStats
-from .doorbell import Doorbell, rank0_host
+from .doorbell import CONNECT_TIMEOUT_S, Doorbell, rank0_host
 
 # variables a launcher sets for every rank (mlx.launch: MLX_RANK; mpirun: OMPI_*, PMI_*);
 # cli/ranks.py reads the same without importing MLX
@@ -158,7 +158,10 @@ class Ranks:
         got = self._sum(payload)
         if self.is_main:
             if bell is not None:
-                self._agree_bell(self._pending_bell.accept(self.size - 1))
+                # well inside the watchdog's bound: a slow worker means no bell, not a failure
+                wait_s = min(CONNECT_TIMEOUT_S, self.timeout_s / 4)
+                self._agree_bell(self._pending_bell.accept(self.size - 1, wait_s))
+                self.tick()
                 message = {k: v for k, v in message.items() if k != "_bell"}
             return message
         out = json.loads(bytes(memoryview(got)))

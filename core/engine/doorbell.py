@@ -52,11 +52,11 @@ class Doorbell:
         self.listener = s
         return host, s.getsockname()[1]
 
-    def accept(self, n: int) -> bool:
+    def accept(self, n: int, timeout_s: float = CONNECT_TIMEOUT_S) -> bool:
         """Take ``n`` workers' connections (they connect once the first message
-        reached them). False when one did not come within the timeout."""
+        reached them). False when one did not come within ``timeout_s`` seconds."""
         assert self.listener is not None
-        self.listener.settimeout(CONNECT_TIMEOUT_S)
+        self.listener.settimeout(timeout_s)
         try:
             while len(self.peers) < n:
                 conn, _ = self.listener.accept()

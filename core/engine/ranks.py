@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..api import Failed, GenerateRequest, RankStats, RequestHandle
-from ..cache.prefix import Restored
+from ..cache.plans import Restored
 from ..cache.request import CacheRequest, ColdRequest
 from ..memory import prefill as prefill_mod
 from . import distributed as dist

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from engine_kit import assert_same, generate, make_engine, random_prompt
 from tierchat.core.api import Failed, Finished, GenerateRequest, PrefillProgress, TokenBatch
-from tierchat.core.cache.prefix import chunk_ends, schedule_points
+from tierchat.core.cache.schedule import chunk_ends, schedule_points
 
 
 @pytest.fixture

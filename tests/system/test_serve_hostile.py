@@ -220,6 +220,17 @@ def conversation(n: int, tag: str = "") -> list[dict]:
     return out
 
 
+# admission by reuse (docs/DESIGN.md §8.6) writes a system prompt's blocks at once; the
+# rest waits for reuse, RAM pressure or close: the cases that need files on the SSD tier
+# while the server runs send one
+SYSTEM = {"role": "system", "content": "You are a careful assistant who answers briefly. " * 6}
+
+
+def on_ssd(n: int, tag: str) -> list[dict]:
+    """:func:`conversation` after :data:`SYSTEM`: its blocks reach the SSD tier at once."""
+    return [SYSTEM, *conversation(n, tag)]
+
+
 def test_3_a_long_new_conversation_renders_a_bounded_number_of_prefixes(served):
     tok = CountingTokenizer(served.engine.tokenizer)
     unbounded = PromptBuilder(tok)
@@ -271,7 +282,7 @@ def test_4_half_open_connections_are_bounded_and_delete_no_cache_file(tmp_path, 
     limits = ServeLimits(max_connections=16, header_timeout_s=1.0)
     s = Served(tmp_path, models_dir, limits)
     try:
-        s.chat(conversation(3, "fill"))  # something on the SSD tier
+        s.chat(on_ssd(3, "fill"))  # something on the SSD tier
         s.raw.cache.ssd.flush()
         files = sorted(s.raw.cache.ssd.dir.glob("*/*.safetensors"))
         assert files
@@ -310,7 +321,7 @@ def test_5_cache_commands_act_on_the_running_server(served, isolated_settings, c
     from tierchat.cli.main import main
 
     kv = str(served.tmp / "kv")
-    served.chat(conversation(3, "five"))
+    served.chat(on_ssd(3, "five"))
     served.raw.cache.ssd.flush()
     with StatusService(served.raw, served.tmp / "kv", "serve", poll_s=0.05):
         files = served.raw.stats().ssd.entries
@@ -323,7 +334,7 @@ def test_5_cache_commands_act_on_the_running_server(served, isolated_settings, c
         out = capsys.readouterr().out
         assert "cleared ssd in the running tierchat serve" in out and f"SSD −{files}" in out
         assert served.raw.stats().ssd.entries == 0  # the server's index knows
-    served.chat(conversation(3, "five"))  # the same prompt: written again
+    served.chat(on_ssd(3, "five"))  # the same prompt: written again
     served.raw.cache.ssd.flush()
     again = served.raw.stats().ssd.entries
     assert again > 0 and len(list((served.tmp / "kv").glob("*/*/*.safetensors"))) == again
@@ -365,13 +376,13 @@ def test_5_a_full_disk_is_said_and_retried(served, monkeypatch):
     monkeypatch.setattr(ssd_mod.os, "open", open_)
     monkeypatch.setattr(ssd_mod, "RETRY_AFTER_S", 0.0)
     ssd = served.raw.cache.ssd
-    served.chat(conversation(3, "full"))
+    served.chat(on_ssd(3, "full"))
     ssd.flush()
     stats = served.raw.stats().ssd
     assert "disk full" in stats.reason and stats.errors > 0
     assert "SSD tier off until then" in stats.reason  # nothing was on disk: cap 0
     full["on"] = False
-    served.chat(conversation(5, "full"))
+    served.chat(on_ssd(5, "full"))
     ssd.flush()
     stats = served.raw.stats().ssd
     assert stats.reason == "" and stats.max_bytes == ssd.configured_max_bytes
@@ -385,7 +396,7 @@ def test_5_a_full_disk_is_said_and_retried(served, monkeypatch):
 
 
 def test_7_files_the_server_writes_are_owner_only(served):
-    served.chat(conversation(3, "modes"))
+    served.chat(on_ssd(3, "modes"))
     served.raw.cache.ssd.flush()
     memory = served.tmp / "data" / "serve-replies" / "m.jsonl"
     for _ in range(3 * served.state.memory.max_entries):  # force a compaction too
@@ -393,7 +404,9 @@ def test_7_files_the_server_writes_are_owner_only(served):
     with StatusService(served.raw, served.tmp / "kv", "serve"):
         status = served.tmp / "kv" / STATUS_FILE
         paths = [memory, status, served.tmp / "kv" / "lock"]
-        paths += list((served.tmp / "kv").glob("*/*/*.safetensors"))
+        entries = list((served.tmp / "kv").glob("*/*/*.safetensors"))
+        assert entries  # the system prompt's blocks
+        paths += entries
         for path in paths:
             assert (path.stat().st_mode & 0o777) == 0o600, path
         for folder in (memory.parent, served.raw.cache.ssd.dir):

@@ -332,6 +332,8 @@ async def test_every_tool_command_runs_from_the_palette(make_app, tmp_path, monk
                 reply = chat_screen(app).path_infos()[-1].node_id
                 app.trash.delete_branch(reply)
                 nodes = len(app.store.active_path(screen.conversation_id))
+            if command.action == "verify_turn":  # offered on a reply
+                screen.selected = 1
             await run_command(pilot, command.title)
             if command.action == "undo_delete":
                 assert len(app.store.active_path(screen.conversation_id)) == nodes + 1

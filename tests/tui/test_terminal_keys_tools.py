@@ -36,6 +36,7 @@ TOOL_BINDINGS: frozenset[tuple[str, str]] = frozenset(
         *{(f"code_{n}", str(n)) for n in range(1, 10)},
         ("delete_message", "d"),
         ("delete_branch", "D"),
+        ("verify_turn", "V"),
     }
 )
 
@@ -103,6 +104,10 @@ def test_every_tool_binding_is_typed(tmp_path, monkeypatch):
             press(f"code_{n}", str(n))
         press("copy_code", "y")
         press("code_cancel", "escape")
+
+        # -- verify the reply against cold (the fake engine answers it or says it cannot)
+        term.press("down", "screen.select(1)")  # the reply
+        press("verify_turn", "V")
 
         # -- search
         press("search", "ctrl+f")

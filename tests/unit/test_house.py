@@ -129,3 +129,63 @@ def test_cli_holds_no_http_route_or_server():
                 if any(b in ("uvicorn.Server", "Starlette", "threading.Thread") for b in bases):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}: class {node.name}")
     assert not found, "\n".join(found)
+
+
+def _core_imports() -> dict[str, set[str]]:
+    """Module -> the core modules it imports, lazy imports inside functions included."""
+    core = ROOT / "core"
+    modules = {}
+    for path in core.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        deps = set()
+        tree = ast.parse(path.read_text())
+        typing_only = {  # `if TYPE_CHECKING:` imports never run
+            id(n)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+            for n in ast.walk(block)
+        }
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if not isinstance(node, ast.ImportFrom) or node.level == 0:
+                continue
+            base = package[: len(package) - (node.level - 1)]
+            target = base + (node.module.split(".") if node.module else [])
+            for alias in node.names:
+                full = ".".join([*target, alias.name])
+                dep = full if full in modules else ".".join(target)
+                if dep in modules and dep != name:
+                    deps.add(dep)
+        graph[name] = deps
+    return graph
+
+
+def test_no_import_cycle_inside_core():
+    """No module of core/ reaches itself through its imports (a lazy import inside a
+    function that hides a cycle is still one; annotations under ``TYPE_CHECKING`` are not
+    imports)."""
+    graph = _core_imports()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                cycles.append(" -> ".join([*stack[stack.index(dep) :], dep]))
+            elif dep not in state:
+                visit(dep, [*stack, dep])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "\n".join(cycles)
+

@@ -132,9 +132,8 @@ class SSDTier:
 
     ``ledger`` (:mod:`.wear`) records every file written and holds the write budget: an
     entry that does not fit it is not accepted (``budget_skips``, ``budget_skipped_bytes``).
-    Under the cap an entry never evicts the chain it hangs from: one that would is not
-    accepted, counted as evicted on arrival (``evictions``, ``evicted_bytes``;
-    :meth:`_fits_chain`).
+    Under the cap an entry never evicts its parent: when nothing else can go it is not
+    accepted (``cap_skips``; :meth:`_evict_for`).
     """
 
     write_delay_s: float = 0.0
@@ -184,6 +183,9 @@ class SSDTier:
         self.nbytes = 0
         self.hits = self.misses = self.evictions = 0
         self.evicted_bytes = 0  # bytes of the entries evicted under the cap
+        # entries not written because the cap cannot hold them beside their parent
+        # (their chain's prefix is kept instead; docs/DESIGN.md §8.4)
+        self.cap_skips = 0
         self.memory_hits = 0  # loads served from a pending entry's arrays
         self.saves_queued = self.saves_persisted = self.write_drops = 0
         self.backpressure_waits = 0
@@ -499,7 +501,8 @@ class SSDTier:
             return results
         blob = _flat_copy(flat)
         mx.eval(blob)
-        for i, item in accepted:
+        # parents before children (a parent starts earlier), so each finds its parent held
+        for i, item in sorted(accepted, key=lambda a: a[1].entry.start):
             item.blob = blob
             results[i] = self._enqueue(item)
         return results
@@ -511,14 +514,17 @@ class SSDTier:
                 self.write_drops += 1
                 self._event("SSD writer stuck: entry not saved")
                 return False
-            if not self._fits_chain(e, size):
-                # the chain's end goes first, and the entry is its end: evicted on arrival
-                self.evictions += 1
-                self.evicted_bytes += size
-                return False
             if e.id in self._index:
                 self._drop(e.id)  # replaced by an entry with more parts
-            self._evict_for(size, keep=e.parent)
+            orphan = e.parent != self.root and e.parent not in self._index
+            if orphan and self.nbytes + size > self.max_bytes:
+                # unreachable until its parent arrives: it may take free room, never
+                # another chain's entries (a chain too long for the cap keeps its head)
+                self.cap_skips += 1
+                return False
+            if not self._evict_for(size, keep=e.parent):
+                self.cap_skips += 1  # the cap holds its chain only up to its parent
+                return False
             self._add(FileMeta(**e.meta(), nbytes=size, atime=time.time()))
             self._pending[e.id] = item
             self._pending_bytes += size
@@ -648,51 +654,36 @@ class SSDTier:
             except (OSError, CacheDirBusy) as exc:
                 self._event(f"SSD: cannot lock {self.cache_root} again: {exc}")
 
-    def _fits_chain(self, e: Entry, size: int) -> bool:
-        """Whether ``e`` (``size`` bytes) may go under the cap without evicting its own
-        chain; caller holds the lock. Evictions take leaves, so they can free everything
-        but the entry's ancestors: when those and the entry exceed the cap, the chain
-        shrinks from its end, which is ``e`` itself (refused), not from the blocks it hangs
-        from (docs/DESIGN.md §8.4). An entry whose parent is not on the SSD tier (deferred
-        by admission, refused or evicted before) evicts nothing: refused when over the cap,
-        so that the end of a chain too long for the cap never eats the chain's head."""
-        old = self._index.get(e.id)
-        total = self.nbytes - (old.nbytes if old is not None else 0) + size
-        if total <= self.max_bytes:
-            return True
-        chain, parent, seen = size, e.parent, set()
-        while parent != self.root:
-            meta = self._index.get(parent)
-            if meta is None or parent in seen:
-                return False  # an orphan over the cap
-            seen.add(parent)
-            chain += meta.nbytes
-            parent = meta.parent
-        return chain <= self.max_bytes
-
-    def _evict_for(self, incoming: int, keep: str | None = None) -> None:
+    def _evict_for(self, incoming: int, keep: str | None = None) -> bool:
         """Evict until ``incoming`` more bytes fit under the cap, leaves first (see
         :meth:`_eviction_victim`); caller holds the lock. ``keep``: the parent of the
-        entry being added, evicted only when nothing else is left."""
+        entry being added, never evicted for it. False when room cannot be made without
+        it (a chain longer than the cap keeps its prefix: the new entry is not written)."""
         while self._index and self.nbytes + incoming > self.max_bytes:
-            meta = self._drop(self._eviction_victim(keep))
+            victim = self._eviction_victim(keep)
+            if victim is None:
+                return False
+            meta = self._drop(victim)
             self.evictions += 1
             self.evicted_bytes += meta.nbytes if meta is not None else 0
+        return True
 
-    def _eviction_victim(self, keep: str | None = None) -> str:
+    def _eviction_victim(self, keep: str | None = None) -> str | None:
         """The entry to evict next: the least recently used one that no entry in the
-        index continues (a leaf of its chain). A restore walks a chain from the root, so
-        a block whose descendants stayed would leave them unreachable: chains shrink from
-        their ends, least recently used chain first (docs/DESIGN.md §8.4). Caller holds
-        the lock; the index is not empty."""
-        fallback = None
-        for entry_id in self._index:  # least recently used first
-            if self.children.get(entry_id):
+        index continues (a leaf of its chain), other than ``keep``. A restore walks a
+        chain from the root, so a block whose descendants stayed would leave them
+        unreachable: chains shrink from their ends, least recently used chain first
+        (docs/DESIGN.md §8.4). An entry whose parent is not held (admission may write a
+        child before its parent) is unreachable and goes first. None when only ``keep`` is
+        left. Caller holds the lock."""
+        leaf = None
+        for entry_id, meta in self._index.items():  # least recently used first
+            if self.children.get(entry_id) or entry_id == keep:
                 continue
-            if entry_id != keep:
+            if meta.parent != self.root and meta.parent not in self._index:
                 return entry_id
-            fallback = entry_id
-        return fallback if fallback is not None else next(iter(self._index))
+            leaf = leaf or entry_id
+        return leaf
 
     def flush(self, timeout: float = 60.0) -> bool:
         """Wait until every accepted entry is on disk (or dropped); False on timeout."""
