@@ -25,8 +25,8 @@ from ..api import (
     TokenBatch,
     TurnMetrics,
 )
-from ..cache.prefix import chunk_ends
 from ..cache.request import CacheRequest, ColdRequest
+from ..cache.schedule import chunk_ends
 from .forward import logprobs_of
 from .sampling import RequestSampling, StopStrings, keep_last_logits
 

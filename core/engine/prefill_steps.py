@@ -28,8 +28,9 @@ from typing import Any
 import mlx.core as mx
 
 from ..api import GenerateRequest, PrefillProgress, RequestHandle, TurnMetrics
-from ..cache.prefix import Restored, chunk_ends, schedule_points
+from ..cache.plans import Restored
 from ..cache.request import CacheRequest, ColdRequest
+from ..cache.schedule import chunk_ends, schedule_points
 from .forward import logprobs_of
 from .sampling import RequestSampling, make_request_sampler
 
