@@ -96,7 +96,7 @@ class LineChat:
     def command(self, line: str) -> bool:
         """Run a /command; False to quit."""
         from tierchat.core.chat.session import SessionError
-        from tierchat.core.chat.store import StoreError
+        from tierchat.core.chat.sqlite import StoreError
 
         name, _, rest = line.partition(" ")
         try:
@@ -179,7 +179,7 @@ class LineChat:
         """Start a turn with ``start()`` and print its reply as it streams."""
         from tierchat.core.api import Failed, Finished, Stopping, TokenBatch
         from tierchat.core.chat.session import SessionError
-        from tierchat.core.chat.store import StoreError
+        from tierchat.core.chat.sqlite import StoreError
 
         try:
             turn = start()

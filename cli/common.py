@@ -42,7 +42,8 @@ def open_store(path, busy_s: float | None = None):
     from pathlib import Path
 
     from tierchat.config.settings import user_data_dir
-    from tierchat.core.chat.store import ConversationStore, StoreError
+    from tierchat.core.chat.sqlite import StoreError
+    from tierchat.core.chat.store import ConversationStore
 
     try:
         data_dir = Path(path).parent

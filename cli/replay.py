@@ -296,7 +296,7 @@ class Replay:
 
     def run(self, ops: Sequence[Op]) -> int:
         from tierchat.core.chat.session import SessionError
-        from tierchat.core.chat.store import StoreError
+        from tierchat.core.chat.sqlite import StoreError
 
         for op in ops:
             try:

@@ -14,200 +14,32 @@ that uses the store, serialized by a lock.
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Self
+from typing import TYPE_CHECKING, Any, Self
 
-from ..files import private_dirs
 from .search import MARK_END, MARK_START, SearchHit, fts_query, split_marks
+from .sqlite import (
+    BUSY_TIMEOUT_S,
+    MIGRATIONS,
+    SCHEMA_VERSION,
+    StoreError,
+    _Conn,
+    _private_file,
+    _statements,
+    _transaction,
+    store_error,
+)
 
 if TYPE_CHECKING:
     from .importer import ImportedConversation, ImportedNode
 
 ROLES = ("system", "user", "assistant")
-
-# Each entry brings the schema from version i to i + 1; never edit a released entry.
-# Statements are separated by ``;`` (none inside a string: the entries are split on it).
-MIGRATIONS: tuple[str, ...] = (
-    """
-    CREATE TABLE conversations (
-        id INTEGER PRIMARY KEY,
-        title TEXT,
-        created_at REAL NOT NULL,
-        updated_at REAL NOT NULL,
-        selected_root INTEGER
-    );
-    CREATE TABLE nodes (
-        id INTEGER PRIMARY KEY,
-        conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
-        parent_id INTEGER REFERENCES nodes(id) ON DELETE CASCADE,
-        role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
-        content TEXT NOT NULL,
-        token_ids TEXT,
-        created_at REAL NOT NULL,
-        meta TEXT NOT NULL DEFAULT '{}',
-        selected_child INTEGER
-    );
-    CREATE INDEX nodes_by_parent ON nodes(parent_id);
-    CREATE INDEX nodes_by_conversation ON nodes(conversation_id);
-    """,
-    # per-conversation generation settings (system prompt, sampling), a JSON object
-    """
-    ALTER TABLE conversations ADD COLUMN settings TEXT NOT NULL DEFAULT '{}';
-    """,
-    # full-text index of every message (core/chat/search.py), kept in step by triggers, and
-    # filled from the messages already stored
-    """
-    CREATE VIRTUAL TABLE nodes_fts USING fts5(
-        content, content='nodes', content_rowid='id', tokenize='unicode61 remove_diacritics 2'
-    );
-    CREATE TRIGGER nodes_fts_insert AFTER INSERT ON nodes BEGIN
-        INSERT INTO nodes_fts(rowid, content) VALUES (new.id, new.content);
-    END;
-    CREATE TRIGGER nodes_fts_delete AFTER DELETE ON nodes BEGIN
-        INSERT INTO nodes_fts(nodes_fts, rowid, content) VALUES ('delete', old.id, old.content);
-    END;
-    CREATE TRIGGER nodes_fts_update AFTER UPDATE OF content ON nodes BEGIN
-        INSERT INTO nodes_fts(nodes_fts, rowid, content) VALUES ('delete', old.id, old.content);
-        INSERT INTO nodes_fts(rowid, content) VALUES (new.id, new.content);
-    END;
-    INSERT INTO nodes_fts(nodes_fts) VALUES ('rebuild');
-    """,
-)
-SCHEMA_VERSION = len(MIGRATIONS)
-
-
-def _statements(script: str) -> list[str]:
-    """The SQL statements of ``script``, split where ``sqlite3.complete_statement`` says
-    one ends (so a trigger's ``BEGIN ... ; ... END`` body stays whole)."""
-    out, current = [], ""
-    for piece in script.split(";"):
-        current += piece + ";"
-        if sqlite3.complete_statement(current):
-            if current.strip(" \n\t;"):
-                out.append(current)
-            current = ""
-    if current.strip(" \n\t;"):
-        out.append(current)
-    return out
-
-
-BUSY_TIMEOUT_S = 10.0  # how long a connection waits for another process's lock
-
-
-StoreErrorKind = Literal[
-    "full", "readonly", "ioerr", "cantopen", "busy", "corrupt", "schema", "other"
-]
-
-# SQLite primary result code name -> (kind, what to tell the user)
-_SQLITE_KINDS: dict[str, tuple[StoreErrorKind, str]] = {
-    "SQLITE_FULL": ("full", "the disk is full"),
-    "SQLITE_READONLY": ("readonly", "the store is read-only"),
-    "SQLITE_IOERR": ("ioerr", "a disk I/O error"),
-    "SQLITE_CANTOPEN": ("cantopen", "the file cannot be opened or created"),
-    "SQLITE_PERM": ("readonly", "permission denied"),
-    "SQLITE_BUSY": ("busy", "the store is locked by another process"),
-    "SQLITE_LOCKED": ("busy", "the store is locked"),
-    "SQLITE_NOTADB": ("corrupt", "not a tierchat conversation store"),
-    "SQLITE_CORRUPT": ("corrupt", "the file is corrupt"),
-}
-
-
-class StoreError(Exception):
-    """A problem with the store file: ``kind`` names it ("full", "readonly", "ioerr",
-    "cantopen", "busy", "corrupt", "schema", "other")."""
-
-    def __init__(self, message: str, kind: StoreErrorKind = "other") -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
-def store_error(e: sqlite3.Error, path: str, doing: str = "") -> StoreError:
-    """A :class:`StoreError` named for what the SQLite error ``e`` is (FULL, READONLY,
-    IOERR, CANTOPEN...), from its ``sqlite_errorname`` (extended codes such as
-    ``SQLITE_IOERR_WRITE`` map to their primary code)."""
-    name = getattr(e, "sqlite_errorname", "") or ""
-    kind, what = "other", str(e)
-    for prefix, (k, text) in _SQLITE_KINDS.items():
-        if name == prefix or name.startswith(prefix + "_"):
-            kind, what = k, text
-            break
-    else:  # older SQLite bindings: match the message
-        low = str(e).lower()
-        for needle, k, text in (
-            ("disk is full", "full", "the disk is full"),
-            ("readonly", "readonly", "the store is read-only"),
-            ("disk i/o", "ioerr", "a disk I/O error"),
-            ("unable to open", "cantopen", "the file cannot be opened or created"),
-            ("not a database", "corrupt", "not a tierchat conversation store"),
-        ):
-            if needle in low:
-                kind, what = k, text
-                break
-    verb = f"cannot {doing}: " if doing else ""
-    return StoreError(f"{path}: {verb}{what} ({e})", kind)
-
-
-class _Conn:
-    """The SQLite connection, raising :class:`StoreError` (named for its cause) instead of
-    ``sqlite3`` errors, so a full or read-only disk is a message, not a traceback."""
-
-    def __init__(self, conn: sqlite3.Connection, path: str) -> None:
-        self._conn = conn
-        self._path = path
-
-    @property
-    def in_transaction(self) -> bool:
-        return self._conn.in_transaction
-
-    def execute(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
-        try:
-            return self._conn.execute(sql, args)
-        except sqlite3.IntegrityError:
-            raise  # a constraint: the caller's business, not the disk's
-        except sqlite3.Error as e:
-            raise store_error(e, self._path, _doing(sql)) from None
-
-    def executescript(self, sql: str) -> sqlite3.Cursor:
-        try:
-            return self._conn.executescript(sql)
-        except sqlite3.Error as e:
-            if self._conn.in_transaction:
-                try:
-                    self._conn.execute("ROLLBACK")
-                except sqlite3.Error:
-                    pass
-            raise store_error(e, self._path, "update the store") from None
-
-    def close(self) -> None:
-        self._conn.close()
-
-
-def _doing(sql: str) -> str:
-    verb = sql.lstrip().split(None, 1)[0].upper() if sql.strip() else ""
-    return "save" if verb in ("INSERT", "UPDATE", "DELETE", "COMMIT", "BEGIN") else "read"
-
-
-def _private_file(path: Path) -> None:
-    """Create the store's directory (missing parts 0700) and file (0600) before SQLite
-    does, and tighten an existing file to 0600; SQLite gives its -wal and -shm files the
-    database file's mode."""
-    private_dirs(path.parent)
-    try:
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-    except FileExistsError:
-        try:
-            if path.stat().st_mode & 0o077:
-                path.chmod(0o600)
-        except OSError:
-            pass  # someone else's file or a read-only disk: SQLite will say what it can do
-
 
 class ConversationError(StoreError, KeyError):
     """An unknown conversation or node id, or an operation the tree does not allow."""
@@ -848,36 +680,3 @@ class ConversationStore:
 
 def _ids(token_ids: Iterable[int] | None) -> tuple[int, ...] | None:
     return tuple(int(i) for i in token_ids) if token_ids is not None else None
-
-
-@contextmanager
-def _transaction(conn: _Conn, lock: threading.RLock) -> Iterator[None]:
-    """Hold the store lock and one SQLite transaction; nested use joins the outer one.
-
-    The lock is taken by a ``with`` that also covers ``BEGIN``, so a ``BEGIN IMMEDIATE``
-    that fails (the file locked by another process past the busy timeout: a
-    :class:`StoreError` of kind "busy") releases it again. Body errors roll the
-    transaction back; a failed ``COMMIT`` rolls back and raises."""
-    with lock:
-        outer = not conn.in_transaction
-        if outer:
-            conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        except BaseException:
-            if outer and conn.in_transaction:
-                try:
-                    conn.execute("ROLLBACK")
-                except StoreError:
-                    pass
-            raise
-        if outer:
-            try:
-                conn.execute("COMMIT")
-            except StoreError:
-                if conn.in_transaction:  # a failed COMMIT: undo the turn's write
-                    try:
-                        conn.execute("ROLLBACK")
-                    except StoreError:
-                        pass
-                raise

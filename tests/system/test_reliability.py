@@ -24,7 +24,8 @@ from tierchat.core.api import Finished, TokenBatch, TurnMetrics
 from tierchat.core.cache.blocks import chain_ids
 from tierchat.core.cache.ssd import tier as ssd_mod
 from tierchat.core.cache.ssd.tier import SSDTier
-from tierchat.core.chat.store import ConversationStore, StoreError, store_error
+from tierchat.core.chat.sqlite import StoreError, store_error
+from tierchat.core.chat.store import ConversationStore
 from tierchat.core.memory import prefill as MP
 from tierchat.core.memory import pressure as M
 from tierchat.core.memory import readings as MR

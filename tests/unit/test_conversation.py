@@ -6,12 +6,8 @@ import sqlite3
 import threading
 
 import pytest
-from tierchat.core.chat.store import (
-    SCHEMA_VERSION,
-    ConversationError,
-    ConversationStore,
-    StoreError,
-)
+from tierchat.core.chat.sqlite import SCHEMA_VERSION, StoreError
+from tierchat.core.chat.store import ConversationError, ConversationStore
 
 
 class Clock:
@@ -281,7 +277,7 @@ def test_active_path_entries_fall_back_to_the_newest_child(store):
 def test_conversation_settings_round_trip_and_migrate(tmp_path):
     path = tmp_path / "c.sqlite"
     conn = sqlite3.connect(path)  # a version-1 file, before settings existed
-    from tierchat.core.chat.store import MIGRATIONS
+    from tierchat.core.chat.sqlite import MIGRATIONS
 
     conn.executescript(f"BEGIN; {MIGRATIONS[0]}; PRAGMA user_version = 1; COMMIT;")
     conn.execute("INSERT INTO conversations (title, created_at, updated_at) VALUES ('x', 1, 1)")

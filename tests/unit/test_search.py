@@ -8,7 +8,8 @@ import sqlite3
 
 import pytest
 from tierchat.core.chat.search import fts_query, split_marks
-from tierchat.core.chat.store import MIGRATIONS, ConversationError, ConversationStore
+from tierchat.core.chat.sqlite import MIGRATIONS
+from tierchat.core.chat.store import ConversationError, ConversationStore
 
 
 @pytest.fixture

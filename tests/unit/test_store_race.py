@@ -9,7 +9,8 @@ import sys
 import textwrap
 import time
 
-from tierchat.core.chat.store import SCHEMA_VERSION, ConversationStore
+from tierchat.core.chat.sqlite import SCHEMA_VERSION
+from tierchat.core.chat.store import ConversationStore
 
 OPENER = textwrap.dedent(
     """

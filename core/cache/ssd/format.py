@@ -1,6 +1,20 @@
-"""The SSD tier's file format: a safetensors file whose header carries the entry's
-description and two CRC32s (header, data), so a damaged file is found before any byte of it
-is used (docs/DESIGN.md §8.4). Encoding, parsing and checking; no I/O beyond bytes given.
+"""The SSD tier's file format (docs/DESIGN.md §8.4): encoding, parsing and checking; no
+I/O beyond the bytes given.
+
+File format ``tierchat-kv/2`` is a plain safetensors file (other tools open it; bf16 is
+stored as ``BF16``)::
+
+    u64 little-endian N | N bytes of JSON header, space padded to 8 | tensor data
+
+The header must begin with ``{"__metadata__":{"hcrc":"XXXXXXXX","dcrc":"XXXXXXXX",`` where
+``hcrc`` is the CRC-32 (zlib) of the 8 length bytes and the header with hcrc's own 8 hex
+digits left out, and ``dcrc`` the CRC-32 of the data bytes: every byte of the file is
+covered (CRC-32 catches every 1-bit error and every burst of up to 32 bits). The rest of
+the metadata holds the format, model fingerprint, entry id, parent id, kind, start, token
+ids, role and flags (``window``, ``snapshot``, and ``logprobs`` when a prompt tail keeps
+its first token's logprobs, tensor ``logprobs``); a block's tokens must hash to its id (a
+tail's to its tail id).
+Tensors are contiguous, in name order.
 """
 
 from __future__ import annotations

@@ -3,20 +3,7 @@
 Layout: ``<cache_dir>/<fingerprint[:16]>/<id[:2]>/<id>.safetensors``, directories 0700 and
 files 0600. A file is written to ``<id>.<pid>.<n>.tmp`` and renamed into place.
 
-File format ``tierchat-kv/2`` is a plain safetensors file (other tools open it; bf16 is
-stored as ``BF16``)::
-
-    u64 little-endian N | N bytes of JSON header, space padded to 8 | tensor data
-
-The header must begin with ``{"__metadata__":{"hcrc":"XXXXXXXX","dcrc":"XXXXXXXX",`` where
-``hcrc`` is the CRC-32 (zlib) of the 8 length bytes and the header with hcrc's own 8 hex
-digits left out, and ``dcrc`` the CRC-32 of the data bytes: every byte of the file is
-covered (CRC-32 catches every 1-bit error and every burst of up to 32 bits). The rest of
-the metadata holds the format, model fingerprint, entry id, parent id, kind, start, token
-ids, role and flags (``window``, ``snapshot``, and ``logprobs`` when a prompt tail keeps
-its first token's logprobs, tensor ``logprobs``); a block's tokens must hash to its id (a
-tail's to its tail id).
-Tensors are contiguous, in name order.
+The file format is :mod:`.format`'s (``tierchat-kv/2``, checksummed safetensors).
 
 At start the index is rebuilt from headers (length, hcrc, fields, id hash), and a
 background verifier then reads every file once and checks ``dcrc``; a load checks both
