@@ -22,7 +22,6 @@ from .blocks import (
     role_at,
     tail_id,
 )
-from .schedule import chunk_ends, schedule_points  # noqa: F401  (callers import them here)
 
 
 def _runs(items: list[int]) -> list[list[int]]:

@@ -61,7 +61,6 @@ from .planner import Planner
 from .plans import Held, Plan, Resident, Restored
 from .rates import Rates
 from .request import CacheRequest
-from .schedule import chunk_ends, schedule_points  # noqa: F401  (callers import them here)
 from .ssd.tier import SSDTier
 from .wear import WriteLedger
 

@@ -38,7 +38,7 @@ class CacheRequest:
     """A prompt's restore, per-chunk capture and store in one :class:`PrefixCache`.
 
     ``prompt``: token ids (``N`` of them); ``points``: its prefill schedule
-    (:func:`~.prefix.schedule_points`); ``boundaries``: message ends ``(offset, role)``;
+    (:func:`~.schedule.schedule_points`); ``boundaries``: message ends ``(offset, role)``;
     ``fresh``: makes a new cache list (``model.make_cache``); ``max_position``: restore no
     further than this many tokens (ranks that must agree on one position; None: no limit).
     The SSD writer is paused from construction to :meth:`first_token` (or :meth:`close`),

@@ -6,7 +6,7 @@ threads send jobs through a queue and get events back (docs/DESIGN.md §2).
 
 A generation: restore the longest allowed cached prefix (the resident cache of the last
 request cut back in place, or entries from the hot and SSD tiers), prefill the rest in the
-prompt's schedule of chunks (:func:`~.cache.prefix.schedule_points`: multiples of
+prompt's schedule of chunks (:func:`~.cache.schedule.schedule_points`: multiples of
 ``prefill_chunk``, message ends, N-1) with one eval per chunk that also materializes the
 blocks and checkpoints captured from it, then decode from the last prompt token (many
 requests at once in the scheduler, :mod:`.scheduler`, docs/DESIGN.md §20; across ranks
@@ -53,9 +53,10 @@ from ..api import (
 )
 from ..cache import layers as L
 from ..cache.blocks import LOGPROBS
-from ..cache.prefix import PrefixCache, probe_specs, schedule_points
+from ..cache.prefix import PrefixCache, probe_specs
 from ..cache.rates import Rates
 from ..cache.request import ColdRequest
+from ..cache.schedule import schedule_points
 from ..memory import prefill as prefill_mod
 from ..memory import pressure as memory_mod
 from . import distributed as dist

@@ -2,7 +2,7 @@
 (docs/DESIGN.md §9, §20).
 
 The prompt's schedule is as before batching: restore the furthest cached prefix, then the
-chunks of :func:`~.cache.prefix.schedule_points` from there (the folded schedule's last
+chunks of :func:`~.cache.schedule.schedule_points` from there (the folded schedule's last
 chunk ends at ``N`` and gives the first token's logprobs), each capturing what the cache
 tiers keep. A *piece* is the work of one scheduler step: a whole chunk, or part of one.
 
