@@ -94,6 +94,10 @@ class Settings:
     # from RAM, or still needed at close); off: every committed entry at once, as a
     # write-through tier that a crash loses nothing of (docs/DESIGN.md §8.6)
     ssd_admission: bool = True
+    # the SSD writer runs while requests are held; off: it waits for no request held (or
+    # backpressure). None: auto (off on CUDA, where its host reads of device memory slow
+    # the decode steps after them; on elsewhere) (docs/DESIGN.md §8.6)
+    ssd_write_while_busy: bool | None = None
     tail_entries: int = 8
     checkpoint_entries: int = 32
     pin_system: bool = True
@@ -253,6 +257,12 @@ def _optional(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return parse_optional
 
 
+def _auto_bool(v: Any) -> bool | None:
+    if v is None or (isinstance(v, str) and v.strip().lower() in ("auto", "")):
+        return None
+    return _to_bool(v)
+
+
 def _memory_limit(v: Any) -> int:
     n = _size(v)
     if n <= 0:
@@ -363,6 +373,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "ssd_bytes": _size,
     "ssd_write_budget": _size,
     "ssd_admission": _to_bool,
+    "ssd_write_while_busy": _auto_bool,
     "tail_entries": _nonneg_int,
     "checkpoint_entries": _nonneg_int,
     "pin_system": _to_bool,

@@ -70,7 +70,7 @@ class CacheRequest:
         self._deferred: list = []  # entries whose KV slices are added after the first token
         self._writer_paused = cache.ssd is not None
         if self._writer_paused:
-            cache.ssd.pause()
+            cache.ssd.pause(self)
 
     def restore(self) -> Restored:
         """Restore the furthest allowed cached prefix (the same prompt again: the whole of
@@ -188,7 +188,7 @@ class CacheRequest:
     def _resume_writer(self) -> None:
         if self._writer_paused:
             self._writer_paused = False
-            self.cache.ssd.resume()
+            self.cache.ssd.resume(self)
 
 
 class ColdRequest:
@@ -203,7 +203,7 @@ class ColdRequest:
         self.fresh = fresh
         self._ssd = ssd
         if ssd is not None:
-            ssd.pause()
+            ssd.pause(self)
 
     def restore(self) -> Restored:
         return Restored(caches=self.fresh())
@@ -232,4 +232,4 @@ class ColdRequest:
     def close(self) -> None:
         if self._ssd is not None:
             self._ssd, ssd = None, self._ssd
-            ssd.resume()
+            ssd.resume(self)

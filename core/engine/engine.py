@@ -69,6 +69,7 @@ from .sampling import make_request_sampler
 from .scheduler import Scheduler
 
 _STOP = object()
+_BUSY_HOLD = "requests held"  # the engine's key among the SSD writer's holders
 # the CPU's limit on a folded last chunk, per layer (docs/DESIGN.md §7): a 1-token forward of
 # demo (24 layers, float32) costs about what 20 tokens' share of a prefill does, and the
 # folded chunk's extra work is one layer of its tokens
@@ -131,6 +132,12 @@ class Engine(RankSeams):
         self._fold_limit: int | None = None  # longest folded last chunk (None: any)
         self._prefill_step = 0  # chunks are cut at its multiples (tokens; 0: not cut)
         self._sched = Scheduler(self)  # the requests of one process alone (no ranks)
+        busy_writes = settings.ssd_write_while_busy
+        if busy_writes is None:
+            busy_writes = device_info().backend != "cuda"
+        self._write_while_busy = busy_writes
+        self._writes_held = False  # the engine holds the SSD writer (:meth:`_hold_writes`)
+        self._saves_at_clear = 0  # the SSD tier's files written at the last buffer clear
         self.monitor = memory_mod.MemoryMonitor(
             limit_bytes=settings.memory_limit,
             soft_fraction=settings.memory_soft_fraction,
@@ -295,15 +302,36 @@ class Engine(RankSeams):
                     self._stop()
                     return
                 self._run_job(job)
+            self._hold_writes(sched.busy)
             if sched.busy:
                 try:
                     sched.step()
                 except Exception as exc:  # an engine error never kills the thread
                     self._on_log(f"engine error: {exc!r}")
                     sched.fail_all(f"{type(exc).__name__}: {exc}")
+            self._hold_writes(sched.busy)
             if clear_when_idle and not sched.busy:
                 clear_when_idle = False
                 self._clear_buffer_cache()
+
+    def _hold_writes(self, busy: bool) -> None:
+        """Hold the SSD writer while any request is held, where ``ssd_write_while_busy``
+        says so (auto: on CUDA; see :meth:`release_host_buffers`): its host reads of device
+        memory then happen between requests, and the buffer cache is cleared after them
+        before the next decode step."""
+        ssd = self.cache.ssd if self.cache is not None else None
+        if ssd is None or busy == self._writes_held:
+            return
+        if busy and not self._write_while_busy:
+            ssd.pause(_BUSY_HOLD)
+            self._writes_held = True
+            if ssd.saves_persisted != self._saves_at_clear:
+                # files written since the last clear (a writer stopped mid-queue by this
+                # hold): their host-read buffers leave MLX's cache before the first step
+                self._clear_buffer_cache()
+        elif not busy:
+            ssd.resume(_BUSY_HOLD)
+            self._writes_held = False
 
     def _admit(self, req: GenerateRequest, handle: RequestHandle) -> None:
         if self.ranks is not None and self.ranks.failed:
@@ -361,6 +389,8 @@ class Engine(RankSeams):
 
     def _clear_buffer_cache(self, _arg=None, _handle=None) -> None:
         self._release_queued.clear()
+        ssd = self.cache.ssd if self.cache is not None else None
+        self._saves_at_clear = ssd.saves_persisted if ssd is not None else 0
         mx.clear_cache()
 
     def _drain_control(self, _arg=None, _handle=None) -> None:

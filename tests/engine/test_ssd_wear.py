@@ -13,6 +13,7 @@ import json
 
 import pytest
 from engine_kit import generate, make_engine, random_prompt
+from tierchat.core.api import GenerateRequest, TokenBatch
 from tierchat.core.cache.admission import covers
 from tierchat.core.cache.blocks import KIND_BLOCK, KIND_TAIL
 
@@ -172,3 +173,29 @@ def test_the_write_budget_is_respected(tmp_path, models_dir, budget_files):
     assert w.budget_skips > 0 and w.budget_skipped_bytes > 0
     assert w.day_bytes <= budget
     assert sum(p.stat().st_size for p in files(tmp_path)) <= budget
+
+
+@pytest.mark.parametrize("while_busy", [False, True])
+def test_writes_wait_for_no_request_held_unless_told(tmp_path, models_dir, while_busy):
+    """``ssd_write_while_busy`` off (auto on CUDA): every decode step of a request finds
+    the SSD writer held, and the writes land once no request is held; on: held only
+    before the first token. Observed on the engine thread (the event callback), so the
+    check is exact under load. The replies are the same either way."""
+    e = engine(tmp_path, models_dir, ssd_write_while_busy=while_busy, ssd_admission=False)
+    held: list[bool] = []
+
+    def on_event(event):
+        if isinstance(event, TokenBatch) and event.token_ids:
+            held.append(e.cache.ssd.held)
+
+    prompt = SYSTEM + random_prompt(20, seed=5)
+    first = e.submit(GenerateRequest(prompt_ids=prompt, max_tokens=8), on_event).wait(120)
+    assert len(held) == 8
+    # the first token comes while the request's own hold is given up
+    assert held[1:] == [not while_busy] * 7
+    assert e.cache.ssd.flush(60)
+    assert not e.cache.ssd.held
+    assert e.stats().wear.session_files > 0  # written once the request ended
+    again = turn(e, prompt, max_tokens=8)
+    assert again.token_ids == first.token_ids
+    e.close()

@@ -150,6 +150,44 @@ def test_backpressure_blocks_instead_of_dropping(tier):
     assert ssd.saves_persisted == ssd.saves_queued == 8
 
 
+def test_holds_keep_the_writer_until_every_holder_resumes(tier):
+    """Two holders (two requests before their first token, or a request and the engine
+    while it decodes): the writer writes nothing until both have resumed (docs/DESIGN.md
+    §8.6). The queue is observed, never timed: entries held stay pending."""
+    ssd = tier()
+    ssd.pause("a")
+    ssd.pause("b")
+    es = [entry(i) for i in range(3)]
+    for e in es:
+        assert ssd.put(e)
+    assert ssd.held
+    ssd.resume("a")
+    assert ssd.held and ssd.saves_persisted == 0
+    assert ssd.queue_depth == 3
+    ssd.resume("a")  # resuming twice is harmless; "b" still holds
+    assert ssd.held
+    ssd.resume("b")
+    assert not ssd.held
+    assert ssd.flush(30)
+    assert ssd.saves_persisted == 3
+
+
+def test_flush_and_backpressure_write_through_a_hold(tier):
+    """A hold never blocks a flush (close, a clear) or the engine thread: backpressure
+    lets the writer run until its queue empties, then the hold applies again."""
+    ssd = tier(queue_size=2)
+    ssd.pause("engine")
+    for i in range(6):  # the third put finds the queue full: backpressure, not a hang
+        assert ssd.put(entry(i))
+    assert ssd.write_drops == 0 and ssd.backpressure_waits > 0
+    assert ssd.flush(30)
+    assert ssd.saves_persisted == 6
+    assert ssd.held  # the hold outlives the flush
+    assert ssd.put(entry(9))
+    assert ssd.saves_persisted == 6
+    assert ssd.flush(30) and ssd.saves_persisted == 7
+
+
 def test_backpressure_by_bytes(tier):
     one = entry(0)
     ssd = tier(max_pending_bytes=one.nbytes * 2)

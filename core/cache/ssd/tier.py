@@ -55,6 +55,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
@@ -159,7 +160,11 @@ class SSDTier:
         self._index: dict[str, FileMeta] = {}  # in LRU order, least recent first
         self.children: dict[str, set[str]] = {}  # parent id -> ids of entries after it
         self._pending: dict[str, _Pending] = {}
-        self._paused = False
+        # who holds the writer now (requests before their first token, the engine while
+        # it decodes: :meth:`pause`); ``_force`` lets it run anyway until its queue empties
+        self._holds: set[Any] = set()
+        self._force = False
+        self._flushing = 0  # flush() calls waiting: no hold applies meanwhile
         # files being read ahead of their load by worker threads (pure I/O and CRC)
         self._reads: dict[str, tuple[mx.array, Future]] = {}
         self._readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tierchat-ssd-read")
@@ -537,8 +542,8 @@ class SSDTier:
 
         if not full():
             return True
-        if self._paused:  # backpressure wins over a pause: let the writer run
-            self._paused = False
+        if self._holds and not self._force:  # backpressure wins over a hold
+            self._force = True
             self._cond.notify_all()
         self.backpressure_waits += 1
         t0 = time.monotonic()
@@ -550,7 +555,7 @@ class SSDTier:
         rng = random.Random()
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._queue and not self._paused)
+                self._cond.wait_for(lambda: self._queue and not self._held())
                 item = self._queue.pop(0)
             if item is None:
                 return
@@ -569,6 +574,8 @@ class SSDTier:
                 item.blob = None  # the batch's copy goes when its last entry is written
             with self._cond:
                 idle = not self._queue
+                if idle:
+                    self._force = False
             if idle and self.on_idle is not None:
                 self.on_idle()
 
@@ -676,21 +683,41 @@ class SSDTier:
         """Wait until every accepted entry is on disk (or dropped); False on timeout."""
         if not self.enabled:
             return True
-        self.resume()
         with self._cond:
-            return self._cond.wait_for(lambda: not self._pending, timeout)
-
-    def pause(self) -> None:
-        """Hold the writer and the start-up verifier (between files) while the engine
-        prefills and produces a first token, so disk work never competes with TTFT.
-        Entries stay indexed and loadable; backpressure lifts the pause."""
-        with self._cond:
-            self._paused = True
-
-    def resume(self) -> None:
-        with self._cond:
-            self._paused = False
+            self._flushing += 1
             self._cond.notify_all()
+            try:
+                return self._cond.wait_for(lambda: not self._pending, timeout)
+            finally:
+                self._flushing -= 1
+
+    def pause(self, holder: Any = None) -> None:
+        """Hold the writer and the start-up verifier (between files) until every holder
+        has called :meth:`resume`: a request while it prefills and produces a first token,
+        so disk work never competes with TTFT, and, where host reads of device memory
+        slow the kernels after them (CUDA: :meth:`Engine.release_host_buffers
+        <tierchat.core.engine.engine.Engine.release_host_buffers>`), the engine while any
+        request is held. Entries stay indexed and loadable; backpressure and
+        :meth:`flush` let the writer run anyway until its queue empties.
+        ``holder``: any hashable key (None: one shared key)."""
+        with self._cond:
+            self._holds.add(holder)
+
+    def resume(self, holder: Any = None) -> None:
+        """Give up ``holder``'s hold (no effect if it holds none)."""
+        with self._cond:
+            self._holds.discard(holder)
+            self._cond.notify_all()
+
+    @property
+    def held(self) -> bool:
+        """Whether a holder keeps the writer waiting now (and no flush or backpressure
+        overrides it)."""
+        with self._cond:
+            return self._held()
+
+    def _held(self) -> bool:
+        return bool(self._holds) and not self._force and not self._flushing
 
     def wait_verified(self, timeout: float | None = None) -> bool:
         """Wait for the start-up verifier to have read every file found at start."""
@@ -719,7 +746,7 @@ class SSDTier:
                     f"(the writer took over {self.close_timeout_s:g} s)"
                 )
             with self._cond:
-                self._paused = False
+                self._holds.clear()
                 self._stop = True
                 self._queue.append(None)
                 self._cond.notify_all()
@@ -735,7 +762,7 @@ class SSDTier:
         try:
             for entry_id in ids:
                 with self._cond:
-                    self._cond.wait_for(lambda: not self._paused or self._stop)
+                    self._cond.wait_for(lambda: not self._held() or self._stop)
                 if self._stop:
                     return
                 with self._lock:
