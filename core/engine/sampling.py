@@ -18,12 +18,16 @@ frequency penalties); this module adds only what a prefix cache needs around the
   model's own log-probs, before any processor.
 - **Stop strings** (:class:`StopStrings`): text is held back while it could still become a
   stop string, so a streamed reply never shows part of one.
+- **Seeds while batched** (:class:`SeededSampler`): a seeded request draws from its own key
+  stream, the one ``mx.random.seed(seed)`` gives a request alone, whatever else samples
+  beside it on the engine thread.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from secrets import randbits
 from typing import Any
 
 import mlx.core as mx
@@ -34,6 +38,7 @@ from .sampling_checks import check_sampling
 
 __all__ = [
     "RequestSampling",
+    "SeededSampler",
     "StopStrings",
     "check_sampling",
     "keep_last_logits",
@@ -110,6 +115,34 @@ def make_request_sampler(req: GenerateRequest) -> RequestSampling:
         frequency_penalty=req.frequency_penalty or None,
     )
     return RequestSampling(sampler, processors, tuple(s for s in req.stop if s))
+
+
+class SeededSampler:
+    """``sampler`` drawing from its own PRNG key stream, started at ``mx.random.key(seed)``:
+    call by call, the draws of ``sampler`` after ``mx.random.seed(seed)`` on an otherwise
+    idle thread, whatever other samplers draw in between (docs/DESIGN.md §20).
+
+    MLX keeps one global key per thread; mlx-lm's samplers draw from it (one split per
+    call: ``categorical_sampling``). Python can set that key only through
+    ``mx.random.seed(int)``, and a key ``[hi, lo]`` (uint32) is the key of the seed
+    ``hi << 32 | lo``; so each call seeds the global key with this stream's key, samples,
+    and steps the stream by the split the sampler made, computed here on the CPU from
+    known values (reading the global key back would wait for the sample). The global key
+    is then reseeded from the OS's entropy, so unseeded requests never draw this stream's
+    numbers. Engine thread only; ``seed`` in ``0 .. 2**64 - 1``."""
+
+    def __init__(self, sampler: Callable[[mx.array], mx.array], seed: int) -> None:
+        self.sampler = sampler
+        self.seed = seed  # the key of the next call, as a 64-bit seed
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        mx.random.seed(self.seed)
+        token = self.sampler(logprobs)
+        key = mx.random.split(mx.random.key(self.seed), stream=mx.cpu)[0]
+        hi, lo = key.tolist()
+        self.seed = (hi << 32) | lo
+        mx.random.seed(randbits(64))
+        return token
 
 
 class StopStrings:

@@ -42,7 +42,7 @@ from .attention import chunk_attention
 from .decode_batch import DecodeBatch, Step
 from .forward import logprobs_of
 from .prefill_steps import Prefill
-from .sampling import StopStrings, keep_last_logits
+from .sampling import SeededSampler, StopStrings, keep_last_logits
 
 BUSY_PIECE_S = 0.25  # the most prefill work between two decode steps while others decode
 
@@ -209,10 +209,11 @@ class Scheduler:
         e, p, req = self.engine, seq.prefill, seq.req
         n = len(req.prompt_ids)
         sampling = p.sampling
-        if req.temperature > 0 and req.seed is not None:
-            mx.random.seed(req.seed)
-        # greedy requests share one batched argmax (None); others their own sampler
+        # greedy requests share one batched argmax (None); others their own sampler, a
+        # seeded one on its own key stream (the draws of the request alone)
         sampler = sampling.sampler if req.temperature > 0 else None
+        if sampler is not None and req.seed is not None:
+            sampler = SeededSampler(sampler, req.seed)
         # continue hook: the first processor remembers each step's raw logits, so the
         # logprobs after the reply's last token are kept with the resident cache
         keep_end, seq.end_logits = keep_last_logits()

@@ -12,7 +12,12 @@ import mlx.core as mx
 import pytest
 from engine_kit import generate, make_engine, random_prompt
 from tierchat.core.api import GenerateRequest, TokenBatch
-from tierchat.core.engine.sampling import StopStrings, check_sampling, make_request_sampler
+from tierchat.core.engine.sampling import (
+    SeededSampler,
+    StopStrings,
+    check_sampling,
+    make_request_sampler,
+)
 
 PROMPT = random_prompt(40, seed=3)
 
@@ -52,6 +57,31 @@ def test_sampler_controls_narrow_a_crafted_distribution():
     assert draws(top_k=2) == {0, 1}
     assert draws(min_p=0.5) == {0, 1}  # 0.3 >= 0.5 * 0.5; 0.15 is not
     assert draws(top_p=0.7) == {0, 1}
+
+
+@pytest.mark.parametrize("controls", [{}, {"top_k": 3, "min_p": 0.05, "top_p": 0.9}])
+def test_a_seeded_sampler_draws_its_own_stream_between_other_draws(controls):
+    """:class:`SeededSampler` gives, call by call, the draws of mlx-lm's sampler after
+    ``mx.random.seed(seed)`` alone, though other draws from the global key come between
+    its calls; and it predicts the key the sampler leaves (one split per call), so the
+    global key it leaves behind is not its own stream's."""
+    logprobs = mx.log(mx.softmax(mx.random.normal((1, 64), key=mx.random.key(3))))
+    sampling = make_request_sampler(GenerateRequest((1,), temperature=0.8, **controls))
+    mx.random.seed(2**64 - 5)  # a seed whose key uses both 32-bit halves
+    alone = [sampling.sampler(logprobs).item() for _ in range(30)]
+    assert len(set(alone)) >= 3  # it samples
+    seeded = SeededSampler(sampling.sampler, 2**64 - 5)
+    other = make_request_sampler(GenerateRequest((1,), temperature=1.0)).sampler
+    draws = []
+    for _ in range(30):
+        other(logprobs)  # an unseeded request's draw in between
+        draws.append(seeded(logprobs).item())
+    assert draws == alone
+    mx.random.seed(2**64 - 5)
+    for _ in range(30):
+        sampling.sampler(logprobs)
+    mx.eval(mx.random.state[0])
+    assert mx.random.state[0].tolist() == [seeded.seed >> 32, seeded.seed & 0xFFFFFFFF]
 
 
 @pytest.mark.parametrize(

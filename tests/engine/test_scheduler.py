@@ -259,6 +259,56 @@ def test_nothing_lost_under_load_and_after_a_restart(arch, tmp_path, models_dir)
         cold.close()
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_seeded_sampling_while_batched_equals_the_request_alone(arch, tmp_path, models_dir):
+    """A seeded request at temperature 0.8 gives the tokens it gives alone on an idle
+    engine, whatever decodes beside it: an unseeded sampled request from the start, a
+    second seeded one joining at its 3rd token and a greedy one at its 6th (lengths 9 to
+    40), each of those equal to its own run alone too where it is reproducible."""
+    kw = dict(prefill_chunk=32, prefill_step=16)
+    cold = make_engine(f"tiny:{arch}", tmp_path / "cold", models_dir, no_cache=True, **kw)
+    hot = make_engine(f"tiny:{arch}", tmp_path / "hot", models_dir, **kw)
+    seeded = dict(prompt_ids=random_prompt(23, seed=21), max_tokens=16, temperature=0.8, seed=1234)
+    joining = [
+        dict(prompt_ids=random_prompt(40, seed=22), max_tokens=10, temperature=0.9, seed=77),
+        dict(prompt_ids=random_prompt(9, seed=23), max_tokens=12),
+    ]
+    unseeded = dict(prompt_ids=random_prompt(31, seed=24), max_tokens=20, temperature=1.0)
+    try:
+        alone = [_alone(cold, r) for r in (seeded, *joining)]
+        assert alone[0] != generate(cold, seeded["prompt_ids"], max_tokens=16)[0].token_ids
+        assert alone[0] == _alone(cold, seeded)  # reproducible alone
+        later: list = []
+        tokens: list = []
+
+        def on_event(event) -> None:  # engine thread: a join lands before the next step
+            if isinstance(event, TokenBatch) and event.token_ids:
+                tokens.extend(event.token_ids)
+                if len(tokens) in (3, 6):
+                    later.append(hot.submit(GenerateRequest(**joining[len(tokens) // 3 - 1])))
+
+        hold = Hold(hot)
+        handle = hot.submit(GenerateRequest(**seeded), on_event)
+        other = hot.submit(GenerateRequest(**unseeded))
+        hold.release()
+        result = handle.wait(300)
+        assert isinstance(result, Finished) and isinstance(other.wait(300), Finished)
+        assert len(later) == 2 and all(isinstance(h.wait(300), Finished) for h in later)
+        assert hot._sched.batch.peak_merged >= 3  # they decoded in one batch
+        assert result.token_ids == alone[0]
+        assert [h.result.token_ids for h in later] == alone[1:]
+    finally:
+        cold.close()
+        hot.close()
+
+
+def _alone(engine, request: dict) -> tuple[int, ...]:
+    handle = engine.submit(GenerateRequest(**request))
+    result = handle.wait(120)
+    assert isinstance(result, Finished), result
+    return result.token_ids
+
+
 class _InterruptingOut:
     """The chat's output: Ctrl+C (KeyboardInterrupt) arrives while the first token is
     printed, as a terminal's SIGINT would during a stream."""
