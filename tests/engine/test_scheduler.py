@@ -381,6 +381,55 @@ def test_quantized_kv_requests_decode_alone_beside_each_other(tmp_path, models_d
         hot.close()
 
 
+def _quantized_tiny(arch: str, models_dir, target):
+    """``tiny:<arch>`` with 4-bit weights (groups of 32), as ``mlx_lm.convert -q`` writes
+    them (``quantize_model``: every layer whose input size is a multiple of the group), in
+    the MLX model dir ``target``; returns it as a model spec."""
+    import shutil
+
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+    from tierchat.core.models.tiny import materialize_tiny
+
+    source = materialize_tiny(arch, models_dir)
+    model, config = load_model(source)
+    model, config = quantize_model(model, config, group_size=32, bits=4)
+    target.mkdir(parents=True)
+    save_model(target, model)
+    save_config(config, target / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, target / name)
+    return str(target)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_4bit_weights_batch_and_equal_each_request_alone(arch, tmp_path, models_dir):
+    """A model with quantized weights (4-bit, mlx-lm's ``quantize_model``) batches like
+    any other: four requests decode in one merged batch (one restoring a cached prefix)
+    and each gives the tokens and logprobs of the same request alone on a cold engine."""
+    spec = _quantized_tiny(arch, models_dir, tmp_path / "q4")
+    kw = dict(prefill_chunk=32, prefill_step=16)
+    cold = make_engine(spec, tmp_path / "cold", models_dir, no_cache=True, **kw)
+    hot = make_engine(spec, tmp_path / "hot", models_dir, **kw)
+    try:
+        assert hot.loaded.quantized
+        cold.record_logprobs = hot.record_logprobs = 6
+        prompts = _prompts()
+        alone = [generate(cold, p, max_tokens=6) for p in prompts]
+        generate(hot, prompts[0][:40] + (7, 7), max_tokens=2)  # the shared prefix, cached
+        hold = Hold(hot)
+        handles = [hot.submit(GenerateRequest(prompt_ids=p, max_tokens=6)) for p in prompts]
+        hold.release()
+        results = [h.wait(300) for h in handles]
+        assert all(isinstance(r, Finished) for r in results), results
+        assert hot._sched.batch.peak_merged == 4  # all four in one merged batch
+        assert handles[0].restored_position > 0
+        for (a, ha), b, hb in zip(alone, results, handles, strict=True):
+            _assert_close(a, ha, b, hb)
+    finally:
+        cold.close()
+        hot.close()
+
+
 def test_a_retry_after_another_request_restores_the_cancelled_pieces(tmp_path, models_dir):
     """A prefill cancelled after five 8-token pieces (40 tokens: two 16-token blocks and
     half of one), then another request (which takes the resident cache), then the retry:
