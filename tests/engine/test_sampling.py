@@ -63,8 +63,8 @@ def test_sampler_controls_narrow_a_crafted_distribution():
 def test_a_seeded_sampler_draws_its_own_stream_between_other_draws(controls):
     """:class:`SeededSampler` gives, call by call, the draws of mlx-lm's sampler after
     ``mx.random.seed(seed)`` alone, though other draws from the global key come between
-    its calls; and it predicts the key the sampler leaves (one split per call), so the
-    global key it leaves behind is not its own stream's."""
+    its calls; and its stream's next key is the key the sampler itself leaves after as
+    many calls from the seed (one split per call, what it computes on the CPU)."""
     logprobs = mx.log(mx.softmax(mx.random.normal((1, 64), key=mx.random.key(3))))
     sampling = make_request_sampler(GenerateRequest((1,), temperature=0.8, **controls))
     mx.random.seed(2**64 - 5)  # a seed whose key uses both 32-bit halves
