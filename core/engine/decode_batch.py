@@ -9,7 +9,10 @@ into the batch's (``KVCache.merge`` -> ``BatchKVCache``, ``RotatingKVCache`` ->
 finished or removed sequence's cache comes back out as a plain per-request cache
 (``extract``), so the prefix cache stores and keeps it as a request run alone.
 
-One sequence alone decodes on its own cache list, as mlx-lm's ``generate_step`` would (no
+A joining sequence's token goes through the model with the batch's next step, not in a
+forward of its own (``GenerationBatch``'s constructor runs one: a pass of the weights per
+join, which with eight clients arriving together was one extra step per client). One
+sequence alone decodes on its own cache list, as mlx-lm's ``generate_step`` would (no
 padding, no mask): a lone request's numbers are those of a request before batching. A
 second mergeable sequence merges the first into a batch. Caches with no ``merge``
 (``QuantizedKVCache``, ``kv_bits``) always decode alone, one step per sequence per batch
@@ -64,10 +67,29 @@ def _kinds(caches: list[Any]) -> list[Any]:
 
 class _Batch(GenerationBatch):
     """A ``GenerationBatch`` whose caches are either merged (batch caches, ``merged``) or
-    one sequence's own list (``merged`` False: extracted as is)."""
+    one sequence's own list (``merged`` False: extracted as is).
+
+    Built with ``joining`` True, its constructor computes nothing: the token it is given
+    goes through the model with the batch's next step (``GenerationBatch`` would run a
+    forward for the joining sequence alone, one extra pass of the weights per join), so
+    that step's response for it repeats the token and :class:`DecodeBatch` drops it."""
 
     merged = False
     kinds: list[list[Any]]  # per sequence: the classes of its layer caches
+
+    def __init__(self, *args: Any, joining: bool = False, **kwargs: Any) -> None:
+        self._joining = joining
+        super().__init__(*args, **kwargs)
+        if joining:
+            self._joining = False
+            # the logprobs that step returns for the repeated token: never read
+            self._next_logprobs = [mx.zeros((1,))] * len(self.uids)
+            self._matchers = [_SkipFirst(m) for m in self._matchers]
+
+    def _step(self):
+        if self._joining:
+            return [], []
+        return super()._step()
 
     def extract_cache(self, idx: int) -> list[Any]:
         if self.merged:
@@ -81,6 +103,21 @@ class _Batch(GenerationBatch):
     def extend(self, batch: _Batch) -> None:
         self.kinds = self.kinds + batch.kinds
         super().extend(batch)
+
+
+class _SkipFirst:
+    """A stop-sequence matcher that ignores its first token (the joining token, already
+    checked by the scheduler)."""
+
+    def __init__(self, matcher: Any) -> None:
+        self._matcher = matcher
+        self._first = True
+
+    def advance(self, token: int) -> bool:
+        if self._first:
+            self._first = False
+            return False
+        return self._matcher.advance(token)
 
 
 @dataclass(frozen=True)
@@ -104,6 +141,7 @@ class DecodeBatch:
         self._greedy = make_sampler(temp=0.0)
         self._main: _Batch | None = None  # merged, or one mergeable sequence alone
         self._alone: dict[int, _Batch] = {}  # sequences whose caches cannot merge
+        self._unfed: dict[int, int] = {}  # joined, their token not yet through the model
         self.peak = 0  # the most sequences that decoded in one step
         self.peak_merged = 0  # the most that decoded in one merged batch
 
@@ -122,7 +160,7 @@ class DecodeBatch:
         processors: list[Callable[[mx.array, mx.array], mx.array]] | None = None,
     ) -> None:
         """Start decoding sequence ``uid``: ``caches`` hold every token before ``token``,
-        which is fed next (its forward starts now); ``context``: the tokens in ``caches``
+        which is fed next (with the batch's next step); ``context``: the tokens in ``caches``
         (for logits processors); at most ``max_tokens`` (> 0) tokens come out, ending early
         at any of the ``stop`` sequences; ``sampler`` None: greedy (one batched argmax);
         ``processors``: mlx-lm logits processors ``(history, logits (1, vocab)) -> logits``,
@@ -137,9 +175,11 @@ class DecodeBatch:
             self._greedy,
             [tuple(processors or ())],
             [StopSequences(stop)],
-            [max_tokens],
+            [max_tokens + 1],  # + the repeated token of the first step
+            joining=True,
         )
         batch.kinds = [_kinds(caches)]
+        self._unfed[uid] = token
         main = self._main
         if not mergeable(caches):
             self._alone[uid] = batch
@@ -164,6 +204,8 @@ class DecodeBatch:
         )
         for batch in batches:
             for r in batch.next():
+                if self._unfed.pop(r.uid, None) is not None:
+                    continue  # the joining token, fed with this step: no new token
                 out.append(Step(r.uid, r.token, r.logprobs, r.finish_reason, r.prompt_cache))
         for uid in [u for u, b in self._alone.items() if len(b) == 0]:
             del self._alone[uid]
@@ -180,13 +222,18 @@ class DecodeBatch:
         """
         batch = self._alone.pop(uid, None)
         if batch is not None:
-            return batch.extract_cache(0)
-        main = self._main
-        if main is None or uid not in main.uids:
-            raise KeyError(uid)
-        i = main.uids.index(uid)
-        caches = main.extract_cache(i)
-        main.filter([j for j in range(len(main.uids)) if j != i])
-        if len(main) == 0:
-            self._main = None
+            caches = batch.extract_cache(0)
+        else:
+            main = self._main
+            if main is None or uid not in main.uids:
+                raise KeyError(uid)
+            i = main.uids.index(uid)
+            caches = main.extract_cache(i)
+            main.filter([j for j in range(len(main.uids)) if j != i])
+            if len(main) == 0:
+                self._main = None
+        token = self._unfed.pop(uid, None)
+        if token is not None:  # removed before its first step: feed its token now
+            self.model(mx.array([[token]], dtype=mx.uint32), cache=caches)
+            mx.eval([c.state for c in caches])
         return caches

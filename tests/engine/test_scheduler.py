@@ -168,6 +168,39 @@ def test_cancel_during_decode_leaves_the_batch_at_the_next_step(engine):
     _next_request_runs(engine)
 
 
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_a_reply_cancelled_at_its_first_token_stores_prompt_and_token(
+    arch, tmp_path, models_dir
+):
+    """A joining sequence's first token goes through the model with the batch's next step
+    (docs/DESIGN.md §20), whose response for it is dropped; cancelled at that token, the
+    cache stored for it holds prompt + token: the next turn restores past the prompt and
+    equals a cold run (tokens, logprobs)."""
+    e = make_engine(f"tiny:{arch}", tmp_path / "hot", models_dir, bitwise=False)
+    hold = Hold(e)
+    other = e.submit(GenerateRequest(prompt_ids=random_prompt(20, seed=8), max_tokens=12))
+
+    def on_event(event) -> None:
+        if isinstance(event, TokenBatch) and event.token_ids:
+            handle.cancel()
+
+    prompt = random_prompt(24, seed=7)
+    handle = e.submit(GenerateRequest(prompt_ids=prompt, max_tokens=50), on_event)
+    hold.release()
+    result = handle.wait(120)
+    assert isinstance(result, Finished) and result.metrics.finish_reason == "cancelled"
+    assert len(result.token_ids) == 1
+    assert isinstance(other.wait(120), Finished)
+    follow = prompt + result.token_ids + random_prompt(6, seed=9)
+    hot, hot_h = generate(e, follow, max_tokens=6)
+    assert hot.metrics.cached_tokens > len(prompt)
+    e.close()
+    cold_e = make_engine(f"tiny:{arch}", tmp_path / "cold", models_dir, bitwise=False, no_cache=True)
+    cold, cold_h = generate(cold_e, follow, max_tokens=6)
+    cold_e.close()
+    _assert_close(cold, cold_h, hot, hot_h)
+
+
 def test_stats_show_the_requests_held(engine):
     """While one request decodes, stats list it and the one prefilling beside it."""
     snapshots: list = []
