@@ -130,7 +130,8 @@ class Prefill:
         step = e._prefill_step
         if step:
             end = min(end, (pos // step + 1) * step)
-        if budget is not None and not e.settings.bitwise:
+        if budget is not None and not e.settings.bitwise and pos + budget < end:
+            # cut at a block end within the budget (none when the rest of the chunk fits)
             block = e.cache.block_size if e.cache is not None else e.settings.block_size
             cut = (pos + budget) // block * block
             end = min(end, max(cut, (pos // block + 1) * block))

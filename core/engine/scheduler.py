@@ -192,6 +192,10 @@ class Scheduler:
         if self.decoding or len(self.prefilling) > 1 or self.queued:
             if self.prefill_tps > 0:  # what fits the step's time left
                 budget = max(1, int(self.prefill_tps * max(left_s, 0.05)))
+        if self.decoding:
+            # the decode step in flight first: the piece's rate is its own, not the
+            # decode step's too (the piece's eval would wait for it anyway)
+            mx.synchronize(generation_stream)
         t0 = time.perf_counter()
         done = p.piece(budget)
         dt = time.perf_counter() - t0
