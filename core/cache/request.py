@@ -68,18 +68,24 @@ class CacheRequest:
         # state models keep a checkpoint at every chunk end (message ends included)
         self._checkpoint_kind = KIND_BOUNDARY if cache.state else None
         self._deferred: list = []  # entries whose KV slices are added after the first token
+        self._repeat: Restored | None = None  # the same prompt again, offered (ranks)
         self._writer_paused = cache.ssd is not None
         if self._writer_paused:
             cache.ssd.pause(self)
 
-    def restore(self) -> Restored:
+    def restore(self, max_position: int | None = None) -> Restored:
         """Restore the furthest allowed cached prefix (the same prompt again: the whole of
         it, with the kept logprobs of its first token; see
-        :meth:`PrefixCache.restore_repeat <.prefix.PrefixCache.restore_repeat>`)."""
-        n, limit = len(self.prompt), self.max_position
+        :meth:`PrefixCache.restore_repeat <.prefix.PrefixCache.restore_repeat>`), at most
+        ``max_position`` tokens when given (the position ranks agreed on, docs/DESIGN.md
+        §19) as well as the request's own limit."""
+        n, limit = len(self.prompt), _lower(self.max_position, max_position)
         t0 = time.perf_counter()
-        restored = None
-        if limit is None or limit >= n:
+        restored, self._repeat = self._repeat, None
+        if restored is not None and limit is not None and limit < n:
+            self._give_back(restored)
+            restored = None
+        if restored is None and (limit is None or limit >= n):
             restored = self.cache.restore_repeat(self.prompt)
         if restored is None:
             restored = self.cache.restore(
@@ -92,6 +98,46 @@ class CacheRequest:
         if self.cache.rates is not None and restored.ssd_bytes:
             self.cache.rates.observe_read(restored.ssd_bytes, self._restored_at - t0)
         return restored
+
+    # the steps of a restore that ranks agree on (docs/DESIGN.md §19): each rank offers
+    # the same prompt again, plans positions, then restores at the one they agreed
+    def offer_repeat(self) -> bool:
+        """Take the resident cache cut back to the whole prompt when it is the same prompt
+        again (:meth:`PrefixCache.restore_repeat <.prefix.PrefixCache.restore_repeat>`),
+        held for :meth:`restore`; whether it could (never past the request's limit)."""
+        n, limit = len(self.prompt), self.max_position
+        if self._repeat is None and (limit is None or limit >= n):
+            self._repeat = self.cache.restore_repeat(self.prompt)
+        return self._repeat is not None
+
+    def decline_repeat(self) -> None:
+        """Hand a repeat taken by :meth:`offer_repeat` back as the resident cache (cut to
+        the prompt): another rank could not take its own."""
+        repeat, self._repeat = self._repeat, None
+        if repeat is not None:
+            self._give_back(repeat)
+
+    def plan_position(self, limit: int) -> int:
+        """The position a restore of at most ``limit`` tokens would land on now, from a
+        plan over the resident cache and the tiers (nothing is loaded); 0 when none."""
+        if limit <= 0:
+            return 0
+        plan = self.cache.plan(self.prompt, self.ids, self.points, self.cache.resident, limit)
+        return plan.position if plan is not None else 0
+
+    def restore_cold(self) -> Restored:
+        """A fresh cache list: the ranks restored different prefixes (docs/DESIGN.md
+        §19), so every rank starts cold."""
+        self._position = 0
+        return Restored(caches=self.fresh())
+
+    def log(self, text: str) -> None:
+        """Add ``text`` to the cache's events."""
+        self.cache.log(text)
+
+    def _give_back(self, repeat: Restored) -> None:
+        n = len(self.prompt)
+        self.cache.set_resident(self.prompt, repeat.caches, n, repeat.first_logprobs)
 
     def chunk(
         self,
@@ -191,6 +237,11 @@ class CacheRequest:
             self.cache.ssd.resume(self)
 
 
+def _lower(a: int | None, b: int | None) -> int | None:
+    """The lower of two limits, either of which may be None (no limit)."""
+    return b if a is None else a if b is None else min(a, b)
+
+
 class ColdRequest:
     """A request with the cache off: a fresh cache list, nothing captured or kept. Pauses
     the SSD writer (``ssd``, when a cache exists) like :class:`CacheRequest`, so a cold
@@ -198,6 +249,7 @@ class ColdRequest:
 
     read_ssd = False
     ssd_write_bytes = 0
+    prompt: tuple[int, ...] = ()  # nothing of it is planned or restored
 
     def __init__(self, fresh: Callable[[], list[Any]], ssd: Any = None) -> None:
         self.fresh = fresh
@@ -205,8 +257,23 @@ class ColdRequest:
         if ssd is not None:
             ssd.pause(self)
 
-    def restore(self) -> Restored:
+    def restore(self, max_position: int | None = None) -> Restored:
         return Restored(caches=self.fresh())
+
+    def offer_repeat(self) -> bool:
+        return False
+
+    def decline_repeat(self) -> None:
+        pass
+
+    def plan_position(self, limit: int) -> int:
+        return 0
+
+    def restore_cold(self) -> Restored:
+        return self.restore()
+
+    def log(self, text: str) -> None:
+        pass
 
     def chunk(
         self,

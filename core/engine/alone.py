@@ -66,7 +66,7 @@ def generate_alone(
     prompt = list(req.prompt_ids)
     n = len(prompt)
     model = engine.loaded.model
-    restored = engine._restore(turn, points) if engine.ranks is not None else turn.restore()
+    restored = engine.peers.restore(turn)
     restore_s = time.perf_counter() - t0
     caches = restored.caches
     start = restored.position
@@ -102,7 +102,7 @@ def generate_alone(
     first_sample = None  # the folded chunk's logprobs with the processors applied
     for end in ends:
         engine._drain_control()
-        if engine._cancelled(handle):
+        if engine.peers.cancelled(handle):
             kept = turn.cancel(caches, pos)
             why = f"cancelled during prefill; kept {kept} of {n} tokens"
             handle.emit(Failed(why, kind="cancelled", kept_tokens=kept))
@@ -144,7 +144,7 @@ def generate_alone(
         forced = iter(req.teacher_ids)
         sampler = lambda logprobs: mx.array([next(forced, 0)])  # noqa: E731
         eos, record, max_tokens = set(), len(req.teacher_ids), len(req.teacher_ids)
-    sampler, stop_flags = engine._share_sampler(sampler, handle)
+    sampler, stop_flags = engine.peers.share_sampler(sampler, handle)
     detok = engine.loaded.tokenizer.detokenizer
     detok.reset()
     tokens: list[int] = []
@@ -202,7 +202,7 @@ def generate_alone(
         else:
             handle.emit(TokenBatch((tok,), detok.last_segment))
         engine._drain_control()
-        if engine._stopped(handle, stop_flags, len(tokens) - 1):
+        if engine.peers.stopped(handle, stop_flags, len(tokens) - 1):
             reason = "cancelled"
             break
     if first_logprobs is not None and len(tokens) == 1:
@@ -254,6 +254,7 @@ def generate_alone(
         ssd_write_bytes=turn.ssd_write_bytes,
     )
     engine._last = metrics
-    engine._gather_rank_stats()  # before Finished: the caller's next stats() has them
+    # before Finished: the caller's next stats() has every rank's figures
+    engine.peers.gather_stats(engine.cache, engine.monitor.stats)
     handle.emit(Finished(tuple(tokens), text, metrics))
     engine._apply_memory_pressure()

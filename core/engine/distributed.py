@@ -392,9 +392,10 @@ def serve_worker(engine: Any, log: Callable[[str], None] = print) -> bool:
     """
     from ..api import Failed, GenerateRequest
 
-    ranks = engine._join_ranks()
-    if ranks is None or ranks.is_main:
+    peers = engine._join_peers()
+    if peers.is_main:
         raise RankError("serve_worker runs on ranks > 0 of a launched group")
+    ranks = peers.ranks
     while True:
         try:
             msg = ranks.broadcast()

@@ -47,7 +47,6 @@ from ..api import (
     GenerateRequest,
     ModelLoaded,
     ModelLoading,
-    RankStats,
     RequestHandle,
     TurnMetrics,
 )
@@ -60,11 +59,11 @@ from ..cache.schedule import schedule_points
 from ..memory import prefill as prefill_mod
 from ..memory import pressure as memory_mod
 from . import distributed as dist
+from . import ranks as ranks_mod
 from .alone import generate_alone
 from .attention import OFF, chunk_attention, mlx_softmax, plan_attention, pow_softmax
 from .device import device_info, use_deterministic_kernels
 from .forward import last_logits_fn, verify_last_logits
-from .ranks import RankSeams
 from .sampling import make_request_sampler
 from .scheduler import Scheduler
 
@@ -95,13 +94,13 @@ def _close_live_engines() -> None:
         engine.close()
 
 
-class Engine(RankSeams):
+class Engine:
     """Owns the model, the prefix cache and the MLX thread.
 
     Construct with the :class:`~tierchat.config.settings.Settings` in force, then
     ``load_model(spec).wait()``; ``submit`` generations; ``stats`` and ``clear`` at will;
-    ``close`` at the end (flushes the SSD writer). Its rank seams (docs/DESIGN.md §19) are
-    :class:`~.ranks.RankSeams`.
+    ``close`` at the end (flushes the SSD writer). It meets other ranks (docs/DESIGN.md §19)
+    through its :attr:`peers` (:mod:`.ranks`: one process alone, or a group of ranks).
     """
 
     def __init__(self, settings: Settings, on_log: Callable[[str], None] | None = None) -> None:
@@ -121,12 +120,10 @@ class Engine(RankSeams):
         self._last = TurnMetrics()
         self._kv_profile = None
         self._release_queued = threading.Event()
-        # several ranks (docs/DESIGN.md §19): set on the engine thread by the first load
-        self.ranks: dist.Ranks | None = None
-        self.rank_stats: tuple[RankStats, ...] = ()
+        # several ranks (docs/DESIGN.md §19): joined on the engine thread by the first load
+        self.peers: ranks_mod.Peers = ranks_mod.OneProcess()
         self._in_request = False
         self._handle: RequestHandle | None = None
-        self._restored_by: dict[str, int] = {}
         self._attention = OFF  # which attentions run in plain MLX ops (core/engine/attention.py)
         self._last_logits = None  # set when this model's prompts use the folded schedule
         self._fold_limit: int | None = None  # longest folded last chunk (None: any)
@@ -160,8 +157,8 @@ class Engine(RankSeams):
         self, request: GenerateRequest, on_event: EventCallback | None = None
     ) -> RequestHandle:
         handle = RequestHandle(on_event)
-        if self.ranks is not None and self.ranks.failed:
-            handle.emit(Failed(self.ranks.failed, kind="error"))
+        if self.peers.failed:
+            handle.emit(Failed(self.peers.failed, kind="error"))
             return handle
         self._jobs.put((self._generate, request, handle))
         return handle
@@ -179,8 +176,8 @@ class Engine(RankSeams):
         self._jobs.put((self._drain_control, None, None))
         deadline = time.monotonic() + 60
         while not done.wait(0.25) and time.monotonic() < deadline:
-            if self.ranks is not None and self.ranks.failed:
-                raise dist.RankError(self.ranks.failed)
+            if self.peers.failed:
+                raise dist.RankError(self.peers.failed)
         if box and isinstance(box[0], Exception):
             raise box[0]
 
@@ -216,7 +213,7 @@ class Engine(RankSeams):
             self._jobs.put(_STOP)
             # a thread blocked in a collective with a rank that stopped answering never
             # takes the job: do not wait for it
-            if self.ranks is None or not self.ranks.failed:
+            if not self.peers.failed:
                 self._thread.join(timeout=60)
 
     def note(self, text: str) -> None:
@@ -239,7 +236,7 @@ class Engine(RankSeams):
                 layer_kinds=self.layer_kinds,
                 memory=mem,
                 last_turn=self._last,
-                ranks=self.rank_stats,
+                ranks=self.peers.stats,
                 requests=self._sched.states(),
             )
         hot, ssd, tails, snaps, resident = cache.tier_stats()
@@ -260,7 +257,7 @@ class Engine(RankSeams):
             memory=mem,
             last_turn=self._last,
             events=tuple(cache.events),
-            ranks=self.rank_stats,
+            ranks=self.peers.stats,
             requests=self._sched.states(),
         )
 
@@ -282,7 +279,7 @@ class Engine(RankSeams):
                 pass
             while backlog:
                 job = backlog[0]
-                if job is not _STOP and job[0] == self._generate and self.ranks is None:
+                if job is not _STOP and job[0] == self._generate and self.peers.batches:
                     backlog.popleft()
                     self._admit(job[1], job[2])
                     continue
@@ -334,14 +331,14 @@ class Engine(RankSeams):
             self._writes_held = False
 
     def _admit(self, req: GenerateRequest, handle: RequestHandle) -> None:
-        if self.ranks is not None and self.ranks.failed:
-            handle.emit(Failed(self.ranks.failed, kind="error"))
+        if self.peers.failed:
+            handle.emit(Failed(self.peers.failed, kind="error"))
             return
         self._sched.admit(req, handle)
 
     def _stop(self) -> None:
         try:
-            self._send_to_ranks({"op": "close"})
+            self.peers.send({"op": "close"})
         except dist.RankError as exc:
             self._on_log(str(exc))
         if self.cache is not None:
@@ -366,9 +363,7 @@ class Engine(RankSeams):
             fn(arg, handle)
         except Exception as exc:  # an engine error never kills the thread
             self._on_log(f"engine error: {exc!r}")
-            if self.ranks is not None and not self.ranks.failed:
-                # the other ranks may be anywhere in this job now: out of step
-                self.ranks.failed = f"the ranks are out of step after {exc!r}"
+            self.peers.out_of_step(exc)
             if handle is not None and not handle.done:
                 handle.emit(Failed(f"{type(exc).__name__}: {exc}"))
 
@@ -394,7 +389,7 @@ class Engine(RankSeams):
         mx.clear_cache()
 
     def _drain_control(self, _arg=None, _handle=None) -> None:
-        if self._in_request and self.ranks is not None:
+        if self._in_request and self.peers.size > 1:
             return  # the workers are in the request: clear between requests, on all ranks
         while True:
             try:
@@ -404,13 +399,55 @@ class Engine(RankSeams):
             try:
                 if tier not in ("hot", "ssd", "tails", "all", "resident"):
                     raise ValueError(f"unknown tier {tier!r}")
-                self._send_to_ranks({"op": "clear", "tier": tier})
-                if self.cache is not None or self.ranks is not None:
+                self.peers.send({"op": "clear", "tier": tier})
+                if self.cache is not None or self.peers.size > 1:
                     box.append(self._clear_tier(tier))
             except Exception as exc:
                 box.append(exc)
             finally:
                 done.set()
+
+    # ------------------------------------------------------------------ ranks
+    def _join_peers(self) -> ranks_mod.Peers:
+        """This process's peers: its ranks, joined on the first load when it was launched
+        as one of several (docs/DESIGN.md §19), else one process alone.
+
+        Raises:
+            dist.RankError: the ranks failed before, or could not be joined.
+        """
+        if self.peers.size == 1:
+            self.peers = ranks_mod.join(self._rank_timeout) or self.peers
+        if self.peers.failed:
+            raise dist.RankError(self.peers.failed)
+        return self.peers
+
+    def _rank_timeout(self, message: str) -> None:
+        # the watchdog thread: the engine thread is blocked in a collective
+        self._on_log(message)
+        handle = self._handle
+        if handle is not None and not handle.done:
+            handle.emit(Failed(message, kind="error"))
+
+    def _agreed_chunk(self, n: int) -> int:
+        """The prefill chunk for an ``n``-token prompt (:meth:`_plan_chunk`) on every rank.
+
+        Raises:
+            prefill_mod.PrefillRefused: a rank has no chunk that fits its memory.
+        """
+        return self.peers.agree_chunk(lambda: self._plan_chunk(n), n)
+
+    def _clear_tier(self, tier: str) -> str:
+        """Clear ``tier`` of this rank's cache (rank 0 sent the same to every worker)."""
+        msg = self.cache.clear(tier) if self.cache is not None else f"cleared {tier}: no cache"
+        self.peers.gather_stats(self.cache, self.monitor.stats)
+        return self.peers.on_every_rank(msg)
+
+    def _close_model(self) -> None:
+        """A worker's side of rank 0's engine closing: flush and drop the model."""
+        if self.cache is not None:
+            self.cache.close()
+        self.cache, self.loaded, self.model_name, self.supported = None, None, "", None
+        self.peers.forget_restore()
 
     # ------------------------------------------------------------------ load
     def _load(self, spec: str, handle: RequestHandle) -> None:
@@ -423,12 +460,11 @@ class Engine(RankSeams):
         self._handle = handle
         self._attention = plan_attention(s.chunk_attention)
         try:
-            ranks = self._join_ranks()
-            self._send_to_ranks({"op": "load", "spec": spec})
-            group = ranks.group if ranks is not None else None
-            loaded = self._agree_loaded(
+            peers = self._join_peers()
+            peers.send({"op": "load", "spec": spec})
+            loaded = peers.agree_loaded(
                 lambda: load_model(
-                    spec, models_dir=Path(s.models_dir), progress=progress, group=group
+                    spec, models_dir=Path(s.models_dir), progress=progress, group=peers.group
                 )
             )
         except Exception as exc:  # the current model and its cache stay as they were
@@ -459,7 +495,7 @@ class Engine(RankSeams):
         if not s.bitwise and not any(lf.snapshots for lf in leaves):
             # models without recurrent state: the last chunk gives the first token (with
             # its last layer split where that checks out, else whole)
-            for split in (True, False) if cpu and self.ranks is None else (False,):
+            for split in (True, False) if cpu and self.peers.size == 1 else (False,):
                 fn = last_logits_fn(loaded.model, split_last_layer=split)
                 if fn is not None and verify_last_logits(loaded.model, fn, self._make_cache):
                     self._last_logits, splits = fn, split and fn.splits() > 0
@@ -469,14 +505,13 @@ class Engine(RankSeams):
         # where a forward has no fixed floor: there, unless the last layer splits, fold only
         # chunks of at most FOLD_TOKENS_PER_LAYER tokens per layer (a GPU folds every one)
         self._fold_limit = FOLD_TOKENS_PER_LAYER * len(leaves) if cpu and not splits else None
-        if self.ranks is not None:
-            # one schedule and one softmax on every rank (pow_is_faster is timed per process)
-            pow_ = self._attention.softmax is pow_softmax
-            fold, pow_ = self.ranks.all_min([int(self._last_logits is not None), int(pow_)])
-            if not fold:
-                self._last_logits = None
-            if not pow_:
-                self._attention = dataclasses.replace(self._attention, softmax=mlx_softmax)
+        # one schedule and one softmax on every rank (pow_is_faster is timed per process)
+        pow_ = self._attention.softmax is pow_softmax
+        fold, pow_ = self.peers.all_min([int(self._last_logits is not None), int(pow_)])
+        if not fold:
+            self._last_logits = None
+        if not pow_:
+            self._attention = dataclasses.replace(self._attention, softmax=mlx_softmax)
         # probe: two tokens through a throwaway cache give every cached array's shape
         logits = loaded.model(mx.array([[0, 0]]), cache=caches)
         mx.eval([c.state for c in caches])
@@ -503,7 +538,7 @@ class Engine(RankSeams):
                 exact_prefix=self._last_logits is not None,
                 # across ranks every rank restores: a per-rank choice would split them
                 rates=Rates(Path(s.cache_dir) / f"rates-{fingerprint[:16]}.json")
-                if s.choose_recompute and self.ranks is None
+                if s.choose_recompute and self.peers.size == 1
                 else None,
                 write_budget=s.ssd_write_budget,
                 admission=s.ssd_admission,
@@ -515,7 +550,7 @@ class Engine(RankSeams):
                 rates = self.cache.rates
                 if rates is not None and rates.prefill_tps <= 0 and device_info().backend == "cuda":
                     self._calibrate_prefill()
-        self._gather_rank_stats()
+        self.peers.gather_stats(self.cache, self.monitor.stats)
         handle.emit(ModelLoaded(spec, warning=warning))
 
     def _auto_prefill_step(self, model) -> int:
@@ -580,7 +615,7 @@ class Engine(RankSeams):
         if handle.cancelled:  # cancelled while queued: no restore, no token
             handle.emit(Failed("cancelled before it started", kind="cancelled"))
             return
-        if not self._share_request(req, handle):
+        if not self.peers.share_request(req, handle):
             return
         n = len(req.prompt_ids)
         self._apply_memory_pressure()
@@ -609,7 +644,7 @@ class Engine(RankSeams):
             with (
                 mx.stream(generation_stream),
                 chunk_attention(self._attention),
-                self._watched("a request"),
+                self.peers.watched("a request"),
             ):
                 generate_alone(self, req, handle, points, chunk if fold else 0, turn, sampling)
         finally:

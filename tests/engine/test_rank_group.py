@@ -1,0 +1,243 @@
+"""The engine's peers (docs/DESIGN.md §19) without subprocesses.
+
+- The restore agreement of :class:`RankGroup`, run by two simulated ranks on two threads
+  whose collectives meet at a barrier, over request objects that plan and restore from a
+  table: every rank lands on one position, the highest all of them can reach.
+- The real engine with a :class:`RankGroup` over a one-rank transport: requests take the
+  ranks' path (one at a time, ``alone.py``, the restore agreed through the request object)
+  and still equal a cold run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import mlx.core as mx
+import pytest
+from engine_kit import assert_same, generate, make_engine, random_prompt
+from tierchat.config.settings import Settings
+from tierchat.core.cache.plans import Restored
+from tierchat.core.engine.engine import Engine
+from tierchat.core.engine.ranks import OneProcess, RankGroup
+
+# ------------------------------------------------------------------ simulated ranks
+
+
+class Collective:
+    """Element-wise min/max over ``size`` threads: each call waits for every rank's."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.rows: list = [None] * size
+        self.barrier = threading.Barrier(size, timeout=30)
+
+    def reduce(self, rank: int, values, op) -> list[int]:
+        self.rows[rank] = [values] if isinstance(values, int) else list(values)
+        self.barrier.wait()
+        out = [op(col) for col in zip(*self.rows, strict=True)]
+        self.barrier.wait()  # every rank read the rows before the next call writes them
+        return out
+
+
+class ThreadRank:
+    """One simulated rank of a :class:`Collective` (the part of ``dist.Ranks`` that
+    :meth:`RankGroup.restore` and :meth:`RankGroup.agree_chunk` use)."""
+
+    def __init__(self, collective: Collective, rank: int) -> None:
+        self.collective, self.rank, self.size = collective, rank, collective.size
+        self.is_main, self.failed, self.on_timeout = rank == 0, "", None
+
+    def all_min(self, values) -> list[int]:
+        return self.collective.reduce(self.rank, values, min)
+
+    def all_max(self, values) -> list[int]:
+        return self.collective.reduce(self.rank, values, max)
+
+
+class TableTurn:
+    """A request object that can restore the positions in ``reachable`` (a plan takes the
+    highest at most the limit); a restore lands ``short`` lower where given (a file lost
+    since the plan). Records every call."""
+
+    def __init__(self, n: int, reachable, short=None, repeat: bool = False) -> None:
+        self.prompt = list(range(n))
+        self.reachable = sorted(set(reachable) | {0})
+        self.short = dict(short or {})
+        self.repeat = repeat
+        self.calls: list = []
+
+    def offer_repeat(self) -> bool:
+        self.calls.append("offer")
+        return self.repeat
+
+    def decline_repeat(self) -> None:
+        self.calls.append("decline")
+
+    def plan_position(self, limit: int) -> int:
+        return max(p for p in self.reachable if p <= max(limit, 0))
+
+    def restore(self, max_position=None) -> Restored:
+        self.calls.append(("restore", max_position))
+        if max_position is None:
+            return Restored(len(self.prompt))  # the repeat it offered
+        p = self.plan_position(max_position)
+        return Restored(self.short.get(p, p))
+
+    def restore_cold(self) -> Restored:
+        self.calls.append("cold")
+        return Restored(0)
+
+    def log(self, text: str) -> None:
+        self.calls.append(text)
+
+
+def agree(*turns: TableTurn) -> list[Restored]:
+    """Run :meth:`RankGroup.restore` on one thread per turn, as that many ranks."""
+    collective = Collective(len(turns))
+    out: list = [None] * len(turns)
+    errors: list = []
+
+    def run(rank: int) -> None:
+        try:
+            group = RankGroup(ThreadRank(collective, rank), on_timeout=lambda m: None)
+            out[rank] = group.restore(turns[rank])
+        except Exception as exc:  # noqa: BLE001 -- reported by the test
+            errors.append(exc)
+            collective.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(turns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return out
+
+
+def test_ranks_restore_the_highest_position_every_rank_can_reach():
+    # a state model: each rank lands only on its own snapshots; 32 is common to both
+    a = TableTurn(60, reachable=[16, 32, 48])
+    b = TableTurn(60, reachable=[32, 40])
+    got = agree(a, b)
+    assert [r.position for r in got] == [32, 32]
+    assert ("restore", 32) in a.calls and ("restore", 32) in b.calls
+
+
+def test_the_fixpoint_falls_until_every_rank_plans_the_same_position():
+    a = TableTurn(100, reachable=[20, 50, 90])
+    b = TableTurn(100, reachable=[20, 60, 95])
+    c = TableTurn(100, reachable=[20, 55, 80])
+    assert [r.position for r in agree(a, b, c)] == [20, 20, 20]
+
+
+def test_a_rank_that_lands_lower_makes_every_rank_restore_again_there():
+    a = TableTurn(60, reachable=[16, 48])
+    b = TableTurn(60, reachable=[16, 48], short={48: 16})  # its file at 48 is gone
+    got = agree(a, b)
+    assert [r.position for r in got] == [16, 16]
+    assert [c for c in a.calls if isinstance(c, tuple)] == [("restore", 48), ("restore", 16)]
+    assert any("again at 16" in str(c) for c in a.calls)
+
+
+def test_ranks_that_still_differ_start_cold_on_every_rank():
+    a = TableTurn(60, reachable=[48])
+    b = TableTurn(60, reachable=[48], short={48: 16, 16: 0})
+    c = TableTurn(60, reachable=[16, 48], short={48: 32, 16: 16})
+    got = agree(a, b, c)
+    assert [r.position for r in got] == [0, 0, 0]
+    assert all("cold" in t.calls for t in (a, b, c))
+
+
+def test_the_same_prompt_again_is_taken_on_every_rank_or_on_none():
+    both = agree(TableTurn(30, [16], repeat=True), TableTurn(30, [16], repeat=True))
+    assert [r.position for r in both] == [30, 30]
+    a, b = TableTurn(30, [16], repeat=True), TableTurn(30, [16], repeat=False)
+    assert [r.position for r in agree(a, b)] == [16, 16]
+    assert "decline" in a.calls  # a hands its resident back before planning
+
+
+def test_one_process_restores_the_request_alone_and_agrees_with_itself():
+    turn = TableTurn(40, reachable=[16, 32])
+    peers = OneProcess()
+    assert peers.restore(turn).position == 40  # turn.restore() with no limit
+    assert peers.all_min([3, 5]) == [3, 5]
+    assert peers.agree_chunk(lambda: 64, 100) == 64
+    assert peers.on_every_rank("cleared hot") == "cleared hot"
+
+
+# ------------------------------------------------------------------ the engine, one rank
+
+
+class OneRankTransport:
+    """``dist.Ranks`` for a group of one rank: every collective returns this rank's own
+    values, so a :class:`RankGroup` over it runs the ranks' path in one process."""
+
+    rank, size, is_main, group = 0, 1, True, None
+
+    def __init__(self) -> None:
+        self.failed, self.on_timeout, self.sent = "", None, []
+
+    def section(self, stage: str):
+        return contextlib.nullcontext()
+
+    def tick(self) -> None:
+        pass
+
+    def broadcast(self, message=None):
+        self.sent.append(message["op"])
+        return message
+
+    def all_min(self, values):
+        return [values] if isinstance(values, int) else list(values)
+
+    all_max = all_min
+
+    def gather(self, row):
+        return [list(row)]
+
+    def share_sampler(self, sampler, stop):
+        flags: list = []
+
+        def shared(logprobs):
+            flags.append(mx.array(int(stop()), dtype=mx.int32))
+            return sampler(logprobs)
+
+        return shared, flags
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_the_ranks_path_on_one_rank_equals_a_cold_run(arch, tmp_path, models_dir):
+    """A shared prefix, a longer prompt and the same prompt again, through the ranks'
+    path (the restore agreed through the request object), equal a cold engine's."""
+    cold = make_engine(f"tiny:{arch}", tmp_path / "cold", models_dir, no_cache=True)
+    transport = OneRankTransport()
+    hot = Engine(
+        Settings(
+            bitwise=True,
+            block_size=16,
+            cache_dir=tmp_path / "kv",
+            models_dir=models_dir,
+            data_dir=tmp_path / "data",
+        )
+    )
+    hot.peers = RankGroup(transport, on_timeout=lambda message: None)
+    hot.record_logprobs = 3
+    try:
+        assert not hasattr(hot.load_model(f"tiny:{arch}").wait(120), "message")
+        assert not hot.peers.batches and transport.sent == ["load"]
+        base = random_prompt(50, seed=5)
+        prompts = [base, base + random_prompt(23, seed=6), base + random_prompt(23, seed=6)]
+        for i, p in enumerate(prompts):
+            a, ha = generate(cold, p, max_tokens=5)
+            b, hb = generate(hot, p, max_tokens=5)
+            assert_same(a, ha, b, hb)
+            if i == 1:
+                assert b.metrics.cached_tokens > 0  # the shared prefix was restored
+        assert b.metrics.cached_tokens >= len(prompts[2]) - 1  # the same prompt again
+        assert hot.stats().ranks[0].cached_hot == b.metrics.cached_by["hot"]
+        assert transport.sent.count("generate") == 3
+        assert "on each of 1 ranks" in hot.peers.on_every_rank("cleared")
+    finally:
+        hot.close()
+        cold.close()
