@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from ..api import (
     WearStats,
 )
 from . import layers as L
+from . import stats
 from .admission import WritePolicy
 from .blocks import (
     KIND_BLOCK,
@@ -60,7 +61,7 @@ from .hot import HotTier
 from .planner import Planner
 from .plans import Held, Plan, Resident, Restored
 from .rates import Rates
-from .request import CacheRequest
+from .request import CacheRequest, ColdRequest
 from .ssd.tier import SSDTier
 from .wear import WriteLedger
 
@@ -594,6 +595,66 @@ class PrefixCache:
         if self.ssd is not None:
             self.ssd.close()
 
+    # ------------------------------------------------------------------ the engine's calls
+    # what the engine asks of the tiers, so that it never reaches into them (§2, §11)
+    def begin_cold(self, fresh) -> ColdRequest:
+        """A request with the cache off (:class:`~.request.ColdRequest`): it keeps nothing,
+        and holds the SSD writer to its first token as a cached one does."""
+        return ColdRequest(fresh, self.ssd)
+
+    def fit_hot_budget(self, budget: Callable[[int], int]) -> tuple[int, int] | None:
+        """Set the hot tier's budget to ``budget(held)`` bytes (``held``: the bytes it holds
+        now), evicting down to it: ``(budget, entries evicted)``, or None if unchanged."""
+        max_bytes = budget(self.hot.nbytes)
+        if max_bytes == self.hot.max_bytes:
+            return None
+        return max_bytes, self.hot.set_budget(max_bytes)
+
+    def ssd_warning(self) -> str | None:
+        """Why the SSD tier asked for is off (a warning for the user), or None: it works,
+        or none was asked for."""
+        return self.ssd.reason if self.ssd is not None and not self.ssd.enabled else None
+
+    def on_ssd_idle(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` (from the SSD writer's thread) each time its queue empties."""
+        if self.ssd is not None:
+            self.ssd.on_idle = callback
+
+    def hold_writes(self, holder: Any) -> bool:
+        """Hold the SSD writer for ``holder`` until :meth:`release_writes`
+        (:meth:`.ssd.tier.SSDTier.pause`); False when there is no SSD tier."""
+        if self.ssd is None:
+            return False
+        self.ssd.pause(holder)
+        return True
+
+    def release_writes(self, holder: Any) -> None:
+        """Give up ``holder``'s hold on the SSD writer (no effect if it holds none)."""
+        if self.ssd is not None:
+            self.ssd.resume(holder)
+
+    @property
+    def ssd_files_written(self) -> int:
+        """SSD files the writer has written since start (0 without an SSD tier)."""
+        return self.ssd.saves_persisted if self.ssd is not None else 0
+
+    @property
+    def needs_prefill_rate(self) -> bool:
+        """Whether the restore-or-recompute choice (:mod:`.rates`) is on, reads an SSD
+        tier and has no prefill rate yet (a calibration at load would give it one)."""
+        return self.ssd is not None and self.rates is not None and self.rates.prefill_tps <= 0
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill of ``tokens`` tokens took ``seconds``: the rate the choice uses."""
+        if self.rates is not None:
+            self.rates.observe_prefill(tokens, seconds)
+
+    def release_ram(self) -> None:
+        """Drop the RAM tiers' arrays now (hot tier and resident cache; the SSD tier's
+        index stays readable): the engine is closing and its model goes."""
+        self.hot.clear()
+        self.drop_resident()
+
     # ------------------------------------------------------------------ stats
     def count_lookup(self, restored: Restored, prompt_tokens: int) -> None:
         """Count one request's restore by where its prefix came from (one per request:
@@ -615,76 +676,9 @@ class PrefixCache:
     def tier_stats(
         self,
     ) -> tuple[TierStats, TierStats, TailStats, SnapshotStats, ResidentStats]:
-        hot = self.hot
-        hot_stats = TierStats(
-            entries=len(hot),
-            nbytes=hot.nbytes,
-            max_bytes=hot.max_bytes,
-            hits=self.hot_hits,
-            misses=self.hot_misses,
-            evictions=hot.evictions,
-            errors=self.restore_errors,
-        )
-        s = self.ssd
-        if s is None:
-            ssd_stats = TierStats(enabled=False, reason="SSD tier off")
-        else:
-            ssd_stats = TierStats(
-                entries=len(s),
-                nbytes=s.nbytes,
-                max_bytes=s.max_bytes,
-                hits=s.hits,
-                misses=s.misses,
-                evictions=s.evictions,
-                evicted_bytes=s.evicted_bytes,
-                saves_queued=s.saves_queued,
-                saves_persisted=s.saves_persisted,
-                write_drops=s.write_drops,
-                errors=s.errors,
-                corrupt=s.corrupt,
-                queue_depth=s.queue_depth,
-                enabled=s.enabled,
-                reason=s.reason,
-            )
-        tails = TailStats(
-            entries=hot.n_tails,
-            max_entries=hot.max_tails,
-            nbytes=hot.tail_nbytes,
-            stashes=self.tail_stashes,
-            hits=self.tail_hits,
-            misses=self.tail_misses,
-            evictions=hot.tail_evictions,
-            tokens_saved=self.tail_tokens_saved,
-            # sequence ends and boundaries: what a turn's "checkpoint" tokens came from
-            checkpoints=hot.n_checkpoints + hot.n_seq,
-            checkpoint_hits=self.checkpoint_hits,
-            supported=True,
-        )
-        snaps = SnapshotStats(count=hot.snapshot_count, nbytes=hot.snapshot_nbytes)
-        r = self.resident
-        resident = ResidentStats(
-            tokens=len(r.tokens) if r else 0, nbytes=r.nbytes if r else 0, hits=self.resident_hits
-        )
-        return hot_stats, ssd_stats, tails, snaps, resident
+        """The hot, SSD, tails, snapshots and resident figures (:func:`.stats.tier_stats`)."""
+        return stats.tier_stats(self)
 
     def wear_stats(self) -> WearStats:
         """SSD bytes written and what admission deferred or skipped (docs/DESIGN.md §8.6)."""
-        s, w = self.ssd, self.writes
-        if s is None:
-            return WearStats(enabled=False)
-        led = s.ledger
-        return WearStats(
-            session_bytes=led.session_bytes,
-            session_files=led.session_files,
-            total_bytes=led.total_bytes,
-            total_files=led.total_files,
-            day_bytes=led.day_bytes(),
-            budget_bytes=led.budget,
-            pending_bytes=s.pending_bytes,
-            deferred=w.deferred,
-            deferred_bytes=w.deferred_bytes,
-            skipped=w.skipped,
-            skipped_bytes=w.skipped_bytes,
-            budget_skips=s.budget_skips,
-            budget_skipped_bytes=s.budget_skipped_bytes,
-        )
+        return stats.wear_stats(self)

@@ -54,7 +54,6 @@ from ..cache import layers as L
 from ..cache.blocks import LOGPROBS
 from ..cache.prefix import PrefixCache, probe_specs
 from ..cache.rates import Rates
-from ..cache.request import ColdRequest
 from ..cache.schedule import schedule_points
 from ..memory import prefill as prefill_mod
 from ..memory import pressure as memory_mod
@@ -64,6 +63,7 @@ from .alone import generate_alone
 from .attention import OFF, chunk_attention, mlx_softmax, plan_attention, pow_softmax
 from .device import device_info, use_deterministic_kernels
 from .forward import last_logits_fn, verify_last_logits
+from .prefill_steps import auto_prefill_step, open_turn
 from .sampling import make_request_sampler
 from .scheduler import Scheduler
 
@@ -73,12 +73,6 @@ _BUSY_HOLD = "requests held"  # the engine's key among the SSD writer's holders
 # demo (24 layers, float32) costs about what 20 tokens' share of a prefill does, and the
 # folded chunk's extra work is one layer of its tokens
 FOLD_TOKENS_PER_LAYER = 20
-# the CPU's prefill step when the settings leave it to the engine (docs/DESIGN.md §20):
-# chunks are cut at multiples of CPU_STEP_WEIGHT_BYTES / (the weights' bytes) tokens, a
-# power of two from 16 to the chunk: a function of the model, so cold and cached runs cut
-# alike. demo (2 GB in float32) gets 16: about a second of this 2-core machine's prefill
-CPU_STEP_WEIGHT_BYTES = 1 << 35
-MIN_PREFILL_STEP = 16
 _live_engines: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -316,18 +310,19 @@ class Engine:
         says so (auto: on CUDA; see :meth:`release_host_buffers`): its host reads of device
         memory then happen between requests, and the buffer cache is cleared after them
         before the next decode step."""
-        ssd = self.cache.ssd if self.cache is not None else None
-        if ssd is None or busy == self._writes_held:
+        cache = self.cache
+        if cache is None or busy == self._writes_held:
             return
         if busy and not self._write_while_busy:
-            ssd.pause(_BUSY_HOLD)
+            if not cache.hold_writes(_BUSY_HOLD):
+                return  # no SSD tier
             self._writes_held = True
-            if ssd.saves_persisted != self._saves_at_clear:
+            if cache.ssd_files_written != self._saves_at_clear:
                 # files written since the last clear (a writer stopped mid-queue by this
                 # hold): their host-read buffers leave MLX's cache before the first step
                 self._clear_buffer_cache()
         elif not busy:
-            ssd.resume(_BUSY_HOLD)
+            cache.release_writes(_BUSY_HOLD)
             self._writes_held = False
 
     def _admit(self, req: GenerateRequest, handle: RequestHandle) -> None:
@@ -343,9 +338,7 @@ class Engine:
             self._on_log(str(exc))
         if self.cache is not None:
             self.cache.close()
-            # the RAM tiers' arrays go now (the SSD tier's index stays readable)
-            self.cache.hot.clear()
-            self.cache.drop_resident()
+            self.cache.release_ram()  # the RAM tiers' arrays go now
         # free the weights now, and MLX's buffer cache with them, so a restart in
         # the same process (replay, the bench) never holds two models' memory at
         # once (the folded schedule's head closure holds the trunk's weights too)
@@ -384,8 +377,7 @@ class Engine:
 
     def _clear_buffer_cache(self, _arg=None, _handle=None) -> None:
         self._release_queued.clear()
-        ssd = self.cache.ssd if self.cache is not None else None
-        self._saves_at_clear = ssd.saves_persisted if ssd is not None else 0
+        self._saves_at_clear = self.cache.ssd_files_written if self.cache is not None else 0
         mx.clear_cache()
 
     def _drain_control(self, _arg=None, _handle=None) -> None:
@@ -474,7 +466,7 @@ class Engine:
             self.cache.close()
         self.cache, self.supported = None, None
         self.loaded, self.model_name = loaded, spec
-        self._prefill_step = s.prefill_step or self._auto_prefill_step(loaded.model)
+        self._prefill_step = s.prefill_step or auto_prefill_step(loaded.model, s.prefill_chunk)
         self._last_logits = None
         warning = None
         self._kv_profile = prefill_mod.kv_profile(loaded.model, lambda m: self._make_cache())
@@ -543,28 +535,12 @@ class Engine:
                 write_budget=s.ssd_write_budget,
                 admission=s.ssd_admission,
             )
-            if self.cache.ssd is not None and not self.cache.ssd.enabled:
-                warning = self.cache.ssd.reason
-            if self.cache.ssd is not None:
-                self.cache.ssd.on_idle = self.release_host_buffers
-                rates = self.cache.rates
-                if rates is not None and rates.prefill_tps <= 0 and device_info().backend == "cuda":
-                    self._calibrate_prefill()
+            warning = self.cache.ssd_warning()
+            self.cache.on_ssd_idle(self.release_host_buffers)
+            if self.cache.needs_prefill_rate and device_info().backend == "cuda":
+                self._calibrate_prefill()
         self.peers.gather_stats(self.cache, self.monitor.stats)
         handle.emit(ModelLoaded(spec, warning=warning))
-
-    def _auto_prefill_step(self, model) -> int:
-        """The prefill step (tokens) on this device when not set: none (0) on a GPU;
-        on the CPU from the weights' size (:data:`CPU_STEP_WEIGHT_BYTES`)."""
-        if device_info().kind != "cpu":
-            return 0
-        from mlx.utils import tree_flatten
-
-        nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters())) or 1
-        chunk = max(1, self.settings.prefill_chunk)
-        step = max(MIN_PREFILL_STEP, CPU_STEP_WEIGHT_BYTES // nbytes)
-        step = 1 << (step.bit_length() - 1)  # a power of two
-        return 0 if step >= chunk else step
 
     def _calibrate_prefill(self, tokens: int = 1536) -> None:
         """Measure the prefill rate once, at load, for the restore-or-recompute choice
@@ -581,7 +557,7 @@ class Engine:
                 model(ids, cache=(caches := self._make_cache()))
                 mx.eval([c.state for c in caches])
                 dt = time.perf_counter() - t0
-        self.cache.rates.observe_prefill(tokens + 67, dt)
+        self.cache.observe_prefill(tokens + 67, dt)
 
     def _make_cache(self) -> list[Any]:
         model = self.loaded.model
@@ -628,15 +604,8 @@ class Engine:
             return
         fold = self._last_logits is not None
         points = schedule_points(n, chunk, req.boundaries, fold=fold)
-        cache = self.cache
         sampling = make_request_sampler(req)  # the one place sampling is built (§2)
-        if cache is not None and req.use_cache:
-            # sampling hook: processors need the first token's logits, so such a request
-            # restores at most N - 1 (the cache keeps the model's own logprobs)
-            limit = n - 1 if sampling.needs_logits else None
-            turn = cache.begin(req.prompt_ids, points, req.boundaries, self._make_cache, limit)
-        else:
-            turn = ColdRequest(self._make_cache, cache.ssd if cache is not None else None)
+        turn = open_turn(self, req, points, sampling)
         self._in_request, self._handle = True, handle
         try:
             # restore, prefill, decode and capture on the one stream generate_step decodes
@@ -683,9 +652,9 @@ class Engine:
         if cache is None:
             return
         configured = self.settings.hot_bytes
-        budget = self.monitor.budget(configured, held_bytes=cache.hot.nbytes)
-        if budget != cache.hot.max_bytes:
-            evicted = cache.hot.set_budget(budget)
+        fitted = cache.fit_hot_budget(lambda held: self.monitor.budget(configured, held_bytes=held))
+        if fitted is not None:
+            budget, evicted = fitted
             level = self.monitor.level()
             cache.log(f"memory {level}: hot budget {budget:,} bytes ({evicted} evicted)")
             if memory_mod.should_clear_mlx_cache(level):

@@ -31,8 +31,48 @@ from ..api import GenerateRequest, PrefillProgress, RequestHandle, TurnMetrics
 from ..cache.plans import Restored
 from ..cache.request import CacheRequest, ColdRequest
 from ..cache.schedule import chunk_ends, schedule_points
+from .device import device_info
 from .forward import logprobs_of
 from .sampling import RequestSampling, make_request_sampler
+
+# the CPU's prefill step when the settings leave it to the engine (docs/DESIGN.md §20):
+# chunks are cut at multiples of CPU_STEP_WEIGHT_BYTES / (the weights' bytes) tokens, a
+# power of two from 16 to the chunk: a function of the model, so cold and cached runs cut
+# alike. demo (2 GB in float32) gets 16: about a second of this 2-core machine's prefill
+CPU_STEP_WEIGHT_BYTES = 1 << 35
+MIN_PREFILL_STEP = 16
+
+
+def auto_prefill_step(model: Any, prefill_chunk: int) -> int:
+    """The prefill step (tokens) on this device when the settings leave it to the engine:
+    none (0) on a GPU; on the CPU from the weights' size (:data:`CPU_STEP_WEIGHT_BYTES`),
+    none when that reaches ``prefill_chunk``."""
+    if device_info().kind != "cpu":
+        return 0
+    from mlx.utils import tree_flatten
+
+    nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters())) or 1
+    chunk = max(1, prefill_chunk)
+    step = max(MIN_PREFILL_STEP, CPU_STEP_WEIGHT_BYTES // nbytes)
+    step = 1 << (step.bit_length() - 1)  # a power of two
+    return 0 if step >= chunk else step
+
+
+def open_turn(
+    engine: Any, req: GenerateRequest, points: list[int], sampling: RequestSampling
+) -> CacheRequest | ColdRequest:
+    """The request's cache object (docs/DESIGN.md §9): a :class:`CacheRequest` over the
+    engine's prefix cache for the schedule ``points``, or a :class:`ColdRequest` with the
+    cache off (for this request or the engine)."""
+    cache, fresh = engine.cache, engine._make_cache
+    if cache is None:
+        return ColdRequest(fresh)
+    if not req.use_cache:
+        return cache.begin_cold(fresh)
+    # processors need the first token's logits: such a request restores at most N - 1
+    # (the cache keeps the model's own logprobs)
+    limit = len(req.prompt_ids) - 1 if sampling.needs_logits else None
+    return cache.begin(req.prompt_ids, points, req.boundaries, fresh, limit)
 
 
 class Prefill:
@@ -84,14 +124,8 @@ class Prefill:
         step = e._prefill_step
         if step and not fold:  # the step's multiples are schedule points too (no checkpoint)
             points = sorted(checkpoints | set(range(step, n - 1, step)))
-        cache = e.cache
         sampling = make_request_sampler(req)  # the one place sampling is built (§2)
-        if cache is not None and req.use_cache:
-            # processors need the first token's logits: restore at most N - 1
-            limit = n - 1 if sampling.needs_logits else None
-            turn = cache.begin(req.prompt_ids, points, req.boundaries, e._make_cache, limit)
-        else:
-            turn = ColdRequest(e._make_cache, cache.ssd if cache is not None else None)
+        turn = open_turn(e, req, points, sampling)
         t0 = time.perf_counter()
         mx.reset_peak_memory()
         try:

@@ -189,3 +189,18 @@ def test_no_import_cycle_inside_core():
             visit(node, [node])
     assert not cycles, "\n".join(cycles)
 
+
+
+def test_the_engine_reaches_no_cache_tier():
+    """core/engine/ asks the prefix cache through its own methods (``fit_hot_budget``,
+    ``ssd_warning``, ``hold_writes``, ``observe_prefill``, ``release_ram``...), never
+    through its tiers: no attribute ``hot``, ``ssd`` or ``rates`` is read there
+    (``cache.hot.nbytes``, ``self.cache.ssd``, an alias's ``.rates``; docs/DESIGN.md §2)."""
+    tiers = {"hot", "ssd", "rates"}
+    reaches = []
+    for path in sorted((ROOT / "core" / "engine").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in tiers:
+                reaches.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+    assert not reaches, "\n".join(reaches)

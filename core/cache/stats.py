@@ -1,0 +1,92 @@
+"""The prefix cache's figures as the stats snapshot carries them (docs/DESIGN.md §10):
+one immutable record per tier, read from a :class:`~.prefix.PrefixCache` on any thread."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..api import ResidentStats, SnapshotStats, TailStats, TierStats, WearStats
+
+if TYPE_CHECKING:
+    from .prefix import PrefixCache
+
+
+def tier_stats(
+    cache: PrefixCache,
+) -> tuple[TierStats, TierStats, TailStats, SnapshotStats, ResidentStats]:
+    """The hot tier, the SSD tier (``enabled=False`` without one), the tails and
+    checkpoints, the state snapshots and the resident cache of ``cache``."""
+    hot = cache.hot
+    hot_stats = TierStats(
+        entries=len(hot),
+        nbytes=hot.nbytes,
+        max_bytes=hot.max_bytes,
+        hits=cache.hot_hits,
+        misses=cache.hot_misses,
+        evictions=hot.evictions,
+        errors=cache.restore_errors,
+    )
+    s = cache.ssd
+    if s is None:
+        ssd_stats = TierStats(enabled=False, reason="SSD tier off")
+    else:
+        ssd_stats = TierStats(
+            entries=len(s),
+            nbytes=s.nbytes,
+            max_bytes=s.max_bytes,
+            hits=s.hits,
+            misses=s.misses,
+            evictions=s.evictions,
+            evicted_bytes=s.evicted_bytes,
+            saves_queued=s.saves_queued,
+            saves_persisted=s.saves_persisted,
+            write_drops=s.write_drops,
+            errors=s.errors,
+            corrupt=s.corrupt,
+            queue_depth=s.queue_depth,
+            enabled=s.enabled,
+            reason=s.reason,
+        )
+    tails = TailStats(
+        entries=hot.n_tails,
+        max_entries=hot.max_tails,
+        nbytes=hot.tail_nbytes,
+        stashes=cache.tail_stashes,
+        hits=cache.tail_hits,
+        misses=cache.tail_misses,
+        evictions=hot.tail_evictions,
+        tokens_saved=cache.tail_tokens_saved,
+        # sequence ends and boundaries: what a turn's "checkpoint" tokens came from
+        checkpoints=hot.n_checkpoints + hot.n_seq,
+        checkpoint_hits=cache.checkpoint_hits,
+        supported=True,
+    )
+    snaps = SnapshotStats(count=hot.snapshot_count, nbytes=hot.snapshot_nbytes)
+    r = cache.resident
+    resident = ResidentStats(
+        tokens=len(r.tokens) if r else 0, nbytes=r.nbytes if r else 0, hits=cache.resident_hits
+    )
+    return hot_stats, ssd_stats, tails, snaps, resident
+
+
+def wear_stats(cache: PrefixCache) -> WearStats:
+    """Of ``cache``: SSD bytes written and what admission deferred or skipped (docs/DESIGN.md §8.6)."""
+    s, w = cache.ssd, cache.writes
+    if s is None:
+        return WearStats(enabled=False)
+    led = s.ledger
+    return WearStats(
+        session_bytes=led.session_bytes,
+        session_files=led.session_files,
+        total_bytes=led.total_bytes,
+        total_files=led.total_files,
+        day_bytes=led.day_bytes(),
+        budget_bytes=led.budget,
+        pending_bytes=s.pending_bytes,
+        deferred=w.deferred,
+        deferred_bytes=w.deferred_bytes,
+        skipped=w.skipped,
+        skipped_bytes=w.skipped_bytes,
+        budget_skips=s.budget_skips,
+        budget_skipped_bytes=s.budget_skipped_bytes,
+    )
