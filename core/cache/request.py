@@ -13,8 +13,10 @@ cache needs around it, in the order a request meets it (docs/DESIGN.md §9)::
     req.close()                                # always (``finally``); or req.cancel(...)
 
 as mlx-lm's server uses its ``LRUPromptCache`` through two calls (``fetch_nearest_cache``,
-``insert_cache``). :class:`ColdRequest` has the same methods and keeps nothing: a request
-with the cache off runs the same code.
+``insert_cache``). Ranks agree on the restore through the same object (``offer_repeat``,
+``decline_repeat``, ``plan_position``, then ``restore(max_position=m)``; docs/DESIGN.md
+§19). :class:`ColdRequest` has the same methods and keeps nothing: a request with the cache
+off runs the same code.
 
 Everything here runs on the engine thread.
 """
