@@ -134,11 +134,16 @@ class Step:
 
 
 class DecodeBatch:
-    """The decoding sequences of one model: :meth:`add`, :meth:`step`, :meth:`remove`."""
+    """The decoding sequences of one model: :meth:`add`, :meth:`step`, :meth:`remove`.
 
-    def __init__(self, model: Any) -> None:
+    ``share`` wraps every sampler (the batch's greedy one and each sequence's own): across
+    ranks, so that the tokens are rank 0's on every rank (docs/DESIGN.md §19); alone, it
+    returns the sampler itself."""
+
+    def __init__(self, model: Any, share: Callable[[Sampler], Sampler] = lambda s: s) -> None:
         self.model = model
-        self._greedy = make_sampler(temp=0.0)
+        self._share = share
+        self._greedy = share(make_sampler(temp=0.0))
         self._main: _Batch | None = None  # merged, or one mergeable sequence alone
         self._alone: dict[int, _Batch] = {}  # sequences whose caches cannot merge
         self._unfed: dict[int, int] = {}  # joined, their token not yet through the model
@@ -171,7 +176,7 @@ class DecodeBatch:
             mx.array([token], dtype=mx.uint32),
             caches,
             [list(context)],
-            [sampler],
+            [self._share(sampler) if sampler is not None else None],
             self._greedy,
             [tuple(processors or ())],
             [StopSequences(stop)],

@@ -37,6 +37,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.generate import generation_stream
 
 from ..api import RankStats
 from .doorbell import CONNECT_TIMEOUT_S, Doorbell, rank0_host
@@ -249,30 +250,22 @@ class Ranks:
         x[self.rank] = mx.array(list(row), dtype=mx.int64)
         return [[int(v) for v in r] for r in self._sum(x).tolist()]
 
-    def share_sampler(
-        self, sampler: Callable[[mx.array], mx.array], stop: Callable[[], bool]
-    ) -> tuple[Callable[[mx.array], mx.array], list[mx.array]]:
-        """A sampler for ``generate_step`` whose tokens are rank 0's on every rank.
-
-        Rank 0 samples with ``sampler`` and adds ``stop()`` (read when the step's graph is
-        built); the other ranks contribute zeros made to depend on their logprobs, so the
-        ``all_sum`` comes after the step's forward (and its collectives) on every rank.
-        Returns the sampler and the list it appends each step's stop flag to (an int32
-        array of shape ``()``, lazy; step ``i``'s flag is element ``i``).
-        """
-        flags: list[mx.array] = []
+    def share_tokens(
+        self, sampler: Callable[[mx.array], mx.array]
+    ) -> Callable[[mx.array], mx.array]:
+        """A sampler whose tokens are rank 0's on every rank: rank 0 samples with
+        ``sampler``; the other ranks contribute zeros made to depend on their logprobs
+        (shape ``(..., vocab)``), so the ``all_sum`` comes after the step's forward (and its
+        collectives) on every rank. Tokens are int32 of shape ``logprobs.shape[:-1]``."""
 
         def shared(logprobs: mx.array) -> mx.array:
             if self.is_main:
                 y = sampler(logprobs).astype(mx.int32)
-                mine = mx.concatenate([y.reshape(-1), mx.array([int(stop())], mx.int32)])
             else:
-                mine = mx.depends(mx.zeros((2,), dtype=mx.int32), logprobs)
-            both = mx.distributed.all_sum(mine, group=self.group, stream=self.stream)
-            flags.append(both[1])
-            return both[:1]
+                y = mx.depends(mx.zeros(logprobs.shape[:-1], dtype=mx.int32), logprobs)
+            return mx.distributed.all_sum(y, group=self.group, stream=self.stream)
 
-        return shared, flags
+        return shared
 
     # ------------------------------------------------------------------ watchdog
     def tick(self) -> None:
@@ -380,8 +373,8 @@ def _tuples(value: Any) -> Any:
 
 def serve_worker(engine: Any, log: Callable[[str], None] = print) -> bool:
     """The loop of a rank > 0, on its engine thread (``engine.call(...)``): take each of
-    rank 0's messages and run it on this rank's engine (load, generate, clear, close,
-    exit).
+    rank 0's messages and run it on this rank's engine (load, clear, close, exit; a
+    request's ``admit`` and each action of rank 0's scheduler, ``step``).
 
     Returns True when rank 0 said exit, or ended after closing its engine (a clean end);
     False when it was lost with a model loaded or a message failed here (reported
@@ -398,6 +391,9 @@ def serve_worker(engine: Any, log: Callable[[str], None] = print) -> bool:
     ranks = peers.ranks
     while True:
         try:
+            # the last step's graph (computed ahead) is done before the next message: its
+            # collectives and the message's meet rank 0's in one order
+            mx.synchronize(generation_stream)
             msg = ranks.broadcast()
         except RankError as exc:
             if engine.loaded is None:
@@ -409,9 +405,13 @@ def serve_worker(engine: Any, log: Callable[[str], None] = print) -> bool:
         try:
             if op == "load":
                 engine._load(msg["spec"], handle)
-            elif op == "generate":
+            elif op == "admit":  # the scheduler's queue, as on rank 0 (docs/DESIGN.md §20)
                 fields = {k: _tuples(v) for k, v in msg["request"].items()}
-                engine._generate(GenerateRequest(**fields), handle)
+                engine._sched.admit(GenerateRequest(**fields), handle, uid=msg["uid"])
+                continue
+            elif op == "step":
+                engine._sched.follow(msg)
+                continue
             elif op == "clear":
                 engine._clear_tier(msg["tier"])
             elif op == "close":

@@ -10,7 +10,7 @@ prompt's schedule of chunks (:func:`~.cache.schedule.schedule_points`: multiples
 ``prefill_chunk``, message ends, N-1) with one eval per chunk that also materializes the
 blocks and checkpoints captured from it, then decode from the last prompt token (many
 requests at once in the scheduler, :mod:`.scheduler`, docs/DESIGN.md §20; across ranks
-one at a time with mlx-lm's ``generate_step``, :mod:`.alone`), store the prompt + reply
+every rank's scheduler takes rank 0's steps, §19), store the prompt + reply
 and keep that cache resident. A cold run (``use_cache=False``) computes the same chunks,
 so a restore at a schedule point gives the cold run's tokens bit for bit.
 
@@ -54,17 +54,14 @@ from ..cache import layers as L
 from ..cache.blocks import LOGPROBS
 from ..cache.prefix import PrefixCache, probe_specs
 from ..cache.rates import Rates
-from ..cache.schedule import schedule_points
 from ..memory import prefill as prefill_mod
 from ..memory import pressure as memory_mod
 from . import distributed as dist
 from . import ranks as ranks_mod
-from .alone import generate_alone
-from .attention import OFF, chunk_attention, mlx_softmax, plan_attention, pow_softmax
+from .attention import OFF, mlx_softmax, plan_attention, pow_softmax
 from .device import device_info, use_deterministic_kernels
 from .forward import last_logits_fn, verify_last_logits
-from .prefill_steps import auto_prefill_step, open_turn
-from .sampling import make_request_sampler
+from .prefill_steps import auto_prefill_step
 from .scheduler import Scheduler
 
 _STOP = object()
@@ -116,13 +113,13 @@ class Engine:
         self._release_queued = threading.Event()
         # several ranks (docs/DESIGN.md §19): joined on the engine thread by the first load
         self.peers: ranks_mod.Peers = ranks_mod.OneProcess()
-        self._in_request = False
+        # the load or request being sent to the ranks (the rank watchdog fails it)
         self._handle: RequestHandle | None = None
         self._attention = OFF  # which attentions run in plain MLX ops (core/engine/attention.py)
         self._last_logits = None  # set when this model's prompts use the folded schedule
         self._fold_limit: int | None = None  # longest folded last chunk (None: any)
         self._prefill_step = 0  # chunks are cut at its multiples (tokens; 0: not cut)
-        self._sched = Scheduler(self)  # the requests of one process alone (no ranks)
+        self._sched = Scheduler(self)  # the requests held (docs/DESIGN.md §20)
         busy_writes = settings.ssd_write_while_busy
         if busy_writes is None:
             busy_writes = device_info().backend != "cuda"
@@ -154,7 +151,7 @@ class Engine:
         if self.peers.failed:
             handle.emit(Failed(self.peers.failed, kind="error"))
             return handle
-        self._jobs.put((self._generate, request, handle))
+        self._jobs.put((self._admit, request, handle))
         return handle
 
     def load_model(self, model: str, on_event: EventCallback | None = None) -> RequestHandle:
@@ -273,7 +270,7 @@ class Engine:
                 pass
             while backlog:
                 job = backlog[0]
-                if job is not _STOP and job[0] == self._generate and self.peers.batches:
+                if job is not _STOP and job[0] == self._admit:
                     backlog.popleft()
                     self._admit(job[1], job[2])
                     continue
@@ -299,6 +296,7 @@ class Engine:
                     sched.step()
                 except Exception as exc:  # an engine error never kills the thread
                     self._on_log(f"engine error: {exc!r}")
+                    self.peers.out_of_step(exc)
                     sched.fail_all(f"{type(exc).__name__}: {exc}")
             self._hold_writes(sched.busy)
             if clear_when_idle and not sched.busy:
@@ -329,7 +327,13 @@ class Engine:
         if self.peers.failed:
             handle.emit(Failed(self.peers.failed, kind="error"))
             return
-        self._sched.admit(req, handle)
+        uid, self._handle = self._sched.next_uid, handle  # the watchdog fails it if need be
+        try:  # across ranks the workers queue it too, with the same uid
+            self.peers.share_request(req, uid)
+        except dist.RankError as exc:
+            handle.emit(Failed(str(exc), kind="error"))
+            return
+        self._sched.admit(req, handle, uid)
 
     def _stop(self) -> None:
         try:
@@ -381,8 +385,6 @@ class Engine:
         mx.clear_cache()
 
     def _drain_control(self, _arg=None, _handle=None) -> None:
-        if self._in_request and self.peers.size > 1:
-            return  # the workers are in the request: clear between requests, on all ranks
         while True:
             try:
                 tier, done, box = self._control.get_nowait()
@@ -416,9 +418,9 @@ class Engine:
     def _rank_timeout(self, message: str) -> None:
         # the watchdog thread: the engine thread is blocked in a collective
         self._on_log(message)
-        handle = self._handle
-        if handle is not None and not handle.done:
-            handle.emit(Failed(message, kind="error"))
+        for handle in [self._handle, *self._sched.handles()]:
+            if handle is not None and not handle.done:
+                handle.emit(Failed(message, kind="error"))
 
     def _agreed_chunk(self, n: int) -> int:
         """The prefill chunk for an ``n``-token prompt (:meth:`_plan_chunk`) on every rank.
@@ -466,7 +468,8 @@ class Engine:
             self.cache.close()
         self.cache, self.supported = None, None
         self.loaded, self.model_name = loaded, spec
-        self._prefill_step = s.prefill_step or auto_prefill_step(loaded.model, s.prefill_chunk)
+        step = s.prefill_step or auto_prefill_step(loaded.model, s.prefill_chunk)
+        self._prefill_step = self.peers.all_min([step])[0]  # one on every rank (its shard's)
         self._last_logits = None
         warning = None
         self._kv_profile = prefill_mod.kv_profile(loaded.model, lambda m: self._make_cache())
@@ -580,48 +583,6 @@ class Engine:
         return [quantize(c) for c in caches]
 
     # ------------------------------------------------------------------ generate
-    def _generate(self, req: GenerateRequest, handle: RequestHandle) -> None:
-        self._handle = handle  # the rank watchdog fails it if a rank stops answering
-        if self.loaded is None:
-            handle.emit(Failed("no model loaded", kind="error"))
-            return
-        if not req.prompt_ids:
-            handle.emit(Failed("empty prompt"))
-            return
-        if handle.cancelled:  # cancelled while queued: no restore, no token
-            handle.emit(Failed("cancelled before it started", kind="cancelled"))
-            return
-        if not self.peers.share_request(req, handle):
-            return
-        n = len(req.prompt_ids)
-        self._apply_memory_pressure()
-        try:
-            chunk = self._agreed_chunk(n)
-        except prefill_mod.PrefillRefused as exc:
-            handle.emit(Failed(str(exc), kind="refused"))
-            if self.cache is not None:
-                self.cache.log(f"refused a {n}-token prefill: over the memory limit")
-            return
-        fold = self._last_logits is not None
-        points = schedule_points(n, chunk, req.boundaries, fold=fold)
-        sampling = make_request_sampler(req)  # the one place sampling is built (§2)
-        turn = open_turn(self, req, points, sampling)
-        self._in_request, self._handle = True, handle
-        try:
-            # restore, prefill, decode and capture on the one stream generate_step decodes
-            # on: no cross-stream waits between them
-            with (
-                mx.stream(generation_stream),
-                chunk_attention(self._attention),
-                self.peers.watched("a request"),
-            ):
-                generate_alone(self, req, handle, points, chunk if fold else 0, turn, sampling)
-        finally:
-            self._in_request, self._handle = False, None
-            turn.close()
-            if turn.read_ssd:
-                self.release_host_buffers()
-
     def _cap_tokens(self, max_tokens: int, n: int) -> int:
         """``max_tokens`` capped so prompt + reply stays within the model's context length
         (``max_position_embeddings`` of its config, when known); logged when it bites."""

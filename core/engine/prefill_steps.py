@@ -129,7 +129,7 @@ class Prefill:
         t0 = time.perf_counter()
         mx.reset_peak_memory()
         try:
-            restored = turn.restore()
+            restored = e.peers.restore(turn)  # one position on every rank (§19)
         except BaseException:
             turn.close()
             raise
@@ -154,13 +154,12 @@ class Prefill:
     def done(self) -> int:
         return self.pos - self.start
 
-    def piece(self, budget: int | None = None) -> int:
-        """Prefill the next piece (at most ``budget`` tokens where the schedule allows
-        cuts anywhere; None: up to the next cut). Returns the tokens computed."""
+    def next_end(self, budget: int | None = None) -> int:
+        """Where the next piece ends: the next cut of the schedule, or sooner, after at most
+        ``budget`` tokens, where the schedule allows cuts anywhere (None: the next cut)."""
         e = self.engine
-        pos, n = self.pos, self.n
-        chunk_end = next(x for x in self.ends if x > pos)
-        end = chunk_end
+        pos = self.pos
+        end = next(x for x in self.ends if x > pos)
         step = e._prefill_step
         if step:
             end = min(end, (pos // step + 1) * step)
@@ -169,6 +168,14 @@ class Prefill:
             block = e.cache.block_size if e.cache is not None else e.settings.block_size
             cut = (pos + budget) // block * block
             end = min(end, max(cut, (pos // block + 1) * block))
+        return end
+
+    def piece(self, end: int | None = None) -> int:
+        """Prefill the next piece, to ``end`` (from :meth:`next_end`; None: the next cut).
+        Returns the tokens computed."""
+        e = self.engine
+        pos, n = self.pos, self.n
+        end = self.next_end() if end is None else end
         tokens_in = mx.array(self.prompt[pos:end])[None]
         computed = []
         if end == n:  # folded: this piece gives the first token's logits

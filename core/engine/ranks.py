@@ -1,12 +1,12 @@
 """The engine's peers (docs/DESIGN.md §19): the points where a job's steps meet the other ranks.
 
-One model across several ranks: rank 0's engine sends each job to the workers and every
-rank runs the same steps on its shard, agreeing at these seams (the load, the prefill
-chunk, the restore position, cancels, sampled tokens, stats). The engine holds one
-*peers* object and calls it at each seam:
+One model across several ranks: rank 0's engine sends each job, each request and each of
+its scheduler's actions to the workers, and every rank runs the same steps on its shard,
+agreeing at these seams (the load, the prefill chunk, the restore position, sampled
+tokens, stats). The engine holds one *peers* object and calls it at each seam:
 
 - :class:`OneProcess`: the engine runs alone; every seam is a no-op or the one-rank answer
-  (the request's own restore, its own cancel, this process's chunk).
+  (the request's own restore, this process's chunk, its own tokens).
 - :class:`RankGroup`: several ranks over :class:`~.distributed.Ranks` (the transport);
   each seam is a collective that every rank makes in the same order.
 
@@ -21,13 +21,17 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ..api import Failed, GenerateRequest, MemoryStats, RankStats, RequestHandle
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from ..api import GenerateRequest, MemoryStats, RankStats
 from ..cache.plans import Restored
 from ..cache.request import CacheRequest, ColdRequest
 from ..memory import prefill as prefill_mod
 from . import distributed as dist
 
 Turn = CacheRequest | ColdRequest
+Sampler = Callable[[Any], Any]  # logprobs (..., vocab) -> tokens (...)
 
 
 class Peers(Protocol):
@@ -35,7 +39,6 @@ class Peers(Protocol):
 
     size: int  # ranks in the group (1: alone)
     is_main: bool  # rank 0 (or alone): runs the command, samples, takes cancels
-    batches: bool  # requests go through the scheduler (docs/DESIGN.md §20)
     group: Any  # the MLX group to shard the model over, or None
     failed: str  # why the ranks are out of service ("": they are not)
     stats: tuple[RankStats, ...]  # every rank's figures, as last gathered (() alone)
@@ -45,12 +48,10 @@ class Peers(Protocol):
     def out_of_step(self, exc: BaseException) -> None: ...
     def all_min(self, values: list[int]) -> list[int]: ...
     def agree_loaded(self, load: Callable[[], Any]) -> Any: ...
-    def share_request(self, req: GenerateRequest, handle: RequestHandle) -> bool: ...
+    def share_request(self, req: GenerateRequest, uid: int) -> None: ...
     def agree_chunk(self, plan: Callable[[], int], n: int) -> int: ...
     def restore(self, turn: Turn) -> Restored: ...
-    def cancelled(self, handle: RequestHandle) -> bool: ...
-    def share_sampler(self, sampler, handle: RequestHandle) -> tuple[Any, Any]: ...
-    def stopped(self, handle: RequestHandle, flags: Any, i: int) -> bool: ...
+    def share_tokens(self, sampler: Sampler) -> Sampler: ...
     def gather_stats(self, cache: Any, memory: Callable[[], MemoryStats]) -> None: ...
     def on_every_rank(self, report: str) -> str: ...
     def forget_restore(self) -> None: ...
@@ -61,7 +62,6 @@ class OneProcess:
 
     size = 1
     is_main = True
-    batches = True
     group = None
     failed = ""
     stats: tuple[RankStats, ...] = ()
@@ -81,8 +81,8 @@ class OneProcess:
     def agree_loaded(self, load: Callable[[], Any]) -> Any:
         return load()
 
-    def share_request(self, req: GenerateRequest, handle: RequestHandle) -> bool:
-        return True
+    def share_request(self, req: GenerateRequest, uid: int) -> None:
+        pass
 
     def agree_chunk(self, plan: Callable[[], int], n: int) -> int:
         """``plan()``: the prefill chunk (tokens) that fits this process's memory.
@@ -95,14 +95,8 @@ class OneProcess:
     def restore(self, turn: Turn) -> Restored:
         return turn.restore()
 
-    def cancelled(self, handle: RequestHandle) -> bool:
-        return handle.cancelled
-
-    def share_sampler(self, sampler, handle: RequestHandle) -> tuple[Any, None]:
-        return sampler, None
-
-    def stopped(self, handle: RequestHandle, flags: Any, i: int) -> bool:
-        return handle.cancelled
+    def share_tokens(self, sampler: Sampler) -> Sampler:
+        return sampler
 
     def gather_stats(self, cache: Any, memory: Callable[[], MemoryStats]) -> None:
         pass
@@ -121,8 +115,6 @@ class RankGroup:
     answering (the engine fails the request in flight). Every method that communicates
     is called by every rank, in the same order, on the engine thread.
     """
-
-    batches = False
 
     def __init__(self, ranks: dist.Ranks, on_timeout: Callable[[str], None]) -> None:
         self.ranks = ranks
@@ -152,6 +144,7 @@ class RankGroup:
         r = self.ranks
         if not r.is_main or r.failed:
             return
+        _settle()
         with r.section(f"sending {message['op']}"):
             r.broadcast(message)
 
@@ -184,17 +177,10 @@ class RankGroup:
             raise ModelError(why or f"rank {ranks} could not load the model (see its log)")
         return loaded
 
-    def share_request(self, req: GenerateRequest, handle: RequestHandle) -> bool:
-        """Rank 0: send ``req`` to the workers (after the checks that fail a request on
-        rank 0 alone). False (the handle failed) when the ranks failed before."""
-        r = self.ranks
-        if not r.is_main:
-            return True
-        if r.failed:
-            handle.emit(Failed(r.failed, kind="error"))
-            return False
-        self.send({"op": "generate", "request": dataclasses.asdict(req)})
-        return True
+    def share_request(self, req: GenerateRequest, uid: int) -> None:
+        """Rank 0: queue ``req`` in the workers' schedulers too, as its own request ``uid``
+        (docs/DESIGN.md §20)."""
+        self.send({"op": "admit", "uid": uid, "request": dataclasses.asdict(req)})
 
     def agree_chunk(self, plan: Callable[[], int], n: int) -> int:
         """``plan()`` (this rank's chunk for an ``n``-token prompt), the smallest over the
@@ -261,20 +247,10 @@ class RankGroup:
         """The model closed: no last restore to report."""
         self._restored_by = {}
 
-    def cancelled(self, handle: RequestHandle) -> bool:
-        """Whether to stop the prefill: rank 0's cancel, on every rank."""
-        r = self.ranks
-        return r.all_max(int(r.is_main and handle.cancelled))[0] > 0
-
-    def share_sampler(self, sampler, handle: RequestHandle) -> tuple[Any, list]:
-        """``(sampler, stop flags)``: rank 0's tokens and cancels on every rank
-        (:meth:`dist.Ranks.share_sampler`)."""
-        return self.ranks.share_sampler(sampler, lambda: handle.cancelled)
-
-    def stopped(self, handle: RequestHandle, flags: Any, i: int) -> bool:
-        """Whether decode stops after token ``i``: the cancel rank 0 sent with it."""
-        self.ranks.tick()
-        return bool(flags[i].item())
+    def share_tokens(self, sampler: Sampler) -> Sampler:
+        """``sampler`` whose tokens are rank 0's on every rank, inside the step's graph
+        (:meth:`dist.Ranks.share_tokens`)."""
+        return self.ranks.share_tokens(sampler)
 
     def on_every_rank(self, report: str) -> str:
         """A clear's ``report``, saying that every rank did the same."""
@@ -304,9 +280,18 @@ class RankGroup:
             cached_hot=self._restored_by.get("hot", 0),
             cached_ssd=self._restored_by.get("ssd", 0),
         )
+        _settle()
         with r.section("gathering rank stats"):
             rows = r.gather(dist.stats_vector(mine))
         self.stats = tuple(dist.stats_from_vector(i, row) for i, row in enumerate(rows))
+
+
+def _settle() -> None:
+    """Wait for the graph in flight on the generation stream (a decode step computed ahead,
+    with the model's collectives and the shared tokens' ``all_sum``): a collective made
+    outside it (a message, the stats) then meets its peers' in the same order on every
+    rank, whatever stream each runs on."""
+    mx.synchronize(generation_stream)
 
 
 def join(on_timeout: Callable[[str], None]) -> RankGroup | None:

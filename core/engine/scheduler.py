@@ -12,8 +12,11 @@ A request's prefill is tierchat's own, as before batching (:mod:`.prefill_steps`
 schedule chunks with their captures, the folded last chunk that gives the first token's
 logprobs; then it joins the batch with its filled cache and the token to feed next, and
 when it ends its cache comes back out for ``turn.finish`` (the resident, hot and SSD tiers
-get it as a request run alone). Ranks (docs/DESIGN.md §19) do not come here: a model across
-ranks runs one request at a time (``Engine._generate``).
+get it as a request run alone). Across ranks (docs/DESIGN.md §19) rank 0's scheduler decides
+each action (cancels, a start, a prefill piece and where it ends, a decode step) and sends
+it to the workers before running it; their schedulers run the same actions
+(:meth:`Scheduler.follow`), and the sampled tokens are rank 0's on every rank
+(``peers.share_tokens``), so every rank's batch holds the same sequences at every step.
 """
 
 from __future__ import annotations
@@ -70,8 +73,9 @@ class Sequence:
 
 
 class Scheduler:
-    """The engine's requests when it runs alone (no ranks): :meth:`admit` from the job
-    loop, :meth:`step` while :attr:`busy`. Uses the engine's model, cache and settings."""
+    """The engine's requests: :meth:`admit` from the job loop (a worker rank: from rank 0's
+    messages), :meth:`step` while :attr:`busy` (a worker rank: :meth:`follow`). Uses the
+    engine's model, cache, settings and peers."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -104,10 +108,17 @@ class Scheduler:
             )
         return tuple(out)
 
-    def admit(self, req: GenerateRequest, handle: RequestHandle) -> None:
-        """Queue a request (it starts at a later :meth:`step`)."""
-        self._uid += 1
+    @property
+    def next_uid(self) -> int:
+        """The uid :meth:`admit` gives the next request."""
+        return self._uid + 1
+
+    def admit(self, req: GenerateRequest, handle: RequestHandle, uid: int | None = None) -> int:
+        """Queue a request (it starts at a later :meth:`step`) as ``uid`` (a worker rank:
+        rank 0's; None: the next); returns its uid."""
+        self._uid = self._uid + 1 if uid is None else uid
         self.queued.append(Sequence(self._uid, req, handle))
+        return self._uid
 
     def fail_all(self, why: str) -> None:
         """End every request held (the engine closes or loads another model)."""
@@ -121,31 +132,74 @@ class Scheduler:
         self.decoding.clear()
         self.batch = None
 
+    def handles(self) -> list[RequestHandle]:
+        """The handles of the requests held now (any thread: a snapshot)."""
+        held = [*list(self.queued), *list(self.prefilling), *list(self.decoding.values())]
+        return [seq.handle for seq in held]
+
     # ------------------------------------------------------------------ one step
     def step(self) -> None:
         """One bounded step: cancels, prefill pieces (up to :data:`BUSY_PIECE_S` of them
-        while others decode, one otherwise), one batched decode step."""
+        while others decode, one otherwise), one batched decode step. Each action is
+        decided here and sent to the other ranks before it runs (:meth:`follow`)."""
         e = self.engine
-        with mx.stream(generation_stream), chunk_attention(e._attention):
-            self._reap_cancelled()
+        if e.peers.failed:  # the ranks failed: no step can meet its peers
+            self.fail_all(e.peers.failed)
+            return
+        with mx.stream(generation_stream), chunk_attention(e._attention), e.peers.watched("a step"):
+            held = [*self.queued, *self.prefilling, *self.decoding.values()]
+            cancelled = [seq.uid for seq in held if seq.handle.cancelled]
+            if cancelled:
+                self._act({"do": "cancel", "uids": cancelled})
             t0 = time.perf_counter()
             while True:
-                self._start_queued()
+                if self.queued:
+                    self._act({"do": "start"})
                 if not self.prefilling:
                     break
-                self._prefill_piece(self.prefilling[0], BUSY_PIECE_S - (time.perf_counter() - t0))
+                seq = self.prefilling[0]
+                end = self._piece_end(seq, BUSY_PIECE_S - (time.perf_counter() - t0))
+                self._act({"do": "piece", "uid": seq.uid, "end": end})
                 if not self.decoding or time.perf_counter() - t0 >= BUSY_PIECE_S:
                     break
                 if any(s.handle.cancelled for s in self.prefilling):
                     break
             if self.decoding:
-                self._decode()
+                self._act({"do": "decode"})
 
-    def _reap_cancelled(self) -> None:
-        for seq in [s for s in self.queued if s.handle.cancelled]:
+    def follow(self, action: dict) -> None:
+        """A worker rank: run rank 0's scheduler ``action`` (docs/DESIGN.md §19), so every
+        rank's requests take the same steps, in the same order."""
+        with mx.stream(generation_stream), chunk_attention(self.engine._attention):
+            self._apply(action)
+
+    def _act(self, action: dict) -> None:
+        self.engine.peers.send({"op": "step", **action})
+        self._apply(action)
+
+    def _apply(self, action: dict) -> None:
+        do = action["do"]
+        if do == "cancel":
+            self._reap(set(action["uids"]))
+        elif do == "start":
+            self._start_queued()
+        elif do == "piece":
+            seq = self.prefilling[0]
+            if seq.uid != action["uid"]:
+                raise RuntimeError(f"out of step: piece of {action['uid']}, head is {seq.uid}")
+            self._prefill_piece(seq, action["end"])
+        elif do == "decode":
+            self._decode()
+        else:
+            raise ValueError(f"unknown scheduler action {do!r}")
+
+    def _reap(self, uids: set[int]) -> None:
+        """End the requests ``uids`` (cancelled): queued ones at once, a prefill keeping its
+        finished pieces, a decoding one stored as a finished reply."""
+        for seq in [s for s in self.queued if s.uid in uids]:
             self.queued.remove(seq)
             seq.handle.emit(Failed("cancelled before it started", kind="cancelled"))
-        for seq in [s for s in self.prefilling if s.handle.cancelled]:
+        for seq in [s for s in self.prefilling if s.uid in uids]:
             self.prefilling.remove(seq)
             p = seq.prefill
             kept = p.cancel()
@@ -153,7 +207,7 @@ class Scheduler:
             why = f"cancelled during prefill; kept {kept} of {n} tokens"
             seq.handle.emit(Failed(why, kind="cancelled", kept_tokens=kept))
             self._after(p)
-        for seq in [s for s in self.decoding.values() if s.handle.cancelled]:
+        for seq in [s for s in self.decoding.values() if s.uid in uids]:
             caches = self.batch.remove(seq.uid)
             self._finish(seq, caches, "cancelled")
 
@@ -186,18 +240,23 @@ class Scheduler:
             if self.prefilling:
                 return  # one restore per step at most once a prefill waits
 
-    def _prefill_piece(self, seq: Sequence, left_s: float) -> None:
-        p = seq.prefill
+    def _piece_end(self, seq: Sequence, left_s: float) -> int:
+        """Where the next prefill piece of ``seq`` ends: the next cut, or sooner where
+        others wait and the measured rate says ``left_s`` seconds do less."""
         budget = None
         if self.decoding or len(self.prefilling) > 1 or self.queued:
             if self.prefill_tps > 0:  # what fits the step's time left
                 budget = max(1, int(self.prefill_tps * max(left_s, 0.05)))
+        return seq.prefill.next_end(budget)
+
+    def _prefill_piece(self, seq: Sequence, end: int) -> None:
+        p = seq.prefill
         if self.decoding:
             # the decode step in flight first: the piece's rate is its own, not the
             # decode step's too (the piece's eval would wait for it anyway)
             mx.synchronize(generation_stream)
         t0 = time.perf_counter()
-        done = p.piece(budget)
+        done = p.piece(end)
         dt = time.perf_counter() - t0
         if dt > 0 and done > 0:
             tps = done / dt
@@ -245,7 +304,7 @@ class Scheduler:
             # the first token from the kept (or folded) logprobs, sampled as generate_step;
             # with processors, from the folded chunk's processed copy
             lp = p.first_sample if p.first_sample is not None else p.first_logprobs
-            y = (sampler or _greedy)(lp[None])
+            y = e.peers.share_tokens(sampler or _greedy)(lp[None])
             tok = int(y.item())
             p.first_token()
             end = self._emit(seq, tok, lp)
@@ -284,7 +343,7 @@ class Scheduler:
 
     def _batch(self) -> DecodeBatch:
         if self.batch is None:
-            self.batch = DecodeBatch(self.engine.loaded.model)
+            self.batch = DecodeBatch(self.engine.loaded.model, self.engine.peers.share_tokens)
         return self.batch
 
     def _decode(self) -> None:
@@ -358,6 +417,8 @@ class Scheduler:
             ssd_write_bytes=p.turn.ssd_write_bytes,
         )
         e._last = metrics
+        # before Finished: the caller's next stats() has every rank's figures
+        e.peers.gather_stats(e.cache, e.monitor.stats)
         seq.handle.emit(Finished(tuple(seq.tokens), text, metrics))
         self._after(p)
         e._apply_memory_pressure()

@@ -4,8 +4,8 @@
   whose collectives meet at a barrier, over request objects that plan and restore from a
   table: every rank lands on one position, the highest all of them can reach.
 - The real engine with a :class:`RankGroup` over a one-rank transport: requests take the
-  ranks' path (one at a time, ``alone.py``, the restore agreed through the request object)
-  and still equal a cold run.
+  ranks' path (each scheduler action sent before it runs, the restore agreed through the
+  request object, tokens through the shared sampler) and still equal a cold run.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import threading
 
-import mlx.core as mx
 import pytest
 from engine_kit import assert_same, generate, make_engine, random_prompt
 from tierchat.config.settings import Settings
@@ -176,7 +175,7 @@ class OneRankTransport:
     rank, size, is_main, group = 0, 1, True, None
 
     def __init__(self) -> None:
-        self.failed, self.on_timeout, self.sent = "", None, []
+        self.failed, self.on_timeout, self.sent, self.shared = "", None, [], 0
 
     def section(self, stage: str):
         return contextlib.nullcontext()
@@ -196,14 +195,12 @@ class OneRankTransport:
     def gather(self, row):
         return [list(row)]
 
-    def share_sampler(self, sampler, stop):
-        flags: list = []
-
+    def share_tokens(self, sampler):
         def shared(logprobs):
-            flags.append(mx.array(int(stop()), dtype=mx.int32))
+            self.shared += 1
             return sampler(logprobs)
 
-        return shared, flags
+        return shared
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
@@ -225,7 +222,7 @@ def test_the_ranks_path_on_one_rank_equals_a_cold_run(arch, tmp_path, models_dir
     hot.record_logprobs = 3
     try:
         assert not hasattr(hot.load_model(f"tiny:{arch}").wait(120), "message")
-        assert not hot.peers.batches and transport.sent == ["load"]
+        assert transport.sent == ["load"]
         base = random_prompt(50, seed=5)
         prompts = [base, base + random_prompt(23, seed=6), base + random_prompt(23, seed=6)]
         for i, p in enumerate(prompts):
@@ -236,7 +233,8 @@ def test_the_ranks_path_on_one_rank_equals_a_cold_run(arch, tmp_path, models_dir
                 assert b.metrics.cached_tokens > 0  # the shared prefix was restored
         assert b.metrics.cached_tokens >= len(prompts[2]) - 1  # the same prompt again
         assert hot.stats().ranks[0].cached_hot == b.metrics.cached_by["hot"]
-        assert transport.sent.count("generate") == 3
+        assert transport.sent.count("admit") == 3 and "step" in transport.sent
+        assert transport.shared > 0  # the batch's tokens went through the shared sampler
         assert "on each of 1 ranks" in hot.peers.on_every_rank("cleared")
     finally:
         hot.close()

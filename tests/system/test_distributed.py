@@ -424,6 +424,69 @@ def test_rank_0_cancel_reaches_the_worker(tmp_path, models_dir):
     assert out["after"]["tokens"] == out["cold"]["tokens"]
 
 
+BATCH_DRIVER = """
+import json, sys, threading
+from tierchat.config.settings import Settings
+from tierchat.core.engine import distributed as dist
+from tierchat.core.api import Failed, GenerateRequest
+from tierchat.core.engine.engine import Engine
+
+cache_dir, models_dir, model = sys.argv[1], sys.argv[2], sys.argv[3]
+s = Settings(model=model, cache_dir=cache_dir, models_dir=models_dir, block_size=16,
+             prefill_chunk=16)
+e = Engine(s)
+assert not isinstance(e.load_model(model).wait(), Failed)
+shared = tuple(range(3, 43))
+prompts = [shared + (7, 9, 11), tuple(range(50, 121)), (5, 6, 7, 8, 9), shared + tuple(range(90, 120))]
+alone = [e.submit(GenerateRequest(p, max_tokens=6, use_cache=False)).wait(120) for p in prompts]
+e.submit(GenerateRequest(shared + (1, 1), max_tokens=2)).wait(120)  # the shared prefix, cached
+gate, started = threading.Event(), threading.Event()
+def block():
+    started.set()
+    gate.wait(120)
+hold = threading.Thread(target=e.call, args=(block, 180))
+hold.start()
+assert started.wait(120)
+handles = [e.submit(GenerateRequest(p, max_tokens=6)) for p in prompts]  # admitted together
+gate.set()
+hold.join(120)
+batched = [h.wait(120) for h in handles]
+out = {
+    "alone": [list(getattr(r, "token_ids", ())) for r in alone],
+    "batched": [list(getattr(r, "token_ids", ())) for r in batched],
+    "types": [type(r).__name__ for r in alone + batched],
+    "cached": [r.metrics.cached_tokens for r in batched if hasattr(r, "metrics")],
+    "peak_merged": e._sched.batch.peak_merged if e._sched.batch is not None else 0,
+}
+e.close()
+dist.current().broadcast({"op": "exit"})
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_requests_batch_across_ranks_and_equal_each_alone(tmp_path, models_dir, arch):
+    """Four requests admitted together on 2 ranks decode in one batch (every rank's
+    scheduler takes rank 0's steps) and give the tokens of each run alone and cold."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(BATCH_DRIVER)
+    kv = tmp_path / "kv"
+    worker = ["cache", "stats", "--block-size", "16", "--prefill-chunk", "16"]
+    worker += ["--cache-dir", str(kv), "--models-dir", str(models_dir)]
+    rank0 = [str(driver), str(kv), str(models_dir), f"tiny:{arch}"]
+    ranks = start_ranks(worker, tmp_path, rank0=rank0)
+    try:
+        (code0, out0, err0), (code1, _, err1) = ranks.wait()
+    finally:
+        ranks.kill()
+    assert (code0, code1) == (0, 0), (err0, err1)
+    out = json.loads(out0.strip().splitlines()[-1])
+    assert set(out["types"]) == {"Finished"}
+    assert out["batched"] == out["alone"]
+    assert out["peak_merged"] >= 2  # they decoded in one batch
+    assert max(out["cached"]) > 0  # one restored the shared prefix on both ranks
+
+
 def test_cache_stats_table_has_a_block_of_rows_per_rank():
     from tierchat.cli.cache_cmd import stats_rows
     from tierchat.core.api import CacheStats, RankStats, plain
