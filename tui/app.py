@@ -27,6 +27,7 @@ from tierchat.tui.screens.model_picker import ModelPickerScreen
 from tierchat.tui.screens.prompt import EditMessageScreen, PromptScreen
 from tierchat.tui.screens.raw_message import RawMessageScreen
 from tierchat.tui.screens.search import SearchScreen
+from tierchat.tui.services.background import BackgroundWriter
 from tierchat.tui.terminal import driver_class
 from tierchat.tui.widgets.chat_input import ChatInput
 from tierchat.tui.widgets.conversation_list import ConversationList
@@ -79,6 +80,7 @@ class TierchatApp(App[None]):
             clock = Clock(get_time=clock)
         self.clock: Clock | None = clock
         self.session = session if session is not None else self._make_session()
+        self.writer = BackgroundWriter()  # store writes and prompts, off the UI loop
         self.keymap: dict[str, str] = dict(getattr(settings, "keymap", {}) or {})
         self.set_keymap(self.keymap)
 
@@ -117,6 +119,9 @@ class TierchatApp(App[None]):
                 title="Keymap",
                 severity="warning",
             )
+
+    def on_unmount(self) -> None:
+        self.writer.close()  # the writes already asked for are stored
 
     def binding_rows(self) -> list[tuple[str, str, str, str]]:
         """``(where, key, action, id)`` for every binding, with the keymap applied."""

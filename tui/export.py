@@ -167,3 +167,17 @@ def export_path(folder: Path, title: str, conversation_id: int, fmt: str, scope:
     """``<folder>/<slug>-<id>-<scope>.<fmt>``."""
     slug = re.sub(r"[^A-Za-z0-9]+", "-", title).strip("-").lower()[:40] or "conversation"
     return Path(folder) / f"{slug}-{conversation_id}-{scope}.{fmt}"
+
+
+def write_export(store: ConversationStore, data_dir: Path, cid: int, fmt: str, scope: str) -> Path:
+    """Write conversation ``cid`` (``scope`` "path" or "tree", ``fmt`` "md" or "json")
+    under ``data_dir``/exports; returns the file written. Raises ``OSError``, or the
+    store's error for an unknown conversation."""
+    info = store.get_conversation(cid)
+    saved = store.conversation_settings(cid)
+    text = export_conversation(store, cid, fmt, scope, saved)  # type: ignore[arg-type]
+    folder = Path(data_dir) / "exports"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = export_path(folder, info.title or "", cid, fmt, scope)
+    path.write_text(text)
+    return path

@@ -1,21 +1,31 @@
-"""One generation's lifecycle in the TUI: start, prefill progress, stream, finish or fail.
+"""The replies in flight in the TUI: start, prefill progress, stream, finish or fail,
+one turn per conversation at a time, several conversations at once (docs/DESIGN.md §13).
 
-``ChatScreen`` owns the widgets and the keys; :class:`TurnRunner` owns the request in
-flight. The engine calls the ``on_event`` made by :meth:`TurnRunner.callback` on its own
-thread; it only posts messages (``tierchat.tui.messages``). The screen's handlers for
-those messages call back into the runner on the UI thread.
+``ChatScreen`` owns the widgets and the keys; :class:`TurnRunner` owns the turns in
+flight and the reply stream of the conversation shown. It reaches the screen only
+through :class:`TurnHost`. The engine calls the ``on_event`` made by
+:meth:`TurnRunner.callback` on its own thread; it only posts messages
+(``tierchat.tui.messages``), which the runner handles on the UI thread (the screen
+routes them here).
+
+A turn of a conversation not shown goes on: its text is kept here, and when its
+conversation is opened again the placeholder is mounted with the text so far. Esc stops
+the turn of the conversation shown.
 
 Order of events (core/api.py): the session stores and selects a finished reply, and the
 handle is done, *before* the terminal event reaches the callback, so when
-:class:`ReplyFinished` arrives the store already holds the reply and a new turn may start.
+:class:`ReplyFinished` arrives the store already holds the reply and a new turn of that
+conversation may start.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
+from textual.message import Message
 from tierchat.core.api import Event, Failed, Finished, PrefillProgress, TokenBatch
 from tierchat.tui.messages import (
     PrefillAdvanced,
@@ -27,9 +37,6 @@ from tierchat.tui.widgets.activity import ActivityBar
 from tierchat.tui.widgets.chat_input import ChatInput
 from tierchat.tui.widgets.transcript import MessageInfo, MessageView, Transcript
 
-if TYPE_CHECKING:
-    from tierchat.tui.screens.chat import ChatScreen
-
 FAILURE_TITLES: dict[str, str] = {
     "refused": "Prefill refused",
     "unsupported": "Model not supported",
@@ -39,22 +46,69 @@ FAILURE_TITLES: dict[str, str] = {
 }
 """Notification titles by ``Failed.kind`` (core/api.py ``FailureKind``)."""
 
+SessionCall = Callable[[Callable[[Event], None]], Any]
+"""A session call given the ``on_event`` to use, returning a turn handle."""
+
+
+class TurnHost(Protocol):
+    """What :class:`TurnRunner` needs of the chat screen."""
+
+    @property
+    def conversation_id(self) -> int | None:
+        """The conversation shown."""
+
+    @property
+    def model_name(self) -> str:
+        """The loaded model's name (the placeholder's model line)."""
+
+    def widgets(self) -> tuple[Transcript, ActivityBar, ChatInput]:
+        """The transcript, the activity bar and the input of the conversation shown."""
+
+    def path_infos(self, conversation_id: int | None = None) -> list[MessageInfo]:
+        """The active path of ``conversation_id`` (default: the one shown)."""
+
+    def post_message(self, message: Message) -> bool: ...
+
+    def notify(self, message: str, *, title: str = "", severity: Any = ..., timeout: Any = ...):
+        """A toast (plain text)."""
+
+    def in_background(self, title: str, call: Callable[[], Any]) -> Awaitable[tuple[bool, Any]]:
+        """Run ``call`` off the UI loop, in order with the other store writes;
+        ``(False, None)`` after an error notification titled ``title``."""
+
+    def turns_changed(self, *, ended: bool, first_token: bool = False) -> None:
+        """A turn started or ended (``ended``), or streamed its first token."""
+
+
+@dataclass
+class Turn:
+    """One reply in flight: its conversation, its handle and the text streamed so far."""
+
+    key: int
+    conversation_id: int
+    handle: Any = None
+    prefix: str = ""  # a continue streams after the text of the reply it extends
+    text: str = ""
+    view: MessageView | None = None  # the placeholder while its conversation is shown
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def stopping(self) -> bool:
+        return bool(getattr(self.handle, "cancelled", False))
+
 
 class TurnRunner:
-    """The request in flight for one :class:`ChatScreen` (at most one at a time).
+    """The turns in flight for one chat screen, at most one per conversation.
 
-    ``key`` numbers the turns; messages of an older turn (a late token batch after a
-    stop) are dropped by comparing keys.
+    ``key`` numbers the turns; messages of a turn no longer in flight (a late token
+    batch after a stop) are dropped.
     """
 
-    def __init__(self, screen: ChatScreen) -> None:
-        self.screen = screen
+    def __init__(self, host: TurnHost) -> None:
+        self.host = host
         self.key = 0
-        self.handle: Any = None
-        self.stream_view: MessageView | None = None
-        self.prefix = ""  # a continue streams after the text of the reply it extends
-        self._ready = asyncio.Event()
-        self._ready.set()
+        self.turns: dict[int, Turn] = {}  # by conversation id
+        self._by_key: dict[int, Turn] = {}
 
     # ------------------------------------------------------------------ engine thread
 
@@ -62,7 +116,7 @@ class TurnRunner:
         """An ``on_event`` for the engine thread: events -> messages, nothing else."""
         parts: list[str] = []
         tokens = 0
-        post = self.screen.post_message
+        post = self.host.post_message
 
         def on_event(event: Event) -> None:
             nonlocal tokens
@@ -81,119 +135,179 @@ class TurnRunner:
 
     # ------------------------------------------------------------------ UI thread
 
+    def streaming(self, conversation_id: int | None) -> bool:
+        """A turn of ``conversation_id`` is in flight."""
+        return conversation_id is not None and conversation_id in self.turns
+
+    @property
+    def stream_view(self) -> MessageView | None:
+        """The placeholder the shown conversation's reply streams into, if any."""
+        turn = self.shown()
+        return turn.view if turn is not None else None
+
+    def shown(self) -> Turn | None:
+        """The turn of the conversation shown, if one is in flight."""
+        cid = self.host.conversation_id
+        return self.turns.get(cid) if cid is not None else None
+
     def stop(self) -> None:
-        """Ask the engine to stop the turn; "stopping…" shows until its last event."""
-        if self.handle is not None:
-            self.handle.cancel()
-            if not getattr(self.handle, "done", False):
-                self.screen.query_one(ActivityBar).show_stopping()
+        """Ask the engine to stop the turn of the conversation shown; "stopping…" shows
+        until its last event."""
+        turn = self.shown()
+        if turn is not None:
+            self._cancel(turn, show=True)
 
-    async def start(self, call: Callable[[Callable[[Event], None]], Any]) -> bool:
-        """Run ``call(on_event)`` (a session call returning a turn handle) and mount the
-        streaming reply. Returns False (with a notification) when the session refused.
+    def stop_all(self) -> None:
+        """Stop every turn (the screen goes away)."""
+        for turn in list(self.turns.values()):
+            self._cancel(turn, show=False)
 
-        Actions run on the app's message pump, so the turn's first events may reach the
-        screen before the placeholder is mounted; their handlers wait until it is.
+    def _cancel(self, turn: Turn, *, show: bool) -> None:
+        if turn.handle is None:
+            return
+        turn.handle.cancel()
+        if show and not getattr(turn.handle, "done", False):
+            self.host.widgets()[1].show_stopping()
+
+    async def start(self, conversation_id: int, call: SessionCall) -> bool:
+        """Run ``call(on_event)`` (a session call returning a turn handle) off the UI loop
+        and mount the streaming reply when ``conversation_id`` is still shown. Returns
+        False (with a notification) when the session refused.
+
+        The turn's first events may reach the screen before the handle is back; their
+        handlers wait until it is (``Turn.ready``).
         """
         self.key += 1
-        self._ready = ready = asyncio.Event()
+        turn = Turn(self.key, conversation_id)
+        self.turns[conversation_id] = self._by_key[turn.key] = turn
+        self.host.turns_changed(ended=False)
         try:
-            return await self._start(call)
+            on_event = self.callback(turn.key)
+            ok, handle = await self.host.in_background("Cannot generate", lambda: call(on_event))
+            if not ok:
+                self._drop(turn)
+                self.host.turns_changed(ended=True)
+                return False
+            turn.handle = handle
+            continued = getattr(handle, "continued", None)
+            turn.prefix = continued.content if continued is not None else ""
+            if self.host.conversation_id == conversation_id:
+                await self.attach(self.host.path_infos())
+            return True
         finally:
-            ready.set()
+            turn.ready.set()
 
-    async def _start(self, call: Callable[[Callable[[Event], None]], Any]) -> bool:
-        screen = self.screen
-        ok, handle = screen.attempt("Cannot generate", lambda: call(self.callback(self.key)))
-        if not ok:
-            return False
-        self.handle = handle
-        continued = getattr(handle, "continued", None)
-        self.prefix = continued.content if continued is not None else ""
-        screen.streaming = True
-        screen.selected = None
-        infos = screen.path_infos()
-        user = getattr(handle, "user_node", None)
+    def visible(self, infos: list[MessageInfo]) -> list[MessageInfo]:
+        """The active path shown while the shown conversation's turn is in flight: up to
+        the user message answered (a regenerate's old reply is not shown under it)."""
+        turn = self.shown()
+        user = getattr(turn.handle, "user_node", None) if turn is not None else None
         if user is not None:
             ids = [i.node_id for i in infos]
             if user.id in ids:
-                infos = infos[: ids.index(user.id) + 1]
-        transcript = screen.query_one(Transcript)
+                return infos[: ids.index(user.id) + 1]
+        return infos
+
+    async def attach(self, infos: list[MessageInfo]) -> None:
+        """Show the conversation shown as it stands: its path (:meth:`visible`) and, when
+        its turn is in flight, the placeholder with the text streamed so far."""
+        transcript = self.host.widgets()[0]
+        infos = self.visible(infos)
         await transcript.sync(infos)
-        turn = sum(1 for i in infos if i.role == "user") - 1
-        model = screen.tierchat.engine.model_name
-        placeholder = MessageInfo(None, "assistant", "", turn, model=model)
-        self.stream_view = await transcript.add_streaming_reply(placeholder)
-        return True
-
-    def current(self, key: int) -> bool:
-        return key == self.key
-
-    def _stopping(self) -> bool:
-        return bool(getattr(self.handle, "cancelled", False))
-
-    def prefill(self, event: PrefillAdvanced) -> None:
-        if self._stopping():
+        turn = self.shown()
+        if turn is None or turn.handle is None:
             return
-        if self.current(event.turn_key) and self.screen.streaming and event.done < event.total:
-            self.screen.query_one(ActivityBar).show_prefill(event.done, event.total, event.tps)
+        if turn.view is not None and turn.view.is_attached:
+            return
+        number = sum(1 for i in infos if i.role == "user") - 1
+        placeholder = MessageInfo(None, "assistant", "", number, model=self.host.model_name)
+        turn.view = await transcript.add_streaming_reply(placeholder)
+        if turn.text:
+            await turn.view.stream_to(turn.prefix + turn.text)
+
+    def _drop(self, turn: Turn) -> None:
+        if self.turns.get(turn.conversation_id) is turn:
+            del self.turns[turn.conversation_id]
+        self._by_key.pop(turn.key, None)
+
+    async def _turn(self, key: int) -> Turn | None:
+        turn = self._by_key.get(key)
+        if turn is not None:
+            await turn.ready.wait()
+        return turn if self._by_key.get(key) is turn else None
+
+    def _shown_view(self, turn: Turn) -> MessageView | None:
+        """The turn's placeholder when its conversation is the one shown."""
+        if self.host.conversation_id != turn.conversation_id:
+            return None
+        view = turn.view
+        return view if view is not None and view.is_attached else None
+
+    async def prefill(self, event: PrefillAdvanced) -> None:
+        turn = await self._turn(event.turn_key)
+        if turn is None or turn.stopping or self.host.conversation_id != turn.conversation_id:
+            return
+        if event.done < event.total:
+            self.host.widgets()[1].show_prefill(event.done, event.total, event.tps)
 
     async def streamed(self, event: ReplyStreamed) -> None:
-        if not self.current(event.turn_key):
+        turn = await self._turn(event.turn_key)
+        if turn is None:
             return
-        await self._ready.wait()
-        if self.stream_view is None:
+        first = not turn.text
+        turn.text = event.text
+        view = self._shown_view(turn)
+        if view is None:
             return
-        if not self._stopping():
-            self.screen.query_one(ActivityBar).hide()
-        first = not self.stream_view.text
-        await self.stream_view.stream_to(self.prefix + event.text)
+        if not turn.stopping:
+            self.host.widgets()[1].hide()
+        await view.stream_to(turn.prefix + event.text)
         if first:  # the engine's last-turn record is this turn's from its first token on
-            self.screen.poll_stats()
+            self.host.turns_changed(ended=False, first_token=True)
 
     async def finished(self, event: ReplyFinished) -> None:
         """The session has stored (and selected) the reply: show it as stored."""
-        if not self.current(event.turn_key):
+        turn = await self._turn(event.turn_key)
+        if turn is None:
             return
-        await self._ready.wait()
-        handle, self.handle = self.handle, None
-        view, self.stream_view = self.stream_view, None
-        screen = self.screen
-        screen.query_one(ActivityBar).hide()
-        reply = getattr(handle, "reply_node", None)
-        infos = screen.path_infos()
-        stored = bool(infos) and infos[-1].role == "assistant"
-        if view is not None and stored and (reply is None or infos[-1].node_id == reply.id):
-            await view.finish(infos[-1])
-        await screen.query_one(Transcript).sync(infos)
-        screen.streaming = False
-        self._restore_unsent(handle, infos)
-        if event.metrics.finish_reason == "cancelled":
-            screen.notify("Generation stopped; the partial reply is kept.", timeout=3)
-        screen.turn_ended()
+        self._drop(turn)
+        view = self._shown_view(turn)
+        if view is not None:
+            transcript, activity, _ = self.host.widgets()
+            activity.hide()
+            reply = getattr(turn.handle, "reply_node", None)
+            infos = self.host.path_infos()
+            stored = bool(infos) and infos[-1].role == "assistant"
+            if stored and (reply is None or infos[-1].node_id == reply.id):
+                await view.finish(infos[-1])
+            await transcript.sync(self.visible(infos))
+            self._restore_unsent(turn.handle, infos)
+            if event.metrics.finish_reason == "cancelled":
+                self.host.notify("Generation stopped; the partial reply is kept.", timeout=3)
+        self.host.turns_changed(ended=True)
 
     async def failed(self, event: ReplyFailed) -> None:
         """Nothing half is kept (the session dropped the turn): show the path as stored,
         give an unsent message back to the input, say what happened in words."""
-        if not self.current(event.turn_key):
+        turn = await self._turn(event.turn_key)
+        if turn is None:
             return
-        await self._ready.wait()
-        handle, self.handle = self.handle, None
-        self.stream_view = None
-        screen = self.screen
-        screen.query_one(ActivityBar).hide()
-        infos = screen.path_infos()
-        await screen.query_one(Transcript).sync(infos)
-        screen.streaming = False
-        self._restore_unsent(handle, infos)
+        self._drop(turn)
+        shown = self.host.conversation_id == turn.conversation_id
+        if shown:
+            transcript, activity, _ = self.host.widgets()
+            activity.hide()
+            infos = self.host.path_infos()
+            await transcript.sync(self.visible(infos))
+            self._restore_unsent(turn.handle, infos)
         title = FAILURE_TITLES.get(event.kind, "Engine error")
         if event.kind == "cancelled":
             kept = event.kept_tokens
             what = f"{kept:,} tokens kept for a retry" if kept else "nothing was kept"
-            screen.notify(f"Stopped during prefill; {what}.", title=title, timeout=4)
+            self.host.notify(f"Stopped during prefill; {what}.", title=title, timeout=4)
         else:
-            screen.notify(event.message, title=title, severity="error", timeout=8)
-        screen.turn_ended()
+            self.host.notify(event.message, title=title, severity="error", timeout=8)
+        self.host.turns_changed(ended=True)
 
     def _restore_unsent(self, handle: Any, infos: list[MessageInfo]) -> None:
         """The session drops a user message whose turn failed; give its text back."""
@@ -202,6 +316,6 @@ class TurnRunner:
             return
         if any(i.node_id == user.id for i in infos):
             return
-        box = self.screen.query_one(ChatInput)
+        box = self.host.widgets()[2]
         if not box.text.strip():
             box.load_text(user.content)

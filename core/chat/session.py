@@ -174,8 +174,11 @@ class ChatSession:
     """The conversation being chatted in, over an engine and a store.
 
     Generation parameters given here are the defaults of every call; ``max_tokens`` can
-    be overridden per call. Thread-safe for one caller: one turn at a time (a generating
-    call while a turn is in flight raises :class:`SessionError`).
+    be overridden per call. Thread-safe; one turn in flight per conversation (a generating
+    call for a conversation whose turn is still in flight raises :class:`SessionError`),
+    so turns of different conversations run at once, batched by the engine
+    (docs/DESIGN.md §5). Generating calls take ``conversation_id`` (default: the open one)
+    so a caller on another thread never depends on which conversation is open.
     """
 
     def __init__(
@@ -201,7 +204,8 @@ class ChatSession:
         self.sampling = dict(sampling or {})
         self.use_cache = use_cache
         self.conversation_id: int | None = None
-        self.current: TurnHandle | None = None
+        self.current: TurnHandle | None = None  # the turn submitted last
+        self._turns: dict[int, TurnHandle] = {}  # the last turn of each conversation
         self._lock = threading.Lock()
         self._builder: PromptBuilder | None = None
 
@@ -281,7 +285,9 @@ class ChatSession:
         self.store.get_conversation(conversation_id)
         self.conversation_id = conversation_id
 
-    def _cid(self) -> int:
+    def _cid(self, conversation_id: int | None = None) -> int:
+        if conversation_id is not None:
+            return conversation_id
         if self.conversation_id is None:
             raise SessionError("no conversation is open")
         return self.conversation_id
@@ -306,13 +312,14 @@ class ChatSession:
         self.store.select_child(node.parent_id, node.id)
         return node
 
-    def user_turns(self) -> list[Node]:
-        """User nodes on the active path; turn ``i`` is ``user_turns()[i]``."""
-        return self.store.user_turns(self._cid())
+    def user_turns(self, conversation_id: int | None = None) -> list[Node]:
+        """User nodes on the active path (of ``conversation_id``, default the open
+        conversation); turn ``i`` is ``user_turns()[i]``."""
+        return self.store.user_turns(self._cid(conversation_id))
 
-    def _user(self, turn: int) -> Node:
+    def _user(self, turn: int, conversation_id: int | None = None) -> Node:
         """User turn ``turn`` of the active path (negative counts from the end)."""
-        users = self.user_turns()
+        users = self.user_turns(conversation_id)
         if not -len(users) <= turn < len(users):
             raise SessionError(f"no user turn {turn} (the active path has {len(users)})")
         return users[turn]
@@ -359,26 +366,38 @@ class ChatSession:
 
     @property
     def busy(self) -> bool:
-        """A turn is being generated."""
-        return self.current is not None and not self.current.done
+        """A turn of the open conversation is being generated."""
+        return self.in_flight(self.conversation_id) is not None
+
+    def in_flight(self, conversation_id: int | None) -> TurnHandle | None:
+        """The turn of ``conversation_id`` still being generated, None when none."""
+        turn = self._turns.get(conversation_id) if conversation_id is not None else None
+        return turn if turn is not None and not turn.done else None
 
     # ------------------------------------------------------------------ generation
 
     def send(
-        self, text: str, *, max_tokens: int | None = None, on_event: EventCallback | None = None
+        self,
+        text: str,
+        *,
+        max_tokens: int | None = None,
+        on_event: EventCallback | None = None,
+        conversation_id: int | None = None,
     ) -> TurnHandle:
-        """Append a user message to the active path and generate a reply to it.
+        """Append a user message to the active path of ``conversation_id`` (default: the
+        open one) and generate a reply to it.
 
-        Opens a new conversation first when none is open. Raises :class:`SessionError`
-        while another turn is in flight.
+        Opens a new conversation first when none is given or open. Raises
+        :class:`SessionError` while a turn of that conversation is in flight.
         """
         with self._lock:
-            self._check_idle()
-            if self.conversation_id is None:
+            if conversation_id is None and self.conversation_id is None:
                 self.new_conversation()
-            path = self.active_path()
+            cid = self._cid(conversation_id)
+            self._check_idle(cid)
+            path = self.store.active_path(cid)
             parent = path[-1].id if path else None
-            user = self.store.add_node(self._cid(), parent, "user", text)
+            user = self.store.add_node(cid, parent, "user", text)
             return self._generate("send", user, None, max_tokens, on_event)
 
     def regenerate(
@@ -387,6 +406,7 @@ class ChatSession:
         turn: int | None = None,
         max_tokens: int | None = None,
         on_event: EventCallback | None = None,
+        conversation_id: int | None = None,
     ) -> TurnHandle:
         """Generate a new reply to user turn ``turn`` of the active path (default: the
         last; negative counts from the end), as a sibling of the reply shown there (or
@@ -395,8 +415,9 @@ class ChatSession:
         of the reply it is a sibling of. Raises :class:`SessionError` when there is no
         such user message."""
         with self._lock:
-            self._check_idle()
-            users = self.user_turns() if self.conversation_id is not None else []
+            cid = self.conversation_id if conversation_id is None else conversation_id
+            self._check_idle(cid)
+            users = self.user_turns(cid) if cid is not None else []
             if not users:
                 raise SessionError("nothing to regenerate: no user message on the active path")
             index = len(users) - 1 if turn is None else turn
@@ -411,13 +432,15 @@ class ChatSession:
         *,
         max_tokens: int | None = None,
         on_event: EventCallback | None = None,
+        conversation_id: int | None = None,
     ) -> TurnHandle:
         """Replace user turn ``turn`` by ``text`` as a new branch (a sibling user node, now
         selected) and generate its reply. Raises :class:`SessionError` for a bad turn."""
         with self._lock:
-            self._check_idle()
-            old = self._user(turn)
-            user = self.store.add_node(self._cid(), old.parent_id, "user", text)
+            cid = self._cid(conversation_id)
+            self._check_idle(cid)
+            old = self._user(turn, cid)
+            user = self.store.add_node(cid, old.parent_id, "user", text)
             return self._generate("edit", user, old, max_tokens, on_event)
 
     def continue_reply(
@@ -435,9 +458,10 @@ class ChatSession:
         selected; the cut reply stays. Raises :class:`SessionError` when there is no such
         reply, or its ids are not the loaded model's (regenerate it instead)."""
         with self._lock:
-            self._check_idle()
             if reply_id is None:
-                path = self.active_path()
+                cid = self._cid()
+                self._check_idle(cid)
+                path = self.store.active_path(cid)
                 if not path or path[-1].role != "assistant":
                     raise SessionError("nothing to continue: the active path ends in no reply")
                 reply = path[-1]
@@ -445,6 +469,7 @@ class ChatSession:
                 reply = self.store.get_node(reply_id)
                 if reply.role != "assistant":
                     raise SessionError("only a reply can be continued")
+                self._check_idle(reply.conversation_id)
             model = (reply.meta or {}).get("model")
             if not reply.token_ids or model != self.engine.model_name:
                 raise SessionError(
@@ -453,8 +478,8 @@ class ChatSession:
             user = self.store.get_node(reply.parent_id)
             return self._generate("continue", user, None, max_tokens, on_event, reply)
 
-    def _check_idle(self) -> None:
-        if self.busy:
+    def _check_idle(self, conversation_id: int | None) -> None:
+        if self.in_flight(conversation_id) is not None:
             raise SessionError("a reply is still being generated")
 
     def _generate(
@@ -517,6 +542,7 @@ class ChatSession:
                 self._rollback(user, restore)
             raise
         self.current = turn
+        self._turns[user.conversation_id] = turn
         return turn
 
     def _room(

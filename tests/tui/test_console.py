@@ -149,8 +149,8 @@ async def test_export_path_and_tree(make_app, settings):
         await pilot.press("ctrl+r")
         await settle(pilot)
         screen = chat_screen(app)
-        screen.action_export("md", "path")
-        screen.action_export("json", "tree")
+        await screen.action_export("md", "path")
+        await screen.action_export("json", "tree")
         folder = settings.data_dir / "exports"
         md = next(folder.glob("*-path.md")).read_text()
         assert "## You" in md and "export me" in md and "Reply 2 to: export me" in md

@@ -90,14 +90,15 @@ def chat_screen(app):
 
 
 async def settle(pilot: Pilot, timeout: float = 10.0) -> None:
-    """Wait until no reply streams, no model loads and every worker and queue is idle."""
+    """Wait until no reply streams (in any conversation), no model loads and every
+    worker and queue is idle."""
     app = pilot.app
     deadline = time.monotonic() + timeout
     while True:
         await pilot.pause()
         await app.workers.wait_for_complete()
         screen = chat_screen(app)
-        if not screen.streaming and not screen.loading_model:
+        if not screen.turns.turns and not screen.loading_model:
             break
         if time.monotonic() > deadline:
             raise AssertionError("the app did not settle")

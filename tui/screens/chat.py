@@ -1,13 +1,19 @@
 """The main screen: conversations | transcript + input | live cache panels.
 
-Threads: the engine calls the ``on_event`` callbacks made here (and in ``tui/turns.py``)
-from its own thread. They only build messages (``tierchat.tui.messages``) and
-``post_message`` them; every widget is touched on the UI thread, in the handlers below.
+Threads: the engine calls the ``on_event`` callbacks made here (``tui/services/
+model_load.py``) and in ``tui/turns.py`` from its own thread. They only build messages
+(``tierchat.tui.messages``) and ``post_message`` them; every widget is touched on the UI
+thread, in the handlers below. Store writes and prompt building run on the background
+writer's thread (``tui/services/background.py``), awaited here without blocking the UI.
+
+What the screen composes: :class:`TurnRunner` (the replies in flight, one per
+conversation, and the reply stream shown), :class:`StatsPoller` (panels, status file,
+alerts) and :class:`ClearRequests` (F5-F8 and ``tierchat cache clear`` from the CLI).
 
 Keys: the chat input has the focus by default, so every binding of this screen is a key
 the input does not type (Ctrl, Alt+arrows, F-keys, Esc). Actions on one message (edit,
 fork, copy, branches) are single keys on the message cursor: Esc or Alt+↑ moves the focus
-into the transcript (see ``widgets/transcript.py``).
+into the transcript (see ``widgets/transcript.py``; the targets are ``tui/cursor.py``).
 
 Layout: at 140 columns and more the cache panels sit on the right; below, a one-line
 summary replaces them (F2 shows them in place of the conversation list).
@@ -15,12 +21,9 @@ summary replaces them (F2 shows them in place of the conversation list).
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from textual import on, work
 from textual.app import ComposeResult
@@ -30,11 +33,10 @@ from textual.containers import Horizontal, Vertical
 from textual.notifications import SeverityLevel
 from textual.reactive import reactive
 from textual.screen import Screen
-from textual.timer import Timer
 from textual.widgets import Footer, Header
-from tierchat.core.api import CACHE_TIERS, CacheStats, Event, Failed, ModelLoaded, ModelLoading
+from tierchat.core.api import CacheStats
 from tierchat.core.live_status import StatusWriter
-from tierchat.tui.cache_report import alerts, clear_report
+from tierchat.tui import cursor
 from tierchat.tui.commands import (
     BranchCommands,
     CacheCommands,
@@ -60,10 +62,13 @@ from tierchat.tui.messages import (
 from tierchat.tui.models import model_choices
 from tierchat.tui.screens.chat_tools import ChatTools
 from tierchat.tui.screens.confirm import ConfirmScreen, confirm_clear
-from tierchat.tui.screens.conversation_settings import ConversationSettingsScreen
+from tierchat.tui.screens.conversation_settings import ConversationSettingsScreen, reuse_note
 from tierchat.tui.screens.model_picker import ModelPickerScreen
 from tierchat.tui.screens.prompt import EditMessageScreen, PromptScreen
-from tierchat.tui.turns import TurnRunner
+from tierchat.tui.services.clear_requests import ClearRequests
+from tierchat.tui.services.model_load import device_line, load_events, path_problem
+from tierchat.tui.services.stats_poll import STATS_POLL_S, StatsPoller
+from tierchat.tui.turns import SessionCall, TurnRunner
 from tierchat.tui.widgets.activity import ActivityBar
 from tierchat.tui.widgets.cache_panels import CachePanels, CacheSummary
 from tierchat.tui.widgets.chat_input import ChatInput
@@ -75,11 +80,10 @@ T = TypeVar("T")
 if TYPE_CHECKING:
     from tierchat.tui.app import TierchatApp
 
-STATS_POLL_S = 0.5
-"""Seconds between stats polls (panels or summary, the status file, clear requests)."""
-
 WIDE_COLUMNS = 140
 """From this width on the cache panels sit beside the chat; below it, a summary line."""
+
+__all__ = ["STATS_POLL_S", "WIDE_COLUMNS", "ChatScreen", "title_from"]
 
 
 def title_from(text: str, width: int = 40) -> str:
@@ -91,7 +95,7 @@ def title_from(text: str, width: int = 40) -> str:
 class ChatScreen(ChatTools):
     """Chat with the model and watch the cache. All state lives in the session and store;
     the screen only mirrors it (``Transcript.sync``); :class:`TurnRunner` tracks the
-    request in flight."""
+    replies in flight (one per conversation, several conversations at once)."""
 
     CSS_PATH = "chat.tcss"
     COMMANDS = Screen.COMMANDS | {
@@ -135,7 +139,7 @@ class ChatScreen(ChatTools):
     ]
 
     streaming: reactive[bool] = reactive(False, bindings=True)
-    """A reply is being generated (Esc stops it)."""
+    """A reply of the conversation shown is being generated (Esc stops it)."""
     loading_model: reactive[str] = reactive("", bindings=True)
     """The model being loaded on the engine thread, "" when none."""
     panels_visible: reactive[bool] = reactive(True, bindings=True)
@@ -149,15 +153,17 @@ class ChatScreen(ChatTools):
         super().__init__()
         self._clock = clock
         self.turns = TurnRunner(self)
-        self._poll_timer: Timer | None = None
-        self._last_stats: CacheStats | None = None
         self._narrow: bool | None = None
-        self._status: StatusWriter | None = None
-        self._serving: set[str] = set()  # clear requests from the CLI being served
+        self.stats_poll: StatsPoller | None = None
+        self.clears: ClearRequests | None = None
 
     @property
     def tierchat(self) -> TierchatApp:
         return self.app  # type: ignore[return-value]
+
+    @property
+    def model_name(self) -> str:
+        return self.tierchat.engine.model_name
 
     def notify(
         self,
@@ -175,13 +181,25 @@ class ChatScreen(ChatTools):
     def attempt(self, title: str, call: Callable[[], T]) -> tuple[bool, T | None]:
         """Run ``call``; any exception becomes an error notification titled ``title``.
 
-        Engine and store calls go through here: the app never crashes on their errors.
+        Engine and store reads go through here: the app never crashes on their errors.
         """
         try:
             return True, call()
         except Exception as e:  # noqa: BLE001 - the UI boundary: report, never crash
             self.notify(str(e) or type(e).__name__, title=title, severity="error", timeout=8)
             return False, None
+
+    async def in_background(self, title: str, call: Callable[[], T]) -> tuple[bool, T | None]:
+        """As :meth:`attempt`, with ``call`` on the background writer's thread (store
+        writes, prompt building), in order with the writes asked for before it."""
+        try:
+            return True, await self.tierchat.writer.run(self, call)
+        except Exception as e:  # noqa: BLE001 - the UI boundary: report, never crash
+            self.notify(str(e) or type(e).__name__, title=title, severity="error", timeout=8)
+            return False, None
+
+    def widgets(self) -> tuple[Transcript, ActivityBar, ChatInput]:
+        return self.query_one(Transcript), self.query_one(ActivityBar), self.query_one(ChatInput)
 
     # ------------------------------------------------------------------ layout
 
@@ -198,7 +216,7 @@ class ChatScreen(ChatTools):
         yield Footer()
 
     def _welcome_text(self) -> str:
-        model = self.tierchat.engine.model_name or self.tierchat.settings.model
+        model = self.model_name or self.tierchat.settings.model
         return (
             f"tierchat · {model}\n\n"
             "Type a message and press Enter. Every turn reuses the KV cache of the "
@@ -211,9 +229,11 @@ class ChatScreen(ChatTools):
         self._fit_width(self.app.size.width)
         self.query_one(ChatInput).prompt_history = self._prompt_history
         cache_dir = getattr(self.tierchat.settings, "cache_dir", None)
-        if cache_dir is not None:
-            self._status = StatusWriter(Path(cache_dir), process="TUI")
-        self._poll_timer = self.set_interval(STATS_POLL_S, self.poll_stats, pause=False)
+        status = StatusWriter(Path(cache_dir), process="TUI") if cache_dir is not None else None
+        engine = lambda: self.tierchat.engine  # noqa: E731 - the engine of the moment
+        self.clears = ClearRequests(self, engine, self.notify, self.poll_stats, status)
+        self.stats_poll = StatsPoller(engine, self._show_stats, self.notify, self.clears, status)
+        self.set_interval(STATS_POLL_S, self.poll_stats, pause=False)
         self.refresh_conversations()
         rows = self.query_one(ConversationList).rows
         if rows:
@@ -221,7 +241,7 @@ class ChatScreen(ChatTools):
         self._update_titles()
         self.focus_input()
         self.poll_stats()
-        if not self.tierchat.engine.model_name:
+        if not self.model_name:
             self.load_model(self.tierchat.settings.model)
 
     def _prompt_history(self) -> list[str]:
@@ -247,29 +267,9 @@ class ChatScreen(ChatTools):
             self.panels_visible = not narrow  # each layout starts with its own default
             self.set_class(self.panels_visible, "-panels")
 
-    def _device(self) -> str:
-        """The device and compute dtype for the header ("gpu (…, metal), bfloat16").
-
-        ``core.device`` imports MLX, which the TUI never does itself: the line is read
-        only when MLX is already loaded (by the real engine); the app's ``device`` (given
-        by a caller) or an engine's own ``describe_device()`` take precedence."""
-        describe = getattr(self.tierchat.engine, "describe_device", None)
-        given = str(getattr(self.tierchat, "device", "") or "")
-        try:
-            if callable(describe):
-                return str(describe())
-            real = type(self.tierchat.engine).__module__.startswith("tierchat.core")
-            if not given and real and "mlx.core" in sys.modules:
-                from tierchat.core.engine.device import describe_device
-
-                given = describe_device()
-        except Exception:  # noqa: BLE001 - a header detail, never a crash
-            pass
-        return given
-
     def _update_titles(self) -> None:
         app = self.tierchat
-        model = self.loading_model or app.engine.model_name or app.settings.model
+        model = self.loading_model or self.model_name or app.settings.model
         title = "new conversation"
         if self.conversation_id is not None:
             try:
@@ -277,7 +277,7 @@ class ChatScreen(ChatTools):
                 title = info.title or f"conversation {info.id}"
             except KeyError:
                 pass
-        device = self._device()
+        device = device_line(app.engine, str(getattr(app, "device", "") or ""))
         self.title = "tierchat"
         self.sub_title = f"{model}{f' ({device})' if device else ''} · {title}"
 
@@ -288,61 +288,30 @@ class ChatScreen(ChatTools):
 
     def _target(self) -> MessageView | None:
         """The message under the cursor, else the last message (never a placeholder)."""
-        views = [v for v in self._views() if v.info.node_id is not None]
-        if not views:
-            return None
-        all_views = self._views()
-        if self.selected is not None and 0 <= self.selected < len(all_views):
-            view = all_views[self.selected]
-            if view.info.node_id is not None:
-                return view
-        return views[-1]
-
-    def _branch_target(self) -> MessageView | None:
-        """The message whose siblings ←/→ move through: the one under the cursor (or,
-        from the input, the last reply); a message without siblings gives none."""
-        if self.selected is None:
-            replies = [v for v in self._views() if v.info.role == "assistant"]
-            target = replies[-1] if replies else None
-        else:
-            target = self._target()
-        if target is None or target.info.node_id is None or target.info.role == "system":
-            return None
-        return target
-
-    def _target_user(self) -> MessageView | None:
-        target = self._target()
-        if target is None:
-            return None
-        if target.info.role == "user":
-            return target
-        views = self._views()
-        for view in reversed(views[: views.index(target)]):
-            if view.info.role == "user":
-                return view
-        return None
+        return cursor.target(self._views(), self.selected)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         busy = self.streaming or bool(self.loading_model)
+        views, selected = self._views(), self.selected
         if action == "stop":
             return True if self.streaming else None
         if action == "regenerate":
-            target = self._regenerate_target()
+            target = cursor.regenerate_target(views, selected)
             ok = not busy and target is not None and target.info.turn >= 0
             return True if ok else None
         if action == "continue_reply":
-            target = self._continue_target()
+            target = cursor.continue_target(views, selected, self.model_name)
             return True if not busy and target is not None else None
         if action == "swipe":
-            target = self._branch_target()
+            target = cursor.branch_target(views, selected)
             if busy or target is None:
                 return None
             delta = int(parameters[0]) if parameters else 1
             return True if 0 <= target.info.index + delta < target.info.count else None
         if action in ("select", "select_edge"):
-            return True if self._views() else None
+            return True if views else None
         if action == "edit":
-            user = self._target_user()
+            user = cursor.target_user(views, selected)
             return True if not busy and user is not None and user.info.node_id else None
         if action == "fork":
             target = self._target()
@@ -355,10 +324,8 @@ class ChatScreen(ChatTools):
             return True if target is not None and target.info.role == "assistant" else None
         if action in ("rename_conversation", "delete_conversation", "export"):
             return True if self.conversation_id is not None and not self.streaming else None
-        if action in ("new_conversation", "open_conversation", "conversation_settings"):
-            return None if self.streaming else True
-        if action in ("pick_model", "load_model"):
-            return None if busy else True
+        if action in ("pick_model", "load_model"):  # not under a reply of the old model
+            return None if self.loading_model or self.turns.turns else True
         return super().check_action(action, parameters)  # ChatTools' actions
 
     # ------------------------------------------------------------------ focus
@@ -389,11 +356,16 @@ class ChatScreen(ChatTools):
         self.query_one(ConversationList).show(rows, self.conversation_id)
 
     def open_conversation(self, conversation_id: int) -> None:
+        """Show ``conversation_id`` (with its reply in flight, if any)."""
         ok, _ = self.attempt(
             "Cannot open conversation", lambda: self.tierchat.session.open(conversation_id)
         )
         if not ok:
             return
+        self._show_conversation(conversation_id)
+
+    def _show_conversation(self, conversation_id: int | None) -> None:
+        self.query_one(ActivityBar).hide()  # another conversation's progress or "stopping…"
         self.conversation_id = conversation_id
         self.selected = None
         self.sync_transcript()
@@ -402,27 +374,23 @@ class ChatScreen(ChatTools):
         self.query_one(ChatInput).forget_recall()
         self.draft_meter.changed()
 
+    def watch_conversation_id(self) -> None:
+        self.streaming = self.turns.streaming(self.conversation_id)
+
     def action_open_conversation(self, conversation_id: int) -> None:
         self.open_conversation(conversation_id)
         self.focus_input()
 
     @on(ConversationChosen)
     def conversation_chosen(self, event: ConversationChosen) -> None:
-        if self.streaming:
-            self.notify("A reply is streaming; Esc stops it.", severity="warning")
-            return
         if event.conversation_id != self.conversation_id:
             self.open_conversation(event.conversation_id)
         self.focus_input()
 
     def action_new_conversation(self) -> None:
         """Start an empty conversation; it is stored with its first message."""
-        self.conversation_id = None
         self.tierchat.session.conversation_id = None
-        self.selected = None
-        self.sync_transcript()
-        self.refresh_conversations()
-        self._update_titles()
+        self._show_conversation(None)
         self.focus_input()
 
     def action_rename_conversation(self) -> None:
@@ -431,11 +399,11 @@ class ChatScreen(ChatTools):
             return
         info = self.tierchat.store.get_conversation(cid)
 
-        def done(title: str | None) -> None:
+        async def done(title: str | None) -> None:
             if title is None:
                 return
-            ok, _ = self.attempt("Rename failed", lambda: self.tierchat.store.rename(cid, title))
-            if not ok:
+            rename = lambda: self.tierchat.store.rename(cid, title)  # noqa: E731
+            if not (await self.in_background("Rename failed", rename))[0]:
                 return
             self.refresh_conversations()
             self._update_titles()
@@ -449,15 +417,18 @@ class ChatScreen(ChatTools):
         cid = listing.highlighted_id if from_list else self.conversation_id
         if cid is None:
             return
+        if self.turns.streaming(cid):
+            self.notify("A reply of that conversation is streaming; stop it first.")
+            return
         info = self.tierchat.store.get_conversation(cid)
         title = info.title or f"conversation {cid}"
 
-        def done(confirmed: bool | None) -> None:
+        async def done(confirmed: bool | None) -> None:
             if not confirmed:
                 return
             trash = self.tierchat.trash
-            ok, _ = self.attempt("Delete failed", lambda: trash.delete_conversation(cid))
-            if not ok:
+            delete = lambda: trash.delete_conversation(cid)  # noqa: E731
+            if not (await self.in_background("Delete failed", delete))[0]:
                 return
             if cid == self.conversation_id:
                 self.action_new_conversation()
@@ -472,15 +443,14 @@ class ChatScreen(ChatTools):
             ConfirmScreen("Delete conversation?", body, confirm_label="Delete"), done
         )
 
-    def _ensure_conversation(self, first_text: str) -> bool:
+    async def _ensure_conversation(self, first_text: str) -> bool:
         """Create the conversation a first message (or a settings save) belongs to."""
         if self.conversation_id is not None:
             return True
         session = self.tierchat.session
         title = title_from(first_text)
-        ok, cid = self.attempt(
-            "Cannot create conversation", lambda: session.new_conversation(title=title)
-        )
+        create = lambda: session.new_conversation(title=title)  # noqa: E731
+        ok, cid = await self.in_background("Cannot create conversation", create)
         if not ok:
             return False
         self.conversation_id = cid
@@ -497,63 +467,43 @@ class ChatScreen(ChatTools):
             return
         title = self.sub_title.split(" · ")[-1]
 
-        def done(new) -> None:
+        async def done(new) -> None:
             if new is None or new == current:
                 return
-            if not self._ensure_conversation(title if self.conversation_id else "untitled"):
+            if not await self._ensure_conversation(title if self.conversation_id else "untitled"):
                 return
-            if not self.attempt("Cannot save settings", lambda: session.save_settings(new))[0]:
+            save = lambda: session.save_settings(new)  # noqa: E731
+            if not (await self.in_background("Cannot save settings", save))[0]:
                 return
             self.sync_transcript()
-            note = self._reuse_note(new.system, current) if new.system != current.system else ""
+            note = reuse_note(session, new.system, current) if new.system != current.system else ""
             extra = f" {note}" if note else ""
             self.notify(f"Saved for this conversation.{extra}", title="Settings")
 
         screen = ConversationSettingsScreen(
             current,
             title,
-            reuse_note=lambda system: self._reuse_note(system, current),
+            reuse_note=lambda system: reuse_note(session, system, current),
             default_temperature=session.defaults.temperature,
         )
         self.app.push_screen(screen, done)
 
-    def _reuse_note(self, system: str, current) -> str:
-        """What a system prompt of ``system`` does to the next turn's cache reuse."""
-        session = self.tierchat.session
-        if system == current.system:
-            return "System prompt unchanged: the next turn reuses the cached prefix."
-        path = session.active_path()
-        try:
-            old = session.build_prompt(path, current)
-            new = session.build_prompt(path, dataclasses.replace(current, system=system))
-        except Exception:  # noqa: BLE001 - no model yet: say it in general terms
-            return "A new system prompt is a new prefix: the next turn prefills from the start."
-        shared = 0
-        for a, b in zip(old.token_ids, new.token_ids, strict=False):
-            if a != b:
-                break
-            shared += 1
-        total = len(new.token_ids)
-        return (
-            f"New prefix: the prompt changes at token {shared} of {total}, so the next turn "
-            f"prefills about {total - shared} tokens again. The old prefix stays cached; "
-            "switching back reuses it."
-        )
-
     # ------------------------------------------------------------------ transcript
 
-    def path_infos(self) -> list[MessageInfo]:
-        """The active path as :class:`MessageInfo` rows, from one store query."""
-        if self.conversation_id is None:
+    def path_infos(self, conversation_id: int | None = None) -> list[MessageInfo]:
+        """The active path of ``conversation_id`` (default: the one shown) as
+        :class:`MessageInfo` rows, from one store query."""
+        cid = self.conversation_id if conversation_id is None else conversation_id
+        if cid is None:
             return []
         session = self.tierchat.session
-        system = session.settings().system
-        return message_infos(session.path_entries(), system)
+        system = session.settings(cid).system
+        return message_infos(self.tierchat.store.active_path_entries(cid), system)
 
     @work(exclusive=True, group="sync")
     async def sync_transcript(self) -> None:
-        """Mirror the active path in the transcript."""
-        await self.query_one(Transcript).sync(self.path_infos())
+        """Mirror the active path in the transcript (and the reply in flight, if any)."""
+        await self.turns.attach(self.path_infos())
         self._show_selection()
         self.refresh_bindings()
 
@@ -625,6 +575,15 @@ class ChatScreen(ChatTools):
 
     # ------------------------------------------------------------------ generation
 
+    async def start_turn(self, call: Callable[[Any, int, Any], Any]) -> bool:
+        """Start a turn of the conversation shown: ``call(session, conversation_id,
+        on_event)`` runs on the background writer's thread (the store write and the
+        prompt)."""
+        cid, session = self.conversation_id, self.tierchat.session
+        assert cid is not None
+        run: SessionCall = lambda on_event: call(session, cid, on_event)  # noqa: E731
+        return await self.turns.start(cid, run)
+
     @on(MessageSubmitted)
     async def message_submitted(self, event: MessageSubmitted) -> None:
         if self.streaming:
@@ -633,41 +592,31 @@ class ChatScreen(ChatTools):
         if self.loading_model:
             self.notify(f"{self.loading_model} is still loading.", severity="warning")
             return
-        if not self.tierchat.engine.model_name:  # before a conversation is made for it
+        if not self.model_name:  # before a conversation is made for it
             self.notify(
                 "no model is loaded: F4 picks one; your message stays in the input.",
                 title="Cannot generate",
                 severity="error",
             )
             return
-        if not self._ensure_conversation(event.text):
+        if not await self._ensure_conversation(event.text):
             return
-        session = self.tierchat.session
-        if await self.turns.start(lambda cb: session.send(event.text, on_event=cb)):
-            self.query_one(ChatInput).clear()
+        text = event.text
 
-    def _regenerate_target(self) -> MessageView | None:
-        """The message whose user turn a regenerate answers again: the one under the
-        cursor (a reply or its user message), else the last message."""
-        views = self._views()
-        if self.selected is not None and 0 <= self.selected < len(views):
-            view = views[self.selected]
-            if view.info.node_id is not None and view.info.role in ("user", "assistant"):
-                return view
-            return None
-        if views and views[-1].info.role in ("user", "assistant") and views[-1].info.node_id:
-            return views[-1]
-        return None
+        def send(session, cid, on_event):
+            return session.send(text, on_event=on_event, conversation_id=cid)
+
+        if await self.start_turn(send):  # refused: the text stays in the input
+            self.query_one(ChatInput).clear()
 
     async def action_regenerate(self) -> None:
         """A new reply to the user turn of the message under the cursor (from the input:
         the last one), a sibling of the reply shown there; its prompt ends at that user
         message."""
-        target = self._regenerate_target()
+        target = cursor.regenerate_target(self._views(), self.selected)
         if target is None or target.info.turn < 0:
             return
-        session = self.tierchat.session
-        settings = session.settings()
+        settings = self.tierchat.session.settings()
         turn = target.info.turn
         if settings.temperature == 0 and target.info.role == "assistant":
             swipe = settings.swipe_temperature
@@ -679,31 +628,23 @@ class ChatScreen(ChatTools):
                 "match the old one. F9 sets them for this conversation.",
                 timeout=5,
             )
-        await self.turns.start(lambda cb: session.regenerate(turn=turn, on_event=cb))
+        await self.start_turn(
+            lambda s, cid, cb: s.regenerate(turn=turn, on_event=cb, conversation_id=cid)
+        )
         self.focus_input()
-
-    def _continue_target(self) -> MessageView | None:
-        """The reply a continue extends: the one under the cursor, else the last one;
-        only a reply cut at max tokens or stopped, made by the loaded model."""
-        target = self._regenerate_target()
-        if target is None or target.info.role != "assistant" or target.info.node_id is None:
-            return None
-        metrics = target.info.metrics
-        cut = metrics is not None and metrics.finish_reason in ("length", "cancelled")
-        return target if cut and target.info.model == self.tierchat.engine.model_name else None
 
     async def action_continue_reply(self) -> None:
         """Generate more of a cut reply: its prompt + its ids, all in the resident cache
         (nothing prefilled); the whole reply becomes a new sibling (the cut one stays)."""
-        target = self._continue_target()
+        target = cursor.continue_target(self._views(), self.selected, self.model_name)
         if target is None:
             return
-        node_id, session = target.info.node_id, self.tierchat.session
-        await self.turns.start(lambda cb: session.continue_reply(node_id, on_event=cb))
+        node_id = target.info.node_id
+        await self.start_turn(lambda s, cid, cb: s.continue_reply(node_id, on_event=cb))
         self.focus_input()
 
     def action_edit(self) -> None:
-        user = self._target_user()
+        user = cursor.target_user(self._views(), self.selected)
         if user is None:
             return
         turn = user.info.turn
@@ -711,8 +652,9 @@ class ChatScreen(ChatTools):
         async def done(text: str | None) -> None:
             if text is None:
                 return
-            session = self.tierchat.session
-            await self.turns.start(lambda cb: session.edit(turn, text, on_event=cb))
+            await self.start_turn(
+                lambda s, cid, cb: s.edit(turn, text, on_event=cb, conversation_id=cid)
+            )
             self.focus_input()
 
         self.app.push_screen(EditMessageScreen(user.info.content, turn), done)
@@ -721,8 +663,8 @@ class ChatScreen(ChatTools):
         self.turns.stop()
 
     @on(PrefillAdvanced)
-    def prefill_advanced(self, event: PrefillAdvanced) -> None:
-        self.turns.prefill(event)
+    async def prefill_advanced(self, event: PrefillAdvanced) -> None:
+        await self.turns.prefill(event)
 
     @on(ReplyStreamed)
     async def reply_streamed(self, event: ReplyStreamed) -> None:
@@ -736,21 +678,28 @@ class ChatScreen(ChatTools):
     async def reply_failed(self, event: ReplyFailed) -> None:
         await self.turns.failed(event)
 
-    def turn_ended(self) -> None:
-        """After a reply finished or failed: refresh the list, the keys, the panels and
-        the context the input's border shows."""
-        self.refresh_conversations()
-        self._show_selection()
-        self.refresh_bindings()
-        self.poll_stats()
-        self.draft_meter.changed()
+    def turns_changed(self, *, ended: bool, first_token: bool = False) -> None:
+        """A turn started, streamed its first token (the engine's last-turn record is now
+        its own: poll), or ended: refresh the list, the keys, the panels and the context
+        the input's border shows."""
+        self.streaming = self.turns.streaming(self.conversation_id)
+        if first_token:
+            self.poll_stats()
+        elif ended:
+            self.refresh_conversations()
+            self._show_selection()
+            self.refresh_bindings()
+            self.poll_stats()
+            self.draft_meter.changed()
+        else:
+            self.selected = None
 
     # ------------------------------------------------------------------ branches
 
     async def action_swipe(self, delta: int) -> None:
         """Show the previous/next sibling of the message under the cursor (a reply, or a
         user message that edits made into branches)."""
-        target = self._branch_target()
+        target = cursor.branch_target(self._views(), self.selected)
         if target is None or target.info.node_id is None:
             return
         index = target.info.index + delta
@@ -764,7 +713,7 @@ class ChatScreen(ChatTools):
             return self.tierchat.session.select(siblings[index].id)
 
         selected = self.selected
-        ok, _ = self.attempt("Cannot show that branch", pick)
+        ok, _ = await self.in_background("Cannot show that branch", pick)
         if not ok:
             return
         await self.query_one(Transcript).sync(self.path_infos())
@@ -772,12 +721,13 @@ class ChatScreen(ChatTools):
         self._show_selection()
         self.refresh_bindings()
 
-    def action_fork(self) -> None:
+    async def action_fork(self) -> None:
         target = self._target()
         if target is None or target.info.node_id is None:
             return
         node_id = target.info.node_id
-        ok, new_id = self.attempt("Fork failed", lambda: self.tierchat.session.fork(node_id))
+        fork = lambda: self.tierchat.session.fork(node_id)  # noqa: E731
+        ok, new_id = await self.in_background("Fork failed", fork)
         if not ok or new_id is None:
             return
         self.open_conversation(new_id)
@@ -802,26 +752,16 @@ class ChatScreen(ChatTools):
             return
         target.toggle_reasoning()
 
-    def action_export(self, fmt: str = "md", scope: str = "path") -> None:
+    async def action_export(self, fmt: str = "md", scope: str = "path") -> None:
         """Write the open conversation (active path or whole tree) under the data dir."""
-        from tierchat.tui.export import export_conversation, export_path
+        from tierchat.tui.export import write_export
 
-        cid = self.conversation_id
+        cid, app = self.conversation_id, self.tierchat
         if cid is None:
             return
-        app = self.tierchat
-
-        def write() -> Path:
-            info = app.store.get_conversation(cid)
-            saved = app.store.conversation_settings(cid)
-            text = export_conversation(app.store, cid, fmt, scope, saved)  # type: ignore[arg-type]
-            folder = Path(getattr(app.settings, "data_dir", ".")) / "exports"
-            folder.mkdir(parents=True, exist_ok=True)
-            path = export_path(folder, info.title or "", cid, fmt, scope)
-            path.write_text(text)
-            return path
-
-        ok, path = self.attempt("Export failed", write)
+        data_dir = Path(getattr(app.settings, "data_dir", "."))
+        write = lambda: write_export(app.store, data_dir, cid, fmt, scope)  # noqa: E731
+        ok, path = await self.in_background("Export failed", write)
         if ok:
             self.notify(str(path), title="Exported")
 
@@ -839,22 +779,11 @@ class ChatScreen(ChatTools):
 
     def load_model(self, spec: str) -> None:
         """Ask the engine to load ``spec``; progress and the result arrive as messages."""
-        if spec.startswith(("/", "./", "../", "~")):
-            path = Path(os.path.expanduser(spec))
-            if not path.is_dir():
-                what = "no such directory" if not path.exists() else "not a directory"
-                self.notify(f"{spec}: {what}", title=f"Cannot load {spec}", severity="error")
-                return
-        post = self.post_message
-
-        def on_event(event: Event) -> None:
-            if isinstance(event, ModelLoading):
-                post(ModelLoadAdvanced(spec, event.done, event.total, event.message))
-            elif isinstance(event, ModelLoaded):
-                post(ModelLoadFinished(event.model, event.warning))
-            elif isinstance(event, Failed):
-                post(ModelLoadFailed(spec, event.message))
-
+        problem = path_problem(spec)
+        if problem:
+            self.notify(problem, title=f"Cannot load {spec}", severity="error")
+            return
+        on_event = load_events(spec, self.post_message)
         self.loading_model = spec
         self.query_one(ActivityBar).show_loading(spec, 0, 0, "")
         self._update_titles()
@@ -862,12 +791,15 @@ class ChatScreen(ChatTools):
             f"Cannot load {spec}", lambda: self.tierchat.engine.load_model(spec, on_event=on_event)
         )
         if not ok:
-            self.loading_model = ""
-            self.query_one(ActivityBar).hide()
-            self._update_titles()
+            self._load_ended()
 
     def action_load_model(self, spec: str) -> None:
         self.load_model(spec)
+
+    def _load_ended(self) -> None:
+        self.loading_model = ""
+        self.query_one(ActivityBar).hide()
+        self._update_titles()
 
     @on(ModelLoadAdvanced)
     def model_load_advanced(self, event: ModelLoadAdvanced) -> None:
@@ -877,9 +809,7 @@ class ChatScreen(ChatTools):
 
     @on(ModelLoadFinished)
     def model_load_finished(self, event: ModelLoadFinished) -> None:
-        self.loading_model = ""
-        self.query_one(ActivityBar).hide()
-        self._update_titles()
+        self._load_ended()
         self.query_one(Transcript).set_welcome(self._welcome_text())
         if event.warning:
             self.notify(event.warning, title=f"Loaded {event.model}", severity="warning")
@@ -902,9 +832,7 @@ class ChatScreen(ChatTools):
 
     @on(ModelLoadFailed)
     def model_load_failed(self, event: ModelLoadFailed) -> None:
-        self.loading_model = ""
-        self.query_one(ActivityBar).hide()
-        self._update_titles()
+        self._load_ended()
         self.notify(event.message, title=f"Cannot load {event.model}", severity="error", timeout=10)
         self.poll_stats()
 
@@ -913,75 +841,29 @@ class ChatScreen(ChatTools):
     def action_clear(self, tier: str) -> None:
         confirm_clear(self, tier, self.clear_tier)
 
-    @work(thread=True, group="clear")
-    def clear_tier(self, tier: str, request: dict | None = None) -> None:
-        """Clear ``tier`` on the engine (no confirmation), then report it and refresh the
-        panels. A thread worker: ``Engine.clear`` waits for the engine thread, which may be
-        in the middle of a prefill chunk or a model load. ``request``: a clear asked for by
-        ``tierchat cache clear`` (live_status.py), answered in the status file."""
-        before = self._safe_stats()
-        try:
-            self.tierchat.engine.clear(tier)
-        except Exception as e:  # noqa: BLE001 - reported on the UI thread below
-            self.app.call_from_thread(self._clear_failed, tier, e, request)
-        else:
-            self.app.call_from_thread(self._cleared, tier, before, request)
-
-    def _cleared(self, tier: str, before: CacheStats | None, request: dict | None) -> None:
-        after = self._safe_stats()
-        report = clear_report(tier, before, after)
-        if request is not None and self._status is not None:
-            self._status.served(request, report)
-        self.poll_stats()
-        title = "Cache cleared" + (" (from the command line)" if request else "")
-        self.notify(report, title=title)
-
-    def _clear_failed(self, tier: str, error: Exception, request: dict | None) -> None:
-        text = str(error) or type(error).__name__
-        if request is not None and self._status is not None:
-            self._status.served(request, f"failed: {text}")
-        self.notify(text, title=f"Clear {tier} failed", severity="error")
-        self.poll_stats()
-
-    def _safe_stats(self) -> CacheStats | None:
-        try:
-            return self.tierchat.engine.stats()
-        except Exception:  # noqa: BLE001 - a failed poll shows stale panels, never a crash
-            return None
+    def clear_tier(self, tier: str) -> None:
+        """Clear ``tier`` on the engine (no confirmation), off the UI thread."""
+        if self.clears is not None:
+            self.clears.clear(tier)
 
     def poll_stats(self) -> CacheStats | None:
-        """Read one stats snapshot into the panels (or the summary line), write it to the
-        status file, serve clear requests from the CLI and raise alerts. Never raises."""
-        stats = self._safe_stats()
-        if stats is None:
-            return None
+        """One stats poll now (``tui/services/stats_poll.py``). Never raises."""
+        return self.stats_poll.poll() if self.stats_poll is not None else None
+
+    def _show_stats(self, stats: CacheStats) -> None:
         if self.panels_visible:
             self.query_one(CachePanels).stats = stats
         else:
             self.query_one(CacheSummary).stats = stats
-        before, self._last_stats = self._last_stats, stats
-        for severity, title, text in alerts(before, stats):
-            self.notify(text, title=title, severity=severity, timeout=8)
-        if self._status is not None:
-            self._status.write(self.tierchat.engine.model_name, stats)
-            for request in self._status.requests():
-                if request["tier"] not in CACHE_TIERS:
-                    self._status.served(request, f"unknown tier {request['tier']!r}")
-                    continue
-                if request["id"] not in self._serving:
-                    self._serving.add(request["id"])
-                    self.clear_tier(request["tier"], request)
-        return stats
 
     def action_toggle_panels(self) -> None:
         self.panels_visible = not self.panels_visible
 
     def watch_panels_visible(self, visible: bool) -> None:
         self.set_class(visible, "-panels")
-        if visible and self._last_stats is not None:
-            self.query_one(CachePanels).stats = self._last_stats
-        elif self._last_stats is not None:
-            self.query_one(CacheSummary).stats = self._last_stats
+        last = self.stats_poll.last if self.stats_poll is not None else None
+        if last is not None:
+            self._show_stats(last)
 
     def action_toggle_conversations(self) -> None:
         listing = self.query_one(ConversationList)
@@ -992,6 +874,6 @@ class ChatScreen(ChatTools):
             self.focus_input()
 
     def on_unmount(self) -> None:
-        self.turns.stop()
-        if self._status is not None:
-            self._status.remove()
+        self.turns.stop_all()
+        if self.stats_poll is not None:
+            self.stats_poll.close()

@@ -146,7 +146,7 @@ class ChatTools(Screen):
         chat.conversation_id = cid
         chat.selected = None
         transcript = self.query_one(Transcript)
-        await transcript.sync(chat.path_infos())
+        await chat.turns.attach(chat.path_infos())
         chat.refresh_conversations()
         chat._update_titles()
         ids = [v.info.node_id for v in transcript.views]

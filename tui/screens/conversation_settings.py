@@ -10,9 +10,10 @@ system prompt is a new prefix, so the next turn prefills the whole conversation 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from textual import on
 from textual.app import ComposeResult
@@ -22,6 +23,30 @@ from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Static, TextArea
 from tierchat.core.chat.session import ConversationSettings
+
+
+def reuse_note(session: Any, system: str, current: ConversationSettings) -> str:
+    """What a system prompt of ``system`` does to the next turn's cache reuse of the
+    open conversation of ``session`` (a ``ChatSession``), whose settings are ``current``."""
+    if system == current.system:
+        return "System prompt unchanged: the next turn reuses the cached prefix."
+    path = session.active_path()
+    try:
+        old = session.build_prompt(path, current)
+        new = session.build_prompt(path, dataclasses.replace(current, system=system))
+    except Exception:  # noqa: BLE001 - no model yet: say it in general terms
+        return "A new system prompt is a new prefix: the next turn prefills from the start."
+    shared = 0
+    for a, b in zip(old.token_ids, new.token_ids, strict=False):
+        if a != b:
+            break
+        shared += 1
+    total = len(new.token_ids)
+    return (
+        f"New prefix: the prompt changes at token {shared} of {total}, so the next turn "
+        f"prefills about {total - shared} tokens again. The old prefix stays cached; "
+        "switching back reuses it."
+    )
 
 
 def format_stops(stops: tuple[str, ...]) -> str:

@@ -1,0 +1,67 @@
+"""The chat screen's stats poll: every ``STATS_POLL_S`` seconds one snapshot of the
+engine's cache figures goes to the panels (or the summary line), to the status file that
+``tierchat cache stats`` reads from another shell, and to the alerts; the poll also
+serves the command line's clear requests (``tui/services/clear_requests.py``;
+docs/DESIGN.md §10).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tierchat.core.api import CacheStats
+from tierchat.core.live_status import StatusWriter
+from tierchat.tui.cache_report import alerts
+from tierchat.tui.services.clear_requests import ClearRequests, Notify
+
+STATS_POLL_S = 0.5
+"""Seconds between stats polls (panels or summary, the status file, clear requests)."""
+
+
+class StatsPoller:
+    """Reads stats snapshots and hands them out; never raises.
+
+    Args:
+        engine: ``() -> EngineLike``, the engine of the moment.
+        show: shows a snapshot (the panels or the summary line), on the UI thread.
+        notify: ``notify(text, title=..., severity=..., timeout=...)`` for the alerts.
+        clears: serves the CLI's clear requests on each poll.
+        status: the status file written on each poll; None without a cache directory.
+    """
+
+    def __init__(
+        self,
+        engine: Callable[[], Any],
+        show: Callable[[CacheStats], None],
+        notify: Notify,
+        clears: ClearRequests,
+        status: StatusWriter | None,
+    ) -> None:
+        self.engine = engine
+        self.show = show
+        self.notify = notify
+        self.clears = clears
+        self.status = status
+        self.last: CacheStats | None = None
+        """The latest snapshot (None before the first that could be read)."""
+
+    def poll(self) -> CacheStats | None:
+        """Read one snapshot into the panels, the status file and the alerts; serve the
+        clear requests waiting. Returns the snapshot (None when it could not be read)."""
+        stats = self.clears.stats()
+        if stats is None:
+            return None
+        self.show(stats)
+        before, self.last = self.last, stats
+        for severity, title, text in alerts(before, stats):
+            self.notify(text, title=title, severity=severity, timeout=8)
+        if self.status is not None:
+            self.status.write(self.engine().model_name, stats)
+            self.clears.serve()
+        return stats
+
+    def close(self) -> None:
+        """Remove the status file (at exit)."""
+        if self.status is not None:
+            self.status.remove()
