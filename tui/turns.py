@@ -143,7 +143,7 @@ class TurnRunner:
     def stream_view(self) -> MessageView | None:
         """The placeholder the shown conversation's reply streams into, if any."""
         turn = self.shown()
-        return turn.view if turn is not None else None
+        return self._shown_view(turn) if turn is not None else None
 
     def shown(self) -> Turn | None:
         """The turn of the conversation shown, if one is in flight."""
@@ -217,7 +217,7 @@ class TurnRunner:
         turn = self.shown()
         if turn is None or turn.handle is None:
             return
-        if turn.view is not None and turn.view.is_attached:
+        if turn.view is not None and turn.view in transcript.views:
             return
         number = sum(1 for i in infos if i.role == "user") - 1
         placeholder = MessageInfo(None, "assistant", "", number, model=self.host.model_name)
@@ -237,11 +237,11 @@ class TurnRunner:
         return turn if self._by_key.get(key) is turn else None
 
     def _shown_view(self, turn: Turn) -> MessageView | None:
-        """The turn's placeholder when its conversation is the one shown."""
-        if self.host.conversation_id != turn.conversation_id:
+        """The turn's placeholder when its conversation is the one shown (a placeholder
+        removed by a switch to another conversation is not)."""
+        if self.host.conversation_id != turn.conversation_id or turn.view is None:
             return None
-        view = turn.view
-        return view if view is not None and view.is_attached else None
+        return turn.view if turn.view in self.host.widgets()[0].views else None
 
     async def prefill(self, event: PrefillAdvanced) -> None:
         turn = await self._turn(event.turn_key)

@@ -108,6 +108,26 @@ async def settle(pilot: Pilot, timeout: float = 10.0) -> None:
     await pilot.pause()
 
 
+async def wait_for(pilot: Pilot, predicate, timeout: float = 30.0, what: str = "") -> None:
+    """Pump the app until ``predicate()`` holds (an ``AssertionError`` after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or 'the condition'}")
+        await pilot.pause()
+        await asyncio.sleep(0.01)
+
+
+async def enter(pilot: Pilot, text: str) -> None:
+    """Type ``text`` into the chat input and press Enter, without waiting for a reply."""
+    from tierchat.tui.widgets.chat_input import ChatInput
+
+    box = chat_screen(pilot.app).query_one(ChatInput)
+    box.focus()
+    box.insert(text)
+    await pilot.press("enter")
+
+
 async def send(pilot: Pilot, text: str) -> None:
     """Type ``text`` into the chat input, press Enter, and wait for the reply."""
     from tierchat.tui.widgets.chat_input import ChatInput
