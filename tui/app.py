@@ -18,7 +18,6 @@ from textual.screen import Screen
 from tierchat.core.api import EngineLike
 from tierchat.core.chat.trash import Trash
 from tierchat.tui.screens.chat import ChatScreen
-from tierchat.tui.screens.chat_tools import ChatTools
 from tierchat.tui.screens.code_blocks import CodeBlocksScreen
 from tierchat.tui.screens.confirm import ConfirmScreen
 from tierchat.tui.screens.conversation_settings import ConversationSettingsScreen
@@ -143,7 +142,6 @@ class TierchatApp(App[None]):
 BINDING_OWNERS: tuple[tuple[str, type], ...] = (
     ("app", TierchatApp),
     ("chat", ChatScreen),
-    ("chat", ChatTools),
     ("input", ChatInput),
     ("messages", Transcript),
     ("list", ConversationList),

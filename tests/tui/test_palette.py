@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from tierchat.tui.commands import BRANCH_COMMANDS, CACHE_COMMANDS, CONVERSATION_COMMANDS
+from tierchat.tui.commands import (
+    BRANCH_COMMANDS,
+    CACHE_COMMANDS,
+    CONVERSATION_COMMANDS,
+    TOOL_COMMANDS,
+)
 from tierchat.tui.screens.confirm import ConfirmScreen
 from tierchat.tui.screens.help import HelpScreen
 from tierchat.tui.screens.model_picker import ModelPickerScreen
@@ -166,7 +171,7 @@ def test_every_screen_action_has_a_palette_command():
     from tierchat.tui.screens.chat import ChatScreen
 
     commanded = {c.action.split("(")[0] for c in CACHE_COMMANDS + BRANCH_COMMANDS}
-    commanded |= {c.action.split("(")[0] for c in CONVERSATION_COMMANDS}
+    commanded |= {c.action.split("(")[0] for c in CONVERSATION_COMMANDS + TOOL_COMMANDS}
     keyed = {b.action.split("(")[0] for b in ChatScreen.BINDINGS}
     keyed -= {"select"}  # moving the selection is a key, not a command
     assert keyed <= commanded | {"pick_model"}

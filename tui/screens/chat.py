@@ -33,7 +33,7 @@ from textual.containers import Horizontal, Vertical
 from textual.notifications import SeverityLevel
 from textual.reactive import reactive
 from textual.screen import Screen
-from textual.widgets import Footer, Header
+from textual.widgets import Footer, Header, TextArea
 from tierchat.core.api import CacheStats
 from tierchat.core.live_status import StatusWriter
 from tierchat.tui import cursor
@@ -45,6 +45,7 @@ from tierchat.tui.commands import (
     ModelCommands,
     ToolCommands,
 )
+from tierchat.tui.draft_meter import DraftMeter
 from tierchat.tui.messages import (
     BranchRequested,
     ConversationChosen,
@@ -60,7 +61,7 @@ from tierchat.tui.messages import (
     TypedInTranscript,
 )
 from tierchat.tui.models import model_choices
-from tierchat.tui.screens.chat_tools import ChatTools
+from tierchat.tui.screens.chat_tools import TOOL_BINDINGS, ChatTools
 from tierchat.tui.screens.confirm import ConfirmScreen, confirm_clear
 from tierchat.tui.screens.conversation_settings import ConversationSettingsScreen, reuse_note
 from tierchat.tui.screens.model_picker import ModelPickerScreen
@@ -92,7 +93,7 @@ def title_from(text: str, width: int = 40) -> str:
     return line if len(line) <= width else line[: width - 1].rstrip() + "…"
 
 
-class ChatScreen(ChatTools):
+class ChatScreen(Screen):
     """Chat with the model and watch the cache. All state lives in the session and store;
     the screen only mirrors it (``Transcript.sync``); :class:`TurnRunner` tracks the
     replies in flight (one per conversation, several conversations at once)."""
@@ -136,6 +137,7 @@ class ChatScreen(ChatTools):
         Binding("f6", "clear('ssd')", "Clear SSD", id="clear_ssd", show=False, priority=True),
         Binding("f7", "clear('tails')", "Clear tails", id="clear_tails", show=False, priority=True),
         Binding("f8", "clear('all')", "Clear all", id="clear_all", show=False, priority=True),
+        *TOOL_BINDINGS,
     ]
 
     streaming: reactive[bool] = reactive(False, bindings=True)
@@ -153,6 +155,7 @@ class ChatScreen(ChatTools):
         super().__init__()
         self._clock = clock
         self.turns = TurnRunner(self)
+        self.tools = ChatTools(self)
         self._narrow: bool | None = None
         self.stats_poll: StatsPoller | None = None
         self.clears: ClearRequests | None = None
@@ -326,7 +329,8 @@ class ChatScreen(ChatTools):
             return True if self.conversation_id is not None and not self.streaming else None
         if action in ("pick_model", "load_model"):  # not under a reply of the old model
             return None if self.loading_model or self.turns.turns else True
-        return super().check_action(action, parameters)  # ChatTools' actions
+        answer = self.tools.check_action(action, parameters)
+        return super().check_action(action, parameters) if answer is NotImplemented else answer
 
     # ------------------------------------------------------------------ focus
 
@@ -721,49 +725,60 @@ class ChatScreen(ChatTools):
         self._show_selection()
         self.refresh_bindings()
 
+    # ------------------------------------------------------------------ tools
+
+    def action_search(self, scope: str = "here") -> None:
+        self.tools.search(scope)
+
+    async def action_open_found(self, node_id: int) -> None:
+        await self.tools.open_found(node_id)
+
+    def action_raw_message(self) -> None:
+        self.tools.raw_message()
+
+    def action_verify_turn(self) -> None:
+        self.tools.verify_turn()
+
+    def action_copy_code(self) -> None:
+        self.tools.copy_code()
+
+    def action_delete_message(self) -> None:
+        self.tools.delete_message()
+
+    def action_delete_branch(self) -> None:
+        self.tools.delete_branch()
+
+    async def action_undo_delete(self) -> None:
+        await self.tools.undo_delete()
+
+    def action_clear_input(self) -> None:
+        self.tools.clear_input()
+
+    def action_edit_in_editor(self) -> None:
+        self.tools.edit_in_editor()
+
+    def action_import_conversation(self) -> None:
+        self.tools.import_conversation()
+
     async def action_fork(self) -> None:
-        target = self._target()
-        if target is None or target.info.node_id is None:
-            return
-        node_id = target.info.node_id
-        fork = lambda: self.tierchat.session.fork(node_id)  # noqa: E731
-        ok, new_id = await self.in_background("Fork failed", fork)
-        if not ok or new_id is None:
-            return
-        self.open_conversation(new_id)
-        self.focus_input()
-        hint = " Ctrl+R generates its reply." if target.info.role == "user" else ""
-        self.notify(f"Forked into “{self.sub_title.split(' · ')[-1]}”.{hint}")
+        await self.tools.fork()
 
     def action_copy(self) -> None:
-        target = self._target()
-        if target is None:
-            return
-        text = target.text
-        self.app.copy_to_clipboard(text)
-        self.notify(f"Copied {len(text)} characters of the {target.info.role} message.")
+        self.tools.copy()
 
     def action_toggle_reasoning(self) -> None:
-        target = self._target()
-        if target is None:
-            return
-        if not target.has_reasoning:
-            self.notify("This reply has no reasoning (<think>…</think>) to show.", timeout=3)
-            return
-        target.toggle_reasoning()
+        self.tools.toggle_reasoning()
 
     async def action_export(self, fmt: str = "md", scope: str = "path") -> None:
-        """Write the open conversation (active path or whole tree) under the data dir."""
-        from tierchat.tui.export import write_export
+        await self.tools.export(fmt, scope)
 
-        cid, app = self.conversation_id, self.tierchat
-        if cid is None:
-            return
-        data_dir = Path(getattr(app.settings, "data_dir", "."))
-        write = lambda: write_export(app.store, data_dir, cid, fmt, scope)  # noqa: E731
-        ok, path = await self.in_background("Export failed", write)
-        if ok:
-            self.notify(str(path), title="Exported")
+    @property
+    def draft_meter(self) -> DraftMeter:
+        return self.tools.draft_meter
+
+    @on(TextArea.Changed, "#input")
+    def _draft_changed(self) -> None:
+        self.tools.draft_meter.changed()
 
     # ------------------------------------------------------------------ model
 

@@ -2,11 +2,14 @@
 raw text, one code block copied, long prompts ($EDITOR, clear, a live token count),
 deleting a message or a branch, importing an export.
 
-:class:`ChatTools` is the base class of ``ChatScreen`` (``screens/chat.py``), holding
-these actions and their keys so the chat screen stays about the chat. It uses the chat
-screen's state (``conversation_id``, ``selected``, ``streaming``) and helpers
-(``attempt``, ``path_infos``, ``_target``); every store call goes through ``attempt``,
-so an error is a notification, never a crash. The screens it opens are in
+:class:`ChatTools` is composed into ``ChatScreen`` (``screens/chat.py``: ``screen.tools``),
+whose ``action_*`` methods for these keys (:data:`TOOL_BINDINGS`) call it, so the chat
+screen stays about the chat. Also the actions on one message beyond chatting: fork,
+copy, reasoning shown or folded, export. It uses the chat screen's state
+(``conversation_id``, ``selected``, ``streaming``) and helpers (``attempt``,
+``in_background``, ``path_infos``, ``_target``): store reads go through ``attempt`` and
+store writes through ``in_background`` (off the UI loop, in order), so an error is a
+notification, never a crash. The screens it opens are in
 ``screens/search.py``, ``screens/raw_message.py``, ``screens/code_blocks.py``; the
 store work is in core (``ConversationStore.search``/``delete_message``/
 ``import_conversation``, ``core/chat/importer.py``, ``core/chat/code_blocks.py``,
@@ -17,13 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from textual import on, work
 from textual.app import SuspendNotSupported
 from textual.binding import Binding, BindingType
-from textual.screen import Screen
-from textual.widgets import TextArea
 from tierchat.core.chat.code_blocks import CodeBlock, fenced_blocks
 from tierchat.core.chat.editor import EditorError, edit_text
 from tierchat.core.chat.importer import read_export
@@ -45,28 +45,27 @@ _T = TypeVar("_T")
 ROLE_NAMES = {"user": "your", "assistant": "the assistant's", "system": "the system"}
 
 
-class ChatTools(Screen):
-    """Search, raw view, code-block copy, editor, clear input, delete, import: actions
-    and keys (ids for the keymap) of the chat screen. The message-cursor keys for them
-    (v, y, d, D) are bound on the transcript (``widgets/transcript.py``)."""
+TOOL_BINDINGS: list[BindingType] = [
+    Binding("ctrl+f", "search('here')", "Search", id="search", show=False),
+    Binding("ctrl+g", "edit_in_editor", "$EDITOR", id="edit_in_editor", show=False),
+    Binding("ctrl+l", "clear_input", "Clear input", id="clear_input", show=False),
+    Binding("ctrl+o", "import_conversation", "Import", id="import_conversation", show=False),
+]
+"""The tools' keys (ids for the keymap), bound on the chat screen. The message-cursor
+keys for them (v, y, d, D) are bound on the transcript (``widgets/transcript.py``)."""
 
-    DEFAULT_CSS = """
-    ChatInput.-near-limit { border-subtitle-color: $warning; }
-    ChatInput.-over-limit { border-subtitle-color: $error; border: round $error; }
-    """
 
-    BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("ctrl+f", "search('here')", "Search", id="search", show=False),
-        Binding("ctrl+g", "edit_in_editor", "$EDITOR", id="edit_in_editor", show=False),
-        Binding("ctrl+l", "clear_input", "Clear input", id="clear_input", show=False),
-        Binding("ctrl+o", "import_conversation", "Import", id="import_conversation", show=False),
-    ]
+class ChatTools:
+    """Search, raw view, verify, code-block copy, editor, clear input, delete, import,
+    fork, copy, reasoning, export: the work behind the chat screen's actions of those
+    names (``ChatScreen.action_<name>`` calls :meth:`<name>`)."""
 
-    _draft_meter: DraftMeter | None = None
+    def __init__(self, chat: ChatScreen) -> None:
+        self.chat = chat
+        self._draft_meter: DraftMeter | None = None
 
-    @property
-    def chat(self) -> ChatScreen:
-        return self  # type: ignore[return-value]
+    def notify(self, message: str, **kwargs: Any) -> None:
+        self.chat.notify(message, **kwargs)
 
     # ------------------------------------------------------------------ availability
 
@@ -79,6 +78,8 @@ class ChatTools(Screen):
         return target
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """As ``Screen.check_action`` for the tools' actions; ``NotImplemented`` for any
+        other."""
         chat = self.chat
         if action == "raw_message":
             return True if self._message_target() is not None else None
@@ -99,12 +100,12 @@ class ChatTools(Screen):
         if action == "import_conversation":
             return None if chat.streaming else True
         if action == "clear_input":
-            return True if self.query_one(ChatInput).text else None
-        return super().check_action(action, parameters)
+            return True if self.chat.query_one(ChatInput).text else None
+        return NotImplemented  # not one of the tools' actions
 
     # ------------------------------------------------------------------ search
 
-    def action_search(self, scope: str = "here") -> None:
+    def search(self, scope: str = "here") -> None:
         """Open the search dialog (``scope`` "here": the open conversation, "all")."""
         chat = self.chat
         screen = SearchScreen(
@@ -115,10 +116,7 @@ class ChatTools(Screen):
             if node_id is not None:
                 await self.open_found(node_id)
 
-        self.app.push_screen(screen, done)
-
-    async def action_open_found(self, node_id: int) -> None:
-        await self.open_found(node_id)
+        self.chat.app.push_screen(screen, done)
 
     async def open_found(self, node_id: int) -> bool:
         """Open the conversation holding message ``node_id`` at that message: its branch
@@ -139,13 +137,13 @@ class ChatTools(Screen):
             chat.tierchat.session.open(node.conversation_id)
             return node.conversation_id, not on_path
 
-        ok, found = chat.attempt("Cannot open that message", select)
+        ok, found = await chat.in_background("Cannot open that message", select)
         if not ok or found is None:
             return False
         cid, switched = found
         chat.conversation_id = cid
         chat.selected = None
-        transcript = self.query_one(Transcript)
+        transcript = self.chat.query_one(Transcript)
         await chat.turns.attach(chat.path_infos())
         chat.refresh_conversations()
         chat._update_titles()
@@ -178,15 +176,15 @@ class ChatTools(Screen):
             return None
         return target, answer
 
-    def action_raw_message(self) -> None:
+    def raw_message(self) -> None:
         asked = self._ask_about_target("Cannot read the message", lambda s, i: s.get_node(i))
         if asked is None:
             return
         _target, node = asked
         title = f"Raw text · {ROLE_NAMES.get(node.role, node.role)} message"
-        self.app.push_screen(RawMessageScreen(node.content, title))
+        self.chat.app.push_screen(RawMessageScreen(node.content, title))
 
-    def action_verify_turn(self) -> None:
+    def verify_turn(self) -> None:
         """Verify the selected reply against cold (core/chat/verify.py) on a thread: the
         report goes to the reply's row (stored with it), a notification and the events."""
         target = self._message_target()
@@ -194,24 +192,29 @@ class ChatTools(Screen):
             self.notify("Select a reply to verify", severity="warning")
             return
         self.notify("Recomputing the reply with no cache, twice…", title="Verify against cold")
-        self._verify(target.info.node_id)
+        node_id = target.info.node_id
+        self.chat.run_worker(
+            lambda: self._verify(node_id), thread=True, group="verify", exclusive=True
+        )
 
-    @work(thread=True, group="verify", exclusive=True)
     def _verify(self, node_id: int) -> None:
+        """On a worker thread: the verify runs the engine twice and waits for it."""
         try:
             report = verify_reply(self.chat.tierchat.session, node_id)
         except Exception as e:  # noqa: BLE001 - reported on the UI thread
             text = str(e) or type(e).__name__
-            self.app.call_from_thread(self.notify, text, title="Verify failed", severity="error")
+            self.chat.app.call_from_thread(
+                self.notify, text, title="Verify failed", severity="error"
+            )
             return
-        self.app.call_from_thread(self._verified, report)
+        self.chat.app.call_from_thread(self._verified, report)
 
     def _verified(self, report: VerifyReport) -> None:
         self.notify(report.describe(), title="Verify against cold")
         self.chat.sync_transcript()
         self.chat.poll_stats()
 
-    def action_copy_code(self) -> None:
+    def copy_code(self) -> None:
         """Copy one fenced code block of the message under the cursor: at once when it
         has one, else from a list."""
         target = self._message_target()
@@ -230,13 +233,13 @@ class ChatTools(Screen):
                 self.copy_block(block)
 
         title = f"Copy a code block ({len(blocks)} in this message)"
-        self.app.push_screen(CodeBlocksScreen(blocks, title), done)
+        self.chat.app.push_screen(CodeBlocksScreen(blocks, title), done)
 
     def copy_block(self, block: CodeBlock) -> None:
-        self.app.copy_to_clipboard(block.code)
+        self.chat.app.copy_to_clipboard(block.code)
         self.notify(f"Copied the code block ({block_label(block)}).", timeout=3)
 
-    def action_delete_message(self) -> None:
+    def delete_message(self) -> None:
         """Delete the message under the cursor; what follows it moves up (confirmed)."""
         asked = self._ask_about_target("Cannot delete", lambda s, i: s.children(i))
         if asked is None:
@@ -268,7 +271,7 @@ class ChatTools(Screen):
             "Delete message?", body, lambda: trash.delete_message(node_id), "Deleted the message."
         )
 
-    def action_delete_branch(self) -> None:
+    def delete_branch(self) -> None:
         """Delete the message under the cursor and everything after it (confirmed)."""
         asked = self._ask_about_target("Cannot delete", lambda s, i: s.subtree_size(i))
         if asked is None:
@@ -294,17 +297,17 @@ class ChatTools(Screen):
 
         async def done(confirmed: bool | None) -> None:
             if confirmed:
-                ok, _ = self.chat.attempt("Delete failed", delete)
+                ok, _ = await self.chat.in_background("Delete failed", delete)
                 if ok:
                     await self._after_delete(note)
 
-        self.app.push_screen(ConfirmScreen(title, body, confirm_label="Delete"), done)
+        self.chat.app.push_screen(ConfirmScreen(title, body, confirm_label="Delete"), done)
 
     async def _after_delete(self, note: str) -> None:
         chat = self.chat
         selected = chat.selected
-        await self.query_one(Transcript).sync(chat.path_infos())
-        views = self.query_one(Transcript).views
+        await self.chat.query_one(Transcript).sync(chat.path_infos())
+        views = self.chat.query_one(Transcript).views
         if selected is not None:
             chat.selected = min(selected, len(views) - 1) if views else None
         chat._show_selection()
@@ -312,10 +315,10 @@ class ChatTools(Screen):
         chat.refresh_bindings()
         self.notify(f"{note} u on the messages undoes it.", timeout=4)
 
-    async def action_undo_delete(self) -> None:
+    async def undo_delete(self) -> None:
         """Put the newest deletion of this session back (core/chat/trash.py)."""
         chat = self.chat
-        ok, got = chat.attempt("Cannot undo", chat.tierchat.trash.restore)
+        ok, got = await chat.in_background("Cannot undo", chat.tierchat.trash.restore)
         if not ok or got is None:
             return
         item, cid, _node = got
@@ -326,35 +329,29 @@ class ChatTools(Screen):
 
     # ------------------------------------------------------------------ the input
 
-    @on(TextArea.Changed, "#input")
-    def _draft_changed(self) -> None:
-        if self._draft_meter is None:
-            self._draft_meter = DraftMeter(self.chat, self.query_one(ChatInput))
-        self._draft_meter.changed()
-
     @property
     def draft_meter(self) -> DraftMeter:
         if self._draft_meter is None:
-            self._draft_meter = DraftMeter(self.chat, self.query_one(ChatInput))
+            self._draft_meter = DraftMeter(self.chat, self.chat.query_one(ChatInput))
         return self._draft_meter
 
-    def action_clear_input(self) -> None:
-        box = self.query_one(ChatInput)
+    def clear_input(self) -> None:
+        box = self.chat.query_one(ChatInput)
         if box.text:
             box.clear()  # an edit: Ctrl+Z brings the text back
             self.notify("Input cleared (Ctrl+Z brings it back).", timeout=2)
         box.focus()
 
-    def action_edit_in_editor(self) -> None:
+    def edit_in_editor(self) -> None:
         """Edit the input in ``$VISUAL``/``$EDITOR`` with the terminal handed over
         (``App.suspend``); the edited text replaces the input, not sent."""
-        box = self.query_one(ChatInput)
+        box = self.chat.query_one(ChatInput)
         try:
             try:
-                with self.app.suspend():
+                with self.chat.app.suspend():
                     text = edit_text(box.text)
             except SuspendNotSupported:
-                if not self.app.is_headless:  # Textual Web: no terminal to hand over
+                if not self.chat.app.is_headless:  # Textual Web: no terminal to hand over
                     raise EditorError("this terminal cannot be handed to an editor") from None
                 text = edit_text(box.text)  # headless (tests): the editor needs no terminal
         except EditorError as e:
@@ -367,7 +364,7 @@ class ChatTools(Screen):
 
     # ------------------------------------------------------------------ import
 
-    def action_import_conversation(self) -> None:
+    def import_conversation(self) -> None:
         """Ask for an export's path (the exports folder first) and import it as a new
         conversation; a bad file is an error notification and stores nothing."""
         chat = self.chat
@@ -378,7 +375,7 @@ class ChatTools(Screen):
                 await self.import_file(Path(path))
 
         hint = "Enter to import · Esc to cancel · a .json export (path or whole tree)"
-        self.app.push_screen(
+        self.chat.app.push_screen(
             PromptScreen("Import conversation from JSON", f"{folder}/", hint=hint), done
         )
 
@@ -391,7 +388,7 @@ class ChatTools(Screen):
             conversation = read_export(path)
             return store.import_conversation(conversation), conversation
 
-        ok, result = chat.attempt("Import failed", load)
+        ok, result = await chat.in_background("Import failed", load)
         if not ok or result is None:
             return None
         cid, conversation = result
@@ -400,6 +397,52 @@ class ChatTools(Screen):
         title = conversation.title or f"conversation {cid}"
         self.notify(f"Imported “{title}” ({conversation.count()} messages).", title="Import")
         return cid
+
+    # ------------------------------------------------------------------ one message, more
+
+    async def fork(self) -> None:
+        target = self.chat._target()
+        if target is None or target.info.node_id is None:
+            return
+        node_id = target.info.node_id
+        fork = lambda: self.chat.tierchat.session.fork(node_id)  # noqa: E731
+        ok, new_id = await self.chat.in_background("Fork failed", fork)
+        if not ok or new_id is None:
+            return
+        self.chat.open_conversation(new_id)
+        self.chat.focus_input()
+        hint = " Ctrl+R generates its reply." if target.info.role == "user" else ""
+        self.notify(f"Forked into “{self.chat.sub_title.split(' · ')[-1]}”.{hint}")
+
+    def copy(self) -> None:
+        target = self.chat._target()
+        if target is None:
+            return
+        text = target.text
+        self.chat.app.copy_to_clipboard(text)
+        self.notify(f"Copied {len(text)} characters of the {target.info.role} message.")
+
+    def toggle_reasoning(self) -> None:
+        target = self.chat._target()
+        if target is None:
+            return
+        if not target.has_reasoning:
+            self.notify("This reply has no reasoning (<think>…</think>) to show.", timeout=3)
+            return
+        target.toggle_reasoning()
+
+    async def export(self, fmt: str = "md", scope: str = "path") -> None:
+        """Write the open conversation (active path or whole tree) under the data dir."""
+        from tierchat.tui.export import write_export
+
+        cid, app = self.chat.conversation_id, self.chat.tierchat
+        if cid is None:
+            return
+        data_dir = Path(getattr(app.settings, "data_dir", "."))
+        write = lambda: write_export(app.store, data_dir, cid, fmt, scope)  # noqa: E731
+        ok, path = await self.chat.in_background("Export failed", write)
+        if ok:
+            self.notify(str(path), title="Exported")
 
 
 def _parent_role(store: Any, node_id: int) -> str | None:
