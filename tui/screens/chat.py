@@ -60,14 +60,13 @@ from tierchat.tui.messages import (
     ReplyStreamed,
     TypedInTranscript,
 )
-from tierchat.tui.models import model_choices
+from tierchat.tui.screens.chat_conversations import ConversationActions
+from tierchat.tui.screens.chat_models import ModelLoads
 from tierchat.tui.screens.chat_tools import TOOL_BINDINGS, ChatTools
-from tierchat.tui.screens.confirm import ConfirmScreen, confirm_clear
-from tierchat.tui.screens.conversation_settings import ConversationSettingsScreen, reuse_note
-from tierchat.tui.screens.model_picker import ModelPickerScreen
-from tierchat.tui.screens.prompt import EditMessageScreen, PromptScreen
+from tierchat.tui.screens.confirm import confirm_clear
+from tierchat.tui.screens.prompt import EditMessageScreen
 from tierchat.tui.services.clear_requests import ClearRequests
-from tierchat.tui.services.model_load import device_line, load_events, path_problem
+from tierchat.tui.services.model_load import device_line
 from tierchat.tui.services.stats_poll import STATS_POLL_S, StatsPoller
 from tierchat.tui.turns import SessionCall, TurnRunner
 from tierchat.tui.widgets.activity import ActivityBar
@@ -156,6 +155,8 @@ class ChatScreen(Screen):
         self._clock = clock
         self.turns = TurnRunner(self)
         self.tools = ChatTools(self)
+        self.conversation_actions = ConversationActions(self)
+        self.models = ModelLoads(self)
         self._narrow: bool | None = None
         self.stats_poll: StatsPoller | None = None
         self.clears: ClearRequests | None = None
@@ -397,56 +398,6 @@ class ChatScreen(Screen):
         self._show_conversation(None)
         self.focus_input()
 
-    def action_rename_conversation(self) -> None:
-        cid = self.conversation_id
-        if cid is None:
-            return
-        info = self.tierchat.store.get_conversation(cid)
-
-        async def done(title: str | None) -> None:
-            if title is None:
-                return
-            rename = lambda: self.tierchat.store.rename(cid, title)  # noqa: E731
-            if not (await self.in_background("Rename failed", rename))[0]:
-                return
-            self.refresh_conversations()
-            self._update_titles()
-            self.notify(f"Renamed to “{title}”")
-
-        self.app.push_screen(PromptScreen("Rename conversation", info.title or ""), done)
-
-    def action_delete_conversation(self) -> None:
-        listing = self.query_one(ConversationList)
-        from_list = listing.has_focus
-        cid = listing.highlighted_id if from_list else self.conversation_id
-        if cid is None:
-            return
-        if self.turns.streaming(cid):
-            self.notify("A reply of that conversation is streaming; stop it first.")
-            return
-        info = self.tierchat.store.get_conversation(cid)
-        title = info.title or f"conversation {cid}"
-
-        async def done(confirmed: bool | None) -> None:
-            if not confirmed:
-                return
-            trash = self.tierchat.trash
-            delete = lambda: trash.delete_conversation(cid)  # noqa: E731
-            if not (await self.in_background("Delete failed", delete))[0]:
-                return
-            if cid == self.conversation_id:
-                self.action_new_conversation()
-            self.refresh_conversations()
-            self.refresh_bindings()
-            if from_list:  # u there brings it back
-                listing.focus()
-            self.notify(f"Deleted “{title}”; u undoes it (the list or the messages).")
-
-        body = f"“{title}” and every branch in it will be deleted from the store."
-        self.app.push_screen(
-            ConfirmScreen("Delete conversation?", body, confirm_label="Delete"), done
-        )
-
     async def _ensure_conversation(self, first_text: str) -> bool:
         """Create the conversation a first message (or a settings save) belongs to."""
         if self.conversation_id is not None:
@@ -462,35 +413,14 @@ class ChatScreen(Screen):
         self._update_titles()
         return True
 
-    # ------------------------------------------------------------------ settings
+    def action_rename_conversation(self) -> None:
+        self.conversation_actions.rename()
+
+    def action_delete_conversation(self) -> None:
+        self.conversation_actions.delete()
 
     def action_conversation_settings(self) -> None:
-        session = self.tierchat.session
-        ok, current = self.attempt("Cannot read settings", lambda: session.settings())
-        if not ok or current is None:
-            return
-        title = self.sub_title.split(" · ")[-1]
-
-        async def done(new) -> None:
-            if new is None or new == current:
-                return
-            if not await self._ensure_conversation(title if self.conversation_id else "untitled"):
-                return
-            save = lambda: session.save_settings(new)  # noqa: E731
-            if not (await self.in_background("Cannot save settings", save))[0]:
-                return
-            self.sync_transcript()
-            note = reuse_note(session, new.system, current) if new.system != current.system else ""
-            extra = f" {note}" if note else ""
-            self.notify(f"Saved for this conversation.{extra}", title="Settings")
-
-        screen = ConversationSettingsScreen(
-            current,
-            title,
-            reuse_note=lambda system: reuse_note(session, system, current),
-            default_temperature=session.defaults.temperature,
-        )
-        self.app.push_screen(screen, done)
+        self.conversation_actions.settings()
 
     # ------------------------------------------------------------------ transcript
 
@@ -783,73 +713,26 @@ class ChatScreen(Screen):
     # ------------------------------------------------------------------ model
 
     def action_pick_model(self) -> None:
-        app = self.tierchat
-        choices = model_choices(getattr(app.settings, "models_dir", None))
-
-        def done(spec: str | None) -> None:
-            if spec:
-                self.load_model(spec)
-
-        self.app.push_screen(ModelPickerScreen(choices, app.engine.model_name), done)
+        self.models.pick()
 
     def load_model(self, spec: str) -> None:
         """Ask the engine to load ``spec``; progress and the result arrive as messages."""
-        problem = path_problem(spec)
-        if problem:
-            self.notify(problem, title=f"Cannot load {spec}", severity="error")
-            return
-        on_event = load_events(spec, self.post_message)
-        self.loading_model = spec
-        self.query_one(ActivityBar).show_loading(spec, 0, 0, "")
-        self._update_titles()
-        ok, _ = self.attempt(
-            f"Cannot load {spec}", lambda: self.tierchat.engine.load_model(spec, on_event=on_event)
-        )
-        if not ok:
-            self._load_ended()
+        self.models.load(spec)
 
     def action_load_model(self, spec: str) -> None:
-        self.load_model(spec)
-
-    def _load_ended(self) -> None:
-        self.loading_model = ""
-        self.query_one(ActivityBar).hide()
-        self._update_titles()
+        self.models.load(spec)
 
     @on(ModelLoadAdvanced)
     def model_load_advanced(self, event: ModelLoadAdvanced) -> None:
-        if event.model == self.loading_model:
-            bar = self.query_one(ActivityBar)
-            bar.show_loading(event.model, event.done, event.total, event.note)
+        self.models.advanced(event)
 
     @on(ModelLoadFinished)
     def model_load_finished(self, event: ModelLoadFinished) -> None:
-        self._load_ended()
-        self.query_one(Transcript).set_welcome(self._welcome_text())
-        if event.warning:
-            self.notify(event.warning, title=f"Loaded {event.model}", severity="warning")
-        else:
-            self.notify(f"{event.model} is ready.", title="Model loaded")
-        others = sorted(
-            {i.model for i in self.path_infos() if i.role == "assistant" and i.model}
-            - {event.model}
-        )
-        if others:
-            self.notify(
-                f"This conversation holds replies of {', '.join(others)}; {event.model} reads "
-                "them as its own. Ctrl+R regenerates the last reply, Ctrl+N starts afresh.",
-                title="Another model's replies",
-                severity="warning",
-                timeout=8,
-            )
-        self.refresh_bindings()
-        self.poll_stats()
+        self.models.finished(event)
 
     @on(ModelLoadFailed)
     def model_load_failed(self, event: ModelLoadFailed) -> None:
-        self._load_ended()
-        self.notify(event.message, title=f"Cannot load {event.model}", severity="error", timeout=10)
-        self.poll_stats()
+        self.models.failed(event)
 
     # ------------------------------------------------------------------ cache
 
