@@ -1,6 +1,6 @@
 """Which message an action on the chat screen means: the message cursor's rules, as
 pure functions of the transcript's views and the cursor index (``selected``; None when
-the input has the focus). docs/DESIGN.md §13.
+the input has the focus). docs/DESIGN.md §16.
 """
 
 from __future__ import annotations

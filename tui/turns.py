@@ -1,5 +1,5 @@
 """The replies in flight in the TUI: start, prefill progress, stream, finish or fail,
-one turn per conversation at a time, several conversations at once (docs/DESIGN.md §13).
+one turn per conversation at a time, several conversations at once (docs/DESIGN.md §16).
 
 ``ChatScreen`` owns the widgets and the keys; :class:`TurnRunner` owns the turns in
 flight and the reply stream of the conversation shown. It reaches the screen only

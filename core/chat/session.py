@@ -177,7 +177,7 @@ class ChatSession:
     be overridden per call. Thread-safe; one turn in flight per conversation (a generating
     call for a conversation whose turn is still in flight raises :class:`SessionError`),
     so turns of different conversations run at once, batched by the engine
-    (docs/DESIGN.md §5). Generating calls take ``conversation_id`` (default: the open one)
+    (docs/DESIGN.md §20). Generating calls take ``conversation_id`` (default: the open one)
     so a caller on another thread never depends on which conversation is open.
     """
 

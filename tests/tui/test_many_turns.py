@@ -1,4 +1,4 @@
-"""Replies of several conversations in flight at once (docs/DESIGN.md §13): a reply keeps
+"""Replies of several conversations in flight at once (docs/DESIGN.md §16): a reply keeps
 streaming while the user opens another conversation and sends there; opening it again
 shows the reply as far as it went; Esc stops the reply of the conversation shown only.
 

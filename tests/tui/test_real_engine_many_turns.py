@@ -1,11 +1,11 @@
 """Two conversations generating at once through the real engine on ``tiny:llama``
-(docs/DESIGN.md §13): send in A, open a new conversation B while A's reply streams, send
+(docs/DESIGN.md §16): send in A, open a new conversation B while A's reply streams, send
 there; both replies end complete and stored, each equal (text and token ids, greedy) to
 the same message sent alone in a fresh app.
 
 A tiny model decodes faster than a person switches, so the engine thread is held in A's
 event callback after A's first token batch until B has been submitted: the engine then
-has both requests at once (the scheduler batches them, docs/DESIGN.md §5).
+has both requests at once (the scheduler batches them, docs/DESIGN.md §20).
 
 Skipped cleanly while ``tierchat.core.engine.engine`` (or MLX) cannot be imported.
 """

@@ -1,7 +1,7 @@
 """The chat screen's actions on a whole conversation: rename, delete (undo brings it
 back, core/chat/trash.py) and its settings (``screens/conversation_settings.py``).
 Composed into ``ChatScreen`` (``screen.conversation_actions``), whose actions of those
-names call it; store writes run on the background writer (docs/DESIGN.md §13).
+names call it; store writes run on the background writer (docs/DESIGN.md §16).
 """
 
 from __future__ import annotations

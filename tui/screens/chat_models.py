@@ -2,7 +2,7 @@
 its progress in the activity bar, and what the result says (a warning, another model's
 replies in the conversation). Composed into ``ChatScreen`` (``screen.models``), whose
 actions and message handlers call it; the engine's events become messages in
-``tui/services/model_load.py`` (docs/DESIGN.md §13). No MLX here.
+``tui/services/model_load.py`` (docs/DESIGN.md §16). No MLX here.
 """
 
 from __future__ import annotations

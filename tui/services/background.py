@@ -1,4 +1,4 @@
-"""Store writes and prompt building off the UI loop (docs/DESIGN.md §13).
+"""Store writes and prompt building off the UI loop (docs/DESIGN.md §16).
 
 A conversation store call (SQLite) or a prompt render (the chat template and the
 tokenizer) can take long enough to drop frames, so the chat screen runs them here: on one

@@ -1,6 +1,6 @@
 """Loading a model from the chat screen, and the device line of its header: the engine's
 load events become messages (``tierchat.tui.messages``) posted to the screen; a local
-path is checked before the engine is asked (docs/DESIGN.md §13). No MLX here.
+path is checked before the engine is asked (docs/DESIGN.md §16). No MLX here.
 """
 
 from __future__ import annotations
