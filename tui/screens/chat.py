@@ -45,6 +45,7 @@ from tierchat.tui.commands import (
     ModelCommands,
     ToolCommands,
 )
+from tierchat.tui.cursor import MessageCursor
 from tierchat.tui.draft_meter import DraftMeter
 from tierchat.tui.messages import (
     BranchRequested,
@@ -157,6 +158,7 @@ class ChatScreen(Screen):
         self.tools = ChatTools(self)
         self.conversation_actions = ConversationActions(self)
         self.models = ModelLoads(self)
+        self.message_cursor = MessageCursor(self)
         self._narrow: bool | None = None
         self.stats_poll: StatsPoller | None = None
         self.clears: ClearRequests | None = None
@@ -445,65 +447,22 @@ class ChatScreen(Screen):
         self._show_selection()
 
     def _show_selection(self) -> None:
-        views = self._views()
-        for i, view in enumerate(views):
-            selected = self.selected is not None and i == self.selected
-            if view.has_class("-selected") != selected:
-                view.set_class(selected, "-selected")
-        if self.selected is not None and 0 <= self.selected < len(views):
-            views[self.selected].scroll_visible(animate=False)
+        self.message_cursor.show()
 
     def action_select(self, delta: int) -> None:
         """Move the message cursor (and the focus into the transcript)."""
-        views = self._views()
-        if not views:
-            return
-        transcript = self.query_one(Transcript)
-        if not transcript.has_focus:
-            transcript.focus()
-            if self.selected is None:
-                self.selected = len(views) - 1  # the cursor starts on the newest message
-                return
-        current = len(views) - 1 if self.selected is None else self.selected
-        if current + delta < 0 and transcript.hidden:
-            self.run_worker(self._show_earlier(current + delta), group="earlier", exclusive=True)
-            return
-        self.selected = max(0, min(len(views) - 1, current + delta))
-
-    async def _show_earlier(self, selected: int) -> None:
-        """Mount older messages and keep the cursor on the message above the old top."""
-        added = await self.query_one(Transcript).show_earlier()
-        self.selected = max(0, selected + added)
+        self.message_cursor.move(delta)
 
     def action_select_edge(self, last: int) -> None:
-        views = self._views()
-        if views:
-            self.selected = len(views) - 1 if last else 0
+        self.message_cursor.edge(bool(last))
 
     @on(MessageClicked)
     def message_clicked(self, event: MessageClicked) -> None:
-        views = self._views()
-        if event.view in views:
-            self.query_one(Transcript).focus()
-            self.selected = views.index(event.view)
+        self.message_cursor.clicked(event.view)
 
     @on(BranchRequested)
     async def branch_requested(self, event: BranchRequested) -> None:
-        views = self._views()
-        for i, view in enumerate(views):
-            if view.info.node_id == event.node_id:
-                self.selected = i
-                break
-        else:
-            return
-        action = {
-            "prev": "swipe(-1)",
-            "next": "swipe(1)",
-            "regenerate": "regenerate",
-            "edit": "edit",
-            "fork": "fork",
-            "copy": "copy",
-        }.get(event.action)
+        action = self.message_cursor.branch_action(event.node_id, event.action)
         if action is not None:
             await self.run_action(action)
 
@@ -550,18 +509,10 @@ class ChatScreen(Screen):
         target = cursor.regenerate_target(self._views(), self.selected)
         if target is None or target.info.turn < 0:
             return
-        settings = self.tierchat.session.settings()
         turn = target.info.turn
-        if settings.temperature == 0 and target.info.role == "assistant":
-            swipe = settings.swipe_temperature
-            self.notify(
-                f"Temperature is 0: this regenerate samples at the swipe temperature {swipe:g} "
-                "(F9 sets both)."
-                if swipe > 0
-                else "Temperature and swipe temperature are 0 (greedy): the new reply will "
-                "match the old one. F9 sets them for this conversation.",
-                timeout=5,
-            )
+        note = cursor.regenerate_note(self.tierchat.session.settings(), target.info.role)
+        if note:
+            self.notify(note, timeout=5)
         await self.start_turn(
             lambda s, cid, cb: s.regenerate(turn=turn, on_event=cb, conversation_id=cid)
         )
