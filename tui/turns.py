@@ -109,6 +109,7 @@ class TurnRunner:
         self.key = 0
         self.turns: dict[int, Turn] = {}  # by conversation id
         self._by_key: dict[int, Turn] = {}
+        self._unsent: dict[int, str] = {}  # dropped messages of conversations not shown
 
     # ------------------------------------------------------------------ engine thread
 
@@ -211,9 +212,13 @@ class TurnRunner:
     async def attach(self, infos: list[MessageInfo]) -> None:
         """Show the conversation shown as it stands: its path (:meth:`visible`) and, when
         its turn is in flight, the placeholder with the text streamed so far."""
-        transcript = self.host.widgets()[0]
+        transcript, _, box = self.host.widgets()
         infos = self.visible(infos)
         await transcript.sync(infos)
+        cid = self.host.conversation_id
+        unsent = self._unsent.pop(cid, None) if cid is not None else None
+        if unsent is not None and not box.text.strip():
+            box.load_text(unsent)
         turn = self.shown()
         if turn is None or turn.handle is None:
             return
@@ -281,9 +286,9 @@ class TurnRunner:
             if stored and (reply is None or infos[-1].node_id == reply.id):
                 await view.finish(infos[-1])
             await transcript.sync(self.visible(infos))
-            self._restore_unsent(turn.handle, infos)
             if event.metrics.finish_reason == "cancelled":
                 self.host.notify("Generation stopped; the partial reply is kept.", timeout=3)
+        self._restore_unsent(turn)
         self.host.turns_changed(ended=True)
 
     async def failed(self, event: ReplyFailed) -> None:
@@ -297,9 +302,8 @@ class TurnRunner:
         if shown:
             transcript, activity, _ = self.host.widgets()
             activity.hide()
-            infos = self.host.path_infos()
-            await transcript.sync(self.visible(infos))
-            self._restore_unsent(turn.handle, infos)
+            await transcript.sync(self.visible(self.host.path_infos()))
+        self._restore_unsent(turn)
         title = FAILURE_TITLES.get(event.kind, "Engine error")
         if event.kind == "cancelled":
             kept = event.kept_tokens
@@ -309,12 +313,18 @@ class TurnRunner:
             self.host.notify(event.message, title=title, severity="error", timeout=8)
         self.host.turns_changed(ended=True)
 
-    def _restore_unsent(self, handle: Any, infos: list[MessageInfo]) -> None:
-        """The session drops a user message whose turn failed; give its text back."""
+    def _restore_unsent(self, turn: Turn) -> None:
+        """The session drops a user message whose turn failed (or stopped before its
+        first token); give its text back to the input: now when its conversation is
+        shown, else when it is opened again."""
+        handle = turn.handle
         user = getattr(handle, "user_node", None)
         if user is None or getattr(handle, "kind", "") not in ("send", "edit"):
             return
-        if any(i.node_id == user.id for i in infos):
+        if any(i.node_id == user.id for i in self.host.path_infos(turn.conversation_id)):
+            return
+        if self.host.conversation_id != turn.conversation_id:
+            self._unsent[turn.conversation_id] = user.content
             return
         box = self.host.widgets()[2]
         if not box.text.strip():

@@ -113,3 +113,26 @@ async def test_a_conversation_with_a_reply_in_flight_cannot_be_deleted(make_app,
         await settle(pilot)
         assert screen.check_action("delete_conversation", ()) is True
         assert screen.check_action("pick_model", ()) is True
+
+
+async def test_a_message_dropped_in_another_conversation_comes_back_there(
+    make_app, engine, store
+):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = chat_screen(app)
+        await settle(pilot)
+        engine.prefill_gate.clear()  # A's prefill holds after its first progress event
+        await enter(pilot, "lost question")
+        await wait_for(pilot, lambda: screen.streaming, what="A's turn")
+        a = screen.conversation_id
+        await pilot.press("ctrl+n")
+        box = screen.query_one(ChatInput)
+        assert box.text == ""
+        screen.turns.turns[a].handle.cancel()  # A ends before any token, while not shown
+        engine.prefill_gate.set()
+        await settle(pilot)
+        assert contents(store, a) == []  # the session dropped the message...
+        assert box.text == ""  # ...and the input of the conversation shown keeps its own
+        screen.action_open_conversation(a)
+        await wait_for(pilot, lambda: box.text == "lost question", what="the text back in A")
