@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.clock import Clock
@@ -28,10 +27,10 @@ from tierchat.core.api import CacheStats, EngineLike
 from tierchat.core.serve.log import RequestLog
 from tierchat.tui import app as app_module
 from tierchat.tui.app import TierchatApp
-from tierchat.tui.cache_report import clear_report
 from tierchat.tui.commands import CacheCommands
 from tierchat.tui.screens.chat import ChatScreen
 from tierchat.tui.screens.confirm import confirm_clear
+from tierchat.tui.services.clear_requests import ClearRequests
 from tierchat.tui.widgets.cache_panels import CachePanels
 from tierchat.tui.widgets.request_log import RequestLogView
 
@@ -114,24 +113,10 @@ class ServeConsoleScreen(Screen):
     def action_clear(self, tier: str) -> None:
         confirm_clear(self, tier, self.clear_tier)
 
-    @work(thread=True, group="clear")
     def clear_tier(self, tier: str) -> None:
-        """``Engine.clear`` waits for the engine thread (maybe mid-request): a thread worker."""
-        try:
-            before: CacheStats | None = self.engine.stats()
-        except Exception:  # noqa: BLE001 -- the report then says less
-            before = None
-        try:
-            self.engine.clear(tier)
-        except Exception as e:  # noqa: BLE001 -- reported on the UI thread
-            self.app.call_from_thread(
-                self.notify, str(e), title=f"Clear {tier} failed", severity="error"
-            )
-            return
-        self.app.call_from_thread(self._cleared, tier, before)
-
-    def _cleared(self, tier: str, before: CacheStats | None) -> None:
-        self.notify(clear_report(tier, before, self.poll()), title="Cache cleared")
+        """``Engine.clear`` waits for the engine thread (maybe mid-request): the clear
+        runs in a thread worker (``tui/services/clear_requests.py``)."""
+        ClearRequests(self, lambda: self.engine, self.notify, self.poll, None).clear(tier)
 
 
 class ServeConsoleApp(TierchatApp):
