@@ -1,7 +1,7 @@
 """``tierchat serve``: parse and check the flags, start the engine, the server
 (:mod:`tierchat.core.serve.app`) and the console, and stop in order on SIGTERM / SIGINT
 (:mod:`tierchat.cli.serve_shutdown`). The routes, the guards and the server thread live in
-``core/serve/app.py``; this module holds no HTTP route or server class.
+``core/serve/``; this module holds no HTTP route or server class.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from typing import Any
 from tierchat.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CLIError, start_engine
 from tierchat.core.serve.app import (
     API_KEY_ENV,
-    ServerThread,
     ServeState,
     create_app,
     is_loopback,
@@ -21,6 +20,7 @@ from tierchat.core.serve.app import (
     reply_memory_path,
 )
 from tierchat.core.serve.log import LIVE_STATUSES, RequestLog, RequestRecord, TrackedEngine
+from tierchat.core.serve.server import ServerThread
 
 
 def check_bind(host: str, allow_remote: bool, api_key: str | None) -> None:

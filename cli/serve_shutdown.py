@@ -1,6 +1,6 @@
 """How ``tierchat serve`` stops on SIGTERM or SIGINT (docs/DESIGN.md §15).
 
-uvicorn runs on a thread (:class:`~tierchat.cli.serve.ServerThread`), so its own signal
+uvicorn runs on a thread (:class:`~tierchat.core.serve.server.ServerThread`), so its own signal
 handlers are never installed (it installs them only on the main thread); these are.
 
 The first signal: new requests get 503 ``server_shutting_down``; every open generation

@@ -85,8 +85,9 @@ class ColdReference:
 
     def __init__(self, tmp: Path, models_dir: Path, model: str = "tiny:llama") -> None:
         from engine_kit import make_engine
-        from tierchat.core.serve.app import ServerThread, ServeState, create_app
+        from tierchat.core.serve.app import ServeState, create_app
         from tierchat.core.serve.log import RequestLog, TrackedEngine
+        from tierchat.core.serve.server import ServerThread
 
         self.engine = TrackedEngine(make_engine(model, tmp, models_dir), RequestLog())
         state = ServeState(self.engine, max_tokens=8, use_cache=False)

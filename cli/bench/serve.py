@@ -189,8 +189,9 @@ class Ours:
         self.settings = settings
 
     def start(self):
-        from tierchat.core.serve.app import ServerThread, ServeState, create_app, reply_memory_path
+        from tierchat.core.serve.app import ServeState, create_app, reply_memory_path
         from tierchat.core.serve.log import RequestLog, TrackedEngine
+        from tierchat.core.serve.server import ServerThread
 
         engine = start_engine(self.settings, quiet=True)
         tracked = TrackedEngine(engine, RequestLog())

@@ -249,7 +249,7 @@ def test_9_range_errors_print_plain_numbers(server, cold):
 
 def test_9_the_memory_guard_is_503_insufficient_memory_with_retry_after():
     from tierchat.core.api import Failed
-    from tierchat.core.serve.app import error_response, failure
+    from tierchat.core.serve.replies import error_response, failure
 
     response = error_response(failure(Failed("prefill needs 3 GiB", kind="refused")))
     assert response.status_code == 503 and response.headers["Retry-After"] == "30"

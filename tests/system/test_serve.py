@@ -15,9 +15,10 @@ import pytest
 from fakes import END_ID, FakeEngine, FakeTokenizer
 from tierchat.cli.common import CLIError
 from tierchat.cli.serve import check_bind
-from tierchat.core.serve.app import ServerThread, ServeState, create_app, is_loopback
+from tierchat.core.serve.app import ServeState, create_app, is_loopback
 from tierchat.core.serve.log import RequestLog, TrackedEngine
 from tierchat.core.serve.prompts import APIError, ReplyMemory, StopMatcher, sampling
+from tierchat.core.serve.server import ServerThread
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 JSON = {"Content-Type": "application/json"}

@@ -17,8 +17,9 @@ from urllib.parse import urlparse
 import openai
 import pytest
 from engine_kit import make_engine
-from tierchat.core.serve.app import ServerThread, ServeState, create_app
+from tierchat.core.serve.app import ServeState, create_app
 from tierchat.core.serve.log import RequestLog, TrackedEngine
+from tierchat.core.serve.server import ServerThread
 
 
 class Served:

@@ -19,8 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 from engine_kit import make_engine
-from tierchat.core.serve.app import ServerThread, ServeState, create_app
+from tierchat.core.serve.app import ServeState, create_app
 from tierchat.core.serve.log import RequestLog, TrackedEngine
+from tierchat.core.serve.server import ServerThread
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
