@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from typing import Any
 
@@ -15,17 +16,34 @@ from tierchat.core.serve.app import (
     API_KEY_ENV,
     ServeState,
     create_app,
-    is_loopback,
     ranks_failure,
     reply_memory_path,
 )
+from tierchat.core.serve.limits import is_loopback
 from tierchat.core.serve.log import LIVE_STATUSES, RequestLog, RequestRecord, TrackedEngine
 from tierchat.core.serve.server import ServerThread
 
 
+def binds_loopback(host: str) -> bool:
+    """Whether binding ``host`` binds loopback only: a loopback name or address
+    (:func:`~tierchat.core.serve.limits.is_loopback`) whose every resolved address is
+    loopback too (uvicorn binds each address the name resolves to, so a ``localhost``
+    that a hosts file points elsewhere is not loopback). Raises CLIError when a loopback
+    name does not resolve."""
+    if not is_loopback(host):
+        return False
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError) as e:
+        hint = ": write an IPv6 address without brackets" if host.strip().startswith("[") else ""
+        raise CLIError(f"--host {host!r} does not resolve ({e}){hint}", EXIT_USAGE) from None
+    return all(is_loopback(str(info[4][0])) for info in infos)
+
+
 def check_bind(host: str, allow_remote: bool, api_key: str | None) -> None:
-    """Loopback is open; anything else needs ``--allow-remote`` and a key. Raises CLIError."""
-    if is_loopback(host):
+    """Loopback is open (:func:`binds_loopback`); anything else, ``0.0.0.0`` and ``::``
+    included, needs ``--allow-remote`` and a key. Raises CLIError."""
+    if binds_loopback(host):
         return
     if not allow_remote:
         raise CLIError(

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import ipaddress
 import os
 import sys
 import time
@@ -72,15 +71,6 @@ API_KEY_ENV = "TIERCHAT_API_KEY"
 MAX_NEW_RENDERS = (
     64  # prefix renders per request: prompt building stays linear (docs/DESIGN.md §15)
 )
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 class ServeState:

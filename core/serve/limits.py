@@ -56,15 +56,30 @@ class ServeLimits:
 # ---------------------------------------------------------------- Host and Origin
 
 
-def is_loopback_name(host: str) -> bool:
-    """``localhost`` (and ``*.localhost``) or a loopback IP address (``[::1]`` too)."""
-    host = host.strip().lower().rstrip(".")
-    if host == "localhost" or host.endswith(".localhost"):
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names the loopback interface: the one rule for the ``Host`` and
+    ``Origin`` headers and for what ``tierchat serve --host`` may bind without
+    ``--allow-remote`` (docs/DESIGN.md §15).
+
+    True for a loopback IP address (IPv4 ``127.0.0.0/8``, IPv6 ``::1``, bracketed or not,
+    and ``::ffff:127.x.y.z``, IPv4 loopback mapped into IPv6) and for ``localhost`` and
+    names under ``.localhost`` (RFC 6761 §6.3 reserves them for loopback; browsers
+    resolve them so). Case, white space around it and one trailing dot are ignored.
+    False for the wildcards ``0.0.0.0`` and ``::`` (every interface), the empty string,
+    any other address and any other name: a name's resolution can change, so only the
+    reserved names pass (a bind resolves the name as well: ``cli/serve.py``)."""
+    host = host.strip().lower()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    name = host[:-1] if host.endswith(".") else host
+    if name == "localhost" or name.endswith(".localhost"):
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        address = ipaddress.ip_address(host)
     except ValueError:
         return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def host_name(value: str) -> str:
@@ -84,7 +99,7 @@ def check_host(value: str | None, bound: str, limits: ServeLimits) -> None:
     allowed = {h.lower() for h in limits.allowed_hosts}
     if bound not in ("0.0.0.0", "::", ""):
         allowed.add(host_name(bound))
-    if is_loopback_name(name) or name in allowed or "*" in allowed:
+    if is_loopback(name) or name in allowed or "*" in allowed:
         return
     raise APIError(
         f"Host {one_line(value)!r} is not allowed: use a loopback address, or "
@@ -105,7 +120,7 @@ def check_origin(value: str | None, limits: ServeLimits) -> None:
     if "*" in allowed or origin in allowed:
         return
     parts = urlsplit(origin)
-    if parts.scheme in ("http", "https") and parts.hostname and is_loopback_name(parts.hostname):
+    if parts.scheme in ("http", "https") and parts.hostname and is_loopback(parts.hostname):
         return
     raise APIError(
         f"Origin {one_line(value)!r} is not allowed: a web page cannot drive this "

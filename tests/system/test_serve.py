@@ -13,9 +13,7 @@ import httpx
 import openai
 import pytest
 from fakes import END_ID, FakeEngine, FakeTokenizer
-from tierchat.cli.common import CLIError
-from tierchat.cli.serve import check_bind
-from tierchat.core.serve.app import ServeState, create_app, is_loopback
+from tierchat.core.serve.app import ServeState, create_app
 from tierchat.core.serve.log import RequestLog, TrackedEngine
 from tierchat.core.serve.prompts import APIError, ReplyMemory, StopMatcher, sampling
 from tierchat.core.serve.server import ServerThread
@@ -219,17 +217,6 @@ def test_api_key_is_checked_as_bearer():
         assert [m.id for m in client(server.url, "s3cret").models.list()] == ["fake"]
         assert httpx.get(server.url + "/health").status_code == 200  # no key needed
     engine.close()
-
-
-def test_binding_beyond_loopback_needs_a_flag_and_a_key():
-    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
-    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.5")
-    check_bind("127.0.0.1", False, None)
-    with pytest.raises(CLIError, match="--allow-remote"):
-        check_bind("0.0.0.0", False, "key")
-    with pytest.raises(CLIError, match="API key"):
-        check_bind("0.0.0.0", True, None)
-    check_bind("0.0.0.0", True, "key")
 
 
 def test_requests_queue_for_the_one_engine_and_the_depth_shows(served):
