@@ -53,7 +53,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from tierchat.cli.bench.main import WARMUP_SALT, make_prompt, writer_idle
 from tierchat.cli.bench.mlx_baseline import LRUBaseline
@@ -236,21 +236,13 @@ class WorkloadRun:
     def run(self, ops: Sequence[Op]) -> WorkloadResult:
         from tierchat.core.chat.session import SessionError
 
-        kinds = op_kinds(ops)
-        total = len(kinds)
-        t0 = time.perf_counter()
-        for op in ops:
-            try:
-                if op.op in GENERATING:
-                    row = self.request(op, kinds[op.index], len(self.result.rows))
-                    self.log(progress_line(row, total))
-                else:
-                    self.other(op)
-            except SessionError as e:
-                raise CLIError(f"{self.name}:{op.index + 1}: {op.op}: {e}") from None
-            self.replay.ssd_watch.check(sys.stderr)  # the SSD tier failing or turning off
-        self.result.wall_s = time.perf_counter() - t0
-        return self.result
+        return replay_ops(
+            self,
+            ops,
+            errors=(SessionError,),
+            # the SSD tier failing or turning off
+            after_op=lambda: self.replay.ssd_watch.check(sys.stderr),
+        )
 
     def other(self, op: Op) -> None:
         if op.op == "new":
@@ -292,11 +284,7 @@ class WorkloadRun:
             writer_idle(self.replay.engine)  # the writer idle, as between chat turns
             got[system] = runs[system]()
         row = {
-            "request": index,
-            "line": op.index + 1,
-            "op": op.op,
-            "kind": kind,
-            "conversation": self.conversation,
+            **row_head(op, kind, index, self.conversation),
             "prompt_tokens": len(ids),
             "prompt_sha256": token_ids_sha256(ids),
             "max_tokens": max_tokens,
@@ -340,6 +328,62 @@ class WorkloadRun:
             "ttft_s": round(got.counts["ttft_s"], 6),
             "token_ids": got.tokens,
         }
+
+
+class OpRunner(Protocol):
+    """What :func:`replay_ops` drives: a replay on tierchat and mlx-lm in this process
+    (:class:`WorkloadRun`) or through their servers (``workload_http.HttpWorkloadRun``)."""
+
+    name: str
+    result: WorkloadResult
+    log: Callable[[str], None]
+
+    def request(self, op: Op, kind: str, index: int) -> dict: ...
+
+    def other(self, op: Op) -> None: ...
+
+
+def replay_ops(
+    runner: OpRunner,
+    ops: Sequence[Op],
+    *,
+    errors: tuple[type[Exception], ...],
+    systems: Sequence[str] = (TIERCHAT, MLX_LM),
+    after_op: Callable[[], None] | None = None,
+) -> WorkloadResult:
+    """Replay ``ops`` in order on ``runner``: a generating op is a ``request`` (one row,
+    its progress line logged with the ``systems`` it shows), any other op goes to
+    ``other``; ``after_op`` runs after each. Sets ``runner.result.wall_s`` (seconds) and
+    returns the result. Raises :class:`CLIError` naming the workload and op for any of
+    ``errors``."""
+    kinds = op_kinds(ops)
+    t0 = time.perf_counter()
+    for op in ops:
+        try:
+            if op.op in GENERATING:
+                row = runner.request(op, kinds[op.index], len(runner.result.rows))
+                runner.log(progress_line(row, len(kinds), systems))
+            else:
+                runner.other(op)
+        except errors as e:
+            raise CLIError(f"{runner.name}:{op.index + 1}: {op.op}: {e}") from None
+        if after_op is not None:
+            after_op()
+    runner.result.wall_s = time.perf_counter() - t0
+    return runner.result
+
+
+def row_head(op: Op, kind: str, index: int, conversation: int) -> dict:
+    """The fields every row of a replay starts with: ``request`` (its index among the
+    rows), ``line`` (the op's line in the workload, from 1), ``op``, ``kind`` (from
+    :func:`op_kinds`) and ``conversation`` (how many ``new`` ops came before)."""
+    return {
+        "request": index,
+        "line": op.index + 1,
+        "op": op.op,
+        "kind": kind,
+        "conversation": conversation,
+    }
 
 
 def progress_line(row: dict, total: int, systems: Sequence[str] = (TIERCHAT, MLX_LM)) -> str:

@@ -30,7 +30,6 @@ The report is :mod:`tierchat.cli.bench.workload_report`'s per-kind table, the ba
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,10 +37,10 @@ from typing import Any
 
 from tierchat.cli.bench.main import WARMUP_SALT, make_prompt, writer_idle
 from tierchat.cli.bench.serve import MlxLm, Ours, chat
-from tierchat.cli.bench.workload import WARMUP_LENGTHS, WorkloadResult, op_kinds, progress_line
+from tierchat.cli.bench.workload import WARMUP_LENGTHS, WorkloadResult, replay_ops, row_head
 from tierchat.cli.bench.workload_report import MLX_LM_SERVER, TIERCHAT
 from tierchat.cli.common import CLIError
-from tierchat.cli.replay import GENERATING, Op
+from tierchat.cli.replay import Op
 
 
 @dataclass(eq=False)
@@ -186,19 +185,7 @@ class HttpWorkloadRun:
                 engine.cache.ssd.wait_verified()  # its start-up reads are not a request's
 
     def run(self, ops: Sequence[Op]) -> WorkloadResult:
-        kinds = op_kinds(ops)
-        t0 = time.perf_counter()
-        for op in ops:
-            try:
-                if op.op in GENERATING:
-                    row = self.request(op, kinds[op.index], len(self.result.rows))
-                    self.log(progress_line(row, len(kinds), (TIERCHAT, MLX_LM_SERVER)))
-                else:
-                    self.other(op)
-            except ValueError as e:
-                raise CLIError(f"{self.name}:{op.index + 1}: {op.op}: {e}") from None
-        self.result.wall_s = time.perf_counter() - t0
-        return self.result
+        return replay_ops(self, ops, errors=(ValueError,), systems=(TIERCHAT, MLX_LM_SERVER))
 
     def other(self, op: Op) -> None:
         if op.op == "new":
@@ -228,11 +215,7 @@ class HttpWorkloadRun:
             commit(got[server.name]["text"])
         texts = {r["text"] for r in got.values()}
         row = {
-            "request": index,
-            "line": op.index + 1,
-            "op": op.op,
-            "kind": kind,
-            "conversation": self.conversation,
+            **row_head(op, kind, index, self.conversation),
             "prompt_tokens": got[TIERCHAT]["prompt_tokens"],
             "max_tokens": max_tokens,
             "first": order[0].name,
