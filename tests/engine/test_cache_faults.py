@@ -145,7 +145,7 @@ def test_slow_writer_backpressure_loses_nothing(engines):
     """A writer behind by ``writer_queue`` entries makes ``put`` wait; nothing is dropped,
     and every accepted entry is visible to lookups before it is written."""
     e = engines(writer_queue=2)
-    e.cache.ssd.write_delay_s = 0.05
+    e.cache.ssd.writer.write_delay_s = 0.05
     for seed in range(4):
         generate(e, random_prompt(120, seed=seed + 10), max_tokens=2)
         assert e.stats().ssd.queue_depth <= 2

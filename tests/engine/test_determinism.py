@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from tierchat.cli.main import main
-from tierchat.core.cache.ssd.tier import SSDTier
+from tierchat.core.cache.ssd.writer import SSDWriter
 
 pytestmark = pytest.mark.usefixtures("isolated_settings")
 
@@ -66,9 +66,9 @@ def test_cached_replays_with_a_randomly_slow_writer_agree(
     model, tmp_path, models_dir, capsys, monkeypatch
 ):
     monkeypatch.setenv("TIERCHAT_WRITER_QUEUE", "2")
-    monkeypatch.setattr(SSDTier, "write_jitter_s", 0.03)
+    monkeypatch.setattr(SSDWriter, "write_jitter_s", 0.03)
     first = run(tmp_path, models_dir, capsys, "a", model)
-    monkeypatch.setattr(SSDTier, "write_delay_s", 0.01)
+    monkeypatch.setattr(SSDWriter, "write_delay_s", 0.01)
     second = run(tmp_path, models_dir, capsys, "b", model)
     *lines, summary = first
     assert len(lines) == sum(op["op"] in ("user", "regenerate", "edit") for op in SCRIPT)

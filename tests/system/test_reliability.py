@@ -22,8 +22,10 @@ from tierchat.cli.main import main
 from tierchat.config.settings import SettingsError, load_settings
 from tierchat.core.api import Finished, TokenBatch, TurnMetrics
 from tierchat.core.cache.blocks import chain_ids
+from tierchat.core.cache.ssd import format as ssd_format
 from tierchat.core.cache.ssd import tier as ssd_mod
 from tierchat.core.cache.ssd.tier import SSDTier
+from tierchat.core.cache.ssd.verifier import STALE_TMP_S
 from tierchat.core.chat.sqlite import StoreError, store_error
 from tierchat.core.chat.store import ConversationStore
 from tierchat.core.memory import prefill as MP
@@ -51,7 +53,7 @@ def write_file(dirpath: Path, name: str, meta: dict | list, tensors=()) -> Path:
     head = len(head).to_bytes(8, "little") + head
     path = dirpath / name
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(ssd_mod.seal_header(head, 0))
+    path.write_bytes(ssd_format.seal_header(head, 0))
     return path
 
 
@@ -333,7 +335,7 @@ def test_7_only_temp_files_of_dead_writers_or_old_ones_are_removed(tmp_path):
         stale = shard / f"{'c' * 64}.{live.pid}.1.tmp"
         for p in (kept, gone, stale):
             p.write_bytes(b"half a file")
-        old = time.time() - 2 * ssd_mod.STALE_TMP_S
+        old = time.time() - 2 * STALE_TMP_S
         os.utime(stale, (old, old))
         SSDTier(tmp_path, FP, 1 << 30).close()
         assert kept.exists() and not gone.exists() and not stale.exists()

@@ -12,7 +12,7 @@ import pytest
 from ssd_kit import FP, entry
 from tierchat.core.cache.blocks import KIND_BLOCK, KIND_TAIL, root_id
 from tierchat.core.cache.ssd import format as ssd_format
-from tierchat.core.cache.ssd import tier as ssd_mod
+from tierchat.core.cache.ssd import io as ssd_io
 from tierchat.core.cache.ssd.format import CorruptEntry
 from tierchat.core.cache.ssd.tier import SSDTier
 
@@ -76,7 +76,7 @@ def test_a_batch_writes_each_entry_once_from_one_copy_and_reports_idle(tier):
     a, b = entry(7), entry(7)
     b.window = False  # the same id with fewer parts: the batch keeps a
     assert ssd.put_many([*mixed, b, a]) == [True, True, True, False, True]
-    blobs = {id(p.blob) for p in ssd._pending.values() if p.blob is not None}
+    blobs = {id(p.blob) for p in ssd.writer.pending.values() if p.blob is not None}
     assert len(blobs) <= 1  # one flat copy for the batch (none left if all written)
     assert ssd.flush() and idle.wait(5)
     assert ssd.saves_persisted == 4 and ssd.meta(a.id).window
@@ -88,10 +88,10 @@ def test_a_batch_writes_each_entry_once_from_one_copy_and_reports_idle(tier):
 def test_flat_copy_is_the_bytes_in_order_and_never_the_input():
     a = mx.arange(6, dtype=mx.float32).reshape(2, 3)
     b = mx.array([1.5, -2.0], dtype=mx.bfloat16)
-    flat = ssd_mod._flat_copy([a, b])
+    flat = ssd_io._flat_copy([a, b])
     assert flat.dtype == mx.uint8 and flat.size == a.nbytes + b.nbytes
     assert bytes(np.array(flat)) == np.array(a).tobytes() + bits(b).tobytes()
-    lone = ssd_mod._flat_copy([a])
+    lone = ssd_io._flat_copy([a])
     mx.eval(lone)
     assert bytes(np.array(lone)) == np.array(a).tobytes()
 
@@ -121,7 +121,7 @@ def test_files_open_in_other_tools(tier):
 
 def test_pending_entry_is_visible_and_served_from_memory(tier):
     ssd = tier()
-    ssd.write_delay_s = 0.3
+    ssd.writer.write_delay_s = 0.3
     e = entry(1, mx.bfloat16)
     assert ssd.put(e)
     # visible at once, whatever the writer has done
@@ -139,7 +139,7 @@ def test_pending_entry_is_visible_and_served_from_memory(tier):
 
 def test_backpressure_blocks_instead_of_dropping(tier):
     ssd = tier(queue_size=2)
-    ssd.write_delay_s = 0.05
+    ssd.writer.write_delay_s = 0.05
     es = [entry(i) for i in range(8)]
     for e in es:
         assert ssd.put(e)
@@ -191,7 +191,7 @@ def test_flush_and_backpressure_write_through_a_hold(tier):
 def test_backpressure_by_bytes(tier):
     one = entry(0)
     ssd = tier(max_pending_bytes=one.nbytes * 2)
-    ssd.write_delay_s = 0.05
+    ssd.writer.write_delay_s = 0.05
     for i in range(5):
         assert ssd.put(entry(i))
         assert ssd.pending_bytes <= one.nbytes * 2 + 4096
@@ -218,7 +218,7 @@ def test_cap_evicts_least_recently_used_at_put(tier, tmp_path):
     probe.close()
     one = probe.nbytes
     ssd = tier(max_bytes=2 * one + one // 2)  # room for two entries
-    ssd.write_delay_s = 0.2  # eviction does not wait for the writer
+    ssd.writer.write_delay_s = 0.2  # eviction does not wait for the writer
     e1, e2, e3 = entry(1), entry(2), entry(3)
     ssd.put(e1)
     ssd.put(e2)
@@ -301,12 +301,12 @@ def test_shape_mismatch_is_a_miss_and_removes_the_file(tier):
 
 def test_clear_removes_every_file_pending_included(tier):
     ssd = tier()
-    ssd.write_delay_s = 0.05
+    ssd.writer.write_delay_s = 0.05
     for i in range(3):
         ssd.put(entry(i))
     assert ssd.clear() == 3
     assert len(ssd) == 0 and ssd.nbytes == 0 and ssd.queue_depth == 0
-    ssd.write_delay_s = 0
+    ssd.writer.write_delay_s = 0
     ssd.put(entry(9))
     ssd.flush()
     threading.Event().wait(0.2)  # let an abandoned in-flight write finish
@@ -321,21 +321,21 @@ def test_every_byte_is_covered(tier):
     ssd.flush()
     path = ssd._path(e.id)
     good = path.read_bytes()
-    ssd_mod.read_file(path)  # the healthy file passes
+    ssd_io.read_file(path)  # the healthy file passes
     for pos in range(len(good)):
         bad = bytearray(good)
         bad[pos] ^= 1 << (pos % 8)
         path.write_bytes(bad)
         with pytest.raises(CorruptEntry):
-            layout, _, _ = ssd_mod.read_file(path)
-            ssd_mod.entry_meta(layout.meta, FP)
+            layout, _, _ = ssd_io.read_file(path)
+            ssd_format.entry_meta(layout.meta, FP)
 
 
 def test_tokens_must_hash_to_the_id(tmp_path):
     e = entry(1)
-    meta = ssd_mod._meta_strings(e, FP)
+    meta = ssd_format._meta_strings(e, FP)
     meta["tokens"] = "[" + ",".join(str(t) for t in (*e.tokens[:-1], 7)) + "]"
     with pytest.raises(CorruptEntry, match="hash"):
-        ssd_mod.entry_meta(meta, FP)
+        ssd_format.entry_meta(meta, FP)
     with pytest.raises(CorruptEntry, match="another model"):
-        ssd_mod.entry_meta(ssd_mod._meta_strings(e, FP), "cd" * 32)
+        ssd_format.entry_meta(ssd_format._meta_strings(e, FP), "cd" * 32)

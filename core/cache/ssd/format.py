@@ -34,6 +34,7 @@ from ..blocks import (
     KIND_BLOCK,
     KIND_TAIL,
     TAIL_KINDS,
+    Entry,
     EntryMeta,
     chain_ids,
 )
@@ -222,6 +223,20 @@ def _meta_strings(e: EntryMeta, fingerprint: str) -> dict[str, str]:
         # only where set: an entry without kept logprobs writes the format it always did
         **({"logprobs": "1"} if e.logprobs else {}),
     }
+
+
+def entry_header(e: Entry, fingerprint: str) -> tuple[bytes, int]:
+    """An entry's file header (:func:`encode_header`, CRC fields zeroed) and the bytes of
+    its tensors, which follow the header in name order. Raises ValueError when an array's
+    dtype cannot be stored."""
+    specs = []
+    for name in sorted(e.arrays):
+        a = e.arrays[name]
+        dtype = _NAME_OF.get(a.dtype)
+        if dtype is None:
+            raise ValueError(f"dtype {a.dtype} of {name} cannot be stored")
+        specs.append((name, dtype, tuple(a.shape), a.nbytes))
+    return encode_header(_meta_strings(e, fingerprint), specs), sum(s[3] for s in specs)
 
 
 def check_arrays(arrays: dict, expected: dict[str, tuple], ntokens: int) -> None:

@@ -1,5 +1,5 @@
 """The SSD tier's I/O: reading a file into an MLX array in checksummed chunks, staging
-and views, the page cache, the disk's read bandwidth, host copies for the writer, and the
+and views, reads ahead of a load on worker threads, the page cache, the disk's read bandwidth, host copies for the writer, and the
 directory and inode helpers (docs/DESIGN.md §8.4). Moves bytes only; never builds an MLX
 graph (docs/DESIGN.md §2).
 """
@@ -11,6 +11,7 @@ import stat
 import struct
 import time
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
@@ -140,6 +141,40 @@ def arrays_in(layout: Layout, stage: mx.array) -> dict[str, mx.array]:
             arrays[name] = mx.array(bits).view(mxd) if dtype == "BF16" else mx.array(bits)
     mx.eval(list(arrays.values()))
     return arrays
+
+
+class ReadAhead:
+    """Files read and verified ahead of their load on ``workers`` threads (plain file I/O
+    and CRC-32, which release the GIL; no MLX), each straight into a :func:`staging`
+    array made by the caller (the engine thread), keyed by entry id."""
+
+    def __init__(self, workers: int = 4) -> None:
+        self._reads: dict[str, tuple[mx.array, Future]] = {}
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierchat-ssd-read")
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._reads
+
+    def start(self, key: str, path: Path, nbytes: int) -> None:
+        """Stage ``nbytes`` and start reading ``path`` (the whole file) into them."""
+        stage = staging(nbytes)
+        view = memoryview(stage).cast("B")
+        self._reads[key] = (stage, self._pool.submit(read_file, path, into=view))
+
+    def take(self, key: str) -> tuple[mx.array, Future] | None:
+        """The staging array and the read's future (:func:`read_file`'s result, or its
+        error when the future is asked), or None when ``key`` was not read ahead."""
+        return self._reads.pop(key, None)
+
+    def drop(self) -> None:
+        """Forget the reads no load took (those not started yet are cancelled)."""
+        reads, self._reads = self._reads, {}
+        for _, read in reads.values():
+            read.cancel()
+
+    def close(self) -> None:
+        self.drop()
+        self._pool.shutdown(wait=True)
 
 
 def drop_page_cache(paths) -> int:

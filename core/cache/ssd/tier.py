@@ -1,20 +1,15 @@
-"""The SSD tier: one safetensors file per entry, written by one writer thread.
+"""The SSD tier: one safetensors file per entry, under a byte cap, LRU by last access.
 
 Layout: ``<cache_dir>/<fingerprint[:16]>/<id[:2]>/<id>.safetensors``, directories 0700 and
-files 0600. A file is written to ``<id>.<pid>.<n>.tmp`` and renamed into place.
-
-The file format is :mod:`.format`'s (``tierchat-kv/2``, checksummed safetensors).
-
-At start the index is rebuilt from headers (length, hcrc, fields, id hash), and a
-background verifier then reads every file once and checks ``dcrc``; a load checks both
-CRCs again. A checksum or format failure makes an entry *corrupt*: counted, logged with
-the reason, removed when possible, never loaded. A resource error (EMFILE, ENFILE,
-ENOMEM, EACCES, EIO...: an ``OSError`` other than a missing file) is not corruption: the
-load is a miss, counted in ``errors`` and logged, and the file stays for a later retry
-(docs/DESIGN.md §8.4). A file found missing leaves the index (someone removed it). The scan takes
-regular files only (``lstat``), never follows a symbolic link, never opens a FIFO or a
-device, counts a failed ``unlink`` instead of raising, and removes a ``.tmp`` file only
-when its writer is gone (PID in the name) or it is older than :data:`STALE_TMP_S`.
+files 0600. The file format is :mod:`.format`'s (``tierchat-kv/2``, checksummed
+safetensors); files are read by :mod:`.io`, written by :mod:`.writer`'s thread, and
+checked at start by :mod:`.verifier` (the index rebuilt from headers, then every file read
+once in the background). A load checks both CRCs again. A checksum or format failure
+makes an entry *corrupt*: counted, logged with the reason, removed when possible, never
+loaded. A resource error (EMFILE, ENFILE, ENOMEM, EACCES, EIO...: an ``OSError`` other
+than a missing file) is not corruption: the load is a miss, counted in ``errors`` and
+logged, and the file stays for a later retry (docs/DESIGN.md §8.4). A file found missing
+leaves the index (someone removed it).
 
 One process owns a cache dir (docs/DESIGN.md §8.4): the tier takes an exclusive
 ``fcntl.flock`` on ``<cache_dir>/lock`` (:func:`acquire_dir`; shared by the engines of one
@@ -27,84 +22,52 @@ an event (``on_event``) and sets ``reason`` while it lasts.
 Determinism: an entry is in the index (``meta``, ``children_of``, ``in``) from the moment
 ``put`` accepts it; until the writer has moved it to disk, ``load`` returns its arrays from
 memory (the same dtype, shape and bits a load from disk gives). The byte cap and LRU
-eviction are applied in ``put``, on the engine thread. When more than ``queue_size``
-entries or ``max_pending_bytes`` wait for the writer, ``put`` blocks the engine thread
-until the writer catches up (backpressure) instead of dropping: so what a lookup sees is
-a function of the calls made, not of the writer's progress. Only a disk error (ENOSPC,
-EIO...) or a writer stuck for ``backpressure_timeout_s`` loses an entry, counted.
+eviction are applied in ``put``, on the engine thread. When the writer falls behind,
+``put`` blocks the engine thread until it catches up (backpressure, :mod:`.writer`)
+instead of dropping: so what a lookup sees is a function of the calls made, not of the
+writer's progress. Only a disk error (ENOSPC, EIO...) or a writer stuck for
+``backpressure_timeout_s`` loses an entry, counted.
 
 Threads: the engine thread calls ``put`` (already evaluated arrays), ``load`` and the
 queries; the writer and verifier threads handle numpy views and bytes only and never build
 an MLX graph; the reader threads of a restore write file bytes into the memory of staging
-arrays the engine made (:func:`staging`, :func:`read_file`). The index is guarded by one
-lock.
+arrays the engine made (:func:`staging`, :func:`read_file`). The index and the writer's
+pending entries are guarded by one lock.
 """
-
 
 from __future__ import annotations
 
 import errno
-import itertools
 import os
-import random
-import stat
 import threading
 import time
-import zlib
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
-from ...files import pid_alive, private_dirs
-from ..blocks import (
-    KIND_BLOCK,
-    Entry,
-    EntryMeta,
-)
+from ...files import private_dirs
+from ..blocks import KIND_BLOCK, Entry, EntryMeta
 from ..blocks import root_id as _root_id
 from ..dir_lock import LOCK_FILE, CacheDirBusy, acquire_dir, release_dir, relock_dir
 from ..wear import WriteLedger
-from .format import (
-    _NAME_OF,
-    CorruptEntry,
-    FileMeta,
-    _meta_strings,
-    check_arrays,
-    encode_header,
-    entry_meta,
-    parse_header,
-    seal_header,
-)
+from .format import CorruptEntry, FileMeta, check_arrays, entry_header, entry_meta
 from .io import (
+    ReadAhead,
     _flat_copy,
     _inode,
     _open_regular,
-    _raw_bytes,
-    _read_head,
     _real_dir,
     arrays_in,
     read_file,
     staging,
 )
+from .verifier import StartupVerifier, scan_entries
+from .writer import Pending, SSDWriter
 
-STALE_TMP_S = 600.0  # a .tmp file this old is removed even when its writer may live
 RETRY_AFTER_S = 30.0  # after a full disk, writes at the configured cap are tried again
-
-
-@dataclass(eq=False)
-class _Pending:
-    """An entry accepted by ``put`` and not yet on disk."""
-
-    entry: Entry  # the arrays as given (what a load returns meanwhile)
-    head: bytes  # encode_header(...), CRCs not yet filled
-    nbytes: int  # the file's size
-    blob: mx.array | None = None  # the tensor bytes, shared with the batch's other entries
-    begin: int = 0  # this entry's bytes are blob[begin:end]
-    end: int = 0
 
 
 class SSDTier:
@@ -114,9 +77,9 @@ class SSDTier:
     its queue: the copies it read from the host are free by then (the engine then clears
     MLX's buffer cache, see :meth:`~tierchat.core.engine.engine.Engine.release_host_buffers`).
 
-    Test hooks: ``write_delay_s`` (every write sleeps this long first) and
-    ``write_jitter_s`` (plus a random ``[0, write_jitter_s)``), as instance or class
-    attributes; ``verify_at_start`` turns the background verifier off.
+    ``writer`` (:class:`~.writer.SSDWriter`) holds the entries accepted and not yet on
+    disk, and the writer's test hooks (``write_delay_s``, ``write_jitter_s``);
+    ``verify_at_start`` turns the background verifier off.
 
     ``ledger`` (:mod:`.wear`) records every file written and holds the write budget: an
     entry that does not fit it is not accepted (``budget_skips``, ``budget_skipped_bytes``).
@@ -124,11 +87,8 @@ class SSDTier:
     accepted (``cap_skips``; :meth:`_evict_for`).
     """
 
-    write_delay_s: float = 0.0
-    write_jitter_s: float = 0.0
     on_idle: Callable[[], None] | None = None
     verify_at_start: bool = True
-    backpressure_timeout_s: float = 120.0
     close_timeout_s: float = 60.0  # close waits this long for the writer, then drops the rest
 
     def __init__(
@@ -144,14 +104,11 @@ class SSDTier:
         self.fingerprint = fingerprint
         self.ledger = ledger if ledger is not None else WriteLedger(None)
         self.budget_skips = self.budget_skipped_bytes = 0
-        self.bytes_queued = 0  # bytes of the files accepted for writing (put_many)
         self.max_bytes = max_bytes
         self.configured_max_bytes = max_bytes  # max_bytes shrinks on a full disk
         self._retry_at = 0.0  # monotonic time to try the configured cap again
         self.cache_root = Path(cache_dir)
         self._locked = False
-        self.queue_size = max(1, queue_size)
-        self.max_pending_bytes = max_pending_bytes
         self.dir = Path(cache_dir) / fingerprint[:16]
         self.root = _root_id(fingerprint)
         self._on_event = on_event or (lambda text: None)
@@ -159,19 +116,18 @@ class SSDTier:
         self._cond = threading.Condition(self._lock)
         self._index: dict[str, FileMeta] = {}  # in LRU order, least recent first
         self.children: dict[str, set[str]] = {}  # parent id -> ids of entries after it
-        self._pending: dict[str, _Pending] = {}
-        # who holds the writer now (requests before their first token, the engine while
-        # it decodes: :meth:`pause`); ``_force`` lets it run anyway until its queue empties
-        self._holds: set[Any] = set()
-        self._force = False
-        self._flushing = 0  # flush() calls waiting: no hold applies meanwhile
-        # files being read ahead of their load by worker threads (pure I/O and CRC)
-        self._reads: dict[str, tuple[mx.array, Future]] = {}
-        self._readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tierchat-ssd-read")
-        self._pending_bytes = 0
-        self._queue: list[_Pending | None] = []
-        self._tmp_seq = itertools.count()
-        self._stop = False
+        self.writer = SSDWriter(
+            self._cond,
+            path_of=self._path,
+            prepare_dir=self._prepare_dir,
+            on_failed=self._write_failed,
+            on_idle=self._writer_idle,
+            on_event=self._event,
+            ledger=self.ledger,
+            queue_size=queue_size,
+            max_pending_bytes=max_pending_bytes,
+        )
+        self._ahead = ReadAhead()  # files read ahead of their load (pure I/O and CRC)
         self.nbytes = 0
         self.hits = self.misses = self.evictions = 0
         self.evicted_bytes = 0  # bytes of the entries evicted under the cap
@@ -179,13 +135,11 @@ class SSDTier:
         # (their chain's prefix is kept instead; docs/DESIGN.md §8.4)
         self.cap_skips = 0
         self.memory_hits = 0  # loads served from a pending entry's arrays
-        self.saves_queued = self.saves_persisted = self.write_drops = 0
-        self.backpressure_waits = 0
-        self.backpressure_s = 0.0
+        self.write_drops = 0
         self.errors = self.corrupt = 0
         self.enabled = True
         self.reason = ""
-        self._verified = threading.Event()
+        self._verifier = StartupVerifier([], self.verify, self.writer.wait_unheld)
         try:
             private_dirs(Path(cache_dir))
             acquire_dir(Path(cache_dir))
@@ -196,7 +150,8 @@ class SSDTier:
             probe = self.dir / f".probe.{os.getpid()}"
             probe.write_bytes(b"")
             probe.unlink()
-            self._scan()
+            for meta in scan_entries(self.dir, self.fingerprint, self):
+                self._add(meta)
         except (OSError, CacheDirBusy) as exc:
             self.enabled = False
             if isinstance(exc, CacheDirBusy):
@@ -209,16 +164,11 @@ class SSDTier:
                 release_dir(self.cache_root)
                 self._locked = False
             self._on_event(f"warning: {self.reason}")
-            self._verified.set()
+            self._verifier.done.set()
             return
-        self._writer = threading.Thread(
-            target=self._write_loop, name="tierchat-ssd-writer", daemon=True
-        )
-        self._writer.start()
+        self.writer.start()
         todo = list(self._index) if self.verify_at_start else []
-        self._verifier = threading.Thread(
-            target=self._verify_loop, args=(todo,), name="tierchat-ssd-verifier", daemon=True
-        )
+        self._verifier = StartupVerifier(todo, self.verify, self.writer.wait_unheld)
         self._verifier.start()
 
     # ------------------------------------------------------------------ index
@@ -231,92 +181,24 @@ class SSDTier:
         except Exception:  # a logging callback never breaks the tier
             pass
 
-    def _scan(self) -> None:
-        """Rebuild the index from headers. Raises OSError only if ``self.dir`` cannot be
-        listed; any single bad path is counted and skipped."""
-        found: list[FileMeta] = []
-        with os.scandir(self.dir) as it:
-            shards = list(it)
-        for shard in shards:
-            try:
-                if shard.is_symlink():
-                    self._bad(Path(shard.path), "symbolic link in the cache dir", remove=True)
-                    continue
-                if not shard.is_dir(follow_symlinks=False):
-                    continue
-                with os.scandir(shard.path) as it:
-                    entries = list(it)
-            except OSError as exc:
-                self._count_error(f"cannot read {shard.path}: {exc.strerror or exc}")
-                continue
-            for ent in entries:
-                try:
-                    meta = self._scan_one(ent)
-                except Exception as exc:  # the scan survives any single bad path
-                    self._bad(Path(ent.path), str(exc) or type(exc).__name__, remove=False)
-                    continue
-                if meta is not None:
-                    found.append(meta)
-        for meta in sorted(found, key=lambda m: (m.atime, m.id)):
-            self._add(meta)
-
-    def _scan_one(self, ent: os.DirEntry) -> FileMeta | None:
-        path = Path(ent.path)
-        st = ent.stat(follow_symlinks=False)
-        if ent.name.endswith(".tmp"):
-            self._sweep_tmp(path, st)
-            return None
-        if not ent.name.endswith(".safetensors"):
-            return None
-        if not stat.S_ISREG(st.st_mode):
-            # a link, FIFO, socket or device is removed (unlink never follows); a
-            # directory is left alone; nothing is opened
-            self._bad(path, "not a regular file", remove=not stat.S_ISDIR(st.st_mode))
-            return None
-        try:
-            f, st = _open_regular(path)
-            with f:
-                layout = parse_header(_read_head(f, st.st_size), st.st_size)
-            m = entry_meta(layout.meta, self.fingerprint)
-            if m.id + ".safetensors" != ent.name or m.id[:2] != path.parent.name:
-                raise CorruptEntry("id does not match file name")
-        except CorruptEntry as exc:
-            self._bad(path, str(exc), remove=True)
-            return None
-        except FileNotFoundError:
-            return None  # removed since listed
-        except OSError as exc:  # EMFILE, EACCES, EIO...: kept for the next start
-            self._count_error(f"cannot read {path.name[:12]} ({exc.strerror or exc}); kept")
-            return None
-        return FileMeta(**m.meta(), nbytes=st.st_size, atime=st.st_mtime)
-
-    def _sweep_tmp(self, path: Path, st: os.stat_result) -> None:
-        """Remove a temp file whose writer is gone or that is older than STALE_TMP_S."""
-        if stat.S_ISDIR(st.st_mode):
-            return
-        parts = path.name.split(".")
-        pid = int(parts[1]) if len(parts) >= 3 and parts[1].isdigit() else None
-        stale = time.time() - st.st_mtime > STALE_TMP_S
-        if stale or (pid is not None and pid != os.getpid() and not pid_alive(pid)):
-            self._unlink(path)
-
-    def _unlink(self, path: Path) -> None:
+    # the checks' findings (:class:`~.verifier.Findings`)
+    def remove_file(self, path: Path) -> None:
         try:
             path.unlink(missing_ok=True)
         except OSError as exc:
-            self._count_error(f"cannot remove {path.name}: {exc.strerror or exc}")
+            self.count_error(f"cannot remove {path.name}: {exc.strerror or exc}")
 
-    def _count_error(self, text: str) -> None:
+    def count_error(self, text: str) -> None:
         with self._lock:
             self.errors += 1
         self._event(f"SSD: {text}")
 
-    def _bad(self, path: Path, reason: str, remove: bool) -> None:
+    def corrupt_file(self, path: Path, reason: str, remove: bool) -> None:
         with self._lock:
             self.corrupt += 1
         self._event(f"corrupt SSD entry {path.name[:12]} skipped: {reason}")
         if remove:
-            self._unlink(path)
+            self.remove_file(path)
 
     def _add(self, meta: FileMeta) -> None:
         # caller holds the lock (or is the constructor)
@@ -338,11 +220,7 @@ class SSDTier:
             ids.discard(entry_id)
             if not ids:
                 del self.children[meta.parent]
-        item = self._pending.pop(entry_id, None)
-        if item is not None:
-            self._pending_bytes -= item.nbytes
-            self._cond.notify_all()
-        else:
+        if not self.writer.abandon(entry_id):
             try:
                 self._path(entry_id).unlink(missing_ok=True)
             except OSError as exc:
@@ -356,7 +234,7 @@ class SSDTier:
             if entry_id not in self._index:
                 return
             if ino is not None:
-                if entry_id in self._pending:
+                if entry_id in self.writer.pending:
                     return
                 try:
                     if os.lstat(self._path(entry_id)).st_ino != ino:
@@ -370,7 +248,7 @@ class SSDTier:
     def _forget(self, entry_id: str) -> None:
         """Drop an entry whose file is gone (not corrupt: someone removed it)."""
         with self._lock:
-            if entry_id not in self._index or entry_id in self._pending:
+            if entry_id not in self._index or entry_id in self.writer.pending:
                 return
             self._drop(entry_id)
         self._event(f"SSD entry {entry_id[:12]} missing from disk; forgotten")
@@ -379,11 +257,11 @@ class SSDTier:
         """Drop every written entry whose file is gone (the dir was removed); returns how
         many. Writer thread, after recreating the dir."""
         with self._lock:
-            ids = [i for i in self._index if i not in self._pending]
+            ids = [i for i in self._index if i not in self.writer.pending]
         gone = [i for i in ids if not self._path(i).exists()]
         with self._lock:
             for entry_id in gone:
-                if entry_id not in self._pending:
+                if entry_id not in self.writer.pending:
                     self._drop(entry_id)
         return len(gone)
 
@@ -410,11 +288,33 @@ class SSDTier:
     @property
     def queue_depth(self) -> int:
         """Entries accepted and not yet on disk."""
-        return len(self._pending)
+        return len(self.writer.pending)
 
     @property
     def pending_bytes(self) -> int:
-        return self._pending_bytes
+        return self.writer.pending_bytes
+
+    # the writer's counters, read where the tier's stats are
+    @property
+    def saves_queued(self) -> int:
+        return self.writer.saves_queued
+
+    @property
+    def saves_persisted(self) -> int:
+        return self.writer.saves_persisted
+
+    @property
+    def bytes_queued(self) -> int:
+        """Bytes of the files accepted for writing (:meth:`put_many`)."""
+        return self.writer.bytes_queued
+
+    @property
+    def backpressure_waits(self) -> int:
+        return self.writer.backpressure_waits
+
+    @property
+    def backpressure_s(self) -> float:
+        return self.writer.backpressure_s
 
     # ------------------------------------------------------------------ writes
     def put(self, e: Entry) -> bool:
@@ -463,32 +363,25 @@ class SSDTier:
                     and (old.logprobs or not e.logprobs)
                 ):
                     continue
-            names = sorted(e.arrays)
-            specs = []
-            for name in names:
-                a = e.arrays[name]
-                dtype = _NAME_OF.get(a.dtype)
-                if dtype is None:
-                    self._refuse(f"dtype {a.dtype} of {name} cannot be stored")
-                    break
-                specs.append((name, dtype, tuple(a.shape), a.nbytes))
-            else:
-                head = encode_header(_meta_strings(e, self.fingerprint), specs)
-                data = sum(s[3] for s in specs)
-                if len(head) + data > self.max_bytes:
-                    self._refuse(f"entry of {len(head) + data} bytes exceeds the cap")
-                    continue
-                room = self.ledger.room(self._pending_bytes + sum(a[1].nbytes for a in accepted))
-                if room is not None and len(head) + data > room:
-                    with self._lock:
-                        self.budget_skips += 1
-                        self.budget_skipped_bytes += len(head) + data
-                    continue
-                item = _Pending(replace(e, arrays=dict(e.arrays)), head, len(head) + data)
-                item.begin, item.end = offset, offset + data
-                offset += data
-                flat += [e.arrays[name] for name in names]
-                accepted.append((i, item))
+            try:
+                head, data = entry_header(e, self.fingerprint)
+            except ValueError as exc:
+                self._refuse(str(exc))
+                continue
+            if len(head) + data > self.max_bytes:
+                self._refuse(f"entry of {len(head) + data} bytes exceeds the cap")
+                continue
+            room = self.ledger.room(self.writer.pending_bytes + sum(a[1].nbytes for a in accepted))
+            if room is not None and len(head) + data > room:
+                with self._lock:
+                    self.budget_skips += 1
+                    self.budget_skipped_bytes += len(head) + data
+                continue
+            item = Pending(replace(e, arrays=dict(e.arrays)), head, len(head) + data)
+            item.begin, item.end = offset, offset + data
+            offset += data
+            flat += [e.arrays[name] for name in sorted(e.arrays)]
+            accepted.append((i, item))
         if not accepted:
             return results
         blob = _flat_copy(flat)
@@ -499,10 +392,10 @@ class SSDTier:
             results[i] = self._enqueue(item)
         return results
 
-    def _enqueue(self, item: _Pending) -> bool:
+    def _enqueue(self, item: Pending) -> bool:
         e, size = item.entry, item.nbytes
         with self._cond:
-            if not self._wait_for_room(size):
+            if not self.writer.wait_for_room(size):
                 self.write_drops += 1
                 self._event("SSD writer stuck: entry not saved")
                 return False
@@ -518,12 +411,7 @@ class SSDTier:
                 self.cap_skips += 1  # the cap holds its chain only up to its parent
                 return False
             self._add(FileMeta(**e.meta(), nbytes=size, atime=time.time()))
-            self._pending[e.id] = item
-            self._pending_bytes += size
-            self.saves_queued += 1
-            self.bytes_queued += size
-            self._queue.append(item)
-            self._cond.notify_all()
+            self.writer.enqueue(item)
         return True
 
     def _refuse(self, text: str) -> bool:
@@ -532,105 +420,37 @@ class SSDTier:
         self._event(f"SSD: {text}; not saved")
         return False
 
-    def _wait_for_room(self, size: int) -> bool:
-        # caller holds the lock; backpressure on the engine thread
-        def full() -> bool:
-            return bool(self._pending) and (
-                len(self._pending) >= self.queue_size
-                or self._pending_bytes + size > self.max_pending_bytes
+    # the writer's callbacks (writer thread)
+    def _prepare_dir(self, path: Path) -> None:
+        if not self.dir.is_dir():
+            self._recreate_dir()
+        _real_dir(path.parent)
+
+    def _write_failed(self, item: Pending, exc: Exception) -> str:
+        """A write failed (the lock is held): counted, the entry dropped if still pending;
+        a full disk shrinks the cap to what is on disk until :data:`RETRY_AFTER_S` has
+        passed. Returns the event's text."""
+        self.errors += 1
+        if self.writer.pending.get(item.entry.id) is item:
+            self._drop(item.entry.id)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            on_disk = self.nbytes - self.writer.pending_bytes
+            self.max_bytes = max(0, min(self.max_bytes, on_disk))
+            self._evict_for(0)
+            self._retry_at = time.monotonic() + RETRY_AFTER_S
+            text = (
+                f"disk full: SSD cap shrunk to {self.max_bytes} bytes "
+                f"(writes retried in {RETRY_AFTER_S:.0f} s)"
             )
+            if self.max_bytes == 0:
+                text += "; SSD tier off until then"
+            self.reason = text
+            return text
+        return f"SSD write failed: {getattr(exc, 'strerror', None) or exc}"
 
-        if not full():
-            return True
-        if self._holds and not self._force:  # backpressure wins over a hold
-            self._force = True
-            self._cond.notify_all()
-        self.backpressure_waits += 1
-        t0 = time.monotonic()
-        ok = self._cond.wait_for(lambda: not full(), self.backpressure_timeout_s)
-        self.backpressure_s += time.monotonic() - t0
-        return ok
-
-    def _write_loop(self) -> None:
-        rng = random.Random()
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._queue and not self._held())
-                item = self._queue.pop(0)
-            if item is None:
-                return
-            delay = self.write_delay_s + rng.uniform(0, self.write_jitter_s)
-            if delay > 0:
-                time.sleep(delay)
-            try:
-                self._write(item)
-            except Exception as exc:  # never let the writer die: count and go on
-                with self._cond:
-                    self.errors += 1
-                    if self._pending.get(item.entry.id) is item:
-                        self._drop(item.entry.id)
-                self._event(f"SSD write failed: {exc}")
-            finally:
-                item.blob = None  # the batch's copy goes when its last entry is written
-            with self._cond:
-                idle = not self._queue
-                if idle:
-                    self._force = False
-            if idle and self.on_idle is not None:
-                self.on_idle()
-
-    def _write(self, item: _Pending) -> None:
-        eid = item.entry.id
-        with self._lock:
-            if self._pending.get(eid) is not item:
-                return  # evicted, removed or replaced since
-        data = _raw_bytes(item.blob)[item.begin : item.end]
-        head = seal_header(item.head, zlib.crc32(data))
-        path = self._path(eid)
-        tmp = path.with_name(f"{eid}.{os.getpid()}.{next(self._tmp_seq)}.tmp")
-        try:
-            if not self.dir.is_dir():
-                self._recreate_dir()
-            _real_dir(path.parent)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-            fd = os.open(tmp, flags, 0o600)
-            with open(fd, "wb") as f:
-                f.write(head)
-                f.write(memoryview(data))
-            with self._cond:
-                if self._pending.get(eid) is item:
-                    os.replace(tmp, path)
-                    del self._pending[eid]
-                    self._pending_bytes -= item.nbytes
-                    self.saves_persisted += 1
-                    self.ledger.record(item.nbytes)
-                    self._cond.notify_all()
-                    return
-            tmp.unlink(missing_ok=True)  # dropped while written
-        except OSError as exc:
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
-            with self._cond:
-                self.errors += 1
-                if self._pending.get(eid) is item:
-                    self._drop(eid)
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    on_disk = self.nbytes - self._pending_bytes
-                    self.max_bytes = max(0, min(self.max_bytes, on_disk))
-                    self._evict_for(0)
-                    self._retry_at = time.monotonic() + RETRY_AFTER_S
-                    text = (
-                        f"disk full: SSD cap shrunk to {self.max_bytes} bytes "
-                        f"(writes retried in {RETRY_AFTER_S:.0f} s)"
-                    )
-                    if self.max_bytes == 0:
-                        text += "; SSD tier off until then"
-                    self.reason = text
-                else:
-                    text = f"SSD write failed: {exc.strerror or exc}"
-            self._event(text)
+    def _writer_idle(self) -> None:
+        if self.on_idle is not None:
+            self.on_idle()
 
     def _recreate_dir(self) -> None:
         """The cache dir vanished (``rm -rf`` while running): make it again (0700, the
@@ -683,13 +503,7 @@ class SSDTier:
         """Wait until every accepted entry is on disk (or dropped); False on timeout."""
         if not self.enabled:
             return True
-        with self._cond:
-            self._flushing += 1
-            self._cond.notify_all()
-            try:
-                return self._cond.wait_for(lambda: not self._pending, timeout)
-            finally:
-                self._flushing -= 1
+        return self.writer.flush(timeout)
 
     def pause(self, holder: Any = None) -> None:
         """Hold the writer and the start-up verifier (between files) until every holder
@@ -700,34 +514,27 @@ class SSDTier:
         request is held. Entries stay indexed and loadable; backpressure and
         :meth:`flush` let the writer run anyway until its queue empties.
         ``holder``: any hashable key (None: one shared key)."""
-        with self._cond:
-            self._holds.add(holder)
+        self.writer.pause(holder)
 
     def resume(self, holder: Any = None) -> None:
         """Give up ``holder``'s hold (no effect if it holds none)."""
-        with self._cond:
-            self._holds.discard(holder)
-            self._cond.notify_all()
+        self.writer.resume(holder)
 
     @property
     def held(self) -> bool:
         """Whether a holder keeps the writer waiting now (and no flush or backpressure
         overrides it)."""
-        with self._cond:
-            return self._held()
-
-    def _held(self) -> bool:
-        return bool(self._holds) and not self._force and not self._flushing
+        return self.writer.held
 
     def wait_verified(self, timeout: float | None = None) -> bool:
         """Wait for the start-up verifier to have read every file found at start."""
-        return self._verified.wait(timeout)
+        return self._verifier.wait(timeout)
 
     def drop_pending(self) -> int:
         """Forget every entry not yet on disk (its write is abandoned); returns how many.
         For a bounded exit: what a flush did not write in time."""
         with self._cond:
-            ids = list(self._pending)
+            ids = list(self.writer.pending)
             for entry_id in ids:
                 self._drop(entry_id)
             self.write_drops += len(ids)
@@ -736,8 +543,7 @@ class SSDTier:
     def close(self) -> None:
         """Write what is queued (waiting at most ``close_timeout_s``; what is left then is
         dropped and reported), stop the threads, give back the cache dir's lock."""
-        self.drop_reads()
-        self._readers.shutdown(wait=True)
+        self._ahead.close()
         if self.enabled:
             if not self.flush(self.close_timeout_s):
                 dropped = self.drop_pending()
@@ -745,41 +551,32 @@ class SSDTier:
                     f"SSD write failed: {dropped} entries not saved at exit "
                     f"(the writer took over {self.close_timeout_s:g} s)"
                 )
-            with self._cond:
-                self._holds.clear()
-                self._stop = True
-                self._queue.append(None)
-                self._cond.notify_all()
-            self._writer.join(timeout=5)
-            self._verifier.join(timeout=5)
+            self.writer.stop(timeout_s=5)
+            self._verifier.join(timeout_s=5)
         self.ledger.save()
         if self._locked:
             self._locked = False
             release_dir(self.cache_root)
 
     # ------------------------------------------------------------------ verifier
-    def _verify_loop(self, ids: list[str]) -> None:
+    def verify(self, entry_id: str) -> None:
+        """Read a written entry's file once and check both CRCs (the start-up verifier's
+        step, its own thread): a corrupt file is condemned, a missing one forgotten, a
+        resource error counted with the file kept, unverified. Pending or unknown
+        entries are skipped."""
+        with self._lock:
+            if entry_id not in self._index or entry_id in self.writer.pending:
+                return
         try:
-            for entry_id in ids:
-                with self._cond:
-                    self._cond.wait_for(lambda: not self._held() or self._stop)
-                if self._stop:
-                    return
-                with self._lock:
-                    if entry_id not in self._index or entry_id in self._pending:
-                        continue
-                try:
-                    read_file(self._path(entry_id), keep=False)
-                except FileNotFoundError:
-                    self._forget(entry_id)
-                except CorruptEntry as exc:
-                    ino = _inode(self._path(entry_id))
-                    if ino is not None:
-                        self._condemn(entry_id, str(exc), ino)
-                except OSError as exc:  # a resource error: the file stays, unverified
-                    self._count_error(f"cannot verify {entry_id[:12]} ({exc.strerror or exc})")
-        finally:
-            self._verified.set()
+            read_file(self._path(entry_id), keep=False)
+        except FileNotFoundError:
+            self._forget(entry_id)
+        except CorruptEntry as exc:
+            ino = _inode(self._path(entry_id))
+            if ino is not None:
+                self._condemn(entry_id, str(exc), ino)
+        except OSError as exc:  # a resource error: the file stays, unverified
+            self.count_error(f"cannot verify {entry_id[:12]} ({exc.strerror or exc})")
 
     # ------------------------------------------------------------------ reads
     def load(self, entry_id: str, expected: dict[str, tuple] | None = None) -> Entry | None:
@@ -798,7 +595,7 @@ class SSDTier:
             meta = self._index.get(entry_id)
             if meta is None:
                 return None
-            item = self._pending.get(entry_id)
+            item = self.writer.pending.get(entry_id)
             meta = replace(meta, atime=time.time())
             del self._index[entry_id]
             self._index[entry_id] = meta  # most recently used
@@ -807,7 +604,7 @@ class SSDTier:
             if item is not None:
                 arrays = dict(item.entry.arrays)
             else:
-                ahead = self._reads.pop(entry_id, None)
+                ahead = self._ahead.take(entry_id)
                 if ahead is None:
                     stage = staging(meta.nbytes)
                     view = memoryview(stage).cast("B")
@@ -828,7 +625,7 @@ class SSDTier:
             return None
         except Exception as exc:  # EMFILE, ENOMEM, an MLX error...: a miss, file kept
             text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            self._count_error(f"cannot read {entry_id[:12]} ({text or type(exc).__name__}); kept")
+            self.count_error(f"cannot read {entry_id[:12]} ({text or type(exc).__name__}); kept")
             return None
         if item is None:
             try:
@@ -851,18 +648,13 @@ class SSDTier:
         for entry_id in entry_ids:
             with self._lock:
                 meta = self._index.get(entry_id)
-                if entry_id in self._pending or meta is None or entry_id in self._reads:
+                if entry_id in self.writer.pending or meta is None or entry_id in self._ahead:
                     continue
-            stage = staging(meta.nbytes)
-            view = memoryview(stage).cast("B")
-            read = self._readers.submit(read_file, self._path(entry_id), into=view)
-            self._reads[entry_id] = (stage, read)
+            self._ahead.start(entry_id, self._path(entry_id), meta.nbytes)
 
     def drop_reads(self) -> None:
         """Forget reads ahead that no load took (the restore changed its plan)."""
-        reads, self._reads = self._reads, {}
-        for _, read in reads.values():
-            read.cancel()
+        self._ahead.drop()
 
     def prefetch(self, entry_ids) -> None:
         """Ask the kernel to start reading these entries' files now (``POSIX_FADV_WILLNEED``,
@@ -871,7 +663,7 @@ class SSDTier:
         if not hasattr(os, "posix_fadvise"):
             return
         for entry_id in entry_ids:
-            if entry_id in self._pending or entry_id not in self._index:
+            if entry_id in self.writer.pending or entry_id not in self._index:
                 continue
             try:
                 f, _ = _open_regular(self._path(entry_id))
