@@ -177,6 +177,21 @@ class ReadAhead:
         self._pool.shutdown(wait=True)
 
 
+def advise_willneed(paths) -> None:
+    """Ask the kernel to start reading these files now (``POSIX_FADV_WILLNEED``,
+    asynchronous; a no-op where unsupported). A file that cannot be opened is skipped:
+    its load will find out and count it."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for path in paths:
+        try:
+            f, _ = _open_regular(path)
+            with f:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
+        except (OSError, CorruptEntry):
+            pass
+
+
 def drop_page_cache(paths) -> int:
     """Ask the kernel to forget cached pages of ``paths`` (``fsync``, then
     ``posix_fadvise(POSIX_FADV_DONTNEED)``), so the next read comes from the disk.

@@ -49,17 +49,17 @@ from typing import Any
 import mlx.core as mx
 
 from ...files import private_dirs
-from ..blocks import KIND_BLOCK, Entry, EntryMeta
+from ..blocks import Entry, EntryMeta
 from ..blocks import root_id as _root_id
 from ..dir_lock import LOCK_FILE, CacheDirBusy, acquire_dir, release_dir, relock_dir
 from ..wear import WriteLedger
 from .format import CorruptEntry, FileMeta, check_arrays, entry_header, entry_meta
+from .index import EntryIndex
 from .io import (
     ReadAhead,
     _flat_copy,
-    _inode,
-    _open_regular,
     _real_dir,
+    advise_willneed,
     arrays_in,
     read_file,
     staging,
@@ -114,8 +114,7 @@ class SSDTier:
         self._on_event = on_event or (lambda text: None)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._index: dict[str, FileMeta] = {}  # in LRU order, least recent first
-        self.children: dict[str, set[str]] = {}  # parent id -> ids of entries after it
+        self._index = EntryIndex(self.root)  # in LRU order, least recent first
         self.writer = SSDWriter(
             self._cond,
             path_of=self._path,
@@ -128,7 +127,6 @@ class SSDTier:
             max_pending_bytes=max_pending_bytes,
         )
         self._ahead = ReadAhead()  # files read ahead of their load (pure I/O and CRC)
-        self.nbytes = 0
         self.hits = self.misses = self.evictions = 0
         self.evicted_bytes = 0  # bytes of the entries evicted under the cap
         # entries not written because the cap cannot hold them beside their parent
@@ -139,7 +137,7 @@ class SSDTier:
         self.errors = self.corrupt = 0
         self.enabled = True
         self.reason = ""
-        self._verifier = StartupVerifier([], self.verify, self.writer.wait_unheld)
+        self._verifier = StartupVerifier([], self, self.writer.wait_unheld)
         try:
             private_dirs(Path(cache_dir))
             acquire_dir(Path(cache_dir))
@@ -151,7 +149,7 @@ class SSDTier:
             probe.write_bytes(b"")
             probe.unlink()
             for meta in scan_entries(self.dir, self.fingerprint, self):
-                self._add(meta)
+                self._index.add(meta)
         except (OSError, CacheDirBusy) as exc:
             self.enabled = False
             if isinstance(exc, CacheDirBusy):
@@ -168,7 +166,7 @@ class SSDTier:
             return
         self.writer.start()
         todo = list(self._index) if self.verify_at_start else []
-        self._verifier = StartupVerifier(todo, self.verify, self.writer.wait_unheld)
+        self._verifier = StartupVerifier(todo, self, self.writer.wait_unheld)
         self._verifier.start()
 
     # ------------------------------------------------------------------ index
@@ -181,7 +179,7 @@ class SSDTier:
         except Exception:  # a logging callback never breaks the tier
             pass
 
-    # the checks' findings (:class:`~.verifier.Findings`)
+    # what the checks find (:class:`~.verifier.Findings`)
     def remove_file(self, path: Path) -> None:
         try:
             path.unlink(missing_ok=True)
@@ -200,26 +198,11 @@ class SSDTier:
         if remove:
             self.remove_file(path)
 
-    def _add(self, meta: FileMeta) -> None:
-        # caller holds the lock (or is the constructor)
-        old = self._index.pop(meta.id, None)
-        if old is not None:
-            self.nbytes -= old.nbytes
-        self._index[meta.id] = meta
-        self.nbytes += meta.nbytes
-        self.children.setdefault(meta.parent, set()).add(meta.id)
-
     def _drop(self, entry_id: str) -> FileMeta | None:
         # caller holds the lock; a pending write of the entry is abandoned
-        meta = self._index.pop(entry_id, None)
+        meta = self._index.pop(entry_id)
         if meta is None:
             return None
-        self.nbytes -= meta.nbytes
-        ids = self.children.get(meta.parent)
-        if ids is not None:
-            ids.discard(entry_id)
-            if not ids:
-                del self.children[meta.parent]
         if not self.writer.abandon(entry_id):
             try:
                 self._path(entry_id).unlink(missing_ok=True)
@@ -228,7 +211,14 @@ class SSDTier:
                 self._event(f"SSD: cannot remove {entry_id[:12]}: {exc.strerror or exc}")
         return meta
 
-    def _condemn(self, entry_id: str, reason: str, ino: int | None = None) -> None:
+    def written_file(self, entry_id: str) -> Path | None:
+        """The file of a held entry that is on disk; None when it is pending or not held."""
+        with self._lock:
+            if entry_id not in self._index or entry_id in self.writer.pending:
+                return None
+        return self._path(entry_id)
+
+    def condemn(self, entry_id: str, reason: str, ino: int | None = None) -> None:
         """Count and drop a corrupt entry, unless it changed since it was read (``ino``)."""
         with self._lock:
             if entry_id not in self._index:
@@ -245,7 +235,7 @@ class SSDTier:
             self._drop(entry_id)
         self._event(f"corrupt SSD entry {entry_id[:12]} removed: {reason}")
 
-    def _forget(self, entry_id: str) -> None:
+    def forget(self, entry_id: str) -> None:
         """Drop an entry whose file is gone (not corrupt: someone removed it)."""
         with self._lock:
             if entry_id not in self._index or entry_id in self.writer.pending:
@@ -276,14 +266,19 @@ class SSDTier:
     def __len__(self) -> int:
         return len(self._index)
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the entries held (their files, pending ones included)."""
+        return self._index.nbytes
+
     def children_of(self, parent: str) -> list[FileMeta]:
         """Entries (blocks and tails) whose parent is ``parent``, in id order."""
         with self._lock:
-            return [self._index[i] for i in sorted(self.children.get(parent, ()))]
+            return self._index.children_of(parent)
 
     def tail_ids(self) -> list[str]:
         with self._lock:
-            return [i for i, m in self._index.items() if m.kind != KIND_BLOCK]
+            return self._index.tail_ids()
 
     @property
     def queue_depth(self) -> int:
@@ -410,7 +405,7 @@ class SSDTier:
             if not self._evict_for(size, keep=e.parent):
                 self.cap_skips += 1  # the cap holds its chain only up to its parent
                 return False
-            self._add(FileMeta(**e.meta(), nbytes=size, atime=time.time()))
+            self._index.add(FileMeta(**e.meta(), nbytes=size, atime=time.time()))
             self.writer.enqueue(item)
         return True
 
@@ -470,34 +465,17 @@ class SSDTier:
 
     def _evict_for(self, incoming: int, keep: str | None = None) -> bool:
         """Evict until ``incoming`` more bytes fit under the cap, leaves first (see
-        :meth:`_eviction_victim`); caller holds the lock. ``keep``: the parent of the
+        :meth:`EntryIndex.victim <.index.EntryIndex.victim>`); caller holds the lock. ``keep``: the parent of the
         entry being added, never evicted for it. False when room cannot be made without
         it (a chain longer than the cap keeps its prefix: the new entry is not written)."""
         while self._index and self.nbytes + incoming > self.max_bytes:
-            victim = self._eviction_victim(keep)
+            victim = self._index.victim(keep)
             if victim is None:
                 return False
             meta = self._drop(victim)
             self.evictions += 1
             self.evicted_bytes += meta.nbytes if meta is not None else 0
         return True
-
-    def _eviction_victim(self, keep: str | None = None) -> str | None:
-        """The entry to evict next: the least recently used one that no entry in the
-        index continues (a leaf of its chain), other than ``keep``. A restore walks a
-        chain from the root, so a block whose descendants stayed would leave them
-        unreachable: chains shrink from their ends, least recently used chain first
-        (docs/DESIGN.md §8.4). An entry whose parent is not held (admission may write a
-        child before its parent) is unreachable and goes first. None when only ``keep`` is
-        left. Caller holds the lock."""
-        leaf = None
-        for entry_id, meta in self._index.items():  # least recently used first
-            if self.children.get(entry_id) or entry_id == keep:
-                continue
-            if meta.parent != self.root and meta.parent not in self._index:
-                return entry_id
-            leaf = leaf or entry_id
-        return leaf
 
     def flush(self, timeout: float = 60.0) -> bool:
         """Wait until every accepted entry is on disk (or dropped); False on timeout."""
@@ -558,26 +536,6 @@ class SSDTier:
             self._locked = False
             release_dir(self.cache_root)
 
-    # ------------------------------------------------------------------ verifier
-    def verify(self, entry_id: str) -> None:
-        """Read a written entry's file once and check both CRCs (the start-up verifier's
-        step, its own thread): a corrupt file is condemned, a missing one forgotten, a
-        resource error counted with the file kept, unverified. Pending or unknown
-        entries are skipped."""
-        with self._lock:
-            if entry_id not in self._index or entry_id in self.writer.pending:
-                return
-        try:
-            read_file(self._path(entry_id), keep=False)
-        except FileNotFoundError:
-            self._forget(entry_id)
-        except CorruptEntry as exc:
-            ino = _inode(self._path(entry_id))
-            if ino is not None:
-                self._condemn(entry_id, str(exc), ino)
-        except OSError as exc:  # a resource error: the file stays, unverified
-            self.count_error(f"cannot verify {entry_id[:12]} ({exc.strerror or exc})")
-
     # ------------------------------------------------------------------ reads
     def load(self, entry_id: str, expected: dict[str, tuple] | None = None) -> Entry | None:
         """One entry's arrays as MLX arrays (engine thread), or None.
@@ -597,8 +555,7 @@ class SSDTier:
                 return None
             item = self.writer.pending.get(entry_id)
             meta = replace(meta, atime=time.time())
-            del self._index[entry_id]
-            self._index[entry_id] = meta  # most recently used
+            self._index.touch(meta)  # most recently used
         ino = None
         try:
             if item is not None:
@@ -618,10 +575,10 @@ class SSDTier:
             if expected is not None:
                 check_arrays(arrays, expected, len(meta.tokens))
         except CorruptEntry as exc:
-            self._condemn(entry_id, str(exc))
+            self.condemn(entry_id, str(exc))
             return None
         except FileNotFoundError:
-            self._forget(entry_id)
+            self.forget(entry_id)
             return None
         except Exception as exc:  # EMFILE, ENOMEM, an MLX error...: a miss, file kept
             text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
@@ -660,17 +617,9 @@ class SSDTier:
         """Ask the kernel to start reading these entries' files now (``POSIX_FADV_WILLNEED``,
         asynchronous; a no-op where unsupported or for pending entries), so the loads of a
         long restore overlap their reads with each other's checks and copies."""
-        if not hasattr(os, "posix_fadvise"):
-            return
-        for entry_id in entry_ids:
-            if entry_id in self.writer.pending or entry_id not in self._index:
-                continue
-            try:
-                f, _ = _open_regular(self._path(entry_id))
-                with f:
-                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
-            except (OSError, CorruptEntry):
-                pass  # the load will find out and count it
+        with self._lock:
+            ids = [i for i in entry_ids if i in self._index and i not in self.writer.pending]
+        advise_willneed(self._path(i) for i in ids)
 
     # ------------------------------------------------------------------ admin
     def remove(self, entry_id: str) -> None:

@@ -23,7 +23,7 @@ from typing import Protocol
 
 from ...files import pid_alive
 from .format import CorruptEntry, FileMeta, entry_meta, parse_header
-from .io import _open_regular, _read_head
+from .io import _inode, _open_regular, _read_head, read_file
 
 STALE_TMP_S = 600.0  # a .tmp file this old is removed even when its writer may live
 
@@ -39,6 +39,19 @@ class Findings(Protocol):
 
     def remove_file(self, path: Path) -> None:
         """Remove ``path`` (a failure counted, never raised)."""
+
+
+class Verified(Findings, Protocol):
+    """What the start-up verifier asks of the tier."""
+
+    def written_file(self, entry_id: str) -> Path | None:
+        """The file of a held entry that is on disk; None when pending or not held."""
+
+    def forget(self, entry_id: str) -> None:
+        """Drop an entry whose file is gone (not corrupt: someone removed it)."""
+
+    def condemn(self, entry_id: str, reason: str, ino: int | None = None) -> None:
+        """Count and drop a corrupt entry, unless its file changed since (``ino``)."""
 
 
 def scan_entries(directory: Path, fingerprint: str, findings: Findings) -> list[FileMeta]:
@@ -115,21 +128,17 @@ def _sweep_tmp(path: Path, st: os.stat_result, findings: Findings) -> None:
 
 
 class StartupVerifier:
-    """A thread that checks the entries found at start, one file at a time: ``verify(id)``
-    reads one entry's file and checks both CRCs (the tier's ``verify``, which drops a
-    corrupt or missing one). Between files it waits while ``wait_unheld()`` says disk
+    """A thread that reads the files of the entries ``ids`` found at start once each and
+    checks both CRCs (:func:`~.io.read_file`): a corrupt file is condemned, a missing one
+    forgotten, a resource error counted with the file kept, unverified; an entry pending
+    or gone since is skipped. Between files it waits while ``wait_unheld()`` says disk
     work is held (a request's TTFT comes first); it ends early when that returns False
     (the tier is closing). :meth:`wait` returns once every file was read (or the thread
     ended)."""
 
-    def __init__(
-        self,
-        ids: list[str],
-        verify: Callable[[str], None],
-        wait_unheld: Callable[[], bool],
-    ) -> None:
+    def __init__(self, ids: list[str], tier: Verified, wait_unheld: Callable[[], bool]) -> None:
         self._ids = ids
-        self._verify = verify
+        self._tier = tier
         self._wait_unheld = wait_unheld
         self.done = threading.Event()
         self._thread: threading.Thread | None = None
@@ -154,3 +163,18 @@ class StartupVerifier:
                 self._verify(entry_id)
         finally:
             self.done.set()
+
+    def _verify(self, entry_id: str) -> None:
+        path = self._tier.written_file(entry_id)
+        if path is None:
+            return
+        try:
+            read_file(path, keep=False)
+        except FileNotFoundError:
+            self._tier.forget(entry_id)
+        except CorruptEntry as exc:
+            ino = _inode(path)
+            if ino is not None:
+                self._tier.condemn(entry_id, str(exc), ino)
+        except OSError as exc:  # a resource error: the file stays, unverified
+            self._tier.count_error(f"cannot verify {entry_id[:12]} ({exc.strerror or exc})")
