@@ -100,6 +100,27 @@ def test_one_home_for_size_count_and_duration_formatters():
     assert not found, found
 
 
+def _longer_than(folders: tuple[str, ...], limit: int) -> list[str]:
+    """``path: N lines`` for each .py file under ``folders`` of more than ``limit`` lines."""
+    long = []
+    for folder in folders:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            n = len(path.read_text(encoding="utf-8").splitlines())
+            if n > limit:
+                long.append(f"{path.relative_to(ROOT)}: {n} lines")
+    return long
+
+
+def test_no_module_in_core_is_over_700_lines():
+    """A core module is read in one sitting; new work goes in a new module of one
+    responsibility rather than a longer file (docs/DESIGN.md §1)."""
+    assert not _longer_than(("core",), 700)
+
+
+def test_no_module_in_cli_or_tui_is_over_1000_lines():
+    assert not _longer_than(("cli", "tui"), 1000)
+
+
 def test_code_cites_the_design_not_issue_numbers():
     """Docstrings and comments point a reader at docs/DESIGN.md sections; an issue number
     is a page the reader of the code cannot open."""
