@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +35,28 @@ def make_engine(model: str, tmp: Path, models_dir: Path, **overrides) -> Engine:
     loaded = engine.load_model(model).wait(120)
     assert not hasattr(loaded, "message"), loaded
     return engine
+
+
+@contextmanager
+def engine_maker(
+    tmp: Path, models_dir: Path, model: str = "tiny:llama", **defaults
+) -> Iterator[Callable[..., Engine]]:
+    """``make(model=None, **overrides)``: a :func:`make_engine` of ``model`` (or the one
+    given) under ``tmp``, ``defaults`` beneath the overrides; every engine made is closed
+    on exit. The body of an ``engines`` fixture."""
+    made: list[Engine] = []
+    default_model = model
+
+    def make(model: str | None = None, **overrides) -> Engine:
+        e = make_engine(model or default_model, tmp, models_dir, **{**defaults, **overrides})
+        made.append(e)
+        return e
+
+    try:
+        yield make
+    finally:
+        for e in made:
+            e.close()
 
 
 def random_prompt(n: int, seed: int = 0, vocab: int = 250) -> tuple[int, ...]:

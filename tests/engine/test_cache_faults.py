@@ -6,7 +6,7 @@ import errno
 import os
 
 import pytest
-from engine_kit import assert_same, generate, make_engine, random_prompt
+from engine_kit import assert_same, engine_maker, generate, make_engine, random_prompt
 from tierchat.core.cache.blocks import chain_ids
 
 MODEL = "tiny:llama"
@@ -15,18 +15,9 @@ PROMPT = random_prompt(100, seed=3)
 
 @pytest.fixture
 def engines(tmp_path, models_dir):
-    made = []
-
-    def make(**overrides):
-        # the writer's faults need writes: every entry at once (write-through)
-        overrides.setdefault("ssd_admission", False)
-        e = make_engine(MODEL, tmp_path, models_dir, **overrides)
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
+    # the writer's faults need writes: every entry at once (write-through)
+    with engine_maker(tmp_path, models_dir, MODEL, ssd_admission=False) as make:
+        yield make
 
 
 @pytest.fixture

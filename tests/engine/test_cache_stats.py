@@ -5,22 +5,14 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from engine_kit import generate, make_engine, random_prompt
+from engine_kit import engine_maker, generate, random_prompt
 from tierchat.core.api import CacheStats
 
 
 @pytest.fixture
 def engine(tmp_path, models_dir):
-    made = []
-
-    def make(model="tiny:llama", **overrides):
-        e = make_engine(model, tmp_path, models_dir, **overrides)
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
+    with engine_maker(tmp_path, models_dir) as make:
+        yield make
 
 
 def test_snapshot_is_immutable(engine):

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from engine_kit import assert_same, generate, make_engine, random_prompt
+from engine_kit import assert_same, engine_maker, generate, make_engine, random_prompt
 from ssd_kit import FP, entry
 from tierchat.cli.chat import LineChat
 from tierchat.cli.common import SSDWatch
@@ -74,16 +74,8 @@ def flip(path: Path, pos: int, bit: int = 0) -> None:
 
 @pytest.fixture
 def engines(tmp_path, models_dir):
-    made = []
-
-    def make(**overrides):
-        e = make_engine(MODEL, tmp_path, models_dir, **overrides)
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
+    with engine_maker(tmp_path, models_dir, MODEL) as make:
+        yield make
 
 
 @pytest.fixture
