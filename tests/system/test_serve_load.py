@@ -15,8 +15,9 @@ import threading
 import httpx
 from engine_kit import make_engine
 from test_serve_signals import Process, env_for, serve_cmd
-from tierchat.core.serve.app import ServerThread, ServeState, create_app
+from tierchat.core.serve.app import ServeState, create_app
 from tierchat.core.serve.log import RequestLog, TrackedEngine
+from tierchat.core.serve.server import ServerThread
 
 CLIENTS = 16
 MAX_TOKENS = 8
