@@ -54,7 +54,7 @@ from tierchat.cli.common import (
     open_store,
     start_engine,
 )
-from tierchat.core.api import CACHE_KINDS, CACHE_SOURCES, plain
+from tierchat.core.api import CACHE_KINDS, CACHE_SOURCES, CACHE_TIERS, plain
 from tierchat.core.live_status import StatusService
 
 RESULT_FIELDS: tuple[str, ...] = (
@@ -74,7 +74,6 @@ RESULT_FIELDS: tuple[str, ...] = (
     "token_ids_sha256",
 )
 GENERATING = ("user", "regenerate", "edit")
-TIERS = ("hot", "ssd", "tails", "all")
 
 
 class ScriptError(ValueError):
@@ -115,7 +114,7 @@ def _temperature(v: Any) -> str | None:
 
 
 def _tier(v: Any) -> str | None:
-    return None if v in TIERS else f"must be one of {', '.join(TIERS)}"
+    return None if v in CACHE_TIERS else f"must be one of {', '.join(CACHE_TIERS)}"
 
 
 _GEN = {"max_tokens": (False, _pos_int), "temperature": (False, _temperature)}
