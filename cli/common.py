@@ -44,11 +44,12 @@ def open_store(path, busy_s: float | None = None):
     from tierchat.config.settings import user_data_dir
     from tierchat.core.chat.sqlite import StoreError
     from tierchat.core.chat.store import ConversationStore
+    from tierchat.core.files import private_dirs
 
     try:
         data_dir = Path(path).parent
-        if data_dir == user_data_dir() and data_dir.is_dir() and data_dir.stat().st_mode & 0o077:
-            data_dir.chmod(0o700)
+        if data_dir == user_data_dir() and data_dir.is_dir():
+            private_dirs(data_dir, tighten=True)
     except OSError:
         pass
     try:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .api import CACHE_TIERS, plain
-from .files import pid_alive
+from .files import pid_alive, private_dirs
 
 STATUS_FILE = "live-status.json"
 REQUESTS_DIR = "live-requests"
@@ -43,7 +43,7 @@ KEEP_CLEARS = 8
 def write_atomic(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` as JSON to ``path`` (0600; a new folder 0700) so a reader sees the old
     file or the new one."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    private_dirs(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:

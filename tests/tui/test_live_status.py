@@ -20,6 +20,7 @@ from tierchat.core.live_status import (
     read_status,
     request_clear,
     wait_cleared,
+    write_atomic,
 )
 
 
@@ -41,6 +42,20 @@ def test_status_round_trip_and_a_dead_pid_is_ignored(tmp_path):
     StatusWriter(tmp_path, pid=dead.pid).write("gone", {"x": 1})
     assert read_status(tmp_path) is None
     assert read_status(tmp_path, check_pid=False)["model"] == "gone"
+
+
+def test_status_folders_are_private_all_the_way_down(tmp_path):
+    """The folders made for a status or request file are 0700, its missing parents too
+    (``mkdir(parents=True)`` would leave them 0777 minus the umask)."""
+    path = tmp_path / "cache" / REQUESTS_DIR / "clear-1.json"
+    old = os.umask(0o022)
+    try:
+        write_atomic(path, {"tier": "hot"})
+    finally:
+        os.umask(old)
+    assert json.loads(path.read_text()) == {"tier": "hot"}
+    for d in (tmp_path / "cache", path.parent):
+        assert d.stat().st_mode & 0o777 == 0o700, d
 
 
 def test_clear_requests_are_served_once_and_answered(tmp_path):
