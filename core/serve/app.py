@@ -41,6 +41,7 @@ from starlette.routing import Route
 
 from ..api import GenerateRequest
 from ..chat.prompts import PromptBuilder
+from ..text import log_safe
 from .generation import ClientGone, Generation, off_loop
 from .guard import HostGuard, authorize
 from .limits import (
@@ -51,7 +52,7 @@ from .limits import (
     parse_body,
     vocab_size,
 )
-from .log import TrackedEngine, log_safe
+from .log import TrackedEngine
 from .prompts import (
     APIError,
     ReplyMemory,
@@ -152,7 +153,7 @@ def ranks_failure(engine: Any) -> str:
 
 def client_label(request: Request, body: dict) -> str:
     """``host label``: the request's ``user`` field, else the User-Agent's product; control
-    characters escaped (:func:`~tierchat.core.serve.log.log_safe`), as it goes to logs."""
+    characters escaped (:func:`~tierchat.core.text.log_safe`), as it goes to logs."""
     host = request.client.host if request.client else "?"
     user = body.get("user")
     if isinstance(user, str) and user:

@@ -35,18 +35,10 @@ from ..api import (
     TokenBatch,
     TurnMetrics,
 )
+from ..text import log_safe
 
 RequestStatus = Literal["waiting", "running", "stopping", "done", "failed", "cancelled"]
 LIVE_STATUSES: tuple[str, ...] = ("waiting", "running", "stopping")  # not ended yet
-
-_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), 0x7F, *range(0x80, 0xA0))}
-
-
-def log_safe(text: str) -> str:
-    """``text`` with every C0/C1 control character (newline, tab and ESC included) and DEL
-    written as ``\\xNN``: one line that cannot forge another log line or drive the
-    terminal (docs/DESIGN.md §15). Client-given text goes through it before any log."""
-    return text.translate(_ESCAPES)
 
 
 @dataclass(frozen=True)
