@@ -147,7 +147,7 @@ def reply_memory_path(settings: Any, model_name: str) -> Path:
 def ranks_failure(engine: Any) -> str:
     """Why the ranks failed (a rank lost, or silent past ``--rank-timeout``), "" while
     they work or when there is one rank (docs/DESIGN.md §19)."""
-    failed = getattr(getattr(engine, "ranks", None), "failed", "")
+    failed = getattr(getattr(engine, "peers", None), "failed", "")
     return failed if isinstance(failed, str) else ""
 
 
