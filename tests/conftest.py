@@ -43,7 +43,15 @@ def isolated_settings(monkeypatch, tmp_path):
 # Layers (docs/DESIGN.md §1): unit/ (no model), engine/ (tiny models in this process),
 # system/ (subprocesses, servers, ranks, installs), tui/ (Pilot; its pty/tmux files are
 # system tests), real/ (the demo models). The fast loop leaves out "slow" and "system".
-_SYSTEM_TUI_FILES = {"test_terminal_keys.py", "test_terminal_keys_tools.py", "test_default_terminal.py"}
+# A few subprocess tests elsewhere carry @pytest.mark.system themselves (test_live_status's
+# pty test, test_files's killed builds).
+_SYSTEM_TUI_FILES = {
+    "test_terminal_keys.py",
+    "test_terminal_keys_tools.py",
+    "test_default_terminal.py",
+    "test_console_keys.py",
+    "test_context_refusal.py",
+}
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -83,6 +83,7 @@ def temps(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
 
 
+@pytest.mark.system  # a child process per point, killed
 @pytest.mark.parametrize("point", ["assembling", "assembled", "tokenizer", "tensors", "finishing"])
 def test_a_conversion_killed_at_any_point_leaves_nothing_after_the_next_start(
     tiny_gguf, tmp_path, point
