@@ -1,5 +1,6 @@
 """Shared fixtures. ``models_dir``: where tiny and demo models are built for this session
-(``$TIERCHAT_MODELS_DIR`` if set, so slow conversions can be reused across runs)."""
+(``$TIERCHAT_MODELS_DIR`` if set, so slow conversions can be reused across runs; under
+pytest-xdist one dir shared by the run's workers)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ def models_dir(tmp_path_factory) -> Path:
     if env:
         path = Path(env).expanduser()
         path.mkdir(parents=True, exist_ok=True)
+        return path
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # one dir for this run's workers (pytest-xdist, -n): workers building one model at
+        # once keep the first copy published (core/files.py staged_dir, under a lock)
+        path = tmp_path_factory.getbasetemp().parent / "models"
+        path.mkdir(exist_ok=True)
         return path
     return tmp_path_factory.mktemp("models")
 
