@@ -8,7 +8,14 @@ import os
 from pathlib import Path
 
 import pytest
-import tierchat.core  # noqa: F401  (preloads OpenBLAS before any test module imports mlx)
+
+# BLAS on one thread (unless set): the tiny models' matrices gain nothing from more, and
+# OpenBLAS's waiting threads spin on shared cores (tests/engine/test_cache_exactness.py on
+# 2 cores: 23 s user + 16 s system with its default threads, 23 s + 6 s with one, no
+# slower). OpenBLAS reads it when it loads: before the import below.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import tierchat.core  # noqa: E402, F401  (preloads OpenBLAS before any test module imports mlx)
 
 
 @pytest.fixture(scope="session")
