@@ -58,7 +58,9 @@ def staged_dir(target: Path, done: Callable[[Path], bool]) -> Iterator[Path]:
 
     ``done(target)`` says whether ``target`` is already complete: then another process
     finished the same build first and its copy is kept. An incomplete ``target`` (left by
-    a crash) is replaced. The temp dir is removed in every case but a killed process;
+    a crash) is replaced. The check and the rename run under a lock on the parent folder,
+    so builders of one target in parallel processes never remove each other's complete
+    copy while it is read. The temp dir is removed in every case but a killed process;
     :func:`remove_stale_temps` removes it then.
 
     Raises:
@@ -70,15 +72,36 @@ def staged_dir(target: Path, done: Callable[[Path], bool]) -> Iterator[Path]:
     tmp.chmod(0o755)  # mkdtemp makes it 0700
     try:
         yield tmp
-        if not done(target):
-            shutil.rmtree(target, ignore_errors=True)
-            try:
-                os.rename(tmp, target)
-            except OSError:  # another process won the race
-                if not done(target):
-                    raise
+        with _folder_lock(target.parent):  # no complete target is removed under a reader
+            if not done(target):
+                shutil.rmtree(target, ignore_errors=True)
+                try:
+                    os.rename(tmp, target)
+                except OSError:  # another process won the race (unlocked: no fcntl)
+                    if not done(target):
+                        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``folder`` itself (no lock file to leave behind) while the
+    block runs: builders of one target in several processes (parallel test workers, two
+    starts of the app) publish one at a time, so the check that ``target`` is complete
+    and the removal of an incomplete one cannot interleave with another's rename. Where
+    ``fcntl`` is missing (Windows) the block runs unlocked."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the last descriptor releases the lock
 
 
 def pid_alive(pid: int) -> bool:

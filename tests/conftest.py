@@ -1,5 +1,6 @@
 """Shared fixtures. ``models_dir``: where tiny and demo models are built for this session
-(``$TIERCHAT_MODELS_DIR`` if set, so slow conversions can be reused across runs)."""
+(``$TIERCHAT_MODELS_DIR`` if set, so slow conversions can be reused across runs; under
+pytest-xdist one dir shared by the run's workers)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ import os
 from pathlib import Path
 
 import pytest
-import tierchat.core  # noqa: F401  (preloads OpenBLAS before any test module imports mlx)
+
+# BLAS on one thread (unless set): the tiny models' matrices gain nothing from more, and
+# OpenBLAS's waiting threads spin on shared cores (tests/engine/test_cache_exactness.py on
+# 2 cores: 23 s user + 16 s system with its default threads, 23 s + 6 s with one, no
+# slower). OpenBLAS reads it when it loads: before the import below.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import tierchat.core  # noqa: E402, F401  (preloads OpenBLAS before any test module imports mlx)
 
 
 @pytest.fixture(scope="session")
@@ -16,6 +24,12 @@ def models_dir(tmp_path_factory) -> Path:
     if env:
         path = Path(env).expanduser()
         path.mkdir(parents=True, exist_ok=True)
+        return path
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # one dir for this run's workers (pytest-xdist, -n): workers building one model at
+        # once keep the first copy published (core/files.py staged_dir, under a lock)
+        path = tmp_path_factory.getbasetemp().parent / "models"
+        path.mkdir(exist_ok=True)
         return path
     return tmp_path_factory.mktemp("models")
 
@@ -43,7 +57,15 @@ def isolated_settings(monkeypatch, tmp_path):
 # Layers (docs/DESIGN.md §1): unit/ (no model), engine/ (tiny models in this process),
 # system/ (subprocesses, servers, ranks, installs), tui/ (Pilot; its pty/tmux files are
 # system tests), real/ (the demo models). The fast loop leaves out "slow" and "system".
-_SYSTEM_TUI_FILES = {"test_terminal_keys.py", "test_terminal_keys_tools.py", "test_default_terminal.py"}
+# A few subprocess tests elsewhere carry @pytest.mark.system themselves (test_live_status's
+# pty test, test_files's killed builds).
+_SYSTEM_TUI_FILES = {
+    "test_terminal_keys.py",
+    "test_terminal_keys_tools.py",
+    "test_default_terminal.py",
+    "test_console_keys.py",
+    "test_context_refusal.py",
+}
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -83,6 +83,7 @@ def temps(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
 
 
+@pytest.mark.system  # a child process per point, killed
 @pytest.mark.parametrize("point", ["assembling", "assembled", "tokenizer", "tensors", "finishing"])
 def test_a_conversion_killed_at_any_point_leaves_nothing_after_the_next_start(
     tiny_gguf, tmp_path, point
@@ -129,6 +130,49 @@ def test_an_interrupted_build_in_this_process_cleans_up_after_itself(tmp_path):
         path.write_bytes(b"GGUF")
         raise RuntimeError("stopped")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_complete_build_is_never_replaced_by_a_concurrent_one(tmp_path):
+    """Two builders of one target (parallel test workers sharing a models dir): the one
+    that publishes second keeps the first one's directory instead of removing it under
+    its readers. Right after builder A found no target, B (started there) tries to
+    publish; A goes on after B finished or 1 s (B waits on the folder lock till A is done)."""
+    import threading
+
+    target = tmp_path / "m"
+    b_done = threading.Event()
+    seen: dict[str, int] = {}
+    errors: list[BaseException] = []
+
+    def complete(d: Path) -> bool:
+        return (d / "model.safetensors").exists()
+
+    def build(name: str, on_check=None) -> None:
+        def done(d: Path) -> bool:
+            answer = complete(d)
+            if on_check is not None:  # between the check and what follows from it
+                on_check()
+            return answer
+
+        try:
+            with staged_dir(target, done) as tmp:
+                (tmp / "model.safetensors").write_text(name)
+            seen[name] = target.stat().st_ino
+        except BaseException as e:  # noqa: B036  (re-raised in the test's thread)
+            errors.append(e)
+
+    def start_b() -> None:
+        b = threading.Thread(target=lambda: (build("B"), b_done.set()))
+        b.start()
+        b_done.wait(timeout=1.0)  # unlocked, B would publish now; locked, it waits for A
+
+    a = threading.Thread(target=build, args=("A", start_b))
+    a.start()
+    a.join(timeout=60)
+    assert b_done.wait(timeout=60) and not errors, errors
+    assert seen["A"] == seen["B"] == target.stat().st_ino  # one directory, never replaced
+    assert (target / "model.safetensors").read_text() == "A"
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no temp dir or lock file left
 
 
 def test_temps_without_a_pid_go_by_age_and_other_names_are_never_touched(tmp_path):

@@ -84,6 +84,7 @@ def test_unanswered_request_is_withdrawn(tmp_path):
     assert not list((tmp_path / REQUESTS_DIR).glob("*.json"))
 
 
+@pytest.mark.system  # the real app in a pty
 @pytest.mark.usefixtures("isolated_settings")
 def test_cache_commands_talk_to_the_running_app(tmp_path, capsys):
     """The real app in a pty; ``tierchat cache stats`` / ``clear`` in this process."""

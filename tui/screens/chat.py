@@ -33,7 +33,7 @@ from textual.containers import Horizontal, Vertical
 from textual.notifications import SeverityLevel
 from textual.reactive import reactive
 from textual.screen import Screen
-from textual.widgets import Footer, Header, TextArea
+from textual.widgets import Header, TextArea
 from tierchat.core.api import CacheStats
 from tierchat.core.live_status import StatusWriter
 from tierchat.tui import cursor
@@ -74,6 +74,7 @@ from tierchat.tui.widgets.activity import ActivityBar
 from tierchat.tui.widgets.cache_panels import CachePanels, CacheSummary
 from tierchat.tui.widgets.chat_input import ChatInput
 from tierchat.tui.widgets.conversation_list import ConversationList, ConversationRow
+from tierchat.tui.widgets.footer import KeyFooter
 from tierchat.tui.widgets.transcript import MessageInfo, MessageView, Transcript, message_infos
 
 T = TypeVar("T")
@@ -219,7 +220,7 @@ class ChatScreen(Screen):
                 yield CacheSummary(id="summary")
                 yield ChatInput(id="input")
             yield CachePanels(clock=self._clock, id="panels")
-        yield Footer()
+        yield KeyFooter()
 
     def _welcome_text(self) -> str:
         model = self.model_name or self.tierchat.settings.model

@@ -22,7 +22,7 @@ from textual.clock import Clock
 from textual.containers import Horizontal
 from textual.screen import Screen
 from textual.timer import Timer
-from textual.widgets import Footer, Header
+from textual.widgets import Header
 from tierchat.core.api import CacheStats, EngineLike
 from tierchat.core.serve.log import RequestLog
 from tierchat.tui import app as app_module
@@ -32,6 +32,7 @@ from tierchat.tui.screens.chat import ChatScreen
 from tierchat.tui.screens.confirm import confirm_clear
 from tierchat.tui.services.clear_requests import ClearRequests
 from tierchat.tui.widgets.cache_panels import CachePanels
+from tierchat.tui.widgets.footer import KeyFooter
 from tierchat.tui.widgets.request_log import RequestLogView
 
 POLL_S = 0.5
@@ -73,7 +74,7 @@ class ServeConsoleScreen(Screen):
         with Horizontal(id="serve-body"):
             yield RequestLogView(clock_time=self._clock_time, id="requests")
             yield CachePanels(clock=self._clock, id="panels")
-        yield Footer()
+        yield KeyFooter()
 
     def on_mount(self) -> None:
         self.title = "tierchat serve"

@@ -1,4 +1,4 @@
-"""Issue 22 case 8: processes opening a fresh data dir at once all get a working store
+"""Processes opening a fresh data dir at once all get a working store
 (a busy timeout, and one migration under ``BEGIN IMMEDIATE``)."""
 
 from __future__ import annotations
