@@ -65,26 +65,10 @@ def open_store(path, busy_s: float | None = None):
 
 
 def new_session(engine: Any, store: Any, settings: Any, *, swipes: bool = True):
-    """A :class:`~tierchat.core.chat.session.ChatSession` with the settings' generation
-    options; ``swipes`` False keeps regenerates at the conversation's temperature
-    (``replay``: a regenerate without "temperature" is greedy, as its format says)."""
+    """:meth:`ChatSession.from_settings <tierchat.core.chat.session.ChatSession.from_settings>`."""
     from tierchat.core.chat.session import ChatSession
 
-    return ChatSession(
-        engine,
-        store,
-        max_tokens=settings.max_tokens,
-        temperature=settings.temperature,
-        top_p=settings.top_p,
-        seed=settings.seed,
-        use_cache=not settings.no_cache,
-        sampling=dict(
-            top_k=settings.top_k,
-            min_p=settings.min_p,
-            repetition_penalty=settings.repetition_penalty,
-            swipe_temperature=settings.swipe_temperature if swipes else 0.0,
-        ),
-    )
+    return ChatSession.from_settings(engine, store, settings, swipes=swipes)
 
 
 def _load_progress(spec: str):

@@ -86,22 +86,7 @@ class TierchatApp(App[None]):
     def _make_session(self) -> Any:
         from tierchat.core.chat.session import ChatSession
 
-        s = self.settings
-        return ChatSession(
-            self.engine,
-            self.store,
-            max_tokens=s.max_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            seed=s.seed,
-            use_cache=not s.no_cache,
-            sampling=dict(
-                top_k=s.top_k,
-                min_p=s.min_p,
-                repetition_penalty=s.repetition_penalty,
-                swipe_temperature=s.swipe_temperature,
-            ),
-        )
+        return ChatSession.from_settings(self.engine, self.store, self.settings)
 
     def get_driver_class(self) -> type[Driver]:
         """Textual's driver, reading ESC-prefixed Alt keys as Alt keys (tui/terminal.py)."""

@@ -181,6 +181,30 @@ class ChatSession:
     so a caller on another thread never depends on which conversation is open.
     """
 
+    @classmethod
+    def from_settings(
+        cls, engine: EngineLike, store: ConversationStore, settings: Any, *, swipes: bool = True
+    ) -> ChatSession:
+        """A session with ``settings``' generation options (a ``config.settings.Settings``
+        or any object with its fields); ``swipes`` False keeps regenerates at the
+        conversation's temperature (``replay``: a regenerate without "temperature" is
+        greedy, as its format says)."""
+        return cls(
+            engine,
+            store,
+            max_tokens=settings.max_tokens,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            seed=settings.seed,
+            use_cache=not settings.no_cache,
+            sampling=dict(
+                top_k=settings.top_k,
+                min_p=settings.min_p,
+                repetition_penalty=settings.repetition_penalty,
+                swipe_temperature=settings.swipe_temperature if swipes else 0.0,
+            ),
+        )
+
     def __init__(
         self,
         engine: EngineLike,
@@ -554,9 +578,7 @@ class ChatSession:
         submitted (docs/DESIGN.md §12)."""
         asked = max_tokens if max_tokens is not None else settings.max_tokens
         try:
-            return generation_room(
-                prompt_tokens, asked, context_length(self.engine), explicit=True
-            )
+            return generation_room(prompt_tokens, asked, context_length(self.engine), explicit=True)
         except ContextLimitExceeded as e:
             raise ContextLimitError(e) from None
 
