@@ -644,6 +644,12 @@ class PrefixCache:
         tier and has no prefill rate yet (a calibration at load would give it one)."""
         return self.ssd is not None and self.rates is not None and self.rates.prefill_tps <= 0
 
+    @property
+    def prefill_rate(self) -> float:
+        """The measured prefill rate (tokens/s of whole prefills, :mod:`.rates`; kept across
+        restarts), or 0.0 when none is known."""
+        return self.rates.prefill_tps if self.rates is not None else 0.0
+
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A prefill of ``tokens`` tokens took ``seconds``: the rate the choice uses."""
         if self.rates is not None:

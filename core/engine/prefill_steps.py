@@ -154,13 +154,17 @@ class Prefill:
     def done(self) -> int:
         return self.pos - self.start
 
-    def next_end(self, budget: int | None = None) -> int:
+    def next_end(self, budget: int | None = None, lone: bool = False) -> int:
         """Where the next piece ends: the next cut of the schedule, or sooner, after at most
-        ``budget`` tokens, where the schedule allows cuts anywhere (None: the next cut)."""
+        ``budget`` tokens, where the schedule allows cuts anywhere (None: the next cut).
+        ``lone`` (a request prefilling alone, folded schedule): ``budget`` replaces the
+        ``prefill_step`` cuts, which would split a short prompt into many forwards."""
         e = self.engine
         pos = self.pos
         end = next(x for x in self.ends if x > pos)
         step = e._prefill_step
+        if lone and budget is not None and not e.settings.bitwise:
+            return min(end, pos + max(budget, step, 1))
         if step:
             end = min(end, (pos // step + 1) * step)
         if budget is not None and not e.settings.bitwise and pos + budget < end:

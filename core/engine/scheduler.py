@@ -48,6 +48,10 @@ from .prefill_steps import Prefill
 from .sampling import SeededSampler, StopStrings, keep_last_logits
 
 BUSY_PIECE_S = 0.25  # the most prefill work between two decode steps while others decode
+# a lone request's prefill piece on the CPU (prefill_step set) with the folded schedule:
+# about this much measured work, so a Stop waits at most one piece without cutting a short
+# prompt into many small forwards (each reads every weight again)
+LONE_PIECE_S = 0.5
 
 
 @dataclasses.dataclass(eq=False)
@@ -243,11 +247,17 @@ class Scheduler:
     def _piece_end(self, seq: Sequence, left_s: float) -> int:
         """Where the next prefill piece of ``seq`` ends: the next cut, or sooner where
         others wait and the measured rate says ``left_s`` seconds do less."""
-        budget = None
+        e = self.engine
+        budget, lone = None, False
         if self.decoding or len(self.prefilling) > 1 or self.queued:
             if self.prefill_tps > 0:  # what fits the step's time left
                 budget = max(1, int(self.prefill_tps * max(left_s, 0.05)))
-        return seq.prefill.next_end(budget)
+        elif e._prefill_step and not e.settings.bitwise:
+            # small pieces measure a low rate: a whole prefill's (kept across restarts) too
+            tps = max(self.prefill_tps, e.cache.prefill_rate if e.cache is not None else 0.0)
+            if tps > 0:
+                budget, lone = max(1, int(tps * LONE_PIECE_S)), True
+        return seq.prefill.next_end(budget, lone=lone)
 
     def _prefill_piece(self, seq: Sequence, end: int) -> None:
         p = seq.prefill

@@ -561,3 +561,30 @@ def _mlx_lm_tokens(engine, prompt, max_tokens: int, processors: dict) -> tuple[i
         return tuple(tok for tok, _ in steps)
 
     return engine.call(run, timeout=120)
+
+
+@pytest.mark.parametrize("bitwise", [False, True], ids=["folded", "bitwise"])
+def test_a_lone_prefill_on_the_folded_schedule_is_cut_by_time_not_by_step(
+    bitwise, tmp_path, models_dir
+):
+    """With ``prefill_step`` set (the CPU's default for real models), a request prefilling
+    alone on the folded schedule runs pieces of about ``LONE_PIECE_S`` of measured work
+    once a rate is known (a tiny model: the whole prompt at once), not one forward per
+    step multiple; the bitwise schedule keeps its cuts at the step's multiples (positions
+    only). Counted in PrefillProgress events, one per piece after the first at 0."""
+    e = make_engine("tiny:llama", tmp_path, models_dir, bitwise=bitwise, prefill_step=16)
+    generate(e, random_prompt(40, seed=1), max_tokens=2)  # measures the prefill rate
+    pieces: list[int] = []
+
+    def on_event(event) -> None:
+        if isinstance(event, PrefillProgress) and event.done > 0:
+            pieces.append(event.done)
+
+    prompt = random_prompt(100, seed=2)
+    result = e.submit(GenerateRequest(prompt_ids=prompt, max_tokens=2), on_event).wait(120)
+    assert isinstance(result, Finished)
+    e.close()
+    if bitwise:
+        assert len(pieces) >= 100 // 16  # every multiple of 16 a cut
+    else:
+        assert len(pieces) == 1
