@@ -131,3 +131,23 @@ class Lockstep:
     def close(self):
         self.cold_engine.close()
         self.hot_engine.close()
+
+
+def mlx_lm_tokens(engine: Engine, prompt, max_tokens: int, **processors) -> tuple[int, ...]:
+    """Greedy tokens of mlx-lm's ``generate_step`` over the whole prompt with its own
+    logits processors (``make_logits_processors(**processors)``), fresh cache, on the
+    engine thread."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_logits_processors
+
+    def run():
+        steps = generate_step(
+            mx.array(prompt),
+            engine.loaded.model,
+            max_tokens=max_tokens,
+            logits_processors=make_logits_processors(**processors),
+        )
+        return tuple(tok for tok, _ in steps)
+
+    return engine.call(run, timeout=120)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from engine_kit import generate, make_engine, random_prompt
+from engine_kit import generate, make_engine, mlx_lm_tokens, random_prompt
 from tierchat.core.api import GenerateRequest, TokenBatch
 from tierchat.core.engine.sampling import (
     SeededSampler,
@@ -27,23 +27,6 @@ def engine(tmp_path_factory, models_dir):
     e = make_engine("tiny:llama", tmp_path_factory.mktemp("sampling"), models_dir, bitwise=False)
     yield e
     e.close()
-
-
-def mlx_lm_tokens(engine, prompt, max_tokens, **processors) -> tuple[int, ...]:
-    """Greedy tokens of mlx-lm's ``generate_step`` over the whole prompt, fresh cache."""
-    from mlx_lm.generate import generate_step
-    from mlx_lm.sample_utils import make_logits_processors
-
-    def run():
-        steps = generate_step(
-            mx.array(prompt),
-            engine.loaded.model,
-            max_tokens=max_tokens,
-            logits_processors=make_logits_processors(**processors),
-        )
-        return tuple(tok for tok, _ in steps)
-
-    return engine.call(run, timeout=120)
 
 
 def test_sampler_controls_narrow_a_crafted_distribution():

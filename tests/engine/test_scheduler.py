@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 import pytest
-from engine_kit import LOGPROB_TOL, generate, make_engine, random_prompt
+from engine_kit import LOGPROB_TOL, generate, make_engine, mlx_lm_tokens, random_prompt
 from tierchat.core.api import (
     Failed,
     Finished,
@@ -169,9 +169,7 @@ def test_cancel_during_decode_leaves_the_batch_at_the_next_step(engine):
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_a_reply_cancelled_at_its_first_token_stores_prompt_and_token(
-    arch, tmp_path, models_dir
-):
+def test_a_reply_cancelled_at_its_first_token_stores_prompt_and_token(arch, tmp_path, models_dir):
     """A joining sequence's first token goes through the model with the batch's next step
     (docs/DESIGN.md §20), whose response for it is dropped; cancelled at that token, the
     cache stored for it holds prompt + token: the next turn restores past the prompt and
@@ -195,7 +193,9 @@ def test_a_reply_cancelled_at_its_first_token_stores_prompt_and_token(
     hot, hot_h = generate(e, follow, max_tokens=6)
     assert hot.metrics.cached_tokens > len(prompt)
     e.close()
-    cold_e = make_engine(f"tiny:{arch}", tmp_path / "cold", models_dir, bitwise=False, no_cache=True)
+    cold_e = make_engine(
+        f"tiny:{arch}", tmp_path / "cold", models_dir, bitwise=False, no_cache=True
+    )
     cold, cold_h = generate(cold_e, follow, max_tokens=6)
     cold_e.close()
     _assert_close(cold, cold_h, hot, hot_h)
@@ -516,7 +516,7 @@ def test_batched_penalties_stop_strings_and_continue_equal_each_request_alone(tm
         assert alone[2][0].metrics.finish_reason == "stop"
         for (a, _), r in zip(alone[:2], reqs[:2], strict=True):  # the penalties applied
             processors = {k: v for k, v in r.items() if k.endswith("penalty")}
-            assert a.token_ids == _mlx_lm_tokens(cold, penalized, 10, processors)
+            assert a.token_ids == mlx_lm_tokens(cold, penalized, 10, **processors)
             assert a.token_ids != unpenalized.token_ids
         assert alone[2][0].text == text[: text.find(stop)]
         hold = Hold(hot)
@@ -542,25 +542,6 @@ def test_batched_penalties_stop_strings_and_continue_equal_each_request_alone(tm
     finally:
         cold.close()
         hot.close()
-
-
-def _mlx_lm_tokens(engine, prompt, max_tokens: int, processors: dict) -> tuple[int, ...]:
-    """Greedy tokens of mlx-lm's ``generate_step`` over the whole prompt with its own
-    logits processors (fresh cache), on the engine thread."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-    from mlx_lm.sample_utils import make_logits_processors
-
-    def run():
-        steps = generate_step(
-            mx.array(prompt),
-            engine.loaded.model,
-            max_tokens=max_tokens,
-            logits_processors=make_logits_processors(**processors),
-        )
-        return tuple(tok for tok, _ in steps)
-
-    return engine.call(run, timeout=120)
 
 
 @pytest.mark.parametrize("bitwise", [False, True], ids=["folded", "bitwise"])

@@ -131,6 +131,20 @@ def test_6_lone_surrogates_are_400_and_the_connection_stays_usable(server, cold,
 # ---------------------------------------------------------------- 7: a rank stops answering
 
 
+def _wait_healthy(url: str, proc) -> None:
+    """Wait until serve's ``/health`` says "ok" (rank 0 ``proc`` still running), at most
+    ``TIMEOUT_S``."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).json()["status"] == "ok":
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.3)
+
+
 def test_7_serve_exits_1_when_a_rank_stops_answering(tmp_path, models_dir, cold):
     """Two ranks (ring, this machine), ``--rank-timeout 5``, rank 1 stopped: the request
     in flight fails with the reason, ``/health`` stops saying "ok", and rank 0 exits 1
@@ -142,14 +156,7 @@ def test_7_serve_exits_1_when_a_rank_stops_answering(tmp_path, models_dir, cold)
     ranks = start_ranks([*argv, "--rank-timeout", "5"], tmp_path)
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).json()["status"] == "ok":
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            assert time.monotonic() < deadline and ranks.procs[0].poll() is None
-            time.sleep(0.3)
+        _wait_healthy(url, ranks.procs[0])
         assert chat_text(url, NORMAL)  # both ranks answer
         ranks.procs[1].send_signal(signal.SIGSTOP)
         r = httpx.post(url + "/v1/chat/completions", json=chat_body(NORMAL), timeout=120)
@@ -276,15 +283,7 @@ def test_8_idle_ranks_wait_blocked(tmp_path, models_dir, cold):
     argv = ["serve", "--port", str(port), *common_flags(tmp_path, models_dir, tag="-ranks")]
     ranks = start_ranks(argv, tmp_path)
     try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).json()["status"] == "ok":
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            assert time.monotonic() < deadline and ranks.procs[0].poll() is None
-            time.sleep(0.3)
+        _wait_healthy(url, ranks.procs[0])
         first = chat_text(url, NORMAL)
         time.sleep(1.0)  # the reply's tail work (SSD writes) settles
         before = [_cpu_s(p.pid) for p in ranks.procs]
