@@ -121,6 +121,20 @@ class _SkipFirst:
 
 
 @dataclass(frozen=True)
+class _Join:
+    """A sequence added to a :class:`DecodeBatch` and not yet merged into it."""
+
+    uid: int
+    token: int
+    caches: list[Any]
+    context: list[int]
+    max_tokens: int
+    stop: list[list[int]]
+    sampler: Sampler | None
+    processors: list[Any] | None
+
+
+@dataclass(frozen=True)
 class Step:
     """One sequence's token from a decode step: ``token``, the ``logprobs`` it was sampled
     from (shape ``(vocab,)``), ``finish`` ("stop", "length" or None) and, when finished,
@@ -147,11 +161,13 @@ class DecodeBatch:
         self._main: _Batch | None = None  # merged, or one mergeable sequence alone
         self._alone: dict[int, _Batch] = {}  # sequences whose caches cannot merge
         self._unfed: dict[int, int] = {}  # joined, their token not yet through the model
+        self._pending: list[_Join] = []  # added since the last step (merged at the next)
         self.peak = 0  # the most sequences that decoded in one step
         self.peak_merged = 0  # the most that decoded in one merged batch
 
     def __len__(self) -> int:
-        return (len(self._main) if self._main is not None else 0) + len(self._alone)
+        main = len(self._main) if self._main is not None else 0
+        return main + len(self._alone) + len(self._pending)
 
     def add(
         self,
@@ -170,39 +186,61 @@ class DecodeBatch:
         at any of the ``stop`` sequences; ``sampler`` None: greedy (one batched argmax);
         ``processors``: mlx-lm logits processors ``(history, logits (1, vocab)) -> logits``,
         the history being ``context`` + the tokens fed since."""
+        self._pending.append(
+            _Join(uid, token, caches, list(context), max_tokens, stop, sampler, processors)
+        )
+        self._unfed[uid] = token
+
+    def _batch_of(self, joins: list[_Join], caches: list[Any]) -> _Batch:
+        """A joining batch of ``joins`` over ``caches`` (merged, or one sequence's own)."""
         batch = _Batch(
             self.model,
-            [uid],
-            mx.array([token], dtype=mx.uint32),
+            [j.uid for j in joins],
+            mx.array([j.token for j in joins], dtype=mx.uint32),
             caches,
-            [list(context)],
-            [self._share(sampler) if sampler is not None else None],
+            [j.context for j in joins],
+            [self._share(j.sampler) if j.sampler is not None else None for j in joins],
             self._greedy,
-            [tuple(processors or ())],
-            [StopSequences(stop)],
-            [max_tokens + 1],  # + the repeated token of the first step
+            [tuple(j.processors or ()) for j in joins],
+            [StopSequences(j.stop) for j in joins],
+            [j.max_tokens + 1 for j in joins],  # + the repeated token of the first step
             joining=True,
         )
-        batch.kinds = [_kinds(caches)]
-        self._unfed[uid] = token
+        batch.kinds = [_kinds(j.caches) for j in joins]
+        return batch
+
+    def _flush(self) -> None:
+        """Move the sequences added since the last step into the batch: one merge for all
+        of them (each join's merge copies the batch's whole cache, so joins of one step
+        merge once), the ones whose caches cannot merge apart."""
+        pending, self._pending = self._pending, []
+        joins = []
+        for j in pending:
+            if mergeable(j.caches):
+                joins.append(j)
+            else:
+                self._alone[j.uid] = self._batch_of([j], j.caches)
+        if not joins:
+            return
         main = self._main
-        if not mergeable(caches):
-            self._alone[uid] = batch
-        elif main is None or len(main) == 0:
+        if (main is None or len(main) == 0) and len(joins) == 1:
+            self._main = self._batch_of(joins, joins[0].caches)  # alone: its own caches
+            return
+        batch = self._batch_of(joins, _merge([j.caches for j in joins]))
+        batch.merged = True
+        if main is None or len(main) == 0:
             self._main = batch
         else:
             if not main.merged:
                 main.prompt_cache = _merge([main.prompt_cache])
                 main.merged = True
-            batch.prompt_cache = _merge([caches])
-            batch.merged = True
             main.extend(batch)
-        self.peak = max(self.peak, len(self))
-        if self._main is not None and self._main.merged:
-            self.peak_merged = max(self.peak_merged, len(self._main))
+        self.peak_merged = max(self.peak_merged, len(self._main))
 
     def step(self) -> list[Step]:
         """One decode step of every sequence: each yields one token."""
+        self._flush()
+        self.peak = max(self.peak, len(self))
         out: list[Step] = []
         batches = ([self._main] if self._main is not None and len(self._main) else []) + list(
             self._alone.values()
@@ -225,8 +263,12 @@ class DecodeBatch:
         Raises:
             KeyError: ``uid`` is not decoding here.
         """
+        pending = next((j for j in self._pending if j.uid == uid), None)
         batch = self._alone.pop(uid, None)
-        if batch is not None:
+        if pending is not None:
+            self._pending.remove(pending)
+            caches = pending.caches
+        elif batch is not None:
             caches = batch.extract_cache(0)
         else:
             main = self._main

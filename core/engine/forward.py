@@ -36,7 +36,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-LastLogits = Callable[[mx.array, list[Any]], mx.array]
+LastLogits = Callable[..., mx.array]  # (tokens, cache[, last]) -> logits
 
 
 def _causal(mask: Any) -> bool:
@@ -96,6 +96,8 @@ class _SplitLastLayer:
 def last_logits_fn(model: Any, split_last_layer: bool = False) -> LastLogits | None:
     """``f(tokens, cache) -> logits`` of the last position, shape ``(1, vocab)``, for
     ``tokens`` of shape ``(1, L)``, updating ``cache`` as ``model(tokens, cache)`` does;
+    ``f(tokens, cache, last)`` for ``tokens`` of shape ``(B, L)``: the logits at position
+    ``last[b]`` of each row ``b`` (``last``: shape ``(B,)``), shape ``(B, vocab)``;
     None when the model does not have the usual trunk + head layout. With
     ``split_last_layer`` the trunk's last layer computes its output for the last position
     only (module doc); ``f.splits()`` says how many calls did."""
@@ -115,7 +117,11 @@ def last_logits_fn(model: Any, split_last_layer: bool = False) -> LastLogits | N
         split_last_layer = False
     counted = [0]
 
-    def last_logits(tokens: mx.array, cache: list[Any]) -> mx.array:
+    def last_logits(tokens: mx.array, cache: list[Any], last: mx.array | None = None) -> mx.array:
+        if last is not None:  # a batch of rows ending at their own positions (no split)
+            hidden = trunk(tokens, cache=cache)
+            at = mx.take_along_axis(hidden, last.reshape(-1, 1, 1), axis=1)
+            return head(at)[:, -1, :]
         if split_last_layer and tokens.shape[1] > 1:
             original = layers[-1]
             proxy = _SplitLastLayer(original)

@@ -107,6 +107,7 @@ class Prefill:
         self.first_logprobs = restored.first_logprobs if self.start == self.n else None
         self.total = self.n - self.start
         self.checkpoints: set[int] = set()  # the schedule points that take state checkpoints
+        self.chunk = engine.settings.prefill_chunk  # the planned chunk (tokens; memory)
 
     @classmethod
     def begin(cls, engine: Any, req: GenerateRequest, handle: RequestHandle) -> Prefill:
@@ -141,6 +142,7 @@ class Prefill:
         handle.chunk_ends = tuple(ends)
         p = cls(e, req, handle, turn, restored, ends, t0, sampling)
         p.checkpoints = checkpoints
+        p.chunk = chunk
         if ends:  # the prefill starts: its first piece may take long (a CPU, a long prompt)
             handle.emit(PrefillProgress(0, p.total, 0.0))
         return p

@@ -40,10 +40,12 @@ from ..api import (
     TokenBatch,
     TurnMetrics,
 )
+from ..cache.blocks import common_prefix_len
 from ..memory import prefill as prefill_mod
 from .attention import chunk_attention
 from .decode_batch import DecodeBatch, Step
 from .forward import logprobs_of
+from .prefill_batch import groupable, prefill_group, rest
 from .prefill_steps import Prefill
 from .sampling import SeededSampler, StopStrings, keep_last_logits
 
@@ -52,6 +54,7 @@ BUSY_PIECE_S = 0.25  # the most prefill work between two decode steps while othe
 # about this much measured work, so a Stop waits at most one piece without cutting a short
 # prompt into many small forwards (each reads every weight again)
 LONE_PIECE_S = 0.5
+MAX_STARTS = 8  # the most requests restored in one step (each restore: ~10 ms on a GPU)
 
 
 @dataclasses.dataclass(eq=False)
@@ -89,6 +92,7 @@ class Scheduler:
         self.batch: DecodeBatch | None = None
         self._uid = 0
         self.prefill_tps = 0.0  # measured, for pieces while others decode (folded schedule)
+        self.peak_group = 0  # the most requests prefilled in one forward
 
     @property
     def busy(self) -> bool:
@@ -157,13 +161,18 @@ class Scheduler:
                 self._act({"do": "cancel", "uids": cancelled})
             t0 = time.perf_counter()
             while True:
-                if self.queued:
+                if any(not self._waits(s) for s in self.queued):
                     self._act({"do": "start"})
                 if not self.prefilling:
                     break
-                seq = self.prefilling[0]
-                end = self._piece_end(seq, BUSY_PIECE_S - (time.perf_counter() - t0))
-                self._act({"do": "piece", "uid": seq.uid, "end": end})
+                left_s = BUSY_PIECE_S - (time.perf_counter() - t0)
+                group = self._group(left_s)
+                if len(group) > 1:
+                    self._act({"do": "group", "uids": [s.uid for s in group]})
+                else:
+                    seq = self.prefilling[0]
+                    end = self._piece_end(seq, left_s)
+                    self._act({"do": "piece", "uid": seq.uid, "end": end})
                 if not self.decoding or time.perf_counter() - t0 >= BUSY_PIECE_S:
                     break
                 if any(s.handle.cancelled for s in self.prefilling):
@@ -192,6 +201,12 @@ class Scheduler:
             if seq.uid != action["uid"]:
                 raise RuntimeError(f"out of step: piece of {action['uid']}, head is {seq.uid}")
             self._prefill_piece(seq, action["end"])
+        elif do == "group":
+            uids = action["uids"]
+            group = [s for s in self.prefilling if s.uid in uids]
+            if len(group) != len(uids):
+                raise RuntimeError(f"out of step: a group of {uids}, prefilling {group}")
+            self._prefill_group(group)
         elif do == "decode":
             self._decode()
         else:
@@ -215,12 +230,41 @@ class Scheduler:
             caches = self.batch.remove(seq.uid)
             self._finish(seq, caches, "cancelled")
 
+    def _waits(self, seq: Sequence) -> bool:
+        """Whether queued ``seq`` should wait for a request in prefill that will store a
+        prefix they share (at least a block more than that request restored; with state
+        layers, up to one of its checkpoints), when its rest is at most twice what waiting
+        saves: clients arriving together with one new system prompt compute it once, then
+        restore it. A function of the requests' tokens and positions only, so every rank
+        decides alike."""
+        e = self.engine
+        if e.cache is None or not seq.req.use_cache:
+            return False
+        for other in self.prefilling:
+            p = other.prefill
+            if not other.req.use_cache:
+                continue
+            reach = common_prefix_len(seq.req.prompt_ids, p.prompt)
+            if e.cache.state:  # state layers restore at its checkpoints only
+                reach = max((x for x in p.checkpoints if x <= reach), default=0)
+            gain = reach - p.start
+            if gain >= e.cache.block_size and rest(p) <= 2 * gain:
+                return True
+        return False
+
     def _start_queued(self) -> None:
         """Move queued requests to the prefill queue (checks and restore on the way; a
-        restore that needs no prefill goes straight to decode)."""
+        restore that needs no prefill goes straight to decode): up to :data:`MAX_STARTS`,
+        in order, passing over those that :meth:`_waits`."""
         e = self.engine
-        while self.queued:
-            seq = self.queued.popleft()
+        started = 0
+        for seq in list(self.queued):
+            if started >= MAX_STARTS:
+                return
+            if self._waits(seq):
+                continue
+            self.queued.remove(seq)
+            started += 1
             if e.loaded is None:
                 seq.handle.emit(Failed("no model loaded", kind="error"))
                 continue
@@ -241,8 +285,6 @@ class Scheduler:
                 self._join(seq)
             else:
                 self.prefilling.append(seq)
-            if self.prefilling:
-                return  # one restore per step at most once a prefill waits
 
     def _piece_end(self, seq: Sequence, left_s: float) -> int:
         """Where the next prefill piece of ``seq`` ends: the next cut, or sooner where
@@ -273,6 +315,40 @@ class Scheduler:
             self.prefill_tps = tps if self.prefill_tps <= 0 else 0.7 * self.prefill_tps + 0.3 * tps
         if p.finished:
             self.prefilling.popleft()
+            self._join(seq)
+
+    def _group(self, left_s: float) -> list[Sequence]:
+        """The requests whose rests go through the model together next (:mod:`.prefill_batch`):
+        in order, the groupable ones while the padded batch (rows x the longest rest) fits
+        a prefill chunk and, while others wait or decode, the step's time left at the
+        measured rate. Fewer than two: none."""
+        e = self.engine
+        limit = e.settings.prefill_chunk
+        if self.prefill_tps > 0 and (self.decoding or self.queued):
+            limit = min(limit, max(1, int(self.prefill_tps * max(left_s, 0.05))))
+        group: list[Sequence] = []
+        width = 0
+        for seq in self.prefilling:
+            p = seq.prefill
+            if not groupable(p):
+                continue
+            w = max(width, rest(p))
+            cap = min(limit, p.chunk)  # no row's planned chunk (its memory plan) exceeded
+            if (len(group) + 1) * w > cap:
+                continue
+            group.append(seq)
+            width, limit = w, cap
+        return group if len(group) > 1 else []
+
+    def _prefill_group(self, group: list[Sequence]) -> None:
+        if self.decoding:
+            mx.synchronize(generation_stream)  # the decode step in flight first
+        tokens = prefill_group([seq.prefill for seq in group])
+        self.peak_group = max(self.peak_group, len(group))
+        if self.engine.cache is not None:
+            self.engine.cache.log(f"prefilled {len(group)} requests in one forward ({tokens} tokens)")
+        for seq in group:
+            self.prefilling.remove(seq)
             self._join(seq)
 
     # ------------------------------------------------------------------ decode

@@ -431,9 +431,9 @@ from tierchat.core.engine import distributed as dist
 from tierchat.core.api import Failed, GenerateRequest
 from tierchat.core.engine.engine import Engine
 
-cache_dir, models_dir, model = sys.argv[1], sys.argv[2], sys.argv[3]
+cache_dir, models_dir, model, chunk = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 s = Settings(model=model, cache_dir=cache_dir, models_dir=models_dir, block_size=16,
-             prefill_chunk=16)
+             prefill_chunk=chunk)
 e = Engine(s)
 assert not isinstance(e.load_model(model).wait(), Failed)
 shared = tuple(range(3, 43))
@@ -457,6 +457,7 @@ out = {
     "types": [type(r).__name__ for r in alone + batched],
     "cached": [r.metrics.cached_tokens for r in batched if hasattr(r, "metrics")],
     "peak_merged": e._sched.batch.peak_merged if e._sched.batch is not None else 0,
+    "peak_group": e._sched.peak_group,
 }
 e.close()
 dist.current().broadcast({"op": "exit"})
@@ -467,13 +468,17 @@ print(json.dumps(out))
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
 def test_requests_batch_across_ranks_and_equal_each_alone(tmp_path, models_dir, arch):
     """Four requests admitted together on 2 ranks decode in one batch (every rank's
-    scheduler takes rank 0's steps) and give the tokens of each run alone and cold."""
+    scheduler takes rank 0's steps; on an attention model the rests of the short prompts
+    are prefilled in one forward) and give the tokens of each run alone and cold."""
     driver = tmp_path / "driver.py"
     driver.write_text(BATCH_DRIVER)
     kv = tmp_path / "kv"
-    worker = ["cache", "stats", "--block-size", "16", "--prefill-chunk", "16"]
+    # 16-token chunks: the hybrid's checkpoints fall inside the shared prefix; 64: the
+    # attention model's rests fit one group
+    chunk = "64" if arch == "llama" else "16"
+    worker = ["cache", "stats", "--block-size", "16", "--prefill-chunk", chunk]
     worker += ["--cache-dir", str(kv), "--models-dir", str(models_dir)]
-    rank0 = [str(driver), str(kv), str(models_dir), f"tiny:{arch}"]
+    rank0 = [str(driver), str(kv), str(models_dir), f"tiny:{arch}", chunk]
     ranks = start_ranks(worker, tmp_path, rank0=rank0)
     try:
         (code0, out0, err0), (code1, _, err1) = ranks.wait()
@@ -485,6 +490,8 @@ def test_requests_batch_across_ranks_and_equal_each_alone(tmp_path, models_dir, 
     assert out["batched"] == out["alone"]
     assert out["peak_merged"] >= 2  # they decoded in one batch
     assert max(out["cached"]) > 0  # one restored the shared prefix on both ranks
+    if arch == "llama":
+        assert out["peak_group"] >= 2  # rests prefilled together on both ranks
 
 
 def test_cache_stats_table_has_a_block_of_rows_per_rank():

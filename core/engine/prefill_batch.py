@@ -1,0 +1,102 @@
+"""The last prefill pieces of several requests in one forward (docs/DESIGN.md §20).
+
+Requests that arrive together (clients of one server, a shared system prompt each) are
+each restored by their own cache request and then need only their own rest of the prompt:
+a user turn of a few hundred tokens. Run one after another, each rest is a forward of its
+own that reads every weight again (24–56 ms a request on an 8B model on an H100); mlx-lm's
+``BatchGenerator`` prefills the prompts that arrive together as one batch. Here the rests
+of up to a chunk's worth of requests go through the model as one ``(B, L)`` forward:
+
+- the restored caches merge into a ``BatchKVCache`` (``KVCache.merge``: left-padded to the
+  longest, each row's RoPE offset its own length);
+- each row's rest is right-padded to the longest rest; a padded position comes after the
+  row's real tokens, so under the causal mask no real token sees one;
+- rows whose last piece is folded (it ends at the prompt's end, :mod:`.forward`) get the
+  logits at their own last real position, the others none;
+- each row's cache comes back out as a plain ``KVCache`` of exactly its tokens (the merge's
+  left padding and the rest's right padding sliced off), and its captures are taken on it,
+  as :meth:`.prefill_steps.Prefill.piece` takes them.
+
+Only requests whose every layer cache is a plain ``KVCache`` group (attention models with
+no window, state or quantized KV), on schedules that promise float rounding only (not
+``bitwise``): the batched matmuls round as another shape does. For such caches a capture
+over the whole rest equals the captures of its chunks (no state checkpoints to take at the
+chunk ends in between, :meth:`.cache.request.CacheRequest.chunk`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from ..api import PrefillProgress
+from .forward import logprobs_of
+from .prefill_steps import Prefill
+
+
+def groupable(p: Prefill) -> bool:
+    """Whether the rest of ``p``'s prompt can be prefilled in a group: every layer cache a
+    plain ``KVCache``, not ``bitwise``, and something left to compute."""
+    if p.finished or p.engine.settings.bitwise:
+        return False
+    return all(type(c) is KVCache for c in p.caches)
+
+
+def rest(p: Prefill) -> int:
+    """The tokens ``p`` still prefills (to its last schedule end)."""
+    return p.ends[-1] - p.pos
+
+
+def prefill_group(prefills: list[Prefill]) -> int:
+    """Prefill the rest of every request of ``prefills`` (each :func:`groupable`) in one
+    forward of shape ``(len(prefills), longest rest)``; each ends finished, with its own
+    caches, captures and (folded) first-token logprobs as if prefilled alone, up to float
+    rounding. Returns the real tokens computed (padding not counted)."""
+    e = prefills[0].engine
+    rows = [p.prompt[p.pos : p.ends[-1]] for p in prefills]
+    lengths = [len(r) for r in rows]
+    width = max(lengths)
+    tokens = mx.array([r + [0] * (width - len(r)) for r in rows])
+    sizes = [p.caches[0].size() for p in prefills]
+    left = [max(sizes) - s for s in sizes]  # the merge's left padding of each row
+    merged = [BatchKVCache.merge(list(layer)) for layer in zip(*(p.caches for p in prefills))]
+    folded = [p.ends[-1] == p.n for p in prefills]
+    logits = None
+    if any(folded):
+        logits = e._last_logits(tokens, merged, mx.array([n - 1 for n in lengths]))
+    else:
+        e.loaded.model(tokens, cache=merged)
+    computed: list[Any] = []
+    for i, p in enumerate(prefills):
+        pos, end = p.pos, p.ends[-1]
+        p.caches = [_row(c, i, left[i], sizes[i] + lengths[i]) for c in merged]
+        if folded[i]:
+            row = logits[i : i + 1]
+            p.first_logprobs = logprobs_of(row).squeeze(0)
+            computed.append(p.first_logprobs)
+            if p.sampling.needs_logits:
+                p.first_sample = p.sampling.first_logprobs(row, p.prompt)
+                computed.append(p.first_sample)
+        computed += [c.state for c in p.caches]
+        computed += p.turn.chunk(
+            p.caches, pos, end, p.first_logprobs, checkpoint=end in p.checkpoints
+        )
+    mx.eval(computed)
+    for p in prefills:
+        p.pos = p.ends[-1]
+        dt = time.perf_counter() - p.t0
+        p.handle.emit(PrefillProgress(p.done, p.total, p.done / dt if dt > 0 else 0.0))
+    return sum(lengths)
+
+
+def _row(cache: BatchKVCache, i: int, left: int, size: int) -> KVCache:
+    """Row ``i`` of ``cache`` as a request's own ``KVCache``: its ``size`` tokens, which
+    start after ``left`` positions of padding."""
+    out = KVCache()
+    out.keys = mx.contiguous(cache.keys[i : i + 1, :, left : left + size])
+    out.values = mx.contiguous(cache.values[i : i + 1, :, left : left + size])
+    out.offset = size
+    return out
