@@ -11,7 +11,9 @@ finished or removed sequence's cache comes back out as a plain per-request cache
 
 A joining sequence's token goes through the model with the batch's next step, not in a
 forward of its own (``GenerationBatch``'s constructor runs one: a pass of the weights per
-join, which with eight clients arriving together was one extra step per client). One
+join, which with eight clients arriving together was one extra step per client); the
+sequences added between two steps merge into the batch at once (each merge copies the
+batch's whole cache). One
 sequence alone decodes on its own cache list, as mlx-lm's ``generate_step`` would (no
 padding, no mask): a lone request's numbers are those of a request before batching. A
 second mergeable sequence merges the first into a batch. Caches with no ``merge``
@@ -50,19 +52,19 @@ def _merge(caches: list[list[Any]]) -> list[Any]:
     return [type(layer[0]).merge(list(layer)) for layer in zip(*caches, strict=True)]
 
 
-def _retype(caches: list[Any], kinds: list[Any]) -> list[Any]:
+def retype(caches: list[Any], kinds: list[Any]) -> list[Any]:
     """``extract`` builds the base class (``ArraysCache`` of a ``MambaCache``): give each
     layer cache back the class it joined with, which the prefix cache's adapters know."""
     for c, kind in zip(caches, kinds, strict=True):
         if isinstance(kind, tuple):  # CacheList: its members' classes
-            _retype(list(c.caches), list(kind))
+            retype(list(c.caches), list(kind))
         elif type(c) is not kind and isinstance(c, kind.__mro__[1:]):
             c.__class__ = kind
     return caches
 
 
-def _kinds(caches: list[Any]) -> list[Any]:
-    return [tuple(_kinds(list(c.caches))) if hasattr(c, "caches") else type(c) for c in caches]
+def cache_kinds(caches: list[Any]) -> list[Any]:
+    return [tuple(cache_kinds(list(c.caches))) if hasattr(c, "caches") else type(c) for c in caches]
 
 
 class _Batch(GenerationBatch):
@@ -93,7 +95,7 @@ class _Batch(GenerationBatch):
 
     def extract_cache(self, idx: int) -> list[Any]:
         if self.merged:
-            return _retype(super().extract_cache(idx), self.kinds[idx])
+            return retype(super().extract_cache(idx), self.kinds[idx])
         return list(self.prompt_cache)  # filter() clears the list it holds
 
     def filter(self, keep: list[int]) -> None:
@@ -206,7 +208,7 @@ class DecodeBatch:
             [j.max_tokens + 1 for j in joins],  # + the repeated token of the first step
             joining=True,
         )
-        batch.kinds = [_kinds(j.caches) for j in joins]
+        batch.kinds = [cache_kinds(j.caches) for j in joins]
         return batch
 
     def _flush(self) -> None:

@@ -17,11 +17,16 @@ of up to a chunk's worth of requests go through the model as one ``(B, L)`` forw
   left padding and the rest's right padding sliced off), and its captures are taken on it,
   as :meth:`.prefill_steps.Prefill.piece` takes them.
 
-Only requests whose every layer cache is a plain ``KVCache`` group (attention models with
-no window, state or quantized KV), on schedules that promise float rounding only (not
-``bitwise``): the batched matmuls round as another shape does. For such caches a capture
-over the whole rest equals the captures of its chunks (no state checkpoints to take at the
-chunk ends in between, :meth:`.cache.request.CacheRequest.chunk`).
+- state layers (``ArraysCache``: Qwen3.5's GatedDeltaNet, Mamba) merge their states and
+  are told each row's length (``prepare(lengths=...)``), so mlx-lm's recurrences and conv
+  windows stop at the row's last real token, as its own batched prefill does.
+
+Only requests whose every layer cache is a plain ``KVCache`` or a state cache group (no
+sliding window, ``CacheList`` or quantized KV), on schedules that promise float rounding
+only (not ``bitwise``): the batched matmuls round as another shape does. Without state
+layers a capture over the whole rest equals the captures of its chunks (no state
+checkpoints to take at the chunk ends in between, :meth:`.cache.request.CacheRequest.chunk`);
+with them, only a rest of one schedule piece groups.
 """
 
 from __future__ import annotations
@@ -30,19 +35,25 @@ import time
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from ..api import PrefillProgress
+from .decode_batch import cache_kinds, retype
 from .forward import logprobs_of
 from .prefill_steps import Prefill
 
 
 def groupable(p: Prefill) -> bool:
     """Whether the rest of ``p``'s prompt can be prefilled in a group: every layer cache a
-    plain ``KVCache``, not ``bitwise``, and something left to compute."""
+    plain ``KVCache`` or a state cache (``ArraysCache`` and its kinds), not ``bitwise``,
+    something left to compute, and with state layers one schedule end left (their
+    checkpoints are taken at chunk ends, which a group does not stop at)."""
     if p.finished or p.engine.settings.bitwise:
         return False
-    return all(type(c) is KVCache for c in p.caches)
+    if not all(type(c) is KVCache or isinstance(c, ArraysCache) for c in p.caches):
+        return False
+    state = any(isinstance(c, ArraysCache) for c in p.caches)
+    return not state or [x for x in p.ends if x > p.pos] == [p.ends[-1]]
 
 
 def rest(p: Prefill) -> int:
@@ -60,9 +71,13 @@ def prefill_group(prefills: list[Prefill]) -> int:
     lengths = [len(r) for r in rows]
     width = max(lengths)
     tokens = mx.array([r + [0] * (width - len(r)) for r in rows])
-    sizes = [p.caches[0].size() for p in prefills]
+    sizes = [next((c.size() for c in p.caches if type(c) is KVCache), 0) for p in prefills]
     left = [max(sizes) - s for s in sizes]  # the merge's left padding of each row
-    merged = [BatchKVCache.merge(list(layer)) for layer in zip(*(p.caches for p in prefills))]
+    kinds = [cache_kinds(p.caches) for p in prefills]
+    merged = [type(layer[0]).merge(list(layer)) for layer in zip(*(p.caches for p in prefills))]
+    for c in merged:
+        if isinstance(c, ArraysCache):  # state updates stop at each row's own length
+            c.prepare(lengths=lengths)
     folded = [p.ends[-1] == p.n for p in prefills]
     logits = None
     if any(folded):
@@ -72,7 +87,9 @@ def prefill_group(prefills: list[Prefill]) -> int:
     computed: list[Any] = []
     for i, p in enumerate(prefills):
         pos, end = p.pos, p.ends[-1]
-        p.caches = [_row(c, i, left[i], sizes[i] + lengths[i]) for c in merged]
+        p.caches = retype(
+            [_row(c, i, left[i], sizes[i] + lengths[i]) for c in merged], kinds[i]
+        )
         if folded[i]:
             row = logits[i : i + 1]
             p.first_logprobs = logprobs_of(row).squeeze(0)
@@ -92,9 +109,12 @@ def prefill_group(prefills: list[Prefill]) -> int:
     return sum(lengths)
 
 
-def _row(cache: BatchKVCache, i: int, left: int, size: int) -> KVCache:
-    """Row ``i`` of ``cache`` as a request's own ``KVCache``: its ``size`` tokens, which
-    start after ``left`` positions of padding."""
+def _row(cache: Any, i: int, left: int, size: int) -> Any:
+    """Row ``i`` of ``cache`` as a request's own cache: of a ``BatchKVCache``, a
+    ``KVCache`` of its ``size`` tokens, which start after ``left`` positions of padding;
+    of a merged state cache, its state (``extract``)."""
+    if not isinstance(cache, BatchKVCache):
+        return cache.extract(i)
     out = KVCache()
     out.keys = mx.contiguous(cache.keys[i : i + 1, :, left : left + size])
     out.values = mx.contiguous(cache.values[i : i + 1, :, left : left + size])

@@ -4,16 +4,19 @@
 Each :meth:`Scheduler.step` does a bounded amount of work: it ends the requests cancelled
 since the last step (queued ones fail at once, a prefill keeps its finished chunks through
 its cache request's ``cancel``, a decoding one leaves the batch and stores what it has),
-runs one prefill piece of the request at the head of the prefill queue, then one batched
-decode step of every running sequence (:class:`~.decode_batch.DecodeBatch`). So a long
-prompt neither freezes the other streams nor makes Stop wait longer than one piece.
+starts queued requests (restores; one that shares a prefix a prefill in progress will
+store waits for it, :meth:`Scheduler._waits`), runs the rests of the requests that fit one
+forward together (:mod:`.prefill_batch`) or else one prefill piece of the request at the
+head of the prefill queue, then one batched decode step of every running sequence
+(:class:`~.decode_batch.DecodeBatch`). So a long prompt neither freezes the other streams
+nor makes Stop wait longer than one piece.
 
 A request's prefill is tierchat's own, as before batching (:mod:`.prefill_steps`): restore,
 schedule chunks with their captures, the folded last chunk that gives the first token's
 logprobs; then it joins the batch with its filled cache and the token to feed next, and
 when it ends its cache comes back out for ``turn.finish`` (the resident, hot and SSD tiers
 get it as a request run alone). Across ranks (docs/DESIGN.md §19) rank 0's scheduler decides
-each action (cancels, a start, a prefill piece and where it ends, a decode step) and sends
+each action (cancels, a start, a group, a prefill piece and where it ends, a decode step) and sends
 it to the workers before running it; their schedulers run the same actions
 (:meth:`Scheduler.follow`), and the sampled tokens are rank 0's on every rank
 (``peers.share_tokens``), so every rank's batch holds the same sequences at every step.

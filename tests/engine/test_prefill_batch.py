@@ -1,6 +1,6 @@
 """Requests arriving together (docs/DESIGN.md §20): the ones that share a prefix another
-request is computing wait for it and restore it, and the rests of attention models go
-through the model in one forward; every reply equals the same request alone on a cold
+request is computing wait for it and restore it, and their rests go through the model in
+one forward (attention and state layers; windows and cache lists one by one); every reply equals the same request alone on a cold
 engine (tokens equal, logprobs within 1e-4, float32 on the CPU). Deterministic: the engine
 is held while the requests queue, so they are admitted together."""
 
@@ -13,7 +13,8 @@ from tierchat.core.api import Finished, GenerateRequest
 from tierchat.core.models.tiny import TINY_ARCHS
 
 SYSTEM = 100  # the shared system prompt's tokens
-KV_ONLY = ("llama", "qwen2")  # every layer a plain KVCache: their rests group
+KV_ONLY = ("llama", "qwen2")  # every layer a plain KVCache
+GROUPED = (*KV_ONLY, "qwen3_5", "qwen3_next", "mamba2")  # + state layers: their rests group
 
 
 def _requests() -> list[dict]:
@@ -43,7 +44,7 @@ def _run_together(engine, reqs: list[dict]):
 def test_requests_arriving_together_equal_each_alone(arch, tmp_path, models_dir):
     """Five requests with one new system prompt arrive together: the first computes it,
     the others wait and restore it (with state layers: at its boundary checkpoint); on
-    attention models their rests (lengths 16 to 37) are prefilled in one forward. Each
+    attention and state models their rests (lengths 16 to 37) go through one forward. Each
     reply equals the request alone on a cold engine, and what they stored restores."""
     kw = dict(prefill_chunk=256, bitwise=False)
     cold = make_engine(f"tiny:{arch}", tmp_path / "cold", models_dir, no_cache=True, **kw)
@@ -57,7 +58,7 @@ def test_requests_arriving_together_equal_each_alone(arch, tmp_path, models_dir)
         assert results[0].metrics.cached_tokens == 0
         for r in results[1:]:  # they waited for the first and restored its system prompt
             assert r.metrics.cached_tokens >= SYSTEM - hot.cache.block_size, r.metrics
-        if arch in KV_ONLY:
+        if arch in GROUPED:
             assert hot._sched.peak_group >= 3  # the rests went through one forward
         for (a, ha), b, hb in zip(alone, results, handles, strict=True):
             _assert_close(a, ha, b, hb)
