@@ -48,7 +48,9 @@ def mergeable(caches: list[Any]) -> bool:
     return all(ok(c) for c in caches)
 
 
-def _merge(caches: list[list[Any]]) -> list[Any]:
+def merge_caches(caches: list[list[Any]]) -> list[Any]:
+    """One batch cache per layer of the per-sequence cache lists ``caches`` (each layer
+    class's ``merge``)."""
     return [type(layer[0]).merge(list(layer)) for layer in zip(*caches, strict=True)]
 
 
@@ -228,13 +230,13 @@ class DecodeBatch:
         if (main is None or len(main) == 0) and len(joins) == 1:
             self._main = self._batch_of(joins, joins[0].caches)  # alone: its own caches
             return
-        batch = self._batch_of(joins, _merge([j.caches for j in joins]))
+        batch = self._batch_of(joins, merge_caches([j.caches for j in joins]))
         batch.merged = True
         if main is None or len(main) == 0:
             self._main = batch
         else:
             if not main.merged:
-                main.prompt_cache = _merge([main.prompt_cache])
+                main.prompt_cache = merge_caches([main.prompt_cache])
                 main.merged = True
             main.extend(batch)
         self.peak_merged = max(self.peak_merged, len(self._main))

@@ -38,7 +38,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from ..api import PrefillProgress
-from .decode_batch import cache_kinds, retype
+from .decode_batch import cache_kinds, merge_caches, retype
 from .forward import logprobs_of
 from .prefill_steps import Prefill
 
@@ -74,7 +74,7 @@ def prefill_group(prefills: list[Prefill]) -> int:
     sizes = [next((c.size() for c in p.caches if type(c) is KVCache), 0) for p in prefills]
     left = [max(sizes) - s for s in sizes]  # the merge's left padding of each row
     kinds = [cache_kinds(p.caches) for p in prefills]
-    merged = [type(layer[0]).merge(list(layer)) for layer in zip(*(p.caches for p in prefills))]
+    merged = merge_caches([p.caches for p in prefills])
     for c in merged:
         if isinstance(c, ArraysCache):  # state updates stop at each row's own length
             c.prepare(lengths=lengths)
@@ -87,9 +87,7 @@ def prefill_group(prefills: list[Prefill]) -> int:
     computed: list[Any] = []
     for i, p in enumerate(prefills):
         pos, end = p.pos, p.ends[-1]
-        p.caches = retype(
-            [_row(c, i, left[i], sizes[i] + lengths[i]) for c in merged], kinds[i]
-        )
+        p.caches = retype([_row(c, i, left[i], sizes[i] + lengths[i]) for c in merged], kinds[i])
         if folded[i]:
             row = logits[i : i + 1]
             p.first_logprobs = logprobs_of(row).squeeze(0)

@@ -349,7 +349,9 @@ class Scheduler:
         tokens = prefill_group([seq.prefill for seq in group])
         self.peak_group = max(self.peak_group, len(group))
         if self.engine.cache is not None:
-            self.engine.cache.log(f"prefilled {len(group)} requests in one forward ({tokens} tokens)")
+            self.engine.cache.log(
+                f"prefilled {len(group)} requests in one forward ({tokens} tokens)"
+            )
         for seq in group:
             self.prefilling.remove(seq)
             self._join(seq)

@@ -90,7 +90,7 @@ def test_a_group_of_folded_and_unfolded_rests_equals_each_alone(arch, tmp_path, 
         generate(hot, reqs[0]["prompt_ids"][:SYSTEM] + (5, 5), max_tokens=1)  # cached
         results, handles = _run_together(hot, reqs)
         assert hot._sched.peak_group == len(reqs)
-        ends = {h.chunk_ends[-1] - len(r["prompt_ids"]) for h, r in zip(handles, reqs)}
+        ends = {h.chunk_ends[-1] - len(r["prompt_ids"]) for h, r in zip(handles, reqs, strict=True)}
         assert ends == {0, -1}  # folded rests and rests ending at N - 1, in one group
         for (a, ha), b, hb in zip(alone, results, handles, strict=True):
             _assert_close(a, ha, b, hb)
