@@ -251,6 +251,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="--serve --clients: the shared system prompt's tokens (default 1500)",
     )
+    p.add_argument(
+        "--no-warm-round",
+        action="store_true",
+        help="--serve --clients: skip each server's unreported first round of the most "
+        "clients (it builds the GPU kernels of the batch shapes, which MLX keeps on disk "
+        "for whichever server runs second)",
+    )
     return parser
 
 

@@ -220,12 +220,17 @@ def run_server(
     rounds: Sequence[Script],
     max_tokens: int,
     log: Callable[[str], None],
+    warm_round: Script | None = None,
 ) -> list[Round]:
-    """Start one server, warm it with one request of ``warmup``, run every round, stop."""
+    """Start one server, warm it with one request of ``warmup`` and the unreported round
+    ``warm_round`` (None: none), run every round, stop."""
     handle = start()
     try:
         port = port_of(handle)
         chat(port, [{"role": "user", "content": warmup}], 8)
+        if warm_round is not None:
+            r = run_round(server, port, warm_round, max_tokens)
+            log(f"{server}: warm-up round of {r.clients} clients, {r.tokens_per_s:.1f} tokens/s")
         got = []
         for script in rounds:
             r = run_round(server, port, script, max_tokens)
@@ -259,16 +264,24 @@ def clients_bench(
     max_tokens: int = 64,
     baseline: bool = True,
     log: Callable[[str], None] = print,
+    warm: bool = True,
 ) -> ClientsBench:
     """Every round of :func:`run_round` on tierchat serve (a fresh temporary cache dir),
-    then (with ``baseline``) on mlx_lm.server, same model directory."""
+    then (with ``baseline``) on mlx_lm.server, same model directory. With ``warm`` each
+    server first runs an unreported round of the most clients (its own system prompt):
+    MLX builds GPU kernels per shape on first use and keeps them on disk
+    (``MLX_PTX_CACHE_DIR``, by default under the temp dir), so without it the server that
+    runs first pays the builds (~35 s per new batch shape of 4-bit weights on an H100)
+    and the second finds them built."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
     from tierchat.cli.bench.shape_export import mlx_model_dir
     from tierchat.core.engine.device import describe_device
     from tierchat.core.models.loading import resolve_model_dir
 
     tok = load_tokenizer(resolve_model_dir(settings.model, settings.models_dir))
-    rounds = scripts(tok, counts, system_tokens, turn_tokens)
+    *rounds, warm_round = scripts(tok, [*counts, max(counts)], system_tokens, turn_tokens)
+    if not warm:
+        warm_round = None
     warmup = tok.decode(make_prompt(tok, WARMUP_TOKENS, salt=WARMUP_SALT)).strip()
     devices: list[str] = []
     with tempfile.TemporaryDirectory(prefix="tierchat-clients-bench-") as tmp:
@@ -280,14 +293,24 @@ def clients_bench(
             devices.append(describe_device(handle[0].loaded.dtype))
             return handle
 
-        got = run_server(TIERCHAT, start, ours.stop, ours.port, warmup, rounds, max_tokens, log)
+        got = run_server(
+            TIERCHAT, start, ours.stop, ours.port, warmup, rounds, max_tokens, log, warm_round
+        )
         if baseline:
             model_dir = mlx_model_dir(settings.model, settings.models_dir)
             log_file = Path(tmp) / "mlx_lm_server.log"
             mlx = MlxLm(model_dir, max_tokens, log_file)
             try:
                 got += run_server(
-                    MLX_LM, mlx.start, mlx.stop, mlx.port, warmup, rounds, max_tokens, log
+                    MLX_LM,
+                    mlx.start,
+                    mlx.stop,
+                    mlx.port,
+                    warmup,
+                    rounds,
+                    max_tokens,
+                    log,
+                    warm_round,
                 )
             except CLIError as e:
                 tail = log_file.read_text(errors="replace")[-2000:] if log_file.exists() else ""
@@ -348,8 +371,8 @@ def run_clients_bench(settings: Any, args: Any) -> int:
     counts = parse_counts(args.clients)
     if args.turn_tokens < 1 or args.system_tokens < 2:
         raise CLIError("--turn-tokens must be >= 1 and --system-tokens >= 2", EXIT_USAGE)
-    if len(counts) > WARMUP_SALT:
-        raise CLIError(f"--clients: at most {WARMUP_SALT} rounds", EXIT_USAGE)
+    if len(counts) >= WARMUP_SALT:  # + the warm-up round's system prompt
+        raise CLIError(f"--clients: at most {WARMUP_SALT - 1} rounds", EXIT_USAGE)
     max_tokens = settings.max_tokens if hasattr(args, "max_tokens") else 64
 
     def log(text: str) -> None:
@@ -363,6 +386,7 @@ def run_clients_bench(settings: Any, args: Any) -> int:
         max_tokens,
         baseline=not args.no_baseline,
         log=log,
+        warm=not getattr(args, "no_warm_round", False),
     )
     summary = summarize(got.rounds)
     print(

@@ -35,14 +35,18 @@ def settings(model: str, tmp_path, models_dir) -> Settings:
 
 
 def test_one_and_two_clients_on_both_servers(tmp_path, models_dir):
+    logs: list[str] = []
     got = clients_bench(
         settings("tiny:llama", tmp_path, models_dir),
         [1, 2],
         system_tokens=120,
         turn_tokens=20,
         max_tokens=6,
-        log=lambda _: None,
+        log=logs.append,
     )
+    # each server first ran an unreported round of the most clients (kernel builds)
+    warm = [line for line in logs if "warm-up round of 2 clients" in line]
+    assert [line.split(":")[0] for line in warm] == [TIERCHAT, MLX_LM]
     assert [(r.server, r.clients) for r in got.rounds] == [
         (TIERCHAT, 1),
         (TIERCHAT, 2),
