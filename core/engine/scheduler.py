@@ -323,12 +323,15 @@ class Scheduler:
     def _group(self, left_s: float) -> list[Sequence]:
         """The requests whose rests go through the model together next (:mod:`.prefill_batch`):
         in order, the groupable ones while the padded batch (rows x the longest rest) fits
-        a prefill chunk and, while others wait or decode, the step's time left at the
-        measured rate. Fewer than two: none."""
+        a prefill chunk and, at the measured rate, the step's time left while others wait
+        or decode, else :data:`LONE_PIECE_S` (on a CPU, where a row costs as much in a
+        group as alone, rests rarely group). Fewer than two: none."""
         e = self.engine
         limit = e.settings.prefill_chunk
-        if self.prefill_tps > 0 and (self.decoding or self.queued):
-            limit = min(limit, max(1, int(self.prefill_tps * max(left_s, 0.05))))
+        tps = self.prefill_tps or (e.cache.prefill_rate if e.cache is not None else 0.0)
+        if tps > 0:  # a group is one forward: at most a piece's time, so Stop waits no longer
+            busy = self.decoding or self.queued
+            limit = min(limit, max(1, int(tps * (max(left_s, 0.05) if busy else LONE_PIECE_S))))
         group: list[Sequence] = []
         width = 0
         for seq in self.prefilling:
