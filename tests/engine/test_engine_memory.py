@@ -71,3 +71,41 @@ def test_soft_pressure_shrinks_hot_budget_then_restores(tmp_path, models_dir, mo
     generate(e, random_prompt(40, seed=9), max_tokens=2)
     assert e.stats().hot.max_bytes == configured
     e.close()
+
+
+def test_mlx_pool_goes_back_before_the_hot_tier_shrinks(tmp_path, models_dir, monkeypatch):
+    """Freed buffers in MLX's pool count as memory in use; past the hard line only because
+    of them, the engine gives them back (``mx.clear_cache``) and the hot tier keeps all it
+    holds (before, the budget was read with the pool in it: 0 bytes, everything evicted)."""
+    import mlx.core as mx
+    from tierchat.core.memory.readings import MemoryReading
+
+    e = make_engine("tiny:llama", tmp_path, models_dir)
+    try:
+        for seed in range(3):
+            generate(e, random_prompt(120, seed=seed), max_tokens=2)
+        before = e.stats().hot
+        gib = 1 << 30
+        pool = {"bytes": 9 * gib}  # 1 GiB live + 9 GiB pool of a 10 GiB limit: hard
+
+        class Reader:
+            def read(self) -> MemoryReading:
+                return MemoryReading(active=gib, peak=gib, cache=pool["bytes"])
+
+        real_clear = mx.clear_cache
+
+        def clear() -> None:
+            pool["bytes"] = 0
+            real_clear()
+
+        monkeypatch.setattr(e.monitor, "reader", Reader())
+        monkeypatch.setattr(e.monitor, "limit_bytes", 10 * gib)
+        monkeypatch.setattr(mx, "clear_cache", clear)
+        generate(e, random_prompt(40, seed=9), max_tokens=2)
+        s = e.stats()
+        assert pool["bytes"] == 0  # given back
+        assert s.hot.max_bytes == e.settings.hot_bytes
+        assert s.hot.evictions == before.evictions and s.hot.nbytes >= before.nbytes
+        assert not any(t.startswith("memory ") for _, t in s.events)
+    finally:
+        e.close()
