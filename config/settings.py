@@ -10,6 +10,7 @@ is validated; a bad one raises :class:`SettingsError` naming the key and where i
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tomllib
@@ -397,6 +398,25 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
 }
 KEYS: tuple[str, ...] = tuple(f.name for f in fields(Settings) if f.name != "sources")
 assert set(KEYS) == set(PARSERS)
+
+
+def to_toml(settings: Settings) -> str:
+    """``settings`` as a config file's text (every key but ``keymap``; None, i.e. auto,
+    left out), which :func:`load_settings` reads back to the same values: for starting
+    another process with exactly these settings (``TIERCHAT_CONFIG``)."""
+    lines = []
+    for key in KEYS:
+        value = getattr(settings, key)
+        if key == "keymap" or value is None:
+            continue
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, int | float):
+            text = repr(value)
+        else:  # a TOML basic string (JSON's escapes are TOML's)
+            text = json.dumps(str(value))
+        lines.append(f"{key} = {text}")
+    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------- loading

@@ -15,11 +15,13 @@ content, as the client sees it) median, p90 (nearest rank) and worst over the ro
 requests. The ratio columns: tierchat's tokens/s over mlx-lm's (> 1: tierchat answers more)
 and tierchat's TTFT p90 over mlx-lm's (< 1: tierchat's first tokens come sooner).
 
-Each server starts once (tierchat on a fresh temporary cache dir, in this process on a
-thread as :class:`~tierchat.cli.bench.serve.Ours`; mlx-lm as shipped: ``python -m mlx_lm
-server`` with its defaults, so its batched path), is warmed with one short unrelated
-request, then runs the rounds in order. The clients are threads of this process; the
-tierchat server shares their interpreter, mlx-lm's has its own.
+Each server starts once, as a process of its own (tierchat: ``tierchat serve`` on a fresh
+temporary cache dir with the bench's settings, :class:`~tierchat.cli.bench.serve.ServeProcess`;
+mlx-lm as shipped: ``python -m mlx_lm server`` with its defaults, so its batched path), is
+warmed with one short unrelated request and an unreported round of the most clients, then
+runs the rounds in order. The clients are threads of this process, sharing an interpreter
+with neither server (before, tierchat's ran in this process, its engine thread contending
+with sixteen client threads for the GIL).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from tierchat.cli.bench.main import WARMUP_SALT, make_prompt
-from tierchat.cli.bench.serve import FILLER, TOPICS, MlxLm, Ours, chat
+from tierchat.cli.bench.serve import FILLER, TOPICS, MlxLm, ServeProcess, chat
 from tierchat.cli.bench.workload_report import p90, ratio_text
 from tierchat.cli.common import EXIT_OK, EXIT_USAGE, CLIError, table
 
@@ -283,19 +285,23 @@ def clients_bench(
     if not warm:
         warm_round = None
     warmup = tok.decode(make_prompt(tok, WARMUP_TOKENS, salt=WARMUP_SALT)).strip()
-    devices: list[str] = []
     with tempfile.TemporaryDirectory(prefix="tierchat-clients-bench-") as tmp:
         fresh = {"cache_dir": Path(tmp) / "kv", "data_dir": Path(tmp) / "data", "no_cache": False}
-        ours = Ours(dataclasses.replace(settings, **fresh))
-
-        def start():
-            handle = ours.start()
-            devices.append(describe_device(handle[0].loaded.dtype))
-            return handle
-
-        got = run_server(
-            TIERCHAT, start, ours.stop, ours.port, warmup, rounds, max_tokens, log, warm_round
-        )
+        ours = ServeProcess(dataclasses.replace(settings, **fresh), Path(tmp))
+        try:
+            got = run_server(
+                TIERCHAT,
+                ours.start,
+                ours.stop,
+                ours.port,
+                warmup,
+                rounds,
+                max_tokens,
+                log,
+                warm_round,
+            )
+        except CLIError as e:
+            raise CLIError(f"{e.message}\n{_tail(ours.log_path)}") from None
         if baseline:
             model_dir = mlx_model_dir(settings.model, settings.models_dir)
             log_file = Path(tmp) / "mlx_lm_server.log"
@@ -313,9 +319,12 @@ def clients_bench(
                     warm_round,
                 )
             except CLIError as e:
-                tail = log_file.read_text(errors="replace")[-2000:] if log_file.exists() else ""
-                raise CLIError(f"{e.message}\n{tail}") from None
-    return ClientsBench(got, devices[0])
+                raise CLIError(f"{e.message}\n{_tail(log_file)}") from None
+    return ClientsBench(got, describe_device())
+
+
+def _tail(path: Path) -> str:
+    return path.read_text(errors="replace")[-2000:] if path.exists() else ""
 
 
 def summarize(rounds: Sequence[Round]) -> list[dict]:

@@ -214,6 +214,59 @@ class Ours:
         return handle[1].port
 
 
+def spawn_server(
+    name: str,
+    cmd: list[str],
+    port: int,
+    log_path: Path,
+    ready: Callable[[dict], bool],
+    env: dict[str, str] | None = None,
+    timeout_s: float = 600,
+):
+    """Start the server ``cmd`` (on 127.0.0.1:``port``, output appended to ``log_path``)
+    with the system OpenBLAS preloaded on Linux, as for us; return ``(process, port, log
+    file)`` once ``GET /health`` or ``/v1/models`` answers 200 with a body ``ready``
+    accepts. Raises :class:`CLIError` if it exits or is not ready in ``timeout_s``."""
+    from tierchat.core import OPENBLAS_PATHS
+
+    env = dict(os.environ if env is None else env)
+    blas = [p for p in OPENBLAS_PATHS if os.path.exists(p)]
+    if blas and sys.platform == "linux":
+        env["LD_PRELOAD"] = ":".join(filter(None, [blas[0], env.get("LD_PRELOAD")]))
+    out = open(log_path, "ab")  # noqa: SIM115 -- closed in stop_server()
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            out.close()
+            raise CLIError(f"{name} exited ({proc.returncode}); see {log_path}")
+        for path in ("/health", "/v1/models"):
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", path)
+                got = conn.getresponse()
+                if got.status == 200 and ready(json.loads(got.read() or b"{}")):
+                    return proc, port, out
+            except (OSError, ValueError):
+                pass
+        time.sleep(0.5)
+    stop_server((proc, port, out))
+    raise CLIError(f"{name} did not start in {timeout_s:.0f}s; see {log_path}")
+
+
+def stop_server(handle, timeout_s: float = 60) -> None:
+    """SIGTERM (tierchat serve flushes its SSD tier on it), then SIGKILL after
+    ``timeout_s``."""
+    proc, _, out = handle
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(30)
+    out.close()
+
+
 class MlxLm:
     """``python -m mlx_lm server`` on a free loopback port, for one model directory."""
 
@@ -223,57 +276,43 @@ class MlxLm:
         self.log_path = log_path
 
     def start(self, timeout_s: float = 600):
-        from tierchat.core import OPENBLAS_PATHS
-
         port = free_port()
-        env = dict(os.environ)
-        blas = [p for p in OPENBLAS_PATHS if os.path.exists(p)]
-        if blas and sys.platform == "linux":
-            env["LD_PRELOAD"] = ":".join(filter(None, [blas[0], env.get("LD_PRELOAD")]))
-        cmd = [
-            sys.executable,
-            "-m",
-            "mlx_lm",
-            "server",
-            "--model",
-            str(self.model_dir),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--max-tokens",
-            str(self.max_tokens),
-            "--log-level",
-            "WARNING",
-        ]
-        out = open(self.log_path, "ab")  # noqa: SIM115 -- closed in stop()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                out.close()
-                raise CLIError(f"mlx_lm.server exited ({proc.returncode}); see {self.log_path}")
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                conn.request("GET", "/v1/models")
-                if conn.getresponse().status == 200:
-                    return proc, port, out
-            except OSError:
-                pass
-            time.sleep(0.5)
-        self.stop((proc, port, out))
-        raise CLIError(f"mlx_lm.server did not start in {timeout_s:.0f}s; see {self.log_path}")
+        cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(self.model_dir)]
+        cmd += ["--host", "127.0.0.1", "--port", str(port)]
+        cmd += ["--max-tokens", str(self.max_tokens), "--log-level", "WARNING"]
+        return spawn_server("mlx_lm.server", cmd, port, self.log_path, bool, timeout_s=timeout_s)
+
+    stop = staticmethod(stop_server)
 
     @staticmethod
-    def stop(handle) -> None:
-        proc, _, out = handle
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(30)
-        out.close()
+    def port(handle) -> int:
+        return handle[1]
+
+
+class ServeProcess:
+    """``tierchat serve`` as a process of its own on a free loopback port, with exactly
+    ``settings`` (written to a config file; ``TIERCHAT_*`` variables of this process are
+    not passed on), as users run it and as ``mlx_lm.server`` runs beside it: the bench's
+    client threads then share no interpreter (no GIL) with either server."""
+
+    def __init__(self, settings: Any, workdir: Path) -> None:
+        from tierchat.config.settings import to_toml
+
+        self.settings = settings
+        self.config = workdir / "serve.toml"
+        self.config.write_text(to_toml(settings))
+        self.log_path = workdir / "tierchat_serve.log"
+
+    def start(self, timeout_s: float = 900):
+        port = free_port()
+        cmd = [sys.executable, "-m", "tierchat.cli.main", "serve"]
+        cmd += ["--host", "127.0.0.1", "--port", str(port)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TIERCHAT_")}
+        env["TIERCHAT_CONFIG"] = str(self.config)
+        loaded = lambda body: body.get("status") == "ok"  # noqa: E731 -- the model loaded
+        return spawn_server("tierchat serve", cmd, port, self.log_path, loaded, env, timeout_s)
+
+    stop = staticmethod(stop_server)
 
     @staticmethod
     def port(handle) -> int:

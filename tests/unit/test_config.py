@@ -201,3 +201,28 @@ def test_explain_settings_built_directly():
     rows = explain(Settings(block_size=16, keymap={"quit": "q"}))
     assert ("block_size", 16, "default") in rows
     assert ("keymap.quit", "q", "default") in rows
+
+
+def test_to_toml_reads_back_to_the_same_settings(tmp_path):
+    """A config file written from settings (as the clients bench starts ``tierchat serve``
+    with them) loads to the same values, odd characters and auto values included."""
+    from tierchat.config.settings import KEYS, to_toml
+
+    given = load(
+        tmp_path,
+        cli={
+            "model": 'tiny:llama "quoted" \\ path',
+            "cache_dir": str(tmp_path / "kv dir"),
+            "hot_bytes": "1GB",
+            "bitwise": True,
+            "temperature": 0.7,
+            "kv_bits": 8,
+        },
+    )
+    path = tmp_path / "back.toml"
+    path.write_text(to_toml(given))
+    back = load_settings(env={}, config_path=path)
+    for key in KEYS:
+        if key != "keymap":
+            assert getattr(back, key) == getattr(given, key), key
+    assert back.ssd_write_while_busy is None and back.memory_limit is None  # auto stays auto
