@@ -99,7 +99,7 @@ class Settings:
     # backpressure). None: auto (off on CUDA, where its host reads of device memory slow
     # the decode steps after them; on elsewhere) (docs/DESIGN.md §8.6)
     ssd_write_while_busy: bool | None = None
-    tail_entries: int = 8
+    tail_entries: int = 64
     checkpoint_entries: int = 32
     pin_system: bool = True
     # entries waiting for the SSD writer before put blocks (they are held in RAM anyway,

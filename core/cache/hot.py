@@ -20,7 +20,7 @@ class HotTier:
     def __init__(
         self,
         max_bytes: int,
-        max_tails: int = 8,
+        max_tails: int = 64,
         max_checkpoints: int = 32,
         on_evict: Callable[[Entry, str], None] | None = None,
     ) -> None:

@@ -104,7 +104,7 @@ class PrefixCache:
         hot_bytes: int,
         ssd_dir: Path | None,
         ssd_bytes: int,
-        max_tails: int = 8,
+        max_tails: int = 64,
         max_checkpoints: int = 32,
         writer_queue: int = 4096,
         pin_system: bool = True,

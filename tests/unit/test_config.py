@@ -28,7 +28,7 @@ def test_defaults(tmp_path):
     assert s.cache_dir.name == "kv" and s.models_dir.name == "models"
     assert s.db_path == s.data_dir / "conversations.sqlite"
     assert (s.kv_bits, s.memory_limit, s.keymap) == (None, None, {})
-    assert (s.tail_entries, s.checkpoint_entries, s.writer_queue) == (8, 32, 4096)
+    assert (s.tail_entries, s.checkpoint_entries, s.writer_queue) == (64, 32, 4096)
     assert (s.pin_system, s.no_cache, s.max_tokens, s.seed) == (True, False, 512, 0)
     assert (s.temperature, s.top_p, s.kv_group_size) == (0.0, 1.0, 64)
     assert (s.memory_soft_fraction, s.memory_hard_fraction) == (0.80, 0.92)
