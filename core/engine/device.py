@@ -93,6 +93,19 @@ def use_deterministic_kernels() -> dict[str, str]:
     return done
 
 
+def use_cuda_graphs(on: bool | None) -> dict[str, str]:
+    """Set ``MLX_USE_CUDA_GRAPHS`` to ``on`` (the ``cuda_graphs`` setting; None: leave
+    MLX's default) unless the environment already says; returns what it set. MLX reads it
+    once, at its first CUDA work in the process: the engine's constructor calls this
+    before any model runs. Only MLX's CUDA backend reads it."""
+    import os
+
+    if on is None or "MLX_USE_CUDA_GRAPHS" in os.environ:
+        return {}
+    os.environ["MLX_USE_CUDA_GRAPHS"] = "1" if on else "0"
+    return {"MLX_USE_CUDA_GRAPHS": os.environ["MLX_USE_CUDA_GRAPHS"]}
+
+
 def describe_device(dtype: str | None = None) -> str:
     """One line naming the device and compute dtype, for headers and logs:
     "gpu (NVIDIA H100 80GB HBM3, cuda), bfloat16", "gpu (Apple M3 Max, metal), bfloat16",

@@ -59,7 +59,7 @@ from ..memory import pressure as memory_mod
 from . import distributed as dist
 from . import ranks as ranks_mod
 from .attention import OFF, mlx_softmax, plan_attention, pow_softmax
-from .device import device_info, use_deterministic_kernels
+from .device import device_info, use_cuda_graphs, use_deterministic_kernels
 from .forward import last_logits_fn, verify_last_logits
 from .prefill_steps import auto_prefill_step
 from .scheduler import Scheduler
@@ -98,6 +98,7 @@ class Engine:
         self.settings = settings
         if settings.bitwise:  # reproducible decode on CUDA too (core/engine/device.py)
             use_deterministic_kernels()
+        use_cuda_graphs(settings.cuda_graphs)
         self.model_name = ""
         self.loaded = None
         self.cache: PrefixCache | None = None

@@ -226,3 +226,19 @@ def test_to_toml_reads_back_to_the_same_settings(tmp_path):
         if key != "keymap":
             assert getattr(back, key) == getattr(given, key), key
     assert back.ssd_write_while_busy is None and back.memory_limit is None  # auto stays auto
+
+
+def test_cuda_graphs_setting_sets_mlx_variable_unless_the_environment_has_it(tmp_path, monkeypatch):
+    """``cuda_graphs`` (auto: MLX's default) becomes ``MLX_USE_CUDA_GRAPHS`` before MLX's
+    first CUDA work; a value already in the environment wins."""
+    import os
+
+    from tierchat.core.engine.device import use_cuda_graphs
+
+    monkeypatch.delenv("MLX_USE_CUDA_GRAPHS", raising=False)
+    assert use_cuda_graphs(None) == {} and "MLX_USE_CUDA_GRAPHS" not in os.environ
+    assert use_cuda_graphs(False) == {"MLX_USE_CUDA_GRAPHS": "0"}
+    assert use_cuda_graphs(True) == {}  # already set: the environment wins
+    assert os.environ["MLX_USE_CUDA_GRAPHS"] == "0"
+    assert load(tmp_path, cli={"cuda_graphs": "off"}).cuda_graphs is False
+    assert load(tmp_path, cli={"cuda_graphs": "auto"}).cuda_graphs is None
