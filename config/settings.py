@@ -100,10 +100,10 @@ class Settings:
     # the decode steps after them; on elsewhere) (docs/DESIGN.md §8.6)
     ssd_write_while_busy: bool | None = None
     # MLX's CUDA graphs (MLX_USE_CUDA_GRAPHS, read once per process; the environment wins).
-    # None: MLX's default (on). Off: decode steps ~12% slower on an H100, but a prefill of a
-    # new shape (every group of requests, every join) no longer builds a graph of its own
-    # (docs/DESIGN.md §20)
-    cuda_graphs: bool | None = None
+    # Off (unlike MLX's default): every prefill of a new shape (a group of requests, a join
+    # to the batch) built and launched a graph of its own, 100-250 ms on an 8B model on an
+    # H100, where a steady decode step gains ~10% from them (docs/DESIGN.md §20)
+    cuda_graphs: bool = False
     tail_entries: int = 64
     checkpoint_entries: int = 32
     pin_system: bool = True
@@ -380,7 +380,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "ssd_write_budget": _size,
     "ssd_admission": _to_bool,
     "ssd_write_while_busy": _auto_bool,
-    "cuda_graphs": _auto_bool,
+    "cuda_graphs": _to_bool,
     "tail_entries": _nonneg_int,
     "checkpoint_entries": _nonneg_int,
     "pin_system": _to_bool,

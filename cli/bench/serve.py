@@ -276,11 +276,15 @@ class MlxLm:
         self.log_path = log_path
 
     def start(self, timeout_s: float = 600):
+        from tierchat.core.engine.device import peer_env
+
         port = free_port()
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(self.model_dir)]
         cmd += ["--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--max-tokens", str(self.max_tokens), "--log-level", "WARNING"]
-        return spawn_server("mlx_lm.server", cmd, port, self.log_path, bool, timeout_s=timeout_s)
+        # as it ships: not the MLX variables an engine of this process set for itself
+        env = peer_env()
+        return spawn_server("mlx_lm.server", cmd, port, self.log_path, bool, env, timeout_s)
 
     stop = staticmethod(stop_server)
 

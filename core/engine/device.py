@@ -78,6 +78,7 @@ def device_info(dtype: str | None = None) -> DeviceInfo:
 # (89-94 against 94-101 tok/s); CUDA_LAUNCH_BLOCKING=1 (38/40) and MLX_USE_CUDA_GRAPHS=0
 # (29/40) did not (docs/DESIGN.md §18, scripts/gpu_determinism.py).
 DETERMINISTIC_ENV: dict[str, str] = {"MLX_CUDA_USE_CUDNN_SDPA": "0"}
+SET_ENV: dict[str, str] = {}  # the MLX variables this process set (peer_env leaves them out)
 
 
 def use_deterministic_kernels() -> dict[str, str]:
@@ -86,24 +87,32 @@ def use_deterministic_kernels() -> dict[str, str]:
     returns what it set. MLX reads the variable at its first attention in the process, so
     this runs before any model does (the engine's constructor). Long prefill chunks then
     also leave cuDNN (slower beyond 512 tokens, docs/DESIGN.md §7)."""
+    return _set_env(DETERMINISTIC_ENV)
+
+
+def use_cuda_graphs(on: bool) -> dict[str, str]:
+    """Set ``MLX_USE_CUDA_GRAPHS`` to ``on`` (the ``cuda_graphs`` setting) unless the
+    environment already says; returns what it set. MLX reads it once, at its first CUDA
+    work in the process: the engine's constructor calls this before any model runs. Only
+    MLX's CUDA backend reads it."""
+    return _set_env({"MLX_USE_CUDA_GRAPHS": "1" if on else "0"})
+
+
+def _set_env(values: dict[str, str]) -> dict[str, str]:
     import os
 
-    done = {k: v for k, v in DETERMINISTIC_ENV.items() if k not in os.environ}
+    done = {k: v for k, v in values.items() if k not in os.environ}
     os.environ.update(done)
+    SET_ENV.update(done)
     return done
 
 
-def use_cuda_graphs(on: bool | None) -> dict[str, str]:
-    """Set ``MLX_USE_CUDA_GRAPHS`` to ``on`` (the ``cuda_graphs`` setting; None: leave
-    MLX's default) unless the environment already says; returns what it set. MLX reads it
-    once, at its first CUDA work in the process: the engine's constructor calls this
-    before any model runs. Only MLX's CUDA backend reads it."""
+def peer_env() -> dict[str, str]:
+    """This process's environment without the MLX variables tierchat set itself
+    (:data:`SET_ENV`): for starting a peer (``mlx_lm.server``) as it ships."""
     import os
 
-    if on is None or "MLX_USE_CUDA_GRAPHS" in os.environ:
-        return {}
-    os.environ["MLX_USE_CUDA_GRAPHS"] = "1" if on else "0"
-    return {"MLX_USE_CUDA_GRAPHS": os.environ["MLX_USE_CUDA_GRAPHS"]}
+    return {k: v for k, v in os.environ.items() if k not in SET_ENV}
 
 
 def describe_device(dtype: str | None = None) -> str:

@@ -229,16 +229,19 @@ def test_to_toml_reads_back_to_the_same_settings(tmp_path):
 
 
 def test_cuda_graphs_setting_sets_mlx_variable_unless_the_environment_has_it(tmp_path, monkeypatch):
-    """``cuda_graphs`` (auto: MLX's default) becomes ``MLX_USE_CUDA_GRAPHS`` before MLX's
-    first CUDA work; a value already in the environment wins."""
+    """``cuda_graphs`` (default off) becomes ``MLX_USE_CUDA_GRAPHS`` before MLX's first CUDA
+    work; a value already in the environment wins; a peer started from this process
+    (``mlx_lm.server``) gets the environment without what tierchat set."""
     import os
 
-    from tierchat.core.engine.device import use_cuda_graphs
+    from tierchat.core.engine import device
 
-    monkeypatch.delenv("MLX_USE_CUDA_GRAPHS", raising=False)
-    assert use_cuda_graphs(None) == {} and "MLX_USE_CUDA_GRAPHS" not in os.environ
-    assert use_cuda_graphs(False) == {"MLX_USE_CUDA_GRAPHS": "0"}
-    assert use_cuda_graphs(True) == {}  # already set: the environment wins
+    monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "")  # restored (absent or not) after the test
+    monkeypatch.delenv("MLX_USE_CUDA_GRAPHS")
+    monkeypatch.setattr(device, "SET_ENV", {})
+    assert load(tmp_path).cuda_graphs is False
+    assert device.use_cuda_graphs(False) == {"MLX_USE_CUDA_GRAPHS": "0"}
+    assert device.use_cuda_graphs(True) == {}  # already set: the environment wins
     assert os.environ["MLX_USE_CUDA_GRAPHS"] == "0"
-    assert load(tmp_path, cli={"cuda_graphs": "off"}).cuda_graphs is False
-    assert load(tmp_path, cli={"cuda_graphs": "auto"}).cuda_graphs is None
+    assert "MLX_USE_CUDA_GRAPHS" not in device.peer_env()
+    assert load(tmp_path, cli={"cuda_graphs": "on"}).cuda_graphs is True
