@@ -287,39 +287,27 @@ def clients_bench(
     warmup = tok.decode(make_prompt(tok, WARMUP_TOKENS, salt=WARMUP_SALT)).strip()
     with tempfile.TemporaryDirectory(prefix="tierchat-clients-bench-") as tmp:
         fresh = {"cache_dir": Path(tmp) / "kv", "data_dir": Path(tmp) / "data", "no_cache": False}
-        ours = ServeProcess(dataclasses.replace(settings, **fresh), Path(tmp))
-        try:
-            got = run_server(
-                TIERCHAT,
-                ours.start,
-                ours.stop,
-                ours.port,
-                warmup,
-                rounds,
-                max_tokens,
-                log,
-                warm_round,
-            )
-        except CLIError as e:
-            raise CLIError(f"{e.message}\n{_tail(ours.log_path)}") from None
-        if baseline:
-            model_dir = mlx_model_dir(settings.model, settings.models_dir)
-            log_file = Path(tmp) / "mlx_lm_server.log"
-            mlx = MlxLm(model_dir, max_tokens, log_file)
+
+        def run(name: str, server: Any) -> list[Round]:
             try:
-                got += run_server(
-                    MLX_LM,
-                    mlx.start,
-                    mlx.stop,
-                    mlx.port,
+                return run_server(
+                    name,
+                    server.start,
+                    server.stop,
+                    server.port,
                     warmup,
                     rounds,
                     max_tokens,
                     log,
                     warm_round,
                 )
-            except CLIError as e:
-                raise CLIError(f"{e.message}\n{_tail(log_file)}") from None
+            except CLIError as e:  # with the end of the server's own log
+                raise CLIError(f"{e.message}\n{_tail(server.log_path)}") from None
+
+        got = run(TIERCHAT, ServeProcess(dataclasses.replace(settings, **fresh), Path(tmp)))
+        if baseline:
+            model_dir = mlx_model_dir(settings.model, settings.models_dir)
+            got += run(MLX_LM, MlxLm(model_dir, max_tokens, Path(tmp) / "mlx_lm_server.log"))
     return ClientsBench(got, describe_device())
 
 
