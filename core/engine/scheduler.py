@@ -48,6 +48,7 @@ from ..memory import prefill as prefill_mod
 from .attention import chunk_attention
 from .decode_batch import DecodeBatch, Step
 from .forward import logprobs_of
+from .forward_cost import ForwardCost
 from .prefill_batch import groupable, prefill_group, rest
 from .prefill_steps import Prefill
 from .sampling import SeededSampler, StopStrings, keep_last_logits
@@ -94,7 +95,7 @@ class Scheduler:
         self.decoding: dict[int, Sequence] = {}
         self.batch: DecodeBatch | None = None
         self._uid = 0
-        self.prefill_tps = 0.0  # measured, for pieces while others decode (folded schedule)
+        self.cost = ForwardCost()  # prefill forwards measured: sizes pieces and groups
         self.peak_group = 0  # the most requests prefilled in one forward
 
     @property
@@ -291,31 +292,33 @@ class Scheduler:
 
     def _piece_end(self, seq: Sequence, left_s: float) -> int:
         """Where the next prefill piece of ``seq`` ends: the next cut, or sooner where
-        others wait and the measured rate says ``left_s`` seconds do less."""
+        others wait and the measured cost says ``left_s`` seconds do less."""
         e = self.engine
         budget, lone = None, False
         if self.decoding or len(self.prefilling) > 1 or self.queued:
-            if self.prefill_tps > 0:  # what fits the step's time left
-                budget = max(1, int(self.prefill_tps * max(left_s, 0.05)))
+            budget = self.cost.tokens_in(max(left_s, 0.05))  # what fits the step's time left
         elif e._prefill_step and not e.settings.bitwise:
-            # small pieces measure a low rate: a whole prefill's (kept across restarts) too
-            tps = max(self.prefill_tps, e.cache.prefill_rate if e.cache is not None else 0.0)
-            if tps > 0:
-                budget, lone = max(1, int(tps * LONE_PIECE_S)), True
+            budget = self._lone_budget()
+            lone = budget is not None
         return seq.prefill.next_end(budget, lone=lone)
+
+    def _lone_budget(self) -> int | None:
+        """Tokens of about :data:`LONE_PIECE_S` of work: by the forwards measured, or a
+        whole prefill's rate (kept across restarts) where that says more."""
+        e = self.engine
+        fitted = self.cost.tokens_in(LONE_PIECE_S) or 0
+        kept = int((e.cache.prefill_rate if e.cache is not None else 0.0) * LONE_PIECE_S)
+        return max(fitted, kept) or None
 
     def _prefill_piece(self, seq: Sequence, end: int) -> None:
         p = seq.prefill
         if self.decoding:
-            # the decode step in flight first: the piece's rate is its own, not the
+            # the decode step in flight first: the piece's time is its own, not the
             # decode step's too (the piece's eval would wait for it anyway)
             mx.synchronize(generation_stream)
         t0 = time.perf_counter()
         done = p.piece(end)
-        dt = time.perf_counter() - t0
-        if dt > 0 and done > 0:
-            tps = done / dt
-            self.prefill_tps = tps if self.prefill_tps <= 0 else 0.7 * self.prefill_tps + 0.3 * tps
+        self.cost.add(done, time.perf_counter() - t0)
         if p.finished:
             self.prefilling.popleft()
             self._join(seq)
@@ -323,15 +326,16 @@ class Scheduler:
     def _group(self, left_s: float) -> list[Sequence]:
         """The requests whose rests go through the model together next (:mod:`.prefill_batch`):
         in order, the groupable ones while the padded batch (rows x the longest rest) fits
-        a prefill chunk and, at the measured rate, the step's time left while others wait
-        or decode, else :data:`LONE_PIECE_S` (on a CPU, where a row costs as much in a
-        group as alone, rests rarely group). Fewer than two: none."""
+        a prefill chunk and, at the measured cost (:class:`.ForwardCost`), the step's time
+        left while others wait or decode, else :data:`LONE_PIECE_S` (on a CPU, where a row
+        costs as much in a group as alone, rests rarely group). Fewer than two: none."""
         e = self.engine
         limit = e.settings.prefill_chunk
-        tps = self.prefill_tps or (e.cache.prefill_rate if e.cache is not None else 0.0)
-        if tps > 0:  # a group is one forward: at most a piece's time, so Stop waits no longer
-            busy = self.decoding or self.queued
-            limit = min(limit, max(1, int(tps * (max(left_s, 0.05) if busy else LONE_PIECE_S))))
+        busy = self.decoding or self.queued
+        # a group is one forward: at most a piece's time, so Stop waits no longer
+        fits = self.cost.tokens_in(max(left_s, 0.05)) if busy else self._lone_budget()
+        if fits is not None:
+            limit = min(limit, fits)
         group: list[Sequence] = []
         width = 0
         for seq in self.prefilling:
@@ -349,7 +353,10 @@ class Scheduler:
     def _prefill_group(self, group: list[Sequence]) -> None:
         if self.decoding:
             mx.synchronize(generation_stream)  # the decode step in flight first
+        padded = len(group) * max(rest(seq.prefill) for seq in group)
+        t0 = time.perf_counter()
         tokens = prefill_group([seq.prefill for seq in group])
+        self.cost.add(padded, time.perf_counter() - t0)
         self.peak_group = max(self.peak_group, len(group))
         if self.engine.cache is not None:
             self.engine.cache.log(
