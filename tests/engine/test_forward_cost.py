@@ -6,7 +6,6 @@ from __future__ import annotations
 import types
 
 import pytest
-
 from tierchat.core.engine.forward_cost import DECAY, ForwardCost
 from tierchat.core.engine.scheduler import LONE_PIECE_S, Scheduler, Sequence
 
