@@ -120,7 +120,10 @@ class Engine:
         self._last_logits = None  # set when this model's prompts use the folded schedule
         self._fold_limit: int | None = None  # longest folded last chunk (None: any)
         self._prefill_step = 0  # chunks are cut at its multiples (tokens; 0: not cut)
-        self._sched = Scheduler(self)  # the requests held (docs/DESIGN.md §20)
+        # the requests held (docs/DESIGN.md §20); those that arrive during a step's
+        # restores start in that step (:meth:`_admit_arrived`)
+        self._sched = Scheduler(self, arrivals=self._admit_arrived)
+        self._backlog: deque = deque()  # jobs taken from the queue, not yet run
         busy_writes = settings.ssd_write_while_busy
         if busy_writes is None:
             busy_writes = device_info().backend != "cuda"
@@ -258,17 +261,11 @@ class Engine:
         """The job loop. Requests go to the scheduler, which steps while it holds any;
         other jobs (a load, :meth:`call`, the stop) wait for it to empty, in order, and
         the jobs behind them wait too (docs/DESIGN.md §20)."""
-        backlog: deque = deque()
+        backlog = self._backlog
         clear_when_idle = False  # a release of host buffers waits for no request held
         while True:
             sched = self._sched
-            try:
-                block = not backlog and not sched.busy
-                while True:
-                    backlog.append(self._jobs.get(block=block))
-                    block = False
-            except queue.Empty:
-                pass
+            self._take_jobs(block=not backlog and not sched.busy)
             while backlog:
                 job = backlog[0]
                 if job is not _STOP and job[0] == self._admit:
@@ -303,6 +300,29 @@ class Engine:
             if clear_when_idle and not sched.busy:
                 clear_when_idle = False
                 self._clear_buffer_cache()
+
+    def _take_jobs(self, block: bool) -> None:
+        """Move the jobs queued now to the backlog (``block``: wait for one first)."""
+        try:
+            while True:
+                self._backlog.append(self._jobs.get(block=block))
+                block = False
+        except queue.Empty:
+            pass
+
+    def _admit_arrived(self) -> int:
+        """During a step (the scheduler calls it after starting queued requests): the
+        requests that arrived since join the scheduler's queue, so they can start, and
+        be prefilled in a group, in this step rather than the next one (clients whose
+        requests come a few milliseconds apart). Only requests at the backlog's head, in
+        order: any other job stays a barrier. Returns how many were admitted."""
+        self._take_jobs(block=False)
+        backlog, n = self._backlog, 0
+        while backlog and backlog[0] is not _STOP and backlog[0][0] == self._admit:
+            job = backlog.popleft()
+            self._admit(job[1], job[2])
+            n += 1
+        return n
 
     def _hold_writes(self, busy: bool) -> None:
         """Hold the SSD writer while any request is held, where ``ssd_write_while_busy``

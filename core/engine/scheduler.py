@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -88,8 +89,10 @@ class Scheduler:
     messages), :meth:`step` while :attr:`busy` (a worker rank: :meth:`follow`). Uses the
     engine's model, cache, settings and peers."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, arrivals: Callable[[], int] | None = None) -> None:
         self.engine = engine
+        # admits the requests that arrived during this step (rank 0's engine); the count
+        self._arrivals = arrivals
         self.queued: deque[Sequence] = deque()
         self.prefilling: deque[Sequence] = deque()
         self.decoding: dict[int, Sequence] = {}
@@ -151,8 +154,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> None:
-        """One bounded step: cancels, prefill pieces (up to :data:`BUSY_PIECE_S` of them
-        while others decode, one otherwise), one batched decode step. Each action is
+        """One bounded step: cancels, starts (after each, the requests that arrived during
+        its restores are admitted and started too), prefill pieces or groups (up to
+        :data:`BUSY_PIECE_S` of them while others decode, one otherwise), one batched
+        decode step. Each action is
         decided here and sent to the other ranks before it runs (:meth:`follow`)."""
         e = self.engine
         if e.peers.failed:  # the ranks failed: no step can meet its peers
@@ -167,6 +172,11 @@ class Scheduler:
             while True:
                 if any(not self._waits(s) for s in self.queued):
                     self._act({"do": "start"})
+                    # restores take a while: who arrived meanwhile starts now too, so its
+                    # rest can join this step's group instead of waiting a whole step
+                    if self._arrivals is not None and self._arrivals():
+                        if any(not self._waits(s) for s in self.queued):
+                            self._act({"do": "start"})
                 if not self.prefilling:
                     break
                 left_s = BUSY_PIECE_S - (time.perf_counter() - t0)

@@ -126,3 +126,40 @@ def test_a_request_waits_only_when_waiting_saves_work(tmp_path, models_dir):
         assert results[1].metrics.cached_tokens == 0
     finally:
         hot.close()
+
+
+def test_a_request_arriving_during_a_restore_joins_that_steps_group(tmp_path, models_dir):
+    """A request that arrives while a step restores another starts in the same step (the
+    engine admits arrivals after each start) and their rests go through one forward; both
+    replies equal each request alone on a cold engine. Without it the second request
+    would start a step later, after the first's rest went through alone."""
+    kw = dict(prefill_chunk=256, bitwise=False)
+    cold = make_engine("tiny:llama", tmp_path / "cold", models_dir, no_cache=True, **kw)
+    hot = make_engine("tiny:llama", tmp_path / "hot", models_dir, **kw)
+    try:
+        cold.record_logprobs = hot.record_logprobs = 4
+        system = random_prompt(SYSTEM, seed=21, vocab=250)
+        generate(hot, system + random_prompt(5, seed=1, vocab=250), max_tokens=2)
+        first, second = (system + random_prompt(20 + k, seed=2 + k, vocab=250) for k in (0, 1))
+        late: list = []
+        admit_arrived = hot._sched._arrivals
+
+        def arrivals() -> int:
+            if not late:  # the step's first start: the second request arrives during it
+                late.append(hot.submit(GenerateRequest(prompt_ids=second, max_tokens=4)))
+            return admit_arrived()
+
+        hot._sched._arrivals = arrivals
+        (a,), (ha,) = _run_together(hot, [dict(prompt_ids=first, max_tokens=4)])
+        b = late[0].wait(300)
+        assert isinstance(b, Finished), b
+        assert hot._sched.peak_group == 2
+        for r in (a, b):
+            assert r.metrics.cached_tokens >= SYSTEM - hot.cache.block_size, r.metrics
+        for (want, hw), got, hg in zip(
+            (generate(cold, p, max_tokens=4) for p in (first, second)), (a, b), (ha, late[0])
+        ):
+            _assert_close(want, hw, got, hg)
+    finally:
+        cold.close()
+        hot.close()
