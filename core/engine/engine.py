@@ -130,6 +130,8 @@ class Engine:
         self._write_while_busy = busy_writes
         self._writes_held = False  # the engine holds the SSD writer (:meth:`_hold_writes`)
         self._saves_at_clear = 0  # the SSD tier's files written at the last buffer clear
+        self._saves_at_release = 0  # ... when the writer was last let go (no request held)
+        self._clear_when_idle = False  # a clear of host buffers waits for no request held
         self.monitor = memory_mod.MemoryMonitor(
             limit_bytes=settings.memory_limit,
             soft_fraction=settings.memory_soft_fraction,
@@ -262,7 +264,6 @@ class Engine:
         other jobs (a load, :meth:`call`, the stop) wait for it to empty, in order, and
         the jobs behind them wait too (docs/DESIGN.md §20)."""
         backlog = self._backlog
-        clear_when_idle = False  # a release of host buffers waits for no request held
         while True:
             sched = self._sched
             self._take_jobs(block=not backlog and not sched.busy)
@@ -279,7 +280,7 @@ class Engine:
                 if job is not _STOP and job[0] == self._clear_buffer_cache and sched.busy:
                     # between requests, as before batching: once none is held
                     backlog.popleft()
-                    clear_when_idle = True
+                    self._clear_when_idle = True
                     continue
                 if sched.busy:
                     break  # a barrier: the running requests end first
@@ -297,8 +298,9 @@ class Engine:
                     self.peers.out_of_step(exc)
                     sched.fail_all(f"{type(exc).__name__}: {exc}")
             self._hold_writes(sched.busy)
-            if clear_when_idle and not sched.busy:
-                clear_when_idle = False
+            if self._clear_when_idle and not sched.busy and not backlog and self._jobs.empty():
+                # no request held nor waiting (clients that send their next turn as a
+                # reply ends would otherwise wait for the clear)
                 self._clear_buffer_cache()
 
     def _take_jobs(self, block: bool) -> None:
@@ -336,13 +338,20 @@ class Engine:
             if not cache.hold_writes(_BUSY_HOLD):
                 return  # no SSD tier
             self._writes_held = True
-            if cache.ssd_files_written != self._saves_at_clear:
-                # files written since the last clear (a writer stopped mid-queue by this
-                # hold): their host-read buffers leave MLX's cache before the first step
+            written = cache.ssd_files_written
+            if written != self._saves_at_release:
+                # files written while no request was held (a writer stopped mid-queue by
+                # this hold): their host-read buffers leave MLX's cache before the first step
                 self._clear_buffer_cache()
+            elif written != self._saves_at_clear:
+                # written under backpressure while requests were held: the requests ran
+                # beside those buffers already; the clear waits for no request held (a
+                # clear here costs the arriving requests ~60 ms on an 8B model's pool)
+                self._clear_when_idle = True
         elif not busy:
             cache.release_writes(_BUSY_HOLD)
             self._writes_held = False
+            self._saves_at_release = cache.ssd_files_written
 
     def _admit(self, req: GenerateRequest, handle: RequestHandle) -> None:
         if self.peers.failed:
@@ -402,6 +411,7 @@ class Engine:
 
     def _clear_buffer_cache(self, _arg=None, _handle=None) -> None:
         self._release_queued.clear()
+        self._clear_when_idle = False
         self._saves_at_clear = self.cache.ssd_files_written if self.cache is not None else 0
         mx.clear_cache()
 

@@ -156,9 +156,9 @@ class Scheduler:
     def step(self) -> None:
         """One bounded step: cancels, starts (after each, the requests that arrived during
         its restores are admitted and started too), prefill pieces or groups (up to
-        :data:`BUSY_PIECE_S` of them while others decode, one otherwise), one batched
-        decode step. Each action is
-        decided here and sent to the other ranks before it runs (:meth:`follow`)."""
+        :data:`BUSY_PIECE_S` of them while others decode, one otherwise; restores apart),
+        one batched decode step. Each action is decided here and sent to the other ranks
+        before it runs (:meth:`follow`)."""
         e = self.engine
         if e.peers.failed:  # the ranks failed: no step can meet its peers
             self.fail_all(e.peers.failed)
@@ -168,7 +168,7 @@ class Scheduler:
             cancelled = [seq.uid for seq in held if seq.handle.cancelled]
             if cancelled:
                 self._act({"do": "cancel", "uids": cancelled})
-            t0 = time.perf_counter()
+            spent = 0.0  # prefill work this step (restores not counted: see below)
             while True:
                 if any(not self._waits(s) for s in self.queued):
                     self._act({"do": "start"})
@@ -179,7 +179,10 @@ class Scheduler:
                             self._act({"do": "start"})
                 if not self.prefilling:
                     break
-                left_s = BUSY_PIECE_S - (time.perf_counter() - t0)
+                # the step's prefill budget: restores do not use it up, or a wave of
+                # arrivals would see its group cut in two by the time its restores took
+                left_s = BUSY_PIECE_S - spent
+                t0 = time.perf_counter()
                 group = self._group(left_s)
                 if len(group) > 1:
                     self._act({"do": "group", "uids": [s.uid for s in group]})
@@ -187,7 +190,8 @@ class Scheduler:
                     seq = self.prefilling[0]
                     end = self._piece_end(seq, left_s)
                     self._act({"do": "piece", "uid": seq.uid, "end": end})
-                if not self.decoding or time.perf_counter() - t0 >= BUSY_PIECE_S:
+                spent += time.perf_counter() - t0
+                if not self.decoding or spent >= BUSY_PIECE_S:
                     break
                 if any(s.handle.cancelled for s in self.prefilling):
                     break

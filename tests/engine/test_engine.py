@@ -254,3 +254,36 @@ def test_closing_an_engine_frees_the_model(tmp_path, models_dir):
     engine.close()
     gc.collect()
     assert trunk() is None
+
+
+def test_a_hold_clears_host_buffers_only_for_files_written_while_idle(monkeypatch):
+    """On CUDA the SSD writer is held while requests are (``ssd_write_while_busy`` off).
+    Files written while no request was held leave host-read buffers in MLX's pool: the
+    hold clears it before the first step. Files written under backpressure while requests
+    were held do not make the next hold clear (the requests ran beside those buffers; a
+    clear costs the arriving requests ~60 ms on an 8B model): it waits for no request held
+    nor waiting."""
+    import threading
+    import types
+
+    from tierchat.core.engine import engine as engine_mod
+
+    clears: list[int] = []
+    monkeypatch.setattr(engine_mod.mx, "clear_cache", lambda: clears.append(1))
+    cache = types.SimpleNamespace(
+        ssd_files_written=0, hold_writes=lambda holder: True, release_writes=lambda holder: None
+    )
+    eng = engine_mod.Engine.__new__(engine_mod.Engine)  # the hold's state only: no thread
+    eng.cache, eng._write_while_busy, eng._writes_held = cache, False, False
+    eng._saves_at_clear = eng._saves_at_release = 0
+    eng._clear_when_idle, eng._release_queued = False, threading.Event()
+    eng._hold_writes(True)
+    assert not clears
+    cache.ssd_files_written = 3  # under backpressure, requests held
+    eng._hold_writes(False)
+    eng._hold_writes(True)
+    assert not clears and eng._clear_when_idle
+    eng._hold_writes(False)
+    cache.ssd_files_written = 5  # while idle; then a request arrives mid-queue
+    eng._hold_writes(True)
+    assert clears == [1] and not eng._clear_when_idle
