@@ -170,13 +170,15 @@ class Scheduler:
                 self._act({"do": "cancel", "uids": cancelled})
             spent = 0.0  # prefill work this step (restores not counted: see below)
             while True:
-                if any(not self._waits(s) for s in self.queued):
+                # who arrived during the last action starts in this step: after a piece
+                # (those that waited for its prefix), and after the restores of a start,
+                # so their rests can join this step's group instead of waiting a step
+                for _ in range(2):
+                    if self._arrivals is not None:
+                        self._arrivals()
+                    if not any(not self._waits(s) for s in self.queued):
+                        break
                     self._act({"do": "start"})
-                    # restores take a while: who arrived meanwhile starts now too, so its
-                    # rest can join this step's group instead of waiting a whole step
-                    if self._arrivals is not None and self._arrivals():
-                        if any(not self._waits(s) for s in self.queued):
-                            self._act({"do": "start"})
                 if not self.prefilling:
                     break
                 # the step's prefill budget: restores do not use it up, or a wave of

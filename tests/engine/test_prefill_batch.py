@@ -142,10 +142,12 @@ def test_a_request_arriving_during_a_restore_joins_that_steps_group(tmp_path, mo
         generate(hot, system + random_prompt(5, seed=1, vocab=250), max_tokens=2)
         first, second = (system + random_prompt(20 + k, seed=2 + k, vocab=250) for k in (0, 1))
         late: list = []
+        calls: list[int] = []
         admit_arrived = hot._sched._arrivals
 
         def arrivals() -> int:
-            if not late:  # the step's first start: the second request arrives during it
+            calls.append(len(hot._sched.prefilling))
+            if len(calls) == 2:  # after the step's first start: it arrived during it
                 late.append(hot.submit(GenerateRequest(prompt_ids=second, max_tokens=4)))
             return admit_arrived()
 
@@ -153,12 +155,12 @@ def test_a_request_arriving_during_a_restore_joins_that_steps_group(tmp_path, mo
         (a,), (ha,) = _run_together(hot, [dict(prompt_ids=first, max_tokens=4)])
         b = late[0].wait(300)
         assert isinstance(b, Finished), b
+        assert calls[:2] == [0, 1]  # before the first start, then after it
         assert hot._sched.peak_group == 2
         for r in (a, b):
             assert r.metrics.cached_tokens >= SYSTEM - hot.cache.block_size, r.metrics
-        for (want, hw), got, hg in zip(
-            (generate(cold, p, max_tokens=4) for p in (first, second)), (a, b), (ha, late[0])
-        ):
+        alone = [generate(cold, p, max_tokens=4) for p in (first, second)]
+        for (want, hw), got, hg in zip(alone, (a, b), (ha, late[0]), strict=True):
             _assert_close(want, hw, got, hg)
     finally:
         cold.close()
