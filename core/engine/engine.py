@@ -120,8 +120,8 @@ class Engine:
         self._last_logits = None  # set when this model's prompts use the folded schedule
         self._fold_limit: int | None = None  # longest folded last chunk (None: any)
         self._prefill_step = 0  # chunks are cut at its multiples (tokens; 0: not cut)
-        # the requests held (docs/DESIGN.md §20); those that arrive during a step's
-        # restores start in that step (:meth:`_admit_arrived`)
+        # the requests held (docs/DESIGN.md §20); those that arrive while a step runs
+        # can start within it (:meth:`_admit_arrived`)
         self._sched = Scheduler(self, arrivals=self._admit_arrived)
         self._backlog: deque = deque()  # jobs taken from the queue, not yet run
         busy_writes = settings.ssd_write_while_busy
@@ -313,10 +313,10 @@ class Engine:
             pass
 
     def _admit_arrived(self) -> int:
-        """During a step (the scheduler calls it after starting queued requests): the
-        requests that arrived since join the scheduler's queue, so they can start, and
-        be prefilled in a group, in this step rather than the next one (clients whose
-        requests come a few milliseconds apart). Only requests at the backlog's head, in
+        """During a step (the scheduler calls it before each round of starts and after a
+        start's restores): the requests that arrived since join the scheduler's queue, so
+        they can start, and be prefilled in a group, in this step rather than the next
+        one (clients whose requests come a few milliseconds apart). Only requests at the backlog's head, in
         order: any other job stays a barrier. Returns how many were admitted."""
         self._take_jobs(block=False)
         backlog, n = self._backlog, 0

@@ -154,8 +154,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> None:
-        """One bounded step: cancels, starts (after each, the requests that arrived during
-        its restores are admitted and started too), prefill pieces or groups (up to
+        """One bounded step: cancels, starts (the requests that arrived during the step's
+        last piece or restores admitted first), prefill pieces or groups (up to
         :data:`BUSY_PIECE_S` of them while others decode, one otherwise; restores apart),
         one batched decode step. Each action is decided here and sent to the other ranks
         before it runs (:meth:`follow`)."""
