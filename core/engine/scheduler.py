@@ -5,7 +5,8 @@ Each :meth:`Scheduler.step` does a bounded amount of work: it ends the requests 
 since the last step (queued ones fail at once, a prefill keeps its finished chunks through
 its cache request's ``cancel``, a decoding one leaves the batch and stores what it has),
 starts queued requests (restores; one that shares a prefix a prefill in progress will
-store waits for it, :meth:`Scheduler._waits`), runs the rests of the requests that fit one
+store waits for it, :meth:`Scheduler._waits`; requests that arrived during the step's last
+piece or restores are admitted first, so they start in this step), runs the rests of the requests that fit one
 forward together (:mod:`.prefill_batch`) or else one prefill piece of the request at the
 head of the prefill queue, then one batched decode step of every running sequence
 (:class:`~.decode_batch.DecodeBatch`). So a long prompt neither freezes the other streams
