@@ -348,9 +348,13 @@ class Scheduler:
         costs as much in a group as alone, rests rarely group). Fewer than two: none."""
         e = self.engine
         limit = e.settings.prefill_chunk
-        busy = self.decoding or self.queued
         # a group is one forward: at most a piece's time, so Stop waits no longer
-        fits = self.cost.tokens_in(max(left_s, 0.05)) if busy else self._lone_budget()
+        if self.decoding or self.queued:
+            left_s = max(left_s, 0.05)
+            kept = int((e.cache.prefill_rate if e.cache is not None else 0.0) * left_s)
+            fits = self.cost.tokens_in(left_s) or kept or None  # none measured yet: kept
+        else:
+            fits = self._lone_budget()
         if fits is not None:
             limit = min(limit, fits)
         group: list[Sequence] = []
