@@ -312,19 +312,17 @@ class Engine:
         except queue.Empty:
             pass
 
-    def _admit_arrived(self) -> int:
+    def _admit_arrived(self) -> None:
         """During a step (the scheduler calls it before each round of starts and after a
         start's restores): the requests that arrived since join the scheduler's queue, so
         they can start, and be prefilled in a group, in this step rather than the next
         one (clients whose requests come a few milliseconds apart). Only requests at the backlog's head, in
-        order: any other job stays a barrier. Returns how many were admitted."""
+        order: any other job stays a barrier."""
         self._take_jobs(block=False)
-        backlog, n = self._backlog, 0
+        backlog = self._backlog
         while backlog and backlog[0] is not _STOP and backlog[0][0] == self._admit:
             job = backlog.popleft()
             self._admit(job[1], job[2])
-            n += 1
-        return n
 
     def _hold_writes(self, busy: bool) -> None:
         """Hold the SSD writer while any request is held, where ``ssd_write_while_busy``

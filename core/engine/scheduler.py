@@ -90,9 +90,9 @@ class Scheduler:
     messages), :meth:`step` while :attr:`busy` (a worker rank: :meth:`follow`). Uses the
     engine's model, cache, settings and peers."""
 
-    def __init__(self, engine: Any, arrivals: Callable[[], int] | None = None) -> None:
+    def __init__(self, engine: Any, arrivals: Callable[[], None] | None = None) -> None:
         self.engine = engine
-        # admits the requests that arrived during this step (rank 0's engine); the count
+        # admits the requests that arrived during this step (rank 0's engine)
         self._arrivals = arrivals
         self.queued: deque[Sequence] = deque()
         self.prefilling: deque[Sequence] = deque()
@@ -322,10 +322,14 @@ class Scheduler:
     def _lone_budget(self) -> int | None:
         """Tokens of about :data:`LONE_PIECE_S` of work: by the forwards measured, or a
         whole prefill's rate (kept across restarts) where that says more."""
-        e = self.engine
         fitted = self.cost.tokens_in(LONE_PIECE_S) or 0
-        kept = int((e.cache.prefill_rate if e.cache is not None else 0.0) * LONE_PIECE_S)
-        return max(fitted, kept) or None
+        return max(fitted, self._kept_tokens(LONE_PIECE_S)) or None
+
+    def _kept_tokens(self, seconds: float) -> int:
+        """Tokens of ``seconds`` at the cache's whole-prefill rate kept across restarts
+        (0: none known)."""
+        cache = self.engine.cache
+        return int((cache.prefill_rate if cache is not None else 0.0) * seconds)
 
     def _prefill_piece(self, seq: Sequence, end: int) -> None:
         p = seq.prefill
@@ -351,8 +355,8 @@ class Scheduler:
         # a group is one forward: at most a piece's time, so Stop waits no longer
         if self.decoding or self.queued:
             left_s = max(left_s, 0.05)
-            kept = int((e.cache.prefill_rate if e.cache is not None else 0.0) * left_s)
-            fits = self.cost.tokens_in(left_s) or kept or None  # none measured yet: kept
+            # none measured yet: by the kept whole-prefill rate
+            fits = self.cost.tokens_in(left_s) or self._kept_tokens(left_s) or None
         else:
             fits = self._lone_budget()
         if fits is not None:

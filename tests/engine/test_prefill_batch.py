@@ -145,11 +145,11 @@ def test_a_request_arriving_during_a_restore_joins_that_steps_group(tmp_path, mo
         calls: list[int] = []
         admit_arrived = hot._sched._arrivals
 
-        def arrivals() -> int:
+        def arrivals() -> None:
             calls.append(len(hot._sched.prefilling))
             if len(calls) == 2:  # after the step's first start: it arrived during it
                 late.append(hot.submit(GenerateRequest(prompt_ids=second, max_tokens=4)))
-            return admit_arrived()
+            admit_arrived()
 
         hot._sched._arrivals = arrivals
         (a,), (ha,) = _run_together(hot, [dict(prompt_ids=first, max_tokens=4)])
