@@ -12,16 +12,17 @@ import sys
 from typing import Any
 
 from tierchat.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CLIError, start_engine
-from tierchat.core.serve.app import (
-    API_KEY_ENV,
-    ServeState,
-    create_app,
-    ranks_failure,
-    reply_memory_path,
-)
+from tierchat.core.serve.app import create_app
 from tierchat.core.serve.limits import is_loopback
 from tierchat.core.serve.log import LIVE_STATUSES, RequestLog, RequestRecord, TrackedEngine
 from tierchat.core.serve.server import ServerThread
+from tierchat.core.serve.state import (
+    API_KEY_ENV,
+    ServeState,
+    ranks_failure,
+    reply_memory_path,
+    responses_path,
+)
 
 
 def binds_loopback(host: str) -> bool:
@@ -101,6 +102,7 @@ def run_serve(settings: Any, args: Any) -> int:
         use_cache=not settings.no_cache,
         max_queue=args.max_queue,
         memory_path=reply_memory_path(settings, engine.model_name),
+        responses_dir=responses_path(settings, engine.model_name),
         limits=limits,
         bind_host=args.host,
     )

@@ -85,7 +85,8 @@ class ColdReference:
 
     def __init__(self, tmp: Path, models_dir: Path, model: str = "tiny:llama") -> None:
         from engine_kit import make_engine
-        from tierchat.core.serve.app import ServeState, create_app
+        from tierchat.core.serve.app import create_app
+from tierchat.core.serve.state import ServeState
         from tierchat.core.serve.log import RequestLog, TrackedEngine
         from tierchat.core.serve.server import ServerThread
 

@@ -189,9 +189,10 @@ class Ours:
         self.settings = settings
 
     def start(self):
-        from tierchat.core.serve.app import ServeState, create_app, reply_memory_path
+        from tierchat.core.serve.app import create_app
         from tierchat.core.serve.log import RequestLog, TrackedEngine
         from tierchat.core.serve.server import ServerThread
+        from tierchat.core.serve.state import ServeState, reply_memory_path
 
         engine = start_engine(self.settings, quiet=True)
         tracked = TrackedEngine(engine, RequestLog())

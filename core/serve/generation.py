@@ -17,9 +17,14 @@ from ..api import Event, Failed, Finished, GenerateRequest
 from .prompts import APIError
 
 if TYPE_CHECKING:
-    from .app import ServeState
+    from .state import ServeState
 
 DISCONNECT_POLL_S = 0.5
+
+
+class KeepAlive:
+    """No event for ``keepalive_s``: a stream sends its keep-alive (an SSE comment, an
+    Anthropic ``ping``), so a client's read timeout does not end a long prefill."""
 
 
 class ClientGone(Exception):
@@ -48,16 +53,23 @@ class Generation:
         self._post(error)
         self.handle.cancel()
 
-    async def events(self, http: Request | None = None) -> AsyncIterator[Event | APIError]:
+    async def events(
+        self, http: Request | None = None, keepalive_s: float | None = None
+    ) -> AsyncIterator[Event | APIError | KeepAlive]:
         """The engine's events up to a terminal one. With ``http`` (a response sent at the
         end), a watcher cancels the request the moment the client disconnects, so the
         engine drops it at its next step (docs/DESIGN.md §20); a streaming response's
-        disconnect cancels through Starlette closing this generator."""
+        disconnect cancels through Starlette closing this generator. With
+        ``keepalive_s``, a :class:`KeepAlive` comes after each such wait without an event."""
         watcher = asyncio.ensure_future(self._watch(http)) if http is not None else None
         try:
             while True:
                 if http is None:
-                    event = await self.queue.get()
+                    try:
+                        event = await asyncio.wait_for(self.queue.get(), keepalive_s)
+                    except TimeoutError:
+                        yield KeepAlive()
+                        continue
                 else:
                     try:
                         event = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)

@@ -15,19 +15,23 @@ from .prompts import APIError
 from .replies import error_response
 
 if TYPE_CHECKING:
-    from .app import ServeState
+    from .state import ServeState
 
 
 def authorize(state: ServeState, http: Request) -> None:
-    """Nothing when the server has no key; else ``Authorization: Bearer <key>`` must carry
-    it (compared in constant time). Raises :class:`APIError` 401 ``invalid_api_key``."""
+    """Nothing when the server has no key; else ``Authorization: Bearer <key>`` or
+    ``x-api-key: <key>`` (Anthropic's clients) must carry it (compared in constant time).
+    Raises :class:`APIError` 401 ``invalid_api_key``."""
     if not state.api_key:
         return
     scheme, _, key = http.headers.get("authorization", "").partition(" ")
-    given = key.strip().encode("utf-8", "surrogateescape")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given, state.api_key.encode()):
+    given = [key.strip()] if scheme.lower() == "bearer" else []
+    if "x-api-key" in http.headers:
+        given.append(http.headers["x-api-key"].strip())
+    want = state.api_key.encode()
+    if not any(hmac.compare_digest(g.encode("utf-8", "surrogateescape"), want) for g in given):
         raise APIError(
-            "missing or invalid API key (Authorization: Bearer <key>)",
+            "missing or invalid API key (Authorization: Bearer <key>, or x-api-key)",
             401,
             "authentication_error",
             code="invalid_api_key",

@@ -25,11 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from ..api import Tokenizer
-from ..chat.prompts import Prompt, PromptBuilder, decode_ids, encode_text
+from ..chat.prompts import decode_ids, encode_text
 from ..files import private_dirs
 
 THINK_END = "</think>"
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
 class APIError(Exception):
@@ -191,84 +190,6 @@ def _after_think(tokenizer: Tokenizer, ids: tuple[int, ...]) -> dict[str, tuple[
     return out
 
 
-def text_content(content: Any, param: str) -> str:
-    """A message's ``content``: a string, or a list of ``{"type": "text", "text": ...}``
-    parts (joined). Raises :class:`APIError` for other parts (images, audio)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for i, part in enumerate(content):
-            if isinstance(part, Mapping) and part.get("type") == "text":
-                parts.append(str(part.get("text", "")))
-            else:
-                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-                raise APIError(
-                    f"content part of type {kind!r} is not supported", param=f"{param}.{i}"
-                )
-        return "".join(parts)
-    raise APIError("content must be a string or a list of text parts", param=param)
-
-
-@dataclass(frozen=True)
-class ChatPrompt:
-    prompt: Prompt
-    messages: tuple[dict[str, Any], ...]  # role, content, token_ids (assistant, if known)
-    reused_replies: int  # assistant messages whose generated ids were found
-
-
-def chat_messages(body: Mapping[str, Any], memory: ReplyMemory) -> tuple[list[dict], int]:
-    """The request's ``messages`` as builder messages, with remembered reply ids attached.
-    Returns ``(messages, reused)``. Raises :class:`APIError` for a malformed list."""
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise APIError("'messages' must be a non-empty list", param="messages")
-    out: list[dict] = []
-    reused = 0
-    for i, m in enumerate(raw):
-        if not isinstance(m, Mapping):
-            raise APIError(f"messages[{i}] must be an object", param=f"messages.{i}")
-        given = m.get("role")
-        role = ROLES.get(given) if isinstance(given, str) else None
-        if role is None:
-            raise APIError(
-                f"messages[{i}].role {str(given)[:40]!r} is not supported "
-                "(system, developer, user, assistant)",
-                param=f"messages.{i}.role",
-            )
-        content = text_content(m.get("content"), f"messages.{i}.content")
-        msg: dict[str, Any] = {"role": role, "content": content}
-        if role == "assistant":
-            ids = memory.lookup(content)
-            if ids is not None:
-                msg["token_ids"] = ids
-                reused += 1
-        out.append(msg)
-    return out, reused
-
-
-def build_chat_prompt(
-    builder: PromptBuilder, body: Mapping[str, Any], memory: ReplyMemory
-) -> ChatPrompt:
-    """The prompt of a ``/v1/chat/completions`` body. Raises :class:`APIError` for bad
-    messages and for a template that refuses them (e.g. roles out of order)."""
-    messages, reused = chat_messages(body, memory)
-    try:
-        prompt = builder.build(messages)
-    except APIError:
-        raise
-    except Exception as e:  # noqa: BLE001 -- the template's own complaint, as a 400
-        # a template's raise_exception ("roles must alternate") is for the client; any
-        # other error names our internals, so it is said without them
-        said = f": {e}" if type(e).__module__.startswith("jinja2") else ""
-        raise APIError(
-            f"the chat template cannot render these messages{said}", param="messages"
-        ) from None
-    return ChatPrompt(prompt, tuple(messages), reused)
-
-
 def completion_prompt(tokenizer: Tokenizer, body: Mapping[str, Any]) -> tuple[int, ...]:
     """The token ids of a ``/v1/completions`` ``prompt``: a string, or a list of token ids.
     A string is tokenized as text (with the tokenizer's BOS): a special token's spelling in
@@ -340,7 +261,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}),
 }
 
@@ -382,7 +302,7 @@ def sampling(
     ``presence_penalty``, ``frequency_penalty``, ``seed``, ``stop``, ``n``, ``stream`` and
     ``stream_options`` (OpenAI's names), and ``top_k``, ``min_p``, ``repetition_penalty``
     (``mlx_lm.server``'s). Raises :class:`APIError` for a bad value or an unsupported
-    feature (``n`` > 1, ``logprobs``, ``tools``)."""
+    feature (``n`` > 1, ``logprobs``)."""
     if not isinstance(body, Mapping):
         raise APIError("the request body must be a JSON object")
     max_name = (
@@ -403,8 +323,6 @@ def sampling(
         raise APIError("only n=1 is supported", param="n")
     if body.get("logprobs") or body.get("top_logprobs"):
         raise APIError("logprobs are not supported", param="logprobs")
-    if body.get("tools"):
-        raise APIError("tools are not supported", param="tools")
     check_unsupported(body)
     stop = body.get("stop")
     if stop is None:
@@ -448,6 +366,7 @@ class StopMatcher:
         self.text = ""  # everything sent or held, up to a stop
         self.sent = 0
         self.stopped = False
+        self.matched: str | None = None  # the stop string that cut the text
 
     def feed(self, delta: str) -> str:
         if self.stopped or not delta:
@@ -458,8 +377,9 @@ class StopMatcher:
             return delta
         start = max(0, len(self.text) - self.hold)
         self.text += delta
-        cut = min((i for s in self.stops if (i := self.text.find(s, start)) >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self.stops if (i := self.text.find(s, start)) >= 0]
+        if found:
+            cut, self.matched = min(found)
             self.text = self.text[:cut]
             self.stopped = True
             out, self.sent = self.text[self.sent :], len(self.text)

@@ -10,9 +10,10 @@ from pathlib import Path
 import openai
 import pytest
 from engine_kit import make_engine
-from tierchat.core.serve.app import ServeState, create_app
+from tierchat.core.serve.app import create_app
 from tierchat.core.serve.log import RequestLog, TrackedEngine
 from tierchat.core.serve.server import ServerThread
+from tierchat.core.serve.state import ServeState
 
 MAX_TOKENS = 8
 WORDS = "the quick brown fox jumps over a lazy dog while seven ships sail past".split()

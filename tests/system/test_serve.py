@@ -13,10 +13,11 @@ import httpx
 import openai
 import pytest
 from fakes import END_ID, FakeEngine, FakeTokenizer
-from tierchat.core.serve.app import ServeState, create_app
+from tierchat.core.serve.app import create_app
 from tierchat.core.serve.log import RequestLog, TrackedEngine
 from tierchat.core.serve.prompts import APIError, ReplyMemory, StopMatcher, sampling
 from tierchat.core.serve.server import ServerThread
+from tierchat.core.serve.state import ServeState
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 JSON = {"Content-Type": "application/json"}

@@ -17,9 +17,10 @@ from urllib.parse import urlparse
 import openai
 import pytest
 from engine_kit import make_engine
-from tierchat.core.serve.app import ServeState, create_app
+from tierchat.core.serve.app import create_app
 from tierchat.core.serve.log import RequestLog, TrackedEngine
 from tierchat.core.serve.server import ServerThread
+from tierchat.core.serve.state import ServeState
 
 
 class Served:

@@ -17,9 +17,10 @@ from textual.clock import MockClock
 from textual.widgets import DataTable, Static
 from tierchat.config.settings import Settings
 from tierchat.core.chat.store import ConversationStore
-from tierchat.core.serve.app import ServeState, create_app
+from tierchat.core.serve.app import create_app
 from tierchat.core.serve.log import RequestLog, TrackedEngine
 from tierchat.core.serve.server import ServerThread
+from tierchat.core.serve.state import ServeState
 
 pytestmark = pytest.mark.anyio
 SIZE = (160, 40)

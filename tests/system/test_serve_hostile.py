@@ -21,10 +21,11 @@ from engine_kit import make_engine
 from tierchat.cli.serve import _print_record
 from tierchat.core.chat.prompts import PromptBuilder
 from tierchat.core.live_status import STATUS_FILE, StatusService
-from tierchat.core.serve.app import ServeState, create_app
+from tierchat.core.serve.app import create_app
 from tierchat.core.serve.limits import ServeLimits, context_length, vocab_size
 from tierchat.core.serve.log import RequestLog, TrackedEngine
 from tierchat.core.serve.server import ServerThread
+from tierchat.core.serve.state import ServeState
 
 JSON = {"Content-Type": "application/json"}
 NORMAL = [{"role": "user", "content": "the quick brown fox jumps over a lazy dog"}]

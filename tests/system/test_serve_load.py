@@ -15,9 +15,10 @@ import threading
 import httpx
 from engine_kit import make_engine
 from test_serve_signals import Process, env_for, serve_cmd
-from tierchat.core.serve.app import ServeState, create_app
+from tierchat.core.serve.app import create_app
 from tierchat.core.serve.log import RequestLog, TrackedEngine
 from tierchat.core.serve.server import ServerThread
+from tierchat.core.serve.state import ServeState
 
 CLIENTS = 16
 MAX_TOKENS = 8

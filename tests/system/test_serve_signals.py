@@ -19,9 +19,10 @@ from pathlib import Path
 import httpx
 import pytest
 from engine_kit import make_engine
-from tierchat.core.serve.app import ServeState, create_app
+from tierchat.core.serve.app import create_app
 from tierchat.core.serve.log import RequestLog, TrackedEngine
 from tierchat.core.serve.server import ServerThread
+from tierchat.core.serve.state import ServeState
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 

@@ -1,0 +1,126 @@
+"""One reply as every API reads it: the engine's events for a prepared request, cut at
+the client's stop strings, split by the model's reply format into reasoning, text and
+tool calls (:class:`~tierchat.core.chat.tool_calls.ReplyParser`, mlx-lm's per-family
+parsers), with keep-alives while nothing comes and one :class:`ReplyEnd` at the end
+(docs/DESIGN.md §15). Each adapter writes these parts in its own wire format.
+
+A call the parser cannot read stays text (its ``ToolCallFailed`` is logged as a warning,
+never a 500); ``tool_choice: none`` never parses.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Literal
+
+from starlette.requests import Request
+
+from ..api import Failed, Finished, TokenBatch, TurnMetrics
+from ..chat.tool_calls import ReplyParser, ReplyPart, ToolCall, ToolCallFailed
+from ..text import log_safe
+from .generation import Generation, KeepAlive
+from .prompts import APIError, StopMatcher, returned_tokens
+from .replies import failure, stopped
+from .request import Prepared
+from .state import ServeState
+
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+@dataclass(frozen=True)
+class ReplyEnd:
+    """How a reply ended. ``finish_reason``: ``tool_calls`` when it holds a parsed call,
+    ``length`` at ``max_tokens``, else ``stop`` (an end token or a stop string:
+    ``stop_sequence`` names the string). ``completion_tokens``: the tokens returned (fewer
+    than generated when a stop string cut the reply). ``text`` is the visible text,
+    ``reasoning`` the think block's, ``calls`` the parsed calls."""
+
+    finish_reason: FinishReason
+    stop_sequence: str | None
+    metrics: TurnMetrics
+    completion_tokens: int
+    text: str
+    reasoning: str
+    calls: tuple[ToolCall, ...]
+
+
+ReplyEvent = ReplyPart | KeepAlive | ReplyEnd | APIError
+
+
+async def read_reply(
+    state: ServeState,
+    gen: Generation,
+    prep: Prepared,
+    stops: tuple[str, ...],
+    http: Request | None = None,
+    keepalive: bool = False,
+) -> AsyncIterator[ReplyEvent]:
+    """The reply's parts as they come, then a :class:`ReplyEnd`, or an :class:`APIError`
+    (the engine failed, or the server is stopping). ``http``: for a whole (non-streamed)
+    reply, the client whose disconnect cancels it; ``keepalive``: yield
+    :class:`KeepAlive` after each ``state.keepalive_s`` without an event (streams)."""
+    matcher = StopMatcher(stops)
+    parser = ReplyParser(
+        prep.fmt,
+        tools=list(prep.tools) or None,
+        parse_tools=prep.parse_tools,
+        in_reasoning=prep.in_reasoning,
+    )
+    if prep.forced_call and prep.fmt.tool_call_start:
+        parser.feed(prep.fmt.tool_call_start)  # the prompt opened the call: held, not shown
+    keep_s = state.keepalive_s if keepalive else None
+    async for event in gen.events(http, keepalive_s=keep_s):
+        if isinstance(event, KeepAlive):
+            yield event
+        elif isinstance(event, TokenBatch):
+            for part in _parts(parser, matcher.feed(event.text)):
+                yield part
+            if matcher.stopped:
+                gen.handle.cancel()
+        elif isinstance(event, Failed):
+            yield failure(event)
+        elif isinstance(event, APIError):
+            yield event
+        elif isinstance(event, Finished):
+            stopped(state, gen, matcher)
+            for part in _parts(parser, matcher.flush()):
+                yield part
+            for part in _log_failed(parser.finish()):
+                yield part
+            state.memory.remember(state.engine.tokenizer, matcher.text, event.token_ids)
+            n = returned_tokens(
+                state.engine.tokenizer, event.token_ids, matcher.text, matcher.stopped
+            )
+            calls = tuple(parser.calls)
+            if calls:
+                reason: FinishReason = "tool_calls"
+            elif not matcher.stopped and event.metrics.finish_reason == "length":
+                reason = "length"
+            else:
+                reason = "stop"
+            yield ReplyEnd(
+                reason,
+                matcher.matched,
+                event.metrics,
+                n,
+                parser.text,
+                parser.reasoning,
+                calls,
+            )
+
+
+def _parts(parser: ReplyParser, text: str) -> list[ReplyPart]:
+    return _log_failed(parser.feed(text)) if text else []
+
+
+def _log_failed(parts: list[ReplyPart]) -> list[ReplyPart]:
+    for part in parts:
+        if isinstance(part, ToolCallFailed):
+            print(
+                f"warning: a tool call could not be parsed ({log_safe(part.error[:200])}); "
+                "it is returned as text",
+                file=sys.stderr,
+            )
+    return [p for p in parts if not isinstance(p, ToolCallFailed)]
