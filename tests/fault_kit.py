@@ -86,9 +86,9 @@ class ColdReference:
     def __init__(self, tmp: Path, models_dir: Path, model: str = "tiny:llama") -> None:
         from engine_kit import make_engine
         from tierchat.core.serve.app import create_app
-from tierchat.core.serve.state import ServeState
         from tierchat.core.serve.log import RequestLog, TrackedEngine
         from tierchat.core.serve.server import ServerThread
+        from tierchat.core.serve.state import ServeState
 
         self.engine = TrackedEngine(make_engine(model, tmp, models_dir), RequestLog())
         state = ServeState(self.engine, max_tokens=8, use_cache=False)
