@@ -42,7 +42,6 @@ import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
 from types import ModuleType
 from typing import Any, Literal, NamedTuple
 
@@ -92,7 +91,6 @@ class ToolCallFailed:
 ReplyPart = TextDelta | ReasoningDelta | ToolCallDelta | ToolCallFailed
 
 
-@cache
 def _parser_module(name: str) -> ModuleType:
     """The parser module ``name``: an mlx-lm family ("json_tools") or a dotted module path."""
     path = name if "." in name else f"{_PARSERS_PACKAGE}.{name}"
@@ -237,6 +235,10 @@ class ReplyParser:
             the reply starts as reasoning.
 
     Accumulated: ``text``, ``reasoning``, ``calls``, ``failures``.
+
+    Raises:
+        ValueError: (constructor) the format's parser module does not import, when
+            ``parse_tools`` is on; model output never raises.
     """
 
     def __init__(
