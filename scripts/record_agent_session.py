@@ -143,18 +143,23 @@ def last_tool_result(api: Api, body: dict[str, Any]) -> str:
     return found
 
 
-def _strip(value: Any) -> Any:
-    """The value without ``cache_control`` marks, which Claude Code moves every turn."""
+def _normal(value: Any) -> Any:
+    """The value as a chat template would see it: without ``cache_control`` marks (Claude
+    Code moves them every turn) and with a list of text blocks as one string (Claude Code
+    sends its first turn's system message as blocks, later ones as a string)."""
     if isinstance(value, dict):
-        return {k: _strip(v) for k, v in value.items() if k != "cache_control"}
+        return {k: _normal(v) for k, v in value.items() if k != "cache_control"}
     if isinstance(value, list):
-        return [_strip(v) for v in value]
+        if value and all(isinstance(v, dict) and set(v) <= {"type", "text", "cache_control"}
+                         and v.get("type") == "text" for v in value):  # fmt: skip
+            return "".join(v["text"] for v in value)
+        return [_normal(v) for v in value]
     return value
 
 
 def prompt_text(api: Api, body: dict[str, Any]) -> str:
     head = body.get("instructions") if api == "responses" else body.get("system")
-    text = json.dumps(_strip([head, body.get("tools"), conversation(api, body)]))
+    text = json.dumps(_normal([head, body.get("tools"), conversation(api, body)]))
     return text[:-2]  # open at the end: the next turn's prompt extends it
 
 

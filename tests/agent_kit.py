@@ -15,12 +15,15 @@ missing or the install fails (no network, no npm cache): outside pytest that rai
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
 import signal
 import subprocess
+import threading
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Literal
 
@@ -105,14 +108,19 @@ def claude_env(base_url: str) -> dict[str, str]:
     }
 
 
-def write_codex_config(codex_home: Path, base_url: str, model: str = "local") -> Path:
+def write_codex_config(
+    codex_home: Path, base_url: str, model: str = "local", context_tokens: int | None = None
+) -> Path:
     """``config.toml`` in ``codex_home`` pointing Codex at ``base_url`` over the Responses
-    wire; the key is read from ``LOCAL_KEY``."""
+    wire; the key is read from ``LOCAL_KEY``. Codex sends no output limit (the server's
+    default applies)."""
     codex_home.mkdir(parents=True, exist_ok=True)
     path = codex_home / "config.toml"
+    window = f"model_context_window = {context_tokens}\n" if context_tokens else ""
     path.write_text(
         f"model = {json.dumps(model)}\n"
-        'model_provider = "local"\n\n'
+        'model_provider = "local"\n'
+        f"{window}\n"
         "[model_providers.local]\n"
         'name = "local"\n'
         f"base_url = {json.dumps(base_url.removesuffix('/v1') + '/v1')}\n"
@@ -122,14 +130,24 @@ def write_codex_config(codex_home: Path, base_url: str, model: str = "local") ->
     return path
 
 
-def write_opencode_config(config_home: Path, base_url: str, model: str = "local") -> Path:
+def write_opencode_config(
+    config_home: Path,
+    base_url: str,
+    model: str = "local",
+    context_tokens: int | None = None,
+    max_output_tokens: int | None = None,
+) -> Path:
     """OpenCode's global ``opencode.json`` under ``config_home`` (``$XDG_CONFIG_HOME``):
-    one OpenAI-compatible provider ``local`` at ``base_url`` and its one model."""
+    one OpenAI-compatible provider ``local`` at ``base_url`` and its one model (with
+    ``limit.context`` / ``limit.output`` when both are given: its ``max_tokens``)."""
+    entry: dict[str, object] = {"name": model}
+    if context_tokens and max_output_tokens:
+        entry["limit"] = {"context": context_tokens, "output": max_output_tokens}
     provider = {
         "npm": "@ai-sdk/openai-compatible",
         "name": "local",
         "options": {"baseURL": base_url.removesuffix("/v1") + "/v1", "apiKey": API_KEY},
-        "models": {model: {"name": model}},
+        "models": {model: entry},
     }
     config = {
         "$schema": "https://opencode.ai/config.json",
@@ -152,22 +170,29 @@ def invocation(
     home: Path,
     task: str,
     model: str = "local",
+    context_tokens: int | None = None,
+    max_output_tokens: int | None = None,
 ) -> Invocation:
     """The headless run of ``name`` on ``task`` in ``workdir`` against ``base_url``, with its
     config written under the scratch ``home``. Claude Code may use Read and Bash; Codex runs
-    in its read-only sandbox; OpenCode with its default tools."""
+    in its read-only sandbox; OpenCode with its default tools. ``context_tokens`` and
+    ``max_output_tokens`` (None: each CLI's own, 32000 output tokens for two of them) are
+    passed where the CLI takes them (Codex: only the window)."""
     env = scratch_home(home)
     exe = str(bins[name])
     if name == "claude-code":
         env.update(claude_env(base_url))
+        if max_output_tokens:
+            env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(max_output_tokens)
         cmd = [exe, "-p", task, "--model", model, "--allowedTools", "Read", "Bash"]
     elif name == "codex":
         codex_home = home / ".codex"
-        write_codex_config(codex_home, base_url, model)
+        write_codex_config(codex_home, base_url, model, context_tokens)
         env.update({"CODEX_HOME": str(codex_home), "LOCAL_KEY": API_KEY})
         cmd = [exe, "exec", "--skip-git-repo-check", "-s", "read-only", task]
     else:
-        write_opencode_config(Path(env["XDG_CONFIG_HOME"]), base_url, model)
+        config_home = Path(env["XDG_CONFIG_HOME"])
+        write_opencode_config(config_home, base_url, model, context_tokens, max_output_tokens)
         cmd = [exe, "run", task]
     return Invocation(name, cmd, env, workdir)
 
@@ -196,3 +221,217 @@ def run_cli(run: Invocation, timeout_s: float = 600) -> subprocess.CompletedProc
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     return subprocess.CompletedProcess(run.cmd, proc.returncode, out, err)
+
+
+# ---------------------------------------------------------------- what the server replied
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One request through :class:`LoggingProxy` and the server's reply, whole (an SSE
+    stream as its bytes)."""
+
+    seq: int  # arrival order at the proxy
+    path: str
+    body: dict
+    status: int
+    reply: bytes
+
+    @property
+    def has_tools(self) -> bool:
+        return bool(self.body.get("tools"))
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Tokens of one reply as the server reported them: the whole prompt, the part of it
+    served from cache, and the reply."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+
+
+def _payloads(reply: bytes) -> list[dict]:
+    """The JSON objects of a reply: its ``data:`` lines for a stream, else the one body."""
+    text = reply.decode("utf-8", errors="replace")
+    if not text.lstrip().startswith("{"):
+        lines = [x[5:].strip() for x in text.splitlines() if x.startswith("data:")]
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except ValueError:  # "[DONE]"
+                pass
+        return [x for x in out if isinstance(x, dict)]
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return []
+    return [obj] if isinstance(obj, dict) else []
+
+
+def usage_of(exchange: Exchange) -> Usage | None:
+    """The usage of a reply, by the fields of its wire, streamed or whole; None if absent.
+
+    - Messages (path ``/v1/messages``): ``message_start.message.usage`` (or the message's
+      ``usage``): prompt = ``input_tokens + cache_read_input_tokens +
+      cache_creation_input_tokens`` (Anthropic's ``input_tokens`` counts only the uncached
+      part), cached = ``cache_read_input_tokens``; output from the last ``message_delta``.
+    - Responses (``/v1/responses``): ``response.completed``'s ``response.usage``:
+      ``input_tokens``, ``input_tokens_details.cached_tokens``, ``output_tokens``.
+    - Chat (``/v1/chat/completions``): the chunk (or reply) with ``usage``:
+      ``prompt_tokens``, ``prompt_tokens_details.cached_tokens``, ``completion_tokens``.
+    """
+    path = exchange.path.split("?")[0].rstrip("/")
+    objs = _payloads(exchange.reply)
+    if path.endswith("/messages"):
+        start = next((o["message"].get("usage") for o in objs
+                      if o.get("type") == "message_start"), None)  # fmt: skip
+        start = start or next((o.get("usage") for o in objs if o.get("type") == "message"), None)
+        if not start:
+            return None
+        output = start.get("output_tokens") or 0
+        for o in objs:
+            if o.get("type") == "message_delta" and o.get("usage"):
+                output = o["usage"].get("output_tokens", output)
+        cached = start.get("cache_read_input_tokens") or 0
+        prompt = (start.get("input_tokens") or 0) + cached
+        return Usage(prompt + (start.get("cache_creation_input_tokens") or 0), cached, output)
+    if path.endswith("/responses"):
+        u = next((o["response"].get("usage") for o in objs
+                  if o.get("type") == "response.completed"), None)  # fmt: skip
+        u = u or next((o.get("usage") for o in objs if o.get("object") == "response"), None)
+        if not u:
+            return None
+        cached = (u.get("input_tokens_details") or {}).get("cached_tokens") or 0
+        return Usage(u["input_tokens"], cached, u.get("output_tokens") or 0)
+    u = next((o["usage"] for o in reversed(objs) if o.get("usage")), None)
+    if not u:
+        return None
+    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return Usage(u["prompt_tokens"], cached, u.get("completion_tokens") or 0)
+
+
+def cache_shortfalls(exchanges: list[Exchange]) -> list[str]:
+    """What breaks "each main request after the first is served from the cache" in a
+    session: for the main requests (those with ``tools``) in order, request ``i`` must
+    report ``cached_tokens >= prompt_tokens[i-1] - output_tokens[i-1]`` (the previous
+    prompt, less the previous reply's length as slack for how a chat template re-renders
+    the turn it ends with). A missing usage is a shortfall too. Empty: all held."""
+    main = [e for e in exchanges if e.has_tools]
+    problems: list[str] = []
+    previous: Usage | None = None
+    for i, e in enumerate(main):
+        u = usage_of(e)
+        if u is None:
+            problems.append(f"main request {i} ({e.path}, HTTP {e.status}): no usage in reply")
+            previous = None
+            continue
+        if previous is not None:
+            floor = previous.prompt_tokens - previous.output_tokens
+            if u.cached_tokens < floor:
+                problems.append(
+                    f"main request {i}: cached {u.cached_tokens} < {floor} (previous prompt "
+                    f"{previous.prompt_tokens} - its reply {previous.output_tokens})"
+                )
+        previous = u
+    return problems
+
+
+class LoggingProxy:
+    """A reverse proxy on ``127.0.0.1`` (any free port) in a daemon thread that forwards
+    every request to ``upstream`` and keeps each request and its whole reply as an
+    :class:`Exchange`. Replies are passed on as they arrive (streams stay streams), each
+    on a connection closed after it."""
+
+    def __init__(self, upstream: str) -> None:
+        import httpx  # a dependency of tierchat (its HTTP tests and bench clients)
+
+        self.upstream = upstream.rstrip("/")
+        self.exchanges: list[Exchange] = []
+        self._lock = threading.Lock()
+        self._arrivals = itertools.count()
+        self._client = httpx.Client(timeout=httpx.Timeout(None, connect=10))
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+                pass
+
+            def _forward(self, method: str) -> None:
+                with proxy._lock:
+                    seq = next(proxy._arrivals)
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() not in _HOP_HEADERS}  # fmt: skip
+                headers["Accept-Encoding"] = "identity"  # the kept reply stays readable
+                reply = bytearray()
+                request = proxy._client.build_request(
+                    method, proxy.upstream + self.path, headers=headers, content=raw or None
+                )
+                try:
+                    upstream = proxy._client.send(request, stream=True)
+                except Exception as e:  # noqa: BLE001 - any failure reaches the client as 502
+                    upstream = None
+                    reply += f'{{"error": {{"message": "proxy: {type(e).__name__}"}}}}'.encode()
+                status = upstream.status_code if upstream is not None else 502
+                try:
+                    self.send_response(status)
+                    kept = upstream.headers.items() if upstream is not None else []
+                    for k, v in kept:
+                        if k.lower() not in _HOP_HEADERS and k.lower() != "content-length":
+                            self.send_header(k, v)
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    if upstream is None:
+                        self.wfile.write(bytes(reply))
+                    else:
+                        for piece in upstream.iter_raw():
+                            reply += piece
+                            self.wfile.write(piece)
+                            self.wfile.flush()
+                finally:
+                    if upstream is not None:
+                        upstream.close()
+                    self.close_connection = True
+                    try:
+                        body = json.loads(raw) if raw else {}
+                    except ValueError:
+                        body = {}
+                    with proxy._lock:
+                        proxy.exchanges.append(
+                            Exchange(seq, self.path, body if isinstance(body, dict) else {},
+                                     status, bytes(reply))  # fmt: skip
+                        )
+
+            def do_GET(self) -> None:  # noqa: N802
+                self._forward("GET")
+
+            def do_POST(self) -> None:  # noqa: N802
+                self._forward("POST")
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> LoggingProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self._client.close()
+
+    def posts(self) -> list[Exchange]:
+        """The POSTed exchanges so far (the model requests), in the order they came."""
+        with self._lock:
+            return sorted((e for e in self.exchanges if e.body), key=lambda e: e.seq)
+
+
+_HOP_HEADERS = {"host", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
+                "upgrade", "proxy-connection", "accept-encoding"}  # fmt: skip
