@@ -495,6 +495,8 @@ def neutral(text: str, scratch: Path) -> str:
     for real, shown in ((scratch / "project", "/home/user/project"), (scratch / "home", "/home/user")):
         text = text.replace(str(real), shown).replace(json.dumps(str(real))[1:-1], shown)
     text = text.replace(str(scratch), "/home/user/scratch")
+    # Claude Code's memory dir names the project as its path, every other character a dash
+    text = text.replace(re.sub(r"[^A-Za-z0-9]", "-", str(scratch / "project")), "-home-user-project")
     for device in set(re.findall(r"device_id\W+([0-9a-f]{32,})", text)):  # Claude Code's
         text = text.replace(device, "0" * len(device))
     return text
