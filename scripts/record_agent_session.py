@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import re
 import shutil
 import sys
@@ -63,8 +64,16 @@ Api = Literal["messages", "responses", "chat"]
 StepKind = Literal["read", "shell"]
 
 ROOT = Path(__file__).resolve().parents[1]
-KEPT_HEADERS = ("user-agent", "anthropic-version", "anthropic-beta", "x-app", "originator",
-                "openai-beta", "session_id", "version")
+KEPT_HEADERS = (
+    "user-agent",
+    "anthropic-version",
+    "anthropic-beta",
+    "x-app",
+    "originator",
+    "openai-beta",
+    "session_id",
+    "version",
+)
 SIDE_TEXT = "Reviewing a small Python project"
 
 
@@ -96,8 +105,11 @@ SCRIPTS: dict[str, list[Step]] = {
 
 def api_of(path: str) -> Api | None:
     p = urlsplit(path).path.rstrip("/")
-    return {"/v1/messages": "messages", "/v1/responses": "responses",
-            "/v1/chat/completions": "chat"}.get(p)  # fmt: skip
+    return {
+        "/v1/messages": "messages",
+        "/v1/responses": "responses",
+        "/v1/chat/completions": "chat",
+    }.get(p)
 
 
 def conversation(api: Api, body: dict[str, Any]) -> list[Any]:
@@ -122,8 +134,9 @@ def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "\n".join(_text(c.get("text", c.get("content", ""))) for c in content
-                         if isinstance(c, dict))  # fmt: skip
+        return "\n".join(
+            _text(c.get("text", c.get("content", ""))) for c in content if isinstance(c, dict)
+        )
     return ""
 
 
@@ -150,8 +163,12 @@ def _normal(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _normal(v) for k, v in value.items() if k != "cache_control"}
     if isinstance(value, list):
-        if value and all(isinstance(v, dict) and set(v) <= {"type", "text", "cache_control"}
-                         and v.get("type") == "text" for v in value):  # fmt: skip
+        if value and all(
+            isinstance(v, dict)
+            and set(v) <= {"type", "text", "cache_control"}
+            and v.get("type") == "text"
+            for v in value
+        ):
             return "".join(v["text"] for v in value)
         return [_normal(v) for v in value]
     return value
@@ -214,11 +231,7 @@ class Recorder:
         cached = 0
         if tools:
             with self.lock:
-                n = 0
-                for a, b in zip(text, self.previous_main):
-                    if a != b:
-                        break
-                    n += 1
+                n = len(os.path.commonprefix([text, self.previous_main]))
                 cached, self.previous_main = n // 4, text
             step = tool_calls_so_far(api, body)
             if step < len(self.script):
@@ -243,15 +256,30 @@ def _chunks(s: str, n: int = 3) -> list[str]:
 
 
 def messages_events(a: Answer, u: dict[str, int], model: str) -> Iterator[tuple[str, dict]]:
-    usage = {"input_tokens": u["prompt"] - u["cached"], "cache_creation_input_tokens": 0,
-             "cache_read_input_tokens": u["cached"], "output_tokens": 1}  # fmt: skip
-    msg = {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant",
-           "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
-           "usage": usage}  # fmt: skip
+    usage = {
+        "input_tokens": u["prompt"] - u["cached"],
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": u["cached"],
+        "output_tokens": 1,
+    }
+    msg = {
+        "id": "msg_" + uuid.uuid4().hex[:24],
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": usage,
+    }
     yield "message_start", {"type": "message_start", "message": msg}
     if a.tool:
-        block = {"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24], "name": a.tool,
-                 "input": {}}  # fmt: skip
+        block = {
+            "type": "tool_use",
+            "id": "toolu_" + uuid.uuid4().hex[:24],
+            "name": a.tool,
+            "input": {},
+        }
         deltas = [{"type": "input_json_delta", "partial_json": p} for p in _chunks(a.arguments)]
     else:
         block = {"type": "text", "text": ""}
@@ -261,28 +289,53 @@ def messages_events(a: Answer, u: dict[str, int], model: str) -> Iterator[tuple[
         yield "content_block_delta", {"type": "content_block_delta", "index": 0, "delta": d}
     yield "content_block_stop", {"type": "content_block_stop", "index": 0}
     delta = {"stop_reason": "tool_use" if a.tool else "end_turn", "stop_sequence": None}
-    yield "message_delta", {"type": "message_delta", "delta": delta,
-                            "usage": {"output_tokens": u["output"]}}  # fmt: skip
+    yield (
+        "message_delta",
+        {"type": "message_delta", "delta": delta, "usage": {"output_tokens": u["output"]}},
+    )
     yield "message_stop", {"type": "message_stop"}
 
 
 def messages_whole(a: Answer, u: dict[str, int], model: str) -> dict[str, Any]:
     if a.tool:
-        content = [{"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24], "name": a.tool,
-                    "input": json.loads(a.arguments)}]  # fmt: skip
+        content = [
+            {
+                "type": "tool_use",
+                "id": "toolu_" + uuid.uuid4().hex[:24],
+                "name": a.tool,
+                "input": json.loads(a.arguments),
+            }
+        ]
     else:
         content = [{"type": "text", "text": a.text}]
-    return {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant",
-            "model": model, "content": content,
-            "stop_reason": "tool_use" if a.tool else "end_turn", "stop_sequence": None,
-            "usage": {"input_tokens": u["prompt"] - u["cached"], "output_tokens": u["output"],
-                      "cache_creation_input_tokens": 0, "cache_read_input_tokens": u["cached"]}}  # fmt: skip
+    return {
+        "id": "msg_" + uuid.uuid4().hex[:24],
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": "tool_use" if a.tool else "end_turn",
+        "stop_sequence": None,
+        "usage": {
+            "input_tokens": u["prompt"] - u["cached"],
+            "output_tokens": u["output"],
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": u["cached"],
+        },
+    }
 
 
 def responses_events(a: Answer, u: dict[str, int], model: str) -> Iterator[tuple[str, dict]]:
     rid = "resp_" + uuid.uuid4().hex
-    response = {"id": rid, "object": "response", "created_at": int(time.time()),
-                "status": "in_progress", "model": model, "output": [], "usage": None}  # fmt: skip
+    response = {
+        "id": rid,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "in_progress",
+        "model": model,
+        "output": [],
+        "usage": None,
+    }
     seq = iter(range(1_000_000))
 
     def event(kind: str, **fields: Any) -> tuple[str, dict]:
@@ -291,18 +344,37 @@ def responses_events(a: Answer, u: dict[str, int], model: str) -> Iterator[tuple
     yield event("response.created", response=response)
     yield event("response.in_progress", response=response)
     if a.tool:
-        item = {"id": "fc_" + uuid.uuid4().hex, "type": "function_call", "status": "in_progress",
-                "call_id": "call_" + uuid.uuid4().hex[:24], "name": a.tool, "arguments": ""}  # fmt: skip
+        item = {
+            "id": "fc_" + uuid.uuid4().hex,
+            "type": "function_call",
+            "status": "in_progress",
+            "call_id": "call_" + uuid.uuid4().hex[:24],
+            "name": a.tool,
+            "arguments": "",
+        }
         yield event("response.output_item.added", output_index=0, item=item)
         for p in _chunks(a.arguments):
-            yield event("response.function_call_arguments.delta", item_id=item["id"],
-                        output_index=0, delta=p)  # fmt: skip
-        yield event("response.function_call_arguments.done", item_id=item["id"], output_index=0,
-                    arguments=a.arguments)  # fmt: skip
+            yield event(
+                "response.function_call_arguments.delta",
+                item_id=item["id"],
+                output_index=0,
+                delta=p,
+            )
+        yield event(
+            "response.function_call_arguments.done",
+            item_id=item["id"],
+            output_index=0,
+            arguments=a.arguments,
+        )
         done = {**item, "status": "completed", "arguments": a.arguments}
     else:
-        item = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "status": "in_progress",
-                "role": "assistant", "content": []}  # fmt: skip
+        item = {
+            "id": "msg_" + uuid.uuid4().hex,
+            "type": "message",
+            "status": "in_progress",
+            "role": "assistant",
+            "content": [],
+        }
         yield event("response.output_item.added", output_index=0, item=item)
         part = {"type": "output_text", "text": "", "annotations": []}
         ids = {"item_id": item["id"], "output_index": 0, "content_index": 0}
@@ -314,24 +386,36 @@ def responses_events(a: Answer, u: dict[str, int], model: str) -> Iterator[tuple
         yield event("response.content_part.done", **ids, part=part)
         done = {**item, "status": "completed", "content": [part]}
     yield event("response.output_item.done", output_index=0, item=done)
-    usage = {"input_tokens": u["prompt"], "input_tokens_details": {"cached_tokens": u["cached"]},
-             "output_tokens": u["output"], "output_tokens_details": {"reasoning_tokens": 0},
-             "total_tokens": u["prompt"] + u["output"]}  # fmt: skip
+    usage = {
+        "input_tokens": u["prompt"],
+        "input_tokens_details": {"cached_tokens": u["cached"]},
+        "output_tokens": u["output"],
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u["prompt"] + u["output"],
+    }
     final = {**response, "status": "completed", "output": [done], "usage": usage}
     yield event("response.completed", response=final)
 
 
 def chat_chunks(a: Answer, u: dict[str, int], model: str, with_usage: bool) -> Iterator[dict]:
-    head = {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": model}  # fmt: skip
+    head = {
+        "id": "chatcmpl-" + uuid.uuid4().hex[:24],
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+    }
 
     def chunk(delta: dict, finish: str | None = None) -> dict:
         return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
 
     yield chunk({"role": "assistant", "content": ""})
     if a.tool:
-        call = {"index": 0, "id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                "function": {"name": a.tool, "arguments": ""}}  # fmt: skip
+        call = {
+            "index": 0,
+            "id": "call_" + uuid.uuid4().hex[:24],
+            "type": "function",
+            "function": {"name": a.tool, "arguments": ""},
+        }
         yield chunk({"tool_calls": [call]})
         for p in _chunks(a.arguments):
             yield chunk({"tool_calls": [{"index": 0, "function": {"arguments": p}}]})
@@ -345,21 +429,34 @@ def chat_chunks(a: Answer, u: dict[str, int], model: str, with_usage: bool) -> I
 
 
 def chat_usage(u: dict[str, int]) -> dict[str, Any]:
-    return {"prompt_tokens": u["prompt"], "completion_tokens": u["output"],
-            "total_tokens": u["prompt"] + u["output"],
-            "prompt_tokens_details": {"cached_tokens": u["cached"]}}  # fmt: skip
+    return {
+        "prompt_tokens": u["prompt"],
+        "completion_tokens": u["output"],
+        "total_tokens": u["prompt"] + u["output"],
+        "prompt_tokens_details": {"cached_tokens": u["cached"]},
+    }
 
 
 def chat_whole(a: Answer, u: dict[str, int], model: str) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": a.text or None}
     if a.tool:
-        message["tool_calls"] = [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                                  "function": {"name": a.tool, "arguments": a.arguments}}]  # fmt: skip
-    return {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "object": "chat.completion",
-            "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message,
-                         "finish_reason": "tool_calls" if a.tool else "stop"}],
-            "usage": chat_usage(u)}  # fmt: skip
+        message["tool_calls"] = [
+            {
+                "id": "call_" + uuid.uuid4().hex[:24],
+                "type": "function",
+                "function": {"name": a.tool, "arguments": a.arguments},
+            }
+        ]
+    return {
+        "id": "chatcmpl-" + uuid.uuid4().hex[:24],
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {"index": 0, "message": message, "finish_reason": "tool_calls" if a.tool else "stop"}
+        ],
+        "usage": chat_usage(u),
+    }
 
 
 # ---------------------------------------------------------------- HTTP
@@ -492,11 +589,16 @@ def write_sample_project(root: Path) -> None:
 def neutral(text: str, scratch: Path) -> str:
     """``text`` (JSON lines) with the scratch dirs named as a neutral home and project, and
     Claude Code's device id (``metadata.user_id``) as zeros."""
-    for real, shown in ((scratch / "project", "/home/user/project"), (scratch / "home", "/home/user")):
+    for real, shown in (
+        (scratch / "project", "/home/user/project"),
+        (scratch / "home", "/home/user"),
+    ):
         text = text.replace(str(real), shown).replace(json.dumps(str(real))[1:-1], shown)
     text = text.replace(str(scratch), "/home/user/scratch")
     # Claude Code's memory dir names the project as its path, every other character a dash
-    text = text.replace(re.sub(r"[^A-Za-z0-9]", "-", str(scratch / "project")), "-home-user-project")
+    text = text.replace(
+        re.sub(r"[^A-Za-z0-9]", "-", str(scratch / "project")), "-home-user-project"
+    )
     for device in set(re.findall(r"device_id\W+([0-9a-f]{32,})", text)):  # Claude Code's
         text = text.replace(device, "0" * len(device))
     return text

@@ -63,8 +63,7 @@ def install_clis(timeout_s: float = 600) -> dict[AgentName, Path]:
         if shutil.which(tool) is None:
             pytest.skip(f"the agent CLIs need {tool}, which is not on PATH")
     root.mkdir(parents=True, exist_ok=True)
-    cmd = ["npm", "install", "--prefix", str(root), "--no-audit", "--no-fund",
-           *PACKAGES.values()]  # fmt: skip
+    cmd = ["npm", "install", "--prefix", str(root), "--no-audit", "--no-fund", *PACKAGES.values()]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -91,8 +90,12 @@ def scratch_home(home: Path) -> dict[str, str]:
     and writes nothing of the user's; the caller's PATH and locale are kept."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_DROPPED_ENV)}
     env["HOME"] = str(home)
-    for var, sub in (("XDG_CONFIG_HOME", ".config"), ("XDG_DATA_HOME", ".local/share"),
-                     ("XDG_CACHE_HOME", ".cache"), ("XDG_STATE_HOME", ".local/state")):  # fmt: skip
+    for var, sub in (
+        ("XDG_CONFIG_HOME", ".config"),
+        ("XDG_DATA_HOME", ".local/share"),
+        ("XDG_CACHE_HOME", ".cache"),
+        ("XDG_STATE_HOME", ".local/state"),
+    ):
         env[var] = str(home / sub)
         (home / sub).mkdir(parents=True, exist_ok=True)
     return env
@@ -286,8 +289,9 @@ def usage_of(exchange: Exchange) -> Usage | None:
     path = exchange.path.split("?")[0].rstrip("/")
     objs = _payloads(exchange.reply)
     if path.endswith("/messages"):
-        start = next((o["message"].get("usage") for o in objs
-                      if o.get("type") == "message_start"), None)  # fmt: skip
+        start = next(
+            (o["message"].get("usage") for o in objs if o.get("type") == "message_start"), None
+        )
         start = start or next((o.get("usage") for o in objs if o.get("type") == "message"), None)
         if not start:
             return None
@@ -299,8 +303,10 @@ def usage_of(exchange: Exchange) -> Usage | None:
         prompt = (start.get("input_tokens") or 0) + cached
         return Usage(prompt + (start.get("cache_creation_input_tokens") or 0), cached, output)
     if path.endswith("/responses"):
-        u = next((o["response"].get("usage") for o in objs
-                  if o.get("type") == "response.completed"), None)  # fmt: skip
+        u = next(
+            (o["response"].get("usage") for o in objs if o.get("type") == "response.completed"),
+            None,
+        )
         u = u or next((o.get("usage") for o in objs if o.get("object") == "response"), None)
         if not u:
             return None
@@ -365,8 +371,7 @@ class LoggingProxy:
                 with proxy._lock:
                     seq = next(proxy._arrivals)
                 raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                headers = {k: v for k, v in self.headers.items()
-                           if k.lower() not in _HOP_HEADERS}  # fmt: skip
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_HEADERS}
                 headers["Accept-Encoding"] = "identity"  # the kept reply stays readable
                 reply = bytearray()
                 request = proxy._client.build_request(
@@ -403,8 +408,13 @@ class LoggingProxy:
                         body = {}
                     with proxy._lock:
                         proxy.exchanges.append(
-                            Exchange(seq, self.path, body if isinstance(body, dict) else {},
-                                     status, bytes(reply))  # fmt: skip
+                            Exchange(
+                                seq,
+                                self.path,
+                                body if isinstance(body, dict) else {},
+                                status,
+                                bytes(reply),
+                            )
                         )
 
             def do_GET(self) -> None:  # noqa: N802
@@ -433,5 +443,14 @@ class LoggingProxy:
             return sorted((e for e in self.exchanges if e.body), key=lambda e: e.seq)
 
 
-_HOP_HEADERS = {"host", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
-                "upgrade", "proxy-connection", "accept-encoding"}  # fmt: skip
+_HOP_HEADERS = {
+    "host",
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "proxy-connection",
+    "accept-encoding",
+}

@@ -79,12 +79,16 @@ def run_through_proxy(name, bins, upstream, project, home, model, **limits):
 
 
 def describe(result: subprocess.CompletedProcess, exchanges, extra: str = "") -> str:
-    lines = [f"exit {result.returncode}", "stdout: " + result.stdout[-3000:],
-             "stderr: " + result.stderr[-3000:]]  # fmt: skip
+    lines = [
+        f"exit {result.returncode}",
+        "stdout: " + result.stdout[-3000:],
+        "stderr: " + result.stderr[-3000:],
+    ]
     for e in exchanges:
         u = agent_kit.usage_of(e)
-        lines.append(f"{e.path} HTTP {e.status} tools={e.has_tools} usage={u} "
-                     f"reply={e.reply[:300]!r}")  # fmt: skip
+        lines.append(
+            f"{e.path} HTTP {e.status} tools={e.has_tools} usage={u} reply={e.reply[:300]!r}"
+        )
     return "\n".join(lines) + ("\n" + extra[-4000:] if extra else "")
 
 
@@ -113,11 +117,27 @@ class Serve:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TIERCHAT_")}
         (tmp / "empty.toml").write_text("")
         env["TIERCHAT_CONFIG"] = str(tmp / "empty.toml")
-        cmd = [sys.executable, "-m", "tierchat.cli.main", "serve", "--model", "demo",
-               "--port", "0", "--cache-dir", str(tmp / "kv"), "--data-dir", str(tmp / "data"),
-               "--models-dir", str(models_dir), "--max-tokens", str(MAX_OUTPUT_TOKENS)]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     text=True, env=env)  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "tierchat.cli.main",
+            "serve",
+            "--model",
+            "demo",
+            "--port",
+            "0",
+            "--cache-dir",
+            str(tmp / "kv"),
+            "--data-dir",
+            str(tmp / "data"),
+            "--models-dir",
+            str(models_dir),
+            "--max-tokens",
+            str(MAX_OUTPUT_TOKENS),
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+        )
         self.lines: list[str] = []
         self.url = ""
         self._listening = threading.Event()
@@ -158,9 +178,15 @@ def test_cli_against_serve(name, bins, project, tmp_path, models_dir):
         url = serve.wait_listening()
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         result, exchanges = run_through_proxy(
-            name, bins, url, project, tmp_path / "home", model,
-            context_tokens=DEMO_CONTEXT_TOKENS, max_output_tokens=MAX_OUTPUT_TOKENS,
-        )  # fmt: skip
+            name,
+            bins,
+            url,
+            project,
+            tmp_path / "home",
+            model,
+            context_tokens=DEMO_CONTEXT_TOKENS,
+            max_output_tokens=MAX_OUTPUT_TOKENS,
+        )
     finally:
         serve.stop()
     info = describe(result, exchanges, serve.stderr())

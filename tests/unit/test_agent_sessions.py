@@ -33,7 +33,7 @@ def test_a_shipped_session_is_one_growing_conversation(name):
     assert {r.api for r in requests} == {EXPECTED_API[name]}
     main = [r for r in requests if r.has_tools]
     assert len(main) >= 6
-    for before, after in zip(main, main[1:]):
+    for before, after in zip(main, main[1:], strict=False):
         old, new = conversation(before), conversation(after)
         assert len(new) > len(old)
         # earlier turns come back as sent, but for what a client re-renders (Claude Code's
