@@ -398,6 +398,8 @@ class LoggingProxy:
                             reply += piece
                             self.wfile.write(piece)
                             self.wfile.flush()
+                except (BrokenPipeError, ConnectionResetError, httpx.HTTPError):
+                    pass  # a side left: the client (closing upstream cancels it) or the server
                 finally:
                     if upstream is not None:
                         upstream.close()
