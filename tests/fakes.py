@@ -153,7 +153,7 @@ class FakeEngine:
         reasoning: when set, every reply starts with ``<think>reasoning</think>`` (a
             reasoning model's shape).
         context_length: the model's context in tokens (as ``Engine.context_length``,
-            ``max_position_embeddings`` of tiny models: 4096).
+            here 4096 by default; tiny models have 131072).
 
     A cancel seen before the first token (during "prefill") ends the request with
     ``Failed(kind="cancelled")``, as the real engine does.

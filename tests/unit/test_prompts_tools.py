@@ -250,3 +250,26 @@ def test_qwen_agent_turns_extend_with_parallel_calls(qwen):
         for c in calls:
             msgs.append({"role": "tool", "tool_call_id": c["id"], "content": f"{c['id']} ok"})
         prev = p.token_ids + tuple(ids)
+
+
+class RecordingTokenizer(FakeTokenizer):
+    """Records the keyword arguments of every render."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[dict] = []
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True, **kw):
+        self.calls.append(kw)
+        return super().apply_chat_template(messages, add_generation_prompt, tokenize)
+
+
+def test_tools_and_enable_thinking_reach_every_render():
+    tok = RecordingTokenizer()
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    build_prompt(tok, msgs, tools=TOOLS, enable_thinking=False)
+    assert len(tok.calls) >= 1 + 2 * len(msgs)  # the full render and two per message
+    assert all(c == {"tools": TOOLS, "enable_thinking": False} for c in tok.calls)
+    tok.calls.clear()
+    build_prompt(tok, msgs)  # None: not passed, the template's default
+    assert tok.calls and all(c == {} for c in tok.calls)
