@@ -2,8 +2,8 @@
 from npm at pinned versions, configured for a local base URL, run headless in a scratch
 HOME with a time bound.
 
-Versions and configs as in docs checked offline on this kind of machine
-(/work/shared/agents/README.md): Claude Code speaks Anthropic Messages (``POST
+Versions and configs as checked offline on this kind of machine (the README's "Agents"
+section says the same for users): Claude Code speaks Anthropic Messages (``POST
 /v1/messages?beta=true``), Codex CLI the OpenAI Responses API (``wire_api =
 "responses"``), OpenCode chat completions through ``@ai-sdk/openai-compatible``.
 

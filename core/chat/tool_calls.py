@@ -165,7 +165,8 @@ class ReplyFormat:
         A wrapper says it all (``tool_parser`` is the parse function; its module is named
         here). A bare tokenizer is inferred as ``mlx_lm.tokenizer_utils.load`` does: the
         ``tool_parser_type`` of its config, else ``_infer_tool_parser``, and
-        ``_infer_thinking`` for the think markers.
+        ``_infer_thinking`` for the think markers. Anything else (a tokenizer with no
+        vocabulary to read) has plain-text replies.
         """
         if hasattr(type(tokenizer), "tool_call_start"):  # TokenizerWrapper (a property)
             parse = tokenizer.tool_parser
@@ -178,6 +179,8 @@ class ReplyFormat:
                 tokenizer.think_end,
                 tuple(tokenizer.structural_markers),
             )
+        if not hasattr(tokenizer, "get_vocab"):  # neither: plain text, no markers
+            return cls(None, None, None, None, None)
         from mlx_lm.tokenizer_utils import (
             _infer_structural_markers,
             _infer_thinking,

@@ -260,8 +260,12 @@ async def prepare(state: ServeState, http: Request, chat: ChatRequest) -> Prepar
         raise ClientGone
     check_queue(state)
     request = engine_request(state, ids, params, max_tokens, prompt.boundaries)
-    think = fmt.think_start
-    in_reasoning = bool(think) and prompt.text.rstrip().endswith(think)
+    # the reply starts inside a think block when the prompt opened one it did not close
+    # (a template's generation prompt with ``<think>``), as mlx-lm's server reads it
+    text = prompt.text
+    in_reasoning = bool(fmt.think_start) and text.rfind(fmt.think_start) > text.rfind(
+        fmt.think_end or fmt.think_start
+    )
     tools = _tools_for(chat)
     return Prepared(
         request=request,

@@ -302,7 +302,7 @@ def test_sampling_parameters_follow_openai_names():
     s = sampling({"max_completion_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3}, 100, 0)
     assert (s.max_tokens, s.temperature, s.top_p, s.seed) == (7, 0.5, 0.9, 3)
     assert sampling({}, 100, None).max_tokens == 100
-    for body in ({"top_p": 2}, {"stop": [1]}, {"tools": [{"type": "function"}]}, {"stream": "yes"}):
+    for body in ({"top_p": 2}, {"stop": [1]}, {"stream": "yes"}):
         with pytest.raises(APIError):
             sampling(body, 100, 0)
 
