@@ -372,3 +372,38 @@ def test_unsupported_parts_and_formats_are_400(scripted):
     with pytest.raises(openai.BadRequestError) as e:
         c.responses.create(model="tiny", input="hi", max_output_tokens=0)
     assert e.value.body["param"] == "max_output_tokens"
+
+
+def test_reasoning_becomes_a_reasoning_item_and_goes_back_as_reasoning_content(
+    scripted, monkeypatch
+):
+    from tierchat.core.chat.tool_calls import ReplyFormat
+    from tierchat.core.serve import request
+
+    thinking = ReplyFormat("json_tools", "<tool_call>", "</tool_call>", "<think>", "</think>")
+    monkeypatch.setattr(request.ReplyFormat, "of", classmethod(lambda cls, tok: thinking))
+    scripted.engine.engine.replies = ["<think>Look first.</think>" + CALL_TEXT]
+    c = scripted.client
+    whole = c.responses.create(model="tiny", input="Read notes.", tools=[EXEC])
+    assert [o.type for o in whole.output] == ["reasoning", "function_call"]
+    assert whole.output[0].summary[0].text == "Look first."
+    events, final = stream_events(scripted, input="Read notes.", tools=[EXEC])
+    check_sequence(events)
+    deltas = [e.delta for e in events if e.type == "response.reasoning_summary_text.delta"]
+    assert "".join(deltas) == "Look first."
+    assert [o.type for o in final.output] == ["reasoning", "function_call"]
+    assert final.output[0].summary[0].text == "Look first."
+    c.responses.create(model="tiny", previous_response_id=whole.id, input="Go on.", tools=[EXEC])
+    text = scripted.engine.tokenizer.decode(scripted.requests[-1].prompt_ids)
+    assert "<think>\nLook first.\n</think>\n<tool_call>" in text
+
+
+def test_engine_failure_mid_stream_is_response_failed(scripted):
+    scripted.engine.engine.fail_next = "the engine broke"
+    events = list(scripted.client.responses.create(model="tiny", input="hi", stream=True))
+    check_sequence(events)
+    assert events[-1].type == "response.failed"
+    assert events[-1].response.error.message == "the engine broke"
+    assert not (
+        scripted.state.responses_dir.exists() and any(scripted.state.responses_dir.iterdir())
+    )
