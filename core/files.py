@@ -141,6 +141,24 @@ def private_dirs(path: Path, *, tighten: bool = False) -> None:
         Path(path).chmod(0o700)
 
 
+def private_open(path: Path, flags: int):
+    """A text file opened with ``os.open`` ``flags`` (``O_APPEND``: for appending, else for
+    writing), created 0600 and tightened to 0600 if it was not; ``O_NOFOLLOW``: never
+    through a link (where the platform has it).
+
+    Raises:
+        OSError: it cannot be opened (a link in the way: ``ELOOP``).
+    """
+    fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        if os.fstat(fd).st_mode & 0o077:
+            os.fchmod(fd, 0o600)
+    except OSError:
+        os.close(fd)
+        raise
+    return open(fd, "a" if flags & os.O_APPEND else "w", encoding="utf-8")  # noqa: SIM115
+
+
 def _last_write(path: Path) -> float:
     """The newest mtime of ``path`` and, for a directory, its entries (a file being
     written inside a directory does not touch the directory's own mtime)."""

@@ -20,6 +20,7 @@ import queue
 import re
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from tierchat.core.api import (
     CACHE_KINDS,
@@ -154,6 +155,10 @@ class FakeEngine:
             reasoning model's shape).
         context_length: the model's context in tokens (as ``Engine.context_length``,
             here 4096 by default; tiny models have 131072).
+        tokenizer: another tokenizer (a tiny model's, whose template renders tools); the
+            replies are then its ``encode`` of the text, ended by its first EOS id.
+        replies: scripted reply texts, one per submit in order (the last repeats), in
+            place of "Reply N to: ..." (a tool call, for tests of the APIs' tool paths).
 
     A cancel seen before the first token (during "prefill") ends the request with
     ``Failed(kind="cancelled")``, as the real engine does.
@@ -179,6 +184,8 @@ class FakeEngine:
         batch_size: int = 4,
         reasoning: str | None = None,
         context_length: int = 4096,
+        tokenizer: Any = None,
+        replies: list[str] | None = None,
     ) -> None:
         self.model_name = model_name
         self.context_length = context_length
@@ -200,7 +207,8 @@ class FakeEngine:
         self.requests: list[GenerateRequest] = []
         self.closed = False
 
-        self._tokenizer = FakeTokenizer()
+        self._tokenizer = tokenizer if tokenizer is not None else FakeTokenizer()
+        self.replies = list(replies or [])
         self._lock = threading.Lock()
         self._submits = 0
         self._hot: dict[tuple[int, ...], None] = {}  # block prefixes, LRU order
@@ -232,7 +240,7 @@ class FakeEngine:
     # ------------------------------------------------------------------ EngineLike
 
     @property
-    def tokenizer(self) -> FakeTokenizer:
+    def tokenizer(self) -> Any:
         return self._tokenizer
 
     @property
@@ -464,6 +472,8 @@ class FakeEngine:
                 self._tail_counts["evictions"] += 1
 
     def _reply_text(self, prompt: tuple[int, ...]) -> str:
+        if self.replies:
+            return self.replies[min(self._submits, len(self.replies)) - 1]
         text = self._tokenizer.decode(prompt)
         users = _LAST_USER_RE.findall(text)
         reply = f"Reply {self._submits} to: {users[-1] if users else ''}"
@@ -502,7 +512,12 @@ class FakeEngine:
         t1 = self.clock() if self.clock else 0.0
 
         text = self._reply_text(prompt)
-        planned = self._tokenizer.char_ids(text) + [END_ID]
+        if isinstance(self._tokenizer, FakeTokenizer):
+            planned = self._tokenizer.char_ids(text) + [END_ID]
+            end_id = END_ID
+        else:
+            end_id = min(self._tokenizer.eos_token_ids)
+            planned = list(self._tokenizer.encode(text, add_special_tokens=False)) + [end_id]
         budget = max(0, request.max_tokens)
         finish = "stop" if len(planned) <= budget else "length"
         planned = planned[:budget]
@@ -514,7 +529,7 @@ class FakeEngine:
                 break
             batch = planned[len(out) : len(out) + self.batch_size]
             out.extend(batch)
-            shown = [i for i in batch if i != END_ID]
+            shown = [i for i in batch if i != end_id]
             handle.emit(TokenBatch(tuple(batch), self._tokenizer.decode(shown)))
             if first:
                 first = False
@@ -549,5 +564,5 @@ class FakeEngine:
             if caching:
                 self._store(prompt, prompt + tuple(out))
             self._last_turn = metrics
-        shown = [i for i in out if i != END_ID]
+        shown = [i for i in out if i != end_id]
         handle.emit(Finished(tuple(out), self._tokenizer.decode(shown), metrics))

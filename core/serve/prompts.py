@@ -26,7 +26,7 @@ from typing import Any
 
 from ..api import Tokenizer
 from ..chat.prompts import decode_ids, encode_text
-from ..files import private_dirs
+from ..files import private_dirs, private_open
 
 THINK_END = "</think>"
 
@@ -116,7 +116,7 @@ class ReplyMemory:
         tmp = self.path.with_suffix(".tmp")
         body = "".join(json.dumps([t, list(i)]) + "\n" for t, i in self._entries.items())
         tmp.unlink(missing_ok=True)
-        with _private_open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL) as f:
+        with private_open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL) as f:
             f.write(body)
         os.replace(tmp, self.path)
         self._lines = len(self._entries)
@@ -126,7 +126,7 @@ class ReplyMemory:
             return
         try:
             private_dirs(self.path.parent, tighten=True)
-            with _private_open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND) as f:
+            with private_open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND) as f:
                 for text, ids in keys.items():
                     f.write(json.dumps([text, list(ids)]) + "\n")
             self._lines += len(keys)
@@ -159,15 +159,6 @@ class ReplyMemory:
             if ids is not None:
                 self._entries.move_to_end(text)
             return ids
-
-
-def _private_open(path: Path, flags: int):
-    """A text file opened with ``flags``, created 0600 and tightened to 0600 if it was
-    not (O_NOFOLLOW: never through a link)."""
-    fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    if os.fstat(fd).st_mode & 0o077:
-        os.fchmod(fd, 0o600)
-    return open(fd, "a" if flags & os.O_APPEND else "w", encoding="utf-8")  # noqa: SIM115
 
 
 def _after_think(tokenizer: Tokenizer, ids: tuple[int, ...]) -> dict[str, tuple[int, ...]]:

@@ -21,6 +21,7 @@ from ..text import log_safe
 from .limits import ServeLimits
 from .log import TrackedEngine
 from .prompts import APIError, ReplyMemory
+from .response_store import ResponseStore
 
 API_KEY_ENV = "TIERCHAT_API_KEY"
 MAX_NEW_RENDERS = (
@@ -70,6 +71,8 @@ class ServeState:
         self.max_queue = max_queue
         self.memory = ReplyMemory(memory_entries, memory_path)
         self.responses_dir = Path(responses_dir) if responses_dir is not None else None
+        # stored Responses API responses (previous_response_id); None: nothing is stored
+        self.responses = ResponseStore(self.responses_dir) if self.responses_dir else None
         # SSE keep-alives while a stream waits or prefills (docs/DESIGN.md §15)
         self.keepalive_s = keepalive_s
         self.created = int(time.time())
