@@ -75,3 +75,55 @@ def load_session(name_or_path: str | Path) -> list[RecordedRequest]:
             raise ValueError(f"{path}:{n}: needs api in {APIS}, a path and an object body")
         requests.append(RecordedRequest(api, url, body, dict(row.get("headers") or {})))
     return requests
+
+
+def replay_body(request: RecordedRequest, max_tokens: int) -> dict[str, Any]:
+    """``request``'s body as a replay sends it: whole (not streamed), greedy, at most
+    ``max_tokens`` generated, nothing stored; everything else as the client sent it."""
+    body = dict(request.body)
+    body.pop("stream_options", None)
+    body["stream"] = False
+    body["temperature"] = 0
+    if request.api == "chat":
+        body.pop("max_completion_tokens", None)
+        body["max_tokens"] = max_tokens
+    elif request.api == "responses":
+        body["max_output_tokens"] = max_tokens
+        body["store"] = False
+    else:
+        body["max_tokens"] = max_tokens
+        body.pop("top_p", None)  # Anthropic's API takes temperature or top_p, not both
+    return body
+
+
+def as_chat_body(request: RecordedRequest, state: Any, max_tokens: int) -> dict[str, Any]:
+    """The same conversation as a ``/v1/chat/completions`` body: ``request`` read by its
+    own API's adapter into the one internal request, written back as OpenAI chat JSON
+    (messages, tools, tool choice). Raises the adapter's ``APIError`` for a body it
+    refuses."""
+    from tierchat.core.serve import anthropic_api, openai_api, responses_input
+
+    body = replay_body(request, max_tokens)
+    if request.api == "chat":
+        chat = openai_api.chat_request(body, state)
+    elif request.api == "responses":
+        chat = responses_input.chat_request(body, responses_input.input_items(body), state)
+    else:
+        chat = anthropic_api.chat_request(body, state)
+    messages = [{k: v for k, v in m.items() if k != "token_ids"} for m in chat.messages]
+    out: dict[str, Any] = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": False,
+    }
+    if chat.tools:
+        out["tools"] = list(chat.tools)
+        out["tool_choice"] = (
+            {"type": "function", "function": {"name": chat.forced_tool}}
+            if chat.forced_tool
+            else chat.tool_choice
+        )
+    if chat.enable_thinking is not None:
+        out["chat_template_kwargs"] = {"enable_thinking": chat.enable_thinking}
+    return out
