@@ -21,11 +21,21 @@ How (works with any chat template that renders messages in order):
    becomes ordinary tokens, so no message can open or close a role. A message without a
    content span whose content spells a special token is found in ``T`` by search and cut
    out as text the same way.
+   Tool-call arguments, reasoning and the ``tools`` list are rendered as markup; the
+   special spellings inside them are placed by one more render with markers in their
+   place (core/chat/tool_fields.py) and tokenized as text too (found by search when the
+   message has no span).
    Because the cuts of turn k are also cuts of turn k+1 and each piece is tokenized on its
    own, turn k's ids are a prefix of turn k+1's.
 3. For an assistant message with ``token_ids``: when ``decode(ids)`` (EOS included) equals
    the text at the content start, those ids replace the piece; else the longest prefix of
    the ids whose decoding is a prefix of the content is spliced and the rest re-tokenized.
+   A reply the template renders without content (tool calls only) is spliced from where
+   the generation prompt ends, when its ids decode to the text there.
+
+Messages may carry tool fields (``tool_calls``, ``tool_call_id``, ``name``,
+``reasoning_content``; role ``"tool"``) and a build may pass ``tools`` and
+``enable_thinking`` to the template: all of them are part of every render's cache key.
 
 Where this cannot hold (documented, fail closed -- the prompt is still correct, the cache
 just misses from that point):
@@ -39,6 +49,10 @@ just misses from that point):
 - If the pieces do not decode to the same text as the whole (a tokenizer that prepends a
   space to every piece, SentencePiece ``add_dummy_prefix``), the whole text is tokenized
   instead, nothing is spliced and ``Prompt.fallback`` says why.
+- Tool calls: the template re-renders the arguments as JSON (key order, spacing,
+  escapes), which often is not the text the model generated; the reply's ids are then
+  spliced only as far as they match (its content), and the tool-call markup is
+  tokenized from the text, so the cache misses from there.
 - Templates that render a message differently when it is not last (Qwen3 drops
   ``<think>`` from earlier replies), trim content (Gemma ``| trim`` vs a reply ending in a
   newline) or fold one message into another (Gemma folds the system prompt into the first
@@ -51,6 +65,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import itertools
+import json
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -58,6 +73,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..api import Tokenizer
+from .tool_fields import (
+    field_strings,
+    fields_key,
+    mark_specials,
+    marked_ranges,
+    message_fields,
+    spells_special,
+    template_message,
+    template_supports_tools,
+)
+
+__all__ = [
+    "Prompt",
+    "PromptBuilder",
+    "build_prompt",
+    "decode_ids",
+    "encode_text",
+    "special_spellings",
+    "template_supports_tools",
+]
 
 SENTINEL = "TIERCHAT7SENTINEL3CONTENT"
 
@@ -82,11 +117,20 @@ class Prompt:
     fallback: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Msg:
     role: str
     content: str
     token_ids: tuple[int, ...] | None
+    fields: dict[str, Any]  # the set tool fields, as given (tool_fields.TOOL_FIELDS)
+
+    def template(self, content: str | None = None, fields: dict | None = None) -> dict:
+        """The message as the template gets it (``content``/``fields`` replaced if given)."""
+        return template_message(
+            self.role,
+            self.content if content is None else content,
+            self.fields if fields is None else fields,
+        )
 
 
 @dataclass(frozen=True)
@@ -94,19 +138,28 @@ class _Span:
     content_start: int
     content_end: int | None  # None: no content span known (boundary only)
     end: int
+    text: tuple[tuple[int, int], ...] = ()  # special spellings in tool fields, as text
+    reply_start: int | None = None  # where a reply without a content span begins
 
 
 def _as_msg(m: Any) -> _Msg:
     if isinstance(m, Mapping):
-        ids = m.get("token_ids")
-        return _Msg(m["role"], m["content"], tuple(ids) if ids is not None else None)
-    ids = getattr(m, "token_ids", None)
-    return _Msg(m.role, m.content, tuple(ids) if ids is not None else None)
+        role, content, ids = m["role"], m.get("content"), m.get("token_ids")
+    else:
+        role, content, ids = m.role, m.content, getattr(m, "token_ids", None)
+    ids = tuple(ids) if ids is not None else None
+    return _Msg(role, "" if content is None else content, ids, message_fields(m))
 
 
-def _render(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+def _render(
+    tokenizer: Tokenizer,
+    messages: list[dict],
+    add_generation_prompt: bool,
+    options: Mapping[str, Any] | None = None,
+) -> str:
+    """The template's text; ``options``: ``tools``/``enable_thinking`` to pass through."""
     text = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False, **(options or {})
     )
     if not isinstance(text, str):
         raise TypeError("apply_chat_template(tokenize=False) must return a str")
@@ -163,19 +216,28 @@ def decode_ids(tokenizer: Tokenizer, ids: Sequence[int], *, skip_special: bool =
 @dataclass(frozen=True)
 class _Rendered:
     """What rendering ``messages[:i+1]`` told about message ``i``: the render's length and
-    hash (to check it is a prefix of a later full render) and the content span in it."""
+    hash (to check it is a prefix of a later full render), the content span in it, the
+    special spellings of its tool fields (``text``) and, for a reply without a content
+    span, where the generation prompt ends (``reply_start``)."""
 
     length: int
     text_hash: int
     content: tuple[int, int] | None
+    text: tuple[tuple[int, int], ...] = ()
+    reply_start: int | None = None
 
 
-def _render_message(tokenizer: Tokenizer, plain: list[dict], i: int) -> _Rendered | None:
+def _render_message(
+    tokenizer: Tokenizer,
+    plain: list[dict],
+    i: int,
+    options: Mapping[str, Any],
+    specials: tuple[str, ...],
+) -> _Rendered | None:
+    msg = plain[i]
     try:
-        rendered = _render(tokenizer, plain[: i + 1], False)
-        probe = _render(
-            tokenizer, [*plain[:i], {"role": plain[i]["role"], "content": SENTINEL}], False
-        )
+        rendered = _render(tokenizer, plain[: i + 1], False, options)
+        probe = _render(tokenizer, [*plain[:i], {**msg, "content": SENTINEL}], False, options)
     except Exception:  # noqa: BLE001 -- a template may refuse a partial conversation
         return None
     content = None
@@ -184,7 +246,23 @@ def _render_message(tokenizer: Tokenizer, plain: list[dict], i: int) -> _Rendere
         fits = len(pre) + len(post) <= len(rendered)
         if fits and rendered.startswith(pre) and rendered.endswith(post):
             content = (len(pre), len(rendered) - len(post))
-    return _Rendered(len(rendered), hash(rendered), content)
+    fields = {k: v for k, v in msg.items() if k not in ("role", "content")}
+    text: tuple[tuple[int, int], ...] = ()
+    if fields and spells_special(fields, specials):
+        marked, spellings = mark_specials(fields, specials)
+        try:
+            probe = _render(tokenizer, [*plain[:i], {**msg, **marked}], False, options)
+            text = tuple(marked_ranges(rendered, probe, spellings))
+        except Exception:  # noqa: BLE001
+            pass
+    reply_start = None
+    if msg["role"] == "assistant" and content is None and i > 0:
+        try:
+            head = _render(tokenizer, plain[:i], True, options)
+            reply_start = len(head) if rendered.startswith(head) else None
+        except Exception:  # noqa: BLE001
+            pass
+    return _Rendered(len(rendered), hash(rendered), content, text, reply_start)
 
 
 class PromptBuilder:
@@ -249,18 +327,29 @@ class PromptBuilder:
             self._remember(self._splices, key, hit)
         return hit
 
-    def build(self, messages: Iterable[Any], *, add_generation_prompt: bool = True) -> Prompt:
+    def build(
+        self,
+        messages: Iterable[Any],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        enable_thinking: bool | None = None,
+    ) -> Prompt:
         """See :func:`build_prompt`."""
-        return _build(self.tokenizer, messages, add_generation_prompt, self)
+        options = _options(tools, enable_thinking)
+        return _build(self.tokenizer, messages, add_generation_prompt, self, options)
 
-    def _spans(self, msgs: list[_Msg], full: str) -> list[_Span | None]:
-        plain = [{"role": m.role, "content": m.content} for m in msgs]
+    def _spans(
+        self, msgs: list[_Msg], plain: list[dict], full: str, options: Mapping[str, Any]
+    ) -> list[_Span | None]:
         spans: list[_Span | None] = []
         prev_end = 0
-        digests, digest = [], b""
+        digests = []
+        digest = hashlib.sha256(_options_key(options)).digest() if options else b""
         for m in msgs:
+            body = m.content.encode("utf-8", "surrogatepass")
             digest = hashlib.sha256(
-                digest + m.role.encode() + b"\0" + m.content.encode("utf-8", "surrogatepass")
+                digest + m.role.encode() + b"\0%d\0" % len(body) + body + fields_key(m.fields)
             ).digest()
             digests.append(digest)
         with self._lock:
@@ -280,7 +369,7 @@ class PromptBuilder:
                 spans.append(None)
                 continue
             if not hit:
-                info = _render_message(self.tokenizer, plain, i)
+                info = _render_message(self.tokenizer, plain, i, options, self.specials)
                 self._remember(self._cache, digest, info)
             ok = (
                 info is not None
@@ -292,10 +381,28 @@ class PromptBuilder:
                 continue
             prev_end = info.length
             if info.content is None:
-                spans.append(_Span(info.length, None, info.length))
+                span = _Span(info.length, None, info.length, info.text, info.reply_start)
             else:
-                spans.append(_Span(info.content[0], info.content[1], info.length))
+                span = _Span(info.content[0], info.content[1], info.length, info.text)
+            spans.append(span)
         return spans
+
+
+def _options(
+    tools: Sequence[Mapping[str, Any]] | None, enable_thinking: bool | None
+) -> dict[str, Any]:
+    """The template keyword arguments of a build: ``tools`` and ``enable_thinking`` when
+    given (None: not passed, the template's default)."""
+    options: dict[str, Any] = {}
+    if tools is not None:
+        options["tools"] = [dict(t) if isinstance(t, Mapping) else t for t in tools]
+    if enable_thinking is not None:
+        options["enable_thinking"] = enable_thinking
+    return options
+
+
+def _options_key(options: Mapping[str, Any]) -> bytes:
+    return json.dumps(options, sort_keys=True, ensure_ascii=True, default=str).encode()
 
 
 def _splice_len(tokenizer: Tokenizer, ids: tuple[int, ...], full: str, span: _Span) -> int:
@@ -321,37 +428,59 @@ def _splice_len(tokenizer: Tokenizer, ids: tuple[int, ...], full: str, span: _Sp
 
 
 def build_prompt(
-    tokenizer: Tokenizer, messages: Iterable[Any], *, add_generation_prompt: bool = True
+    tokenizer: Tokenizer,
+    messages: Iterable[Any],
+    *,
+    add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    enable_thinking: bool | None = None,
 ) -> Prompt:
     """The prompt for ``messages`` (the active path: ``Node`` objects or mappings with
-    ``role``, ``content`` and optional ``token_ids``), with generated ids spliced in.
-    One-shot; a :class:`PromptBuilder` caches template renders across turns.
+    ``role`` (``"tool"`` included), ``content`` (None: empty), optional ``token_ids`` and
+    the tool fields ``tool_calls``, ``tool_call_id``, ``name``, ``reasoning_content``;
+    see core/chat/tool_fields.py), with generated ids spliced in. One-shot; a
+    :class:`PromptBuilder` caches template renders across turns.
+
+    ``tools``: OpenAI function tools (``[{"type": "function", "function": {"name",
+    "description", "parameters"}}]``), passed to every render of the template;
+    ``enable_thinking``: passed when not None (None: the template's default).
 
     Raises ``TypeError`` if the tokenizer's template does not render to text, and whatever
     the template raises for the full conversation (e.g. roles it does not allow).
     """
-    return _build(tokenizer, messages, add_generation_prompt, PromptBuilder(tokenizer))
+    options = _options(tools, enable_thinking)
+    return _build(tokenizer, messages, add_generation_prompt, PromptBuilder(tokenizer), options)
 
 
 def _build(
-    tokenizer: Tokenizer, messages: Iterable[Any], add_generation_prompt: bool, builder
+    tokenizer: Tokenizer,
+    messages: Iterable[Any],
+    add_generation_prompt: bool,
+    builder,
+    options: Mapping[str, Any],
 ) -> Prompt:
     """The body of :func:`build_prompt`; ``builder`` (a :class:`PromptBuilder`) caches."""
     msgs = [_as_msg(m) for m in messages]
-    plain = [{"role": m.role, "content": m.content} for m in msgs]
-    full = _render(tokenizer, plain, add_generation_prompt)
-    spans = builder._spans(msgs, full)
+    plain = [m.template() for m in msgs]
+    full = _render(tokenizer, plain, add_generation_prompt, options)
+    spans = builder._spans(msgs, plain, full, options)
 
     cuts = {0, len(full)}
     splices: dict[int, tuple[int, ...]] = {}  # char start -> ids covering [start, stop)
     stops: dict[int, int] = {}
     content = _content_ranges(msgs, spans, full, builder.specials)
+    for a, b in _tools_text(tokenizer, plain, full, add_generation_prompt, options, builder):
+        if not any(x < b and a < y for x, y in content.items()):
+            content[a] = b
     for a, b in content.items():
         cuts.update((a, b))
     for m, span in zip(msgs, spans, strict=True):
         if span is None:
             continue
         cuts.add(span.end)
+        if span.content_end is None and span.reply_start is not None:
+            # a reply rendered without content (tool calls only): splice from its start
+            span = _Span(span.reply_start, span.reply_start, span.end)
         if span.content_end is None:
             continue
         if m.role == "assistant" and m.token_ids:
@@ -400,27 +529,75 @@ def _build(
 def _content_ranges(
     msgs: list[_Msg], spans: list[_Span | None], full: str, specials: tuple[str, ...]
 ) -> dict[int, int]:
-    """``start -> end`` (characters of ``full``) of every message content to tokenize as
-    text: each content span, and the content of a message without one when it spells a
-    special token (found by search after the previous message's end; where the template
-    changed it beyond a strip, it is not found and stays with the markup)."""
+    """``start -> end`` (characters of ``full``) of every range to tokenize as text: each
+    content span, each special spelling in a message's tool fields, and, for a message
+    without a span, its content and tool-field strings when they spell a special token
+    (found by search after the previous message's end; where the template changed them
+    beyond a strip or JSON quoting, they are not found and stay with the markup)."""
     out: dict[int, int] = {}
     pos = 0
     for m, span in zip(msgs, spans, strict=True):
         if span is not None:
             if span.content_end is not None and span.content_end > span.content_start:
                 out[span.content_start] = span.content_end
+            out.update(span.text)
             pos = max(pos, span.end)
             continue
-        if not any(t in m.content for t in specials):
-            continue
-        for text in (m.content, m.content.strip()):
-            at = full.find(text, pos) if text else -1
-            if at >= 0:
-                out[at] = at + len(text)
-                pos = at + len(text)
-                break
+        start = pos
+        found = _find_text(m.content, full, pos, specials, (m.content, m.content.strip()))
+        if found is not None:
+            out[found[0]] = found[1]
+            pos = found[1]
+        taken = [found] if found is not None else []
+        for s in field_strings(m.fields):  # reasoning may come before the content
+            quoted = json.dumps(s, ensure_ascii=False)
+            found = _find_text(s, full, start, specials, (quoted, quoted[1:-1], s))
+            if found is None or any(a < found[1] and found[0] < b for a, b in taken):
+                continue
+            taken.append(found)
+            for t in specials:  # only the spellings: the rest stays with its markup
+                at = full.find(t, *found)
+                while at >= 0:
+                    out[at] = at + len(t)
+                    at = full.find(t, at + len(t), found[1])
+            pos = max(pos, found[1])
     return out
+
+
+def _tools_text(
+    tokenizer: Tokenizer,
+    plain: list[dict],
+    full: str,
+    add_generation_prompt: bool,
+    options: Mapping[str, Any],
+    builder,
+) -> list[tuple[int, int]]:
+    """The special spellings inside ``tools`` (a description that spells ``<|im_end|>``)
+    as ranges of ``full`` to tokenize as text, found as the tool fields' are
+    (tool_fields.marked_ranges; one more render, only when a tool spells one)."""
+    tools = options.get("tools")
+    if not tools or not spells_special({"tools": tools}, builder.specials):
+        return []
+    marked, spellings = mark_specials({"tools": tools}, builder.specials)
+    try:
+        probe = _render(tokenizer, plain, add_generation_prompt, {**options, **marked})
+    except Exception:  # noqa: BLE001
+        return []
+    return marked_ranges(full, probe, spellings)
+
+
+def _find_text(
+    text: str, full: str, pos: int, specials: tuple[str, ...], forms: tuple[str, ...]
+) -> tuple[int, int] | None:
+    """Where the first of ``forms`` found in ``full`` from ``pos`` lies, when ``text``
+    spells a special token (None otherwise, or when none is found)."""
+    if not any(t in text for t in specials):
+        return None
+    for form in forms:
+        at = full.find(form, pos) if form else -1
+        if at >= 0:
+            return at, at + len(form)
+    return None
 
 
 def _inside(starts: list[int], content: dict[int, int], a: int, b: int) -> bool:

@@ -57,11 +57,39 @@ SLIDING_WINDOW = 32  # tokens; small so that test prompts overflow it
 DEFAULT_SEED = 0
 
 CHAT_TEMPLATE = (
+    "{% if tools is defined and tools %}"
+    "<|system|>Tools (to call one, answer <tool_call>\n"
+    '{"name": ..., "arguments": {...}}\n</tool_call>):'
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}<|end|>"
+    "{% endif %}"
     "{% for message in messages %}"
-    "<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
+    "{% if message['role'] == 'tool' %}"
+    "<|user|><tool_response>\n{{ message['content'] }}\n</tool_response><|end|>"
+    "{% else %}"
+    "<|{{ message['role'] }}|>"
+    "{% if message.reasoning_content is defined and message.reasoning_content %}"
+    "<think>\n{{ message.reasoning_content }}\n</think>\n"
+    "{% endif %}"
+    "{{ message['content'] }}"
+    "{% if message.tool_calls is defined and message.tool_calls %}"
+    "{% for tool_call in message.tool_calls %}"
+    "{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}"
+    '<tool_call>\n{"name": {{ tool_call.name | tojson }}, "arguments": '
+    "{% if tool_call.arguments is string %}{{ tool_call.arguments }}"
+    "{% else %}{{ tool_call.arguments | tojson }}{% endif %}}\n</tool_call>"
+    "{% endfor %}"
+    "{% endif %}"
+    "<|end|>"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+"""Each message as ``<|role|>content<|end|>`` (the generation prompt ``<|assistant|>``);
+with tools: a ``<|system|>`` block listing them first, an assistant's ``reasoning_content``
+as ``<think>`` before its content, its ``tool_calls`` as ``<tool_call>`` JSON (Hermes
+form, which mlx-lm's ``json_tools`` parser reads) after it, and a ``tool`` message as a
+``<|user|>`` turn holding a ``<tool_response>``. Without those fields the text is the
+plain form above."""
 
 _DIMS: dict[str, Any] = {
     "hidden_size": 64,
@@ -70,7 +98,7 @@ _DIMS: dict[str, Any] = {
     "num_key_value_heads": 2,
     "rms_norm_eps": 1e-5,
     "vocab_size": VOCAB_SIZE,
-    "max_position_embeddings": 4096,
+    "max_position_embeddings": 131072,  # agent-length prompts
 }
 
 _LINEAR_ATTN = {  # qwen3_next / qwen3_5 gated delta net
@@ -313,7 +341,9 @@ def materialize_tiny(arch: str, models_dir: Path, seed: int = DEFAULT_SEED) -> P
 
 
 def load_tiny_tokenizer(model_dir: Path):
-    """The tiny tokenizer of ``model_dir`` as an mlx-lm ``TokenizerWrapper``.
+    """The tiny tokenizer of ``model_dir`` as an mlx-lm ``TokenizerWrapper``, with the
+    ``json_tools`` tool parser that mlx-lm's ``load()`` infers from :data:`CHAT_TEMPLATE`
+    (``has_tool_calling`` is True).
 
     Built straight from ``tokenizer.json``: ``AutoTokenizer`` would pick the tokenizer class
     from the config's ``model_type`` (e.g. ``Qwen2Tokenizer``, byte-level) and ignore the
@@ -329,4 +359,12 @@ def load_tiny_tokenizer(model_dir: Path):
         pad_token=cfg["pad_token"],
     )
     tok.chat_template = cfg["chat_template"]
-    return TokenizerWrapper(tok, eos_token_ids=[EOS_TOKEN_ID])
+    from mlx_lm.tool_parsers import json_tools
+
+    return TokenizerWrapper(
+        tok,
+        eos_token_ids=[EOS_TOKEN_ID],
+        tool_parser=json_tools.parse_tool_call,
+        tool_call_start=json_tools.tool_call_start,
+        tool_call_end=json_tools.tool_call_end,
+    )
