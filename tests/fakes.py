@@ -65,6 +65,7 @@ class FakeTokenizer:
 
     eos_token_id = END_ID
     pad_token_id = PAD_ID
+    chat_template = None  # its template is apply_chat_template below: no tools, no markers
 
     def __init__(self) -> None:
         self.eos_token_ids: set[int] = {END_ID}
@@ -76,6 +77,11 @@ class FakeTokenizer:
     @property
     def vocab_size(self) -> int:
         return _CHAR_BASE + 0x110000
+
+    def get_vocab(self) -> dict[str, int]:
+        """The specials and merged pairs (what reply-format inference reads; no think or
+        tool-call tokens)."""
+        return {**self._special_to_id, **self._merge_to_id}
 
     def char_ids(self, text: str) -> list[int]:
         """One id per character, no merges, no specials: what the fake engine generates."""
@@ -152,8 +158,11 @@ class FakeEngine:
         batch_size: tokens per ``TokenBatch``.
         reasoning: when set, every reply starts with ``<think>reasoning</think>`` (a
             reasoning model's shape).
-        context_length: the model's context in tokens (as ``Engine.context_length``,
-            ``max_position_embeddings`` of tiny models: 4096).
+        context_length: the model's context in tokens (as ``Engine.context_length``).
+        tokenizer: another tokenizer in place of :class:`FakeTokenizer` (a tiny model's,
+            whose template renders tools); replies are then its ``encode`` + its EOS id.
+        replies: scripted reply texts, used in order before the default ones (a tool call
+            in the model's markup, which random weights never write).
 
     A cancel seen before the first token (during "prefill") ends the request with
     ``Failed(kind="cancelled")``, as the real engine does.
@@ -179,6 +188,8 @@ class FakeEngine:
         batch_size: int = 4,
         reasoning: str | None = None,
         context_length: int = 4096,
+        tokenizer=None,
+        replies: list[str] | None = None,
     ) -> None:
         self.model_name = model_name
         self.context_length = context_length
@@ -200,7 +211,9 @@ class FakeEngine:
         self.requests: list[GenerateRequest] = []
         self.closed = False
 
-        self._tokenizer = FakeTokenizer()
+        self._tokenizer = tokenizer or FakeTokenizer()
+        self._eos = END_ID if tokenizer is None else min(tokenizer.eos_token_ids)
+        self.replies = list(replies or ())
         self._lock = threading.Lock()
         self._submits = 0
         self._hot: dict[tuple[int, ...], None] = {}  # block prefixes, LRU order
@@ -464,6 +477,8 @@ class FakeEngine:
                 self._tail_counts["evictions"] += 1
 
     def _reply_text(self, prompt: tuple[int, ...]) -> str:
+        if self.replies:
+            return self.replies.pop(0)
         text = self._tokenizer.decode(prompt)
         users = _LAST_USER_RE.findall(text)
         reply = f"Reply {self._submits} to: {users[-1] if users else ''}"
@@ -502,7 +517,13 @@ class FakeEngine:
         t1 = self.clock() if self.clock else 0.0
 
         text = self._reply_text(prompt)
-        planned = self._tokenizer.char_ids(text) + [END_ID]
+        tok = self._tokenizer
+        ids = (
+            tok.char_ids(text)
+            if isinstance(tok, FakeTokenizer)
+            else tok.encode(text, add_special_tokens=False)
+        )
+        planned = [*ids, self._eos]
         budget = max(0, request.max_tokens)
         finish = "stop" if len(planned) <= budget else "length"
         planned = planned[:budget]
@@ -514,7 +535,7 @@ class FakeEngine:
                 break
             batch = planned[len(out) : len(out) + self.batch_size]
             out.extend(batch)
-            shown = [i for i in batch if i != END_ID]
+            shown = [i for i in batch if i != self._eos]
             handle.emit(TokenBatch(tuple(batch), self._tokenizer.decode(shown)))
             if first:
                 first = False
@@ -549,5 +570,5 @@ class FakeEngine:
             if caching:
                 self._store(prompt, prompt + tuple(out))
             self._last_turn = metrics
-        shown = [i for i in out if i != END_ID]
+        shown = [i for i in out if i != self._eos]
         handle.emit(Finished(tuple(out), self._tokenizer.decode(shown), metrics))
