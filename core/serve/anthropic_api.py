@@ -4,10 +4,10 @@ and ``POST /v1/messages/count_tokens`` in the Messages API's wire format
 
 A body becomes the one internal :class:`~tierchat.core.serve.request.ChatRequest`:
 
-- ``system`` (a string or text blocks) is one system message, first; blocks are joined
-  with ``"\\n\\n"``. Text blocks of any message are joined the same way, so a replay that
-  sends the same conversation through another API must join its parts with a blank line
-  to get the same ids.
+- ``system`` (a string or text blocks) is one system message, first (none when it is
+  empty, as when it is absent); blocks are joined with ``"\\n\\n"``. Text blocks of any
+  message are joined the same way, so a replay that sends the same conversation through
+  another API must join its parts with a blank line to get the same ids.
 - ``system`` messages in ``messages`` (Claude Code sends them mid-conversation) stay
   system messages where the client put them: tiny models' and Qwen2.5's templates render
   a system turn anywhere; a template that refuses is the client's 400.
@@ -74,7 +74,6 @@ ERROR_TYPES = {
     413: "request_too_large",
     429: "rate_limit_error",
     503: "overloaded_error",
-    529: "overloaded_error",
 }
 THINKING = {"enabled": True, "adaptive": None, "disabled": False}
 TOOL_CHOICE = {"auto": "auto", "any": "required", "tool": "required", "none": "none"}
@@ -123,7 +122,7 @@ def _tool_result(block: Mapping[str, Any], param: str) -> dict[str, Any]:
     call_id = block.get("tool_use_id")
     if not isinstance(call_id, str) or not call_id:
         raise APIError("a tool_result needs its tool_use_id", param=f"{param}.tool_use_id")
-    content = block.get("content", "")
+    content = block.get("content") or ""
     text = _text(_blocks(content, f"{param}.content"), f"{param}.content")
     if block.get("is_error") is True:
         text = ERROR_PREFIX + text
@@ -182,7 +181,8 @@ def convert_messages(system: Any, raw: Any) -> tuple[dict[str, Any], ...]:
     Raises :class:`APIError` 400."""
     if not isinstance(raw, list) or not raw:
         raise APIError("'messages' must be a non-empty list", param="messages")
-    out = [{"role": "system", "content": system_text(system)}] if system is not None else []
+    text = system_text(system) if system is not None else ""
+    out = [{"role": "system", "content": text}] if text else []
     for i, m in enumerate(raw):
         param = f"messages.{i}"
         role = m.get("role") if isinstance(m, Mapping) else None

@@ -184,6 +184,34 @@ def test_tool_choice_kinds_are_accepted(serve):
     assert m.stop_reason == "end_turn" and m.content[0].text == CALL
 
 
+def test_pings_while_the_engine_is_silent_and_the_frames_are_anthropic_sse(serve):
+    s = serve(["Hello there."])
+    s.state.keepalive_s = 0.05
+    s.raw.gate.clear()  # the fake holds decode after its first batch
+    body = {"model": "m", "max_tokens": 50, "stream": True, "messages": [user("x")]}
+    frames = []
+    with httpx.stream("POST", s.url + "/v1/messages", json=body, timeout=30) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = r.iter_lines()
+        for line in lines:
+            frames.append(line)
+            if frames[-3:] == ["event: ping", 'data: {"type":"ping"}', ""] and any(
+                "text_delta" in f for f in frames
+            ):
+                s.raw.gate.set()
+                break
+        frames += list(lines)
+    events = [f.removeprefix("event: ") for f in frames if f.startswith("event: ")]
+    data = [json.loads(f.removeprefix("data: ")) for f in frames if f.startswith("data: ")]
+    assert [d["type"] for d in data] == events  # each frame: its event line, its data line
+    assert events[:3] == ["message_start", "ping", "content_block_start"]
+    assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert events.count("ping") >= 2  # one after message_start, one or more while held
+    text = "".join(d["delta"]["text"] for d in data if d["type"] == "content_block_delta")
+    assert text == "Hello there."
+    assert data[-2]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
+
+
 def test_count_tokens_is_the_prompt_a_message_would_send(serve):
     s = serve(["ok"])
     c = s.client()
