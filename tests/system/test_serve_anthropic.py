@@ -423,6 +423,7 @@ def test_a_claude_code_shaped_request_is_answered(real):
     assert kinds[-1] in ("content_block_delta", "message_stop"), kinds
 
 
+@pytest.mark.slow  # ~49K prompt tokens: about two minutes of prefill on two CPU cores
 @pytest.mark.skipif(not RECORDED.exists(), reason="no recorded Claude Code session in this tree")
 def test_the_recorded_claude_code_first_request_is_answered(real):
     first = json.loads(RECORDED.read_text().splitlines()[0])
