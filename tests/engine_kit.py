@@ -151,3 +151,29 @@ def mlx_lm_tokens(engine: Engine, prompt, max_tokens: int, **processors) -> tupl
         return tuple(tok for tok, _ in steps)
 
     return engine.call(run, timeout=120)
+
+
+class ScriptedEngine:
+    """A real engine whose replies are scripted: each submit takes the next text of
+    ``replies`` (while any are left) and decodes exactly its tokens, teacher-forced
+    through the engine's own decode loop (``GenerateRequest.teacher_ids``). The prompt,
+    its prefill and the cache are the real ones; only the sampled tokens are given, so
+    tool-call paths can be tested on tiny random models. ``requests``: every request
+    submitted, as submitted; everything else is the engine's."""
+
+    def __init__(self, engine: Engine, replies: list[str] | None = None) -> None:
+        self.engine = engine
+        self.replies = list(replies or [])
+        self.requests: list[GenerateRequest] = []
+
+    def submit(self, request: GenerateRequest, on_event=None, **kw):
+        import dataclasses
+
+        self.requests.append(request)
+        if self.replies:
+            ids = self.engine.tokenizer.encode(self.replies.pop(0), add_special_tokens=False)
+            request = dataclasses.replace(request, teacher_ids=tuple(ids))
+        return self.engine.submit(request, on_event, **kw)
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)

@@ -158,7 +158,8 @@ class FakeEngine:
         batch_size: tokens per ``TokenBatch``.
         reasoning: when set, every reply starts with ``<think>reasoning</think>`` (a
             reasoning model's shape).
-        context_length: the model's context in tokens (as ``Engine.context_length``).
+        context_length: the model's context in tokens (as ``Engine.context_length``,
+            here 4096 by default; tiny models have 131072).
         tokenizer: another tokenizer in place of :class:`FakeTokenizer` (a tiny model's,
             whose template renders tools); replies are then its ``encode`` + its EOS id.
         replies: scripted reply texts, used in order before the default ones (a tool call

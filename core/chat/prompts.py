@@ -544,15 +544,16 @@ def _content_ranges(
             pos = max(pos, span.end)
             continue
         start = pos
-        found = _find_text(m.content, full, pos, specials, (m.content, m.content.strip()))
+        found = _find_text(m.content, full, pos, specials, (m.content, m.content.strip()), [])
         if found is not None:
             out[found[0]] = found[1]
             pos = found[1]
         taken = [found] if found is not None else []
-        for s in field_strings(m.fields):  # reasoning may come before the content
+        fields = m.template()  # arguments parsed, as the template rendered them
+        for s in field_strings({k: v for k, v in fields.items() if k in m.fields}):
             quoted = json.dumps(s, ensure_ascii=False)
-            found = _find_text(s, full, start, specials, (quoted, quoted[1:-1], s))
-            if found is None or any(a < found[1] and found[0] < b for a, b in taken):
+            found = _find_text(s, full, start, specials, (quoted, quoted[1:-1], s), taken)
+            if found is None:  # (reasoning may come before the content: from ``start``)
                 continue
             taken.append(found)
             for t in specials:  # only the spellings: the rest stays with its markup
@@ -587,16 +588,23 @@ def _tools_text(
 
 
 def _find_text(
-    text: str, full: str, pos: int, specials: tuple[str, ...], forms: tuple[str, ...]
+    text: str,
+    full: str,
+    pos: int,
+    specials: tuple[str, ...],
+    forms: tuple[str, ...],
+    taken: list[tuple[int, int]],
 ) -> tuple[int, int] | None:
-    """Where the first of ``forms`` found in ``full`` from ``pos`` lies, when ``text``
-    spells a special token (None otherwise, or when none is found)."""
+    """Where the first of ``forms`` lies in ``full`` from ``pos``, clear of the ranges
+    ``taken``, when ``text`` spells a special token (None otherwise, or when not found)."""
     if not any(t in text for t in specials):
         return None
     for form in forms:
         at = full.find(form, pos) if form else -1
-        if at >= 0:
-            return at, at + len(form)
+        while at >= 0:
+            if not any(a < at + len(form) and at < b for a, b in taken):
+                return at, at + len(form)
+            at = full.find(form, at + 1)
     return None
 
 

@@ -41,7 +41,7 @@ import importlib
 import json
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any, Literal, NamedTuple
 
@@ -114,6 +114,8 @@ class ReplyFormat:
     ``parse_tool_call`` reads a call, or a dotted module path with the same function. An
     empty or None ``tool_call_end`` means calls run to the end of the reply (mistral).
     Tool calls are recognised only when both ``tool_parser`` and ``tool_call_start`` are set.
+    ``structural_markers`` are removed from visible text (mlx-lm's ``structural_markers``
+    of XTML vocabularies such as Kimi K3's ``<|open|>response<|sep|>``).
     """
 
     tool_parser: str | None
@@ -121,6 +123,7 @@ class ReplyFormat:
     tool_call_end: str | None
     think_start: str | None
     think_end: str | None
+    structural_markers: tuple[str, ...] = ()
 
     @property
     def has_tool_calling(self) -> bool:
@@ -173,14 +176,20 @@ class ReplyFormat:
                 (tokenizer.tool_call_end or None) if start else None,
                 tokenizer.think_start,
                 tokenizer.think_end,
+                tuple(tokenizer.structural_markers),
             )
-        from mlx_lm.tokenizer_utils import _infer_thinking, _infer_tool_parser
+        from mlx_lm.tokenizer_utils import (
+            _infer_structural_markers,
+            _infer_thinking,
+            _infer_tool_parser,
+        )
 
         think_start, think_end, _, _ = _infer_thinking(tokenizer)
         config = getattr(tokenizer, "init_kwargs", None) or {}
         parser = config.get("tool_parser_type") or _infer_tool_parser(tokenizer)
         think = (think_start, think_end) if think_start and think_end else None
-        return cls.named(parser, think)
+        markers = tuple(_infer_structural_markers(tokenizer))
+        return replace(cls.named(parser, think), structural_markers=markers)
 
 
 _State = Literal["text", "reasoning", "call"]
@@ -275,6 +284,7 @@ class ReplyParser:
             edges["reasoning"].append((fmt.tool_call_start, "call"))
             if fmt.tool_call_end:
                 edges["call"].append((fmt.tool_call_end, "text"))
+        edges["text"] += [(marker, "text") for marker in fmt.structural_markers if marker]
         return edges
 
     def feed(self, text: str) -> list[ReplyPart]:
@@ -345,10 +355,11 @@ class ReplyParser:
             self._state = "call"
         elif self._state == "call":
             self._close_call(marker, out)
-        else:
+        elif self._state == "reasoning":  # the think end marker
             self._state = state
-            if state == "text":  # after the think end marker
-                self._drop_space = True
+            self._drop_space = True
+        else:
+            self._state = state  # reasoning, or text again after a structural marker
 
     def _close_call(self, end_marker: str, out: list[ReplyPart]) -> None:
         """Read the call just ended (``end_marker`` "" when the reply ended instead)."""

@@ -35,7 +35,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..files import staged_dir
+from ..files import staged_dir, temp_file
 
 TINY_ARCHS: tuple[str, ...] = (
     "llama",
@@ -321,8 +321,10 @@ def build_tiny_weights(arch: str, seed: int = DEFAULT_SEED) -> tuple[dict, dict[
 def materialize_tiny(arch: str, models_dir: Path, seed: int = DEFAULT_SEED) -> Path:
     """Write ``tiny:<arch>`` as an MLX model dir ``models_dir/tiny-<arch>-<seed>/``; return it.
 
-    An existing directory is reused. Written to a temp dir and renamed, so a killed run
-    never leaves a half directory.
+    An existing directory is reused, its ``config.json`` and ``tokenizer_config.json``
+    rewritten where they differ from this code's (a dir made before the context or the
+    template changed; the weights do not depend on either). Written to a temp dir and
+    renamed, so a killed run never leaves a half directory.
 
     Raises:
         KeyError: unknown ``arch``.
@@ -330,14 +332,32 @@ def materialize_tiny(arch: str, models_dir: Path, seed: int = DEFAULT_SEED) -> P
     models_dir = Path(models_dir)
     target = models_dir / f"tiny-{arch}-{seed}"
     if (target / "model.safetensors").exists():
+        _refresh_configs(target, arch)
         return target
     config, weights = build_tiny_weights(arch, seed)
     with staged_dir(target, lambda d: (d / "model.safetensors").exists()) as tmp:
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         (tmp / "tokenizer.json").write_text(char_tokenizer_json())
-        (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(), indent=2))
+        for name, text in _config_texts(arch).items():
+            (tmp / name).write_text(text)
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
     return target
+
+
+def _config_texts(arch: str) -> dict[str, str]:
+    """``config.json`` and ``tokenizer_config.json`` of ``tiny:<arch>``, as written."""
+    return {
+        "config.json": json.dumps(tiny_config(arch), indent=2, sort_keys=True),
+        "tokenizer_config.json": json.dumps(_tokenizer_config(), indent=2),
+    }
+
+
+def _refresh_configs(target: Path, arch: str) -> None:
+    for name, text in _config_texts(arch).items():
+        path = target / name
+        if not path.exists() or path.read_text() != text:
+            with temp_file(path) as tmp:
+                tmp.write_text(text)
+                tmp.replace(path)
 
 
 def load_tiny_tokenizer(model_dir: Path):

@@ -193,7 +193,7 @@ async def _prepare_completion(state: ServeState, http: Request, body: dict) -> P
         raise ClientGone
     check_queue(state)
     request = engine_request(state, ids, params, max_tokens)
-    return Prepared(request=request, prompt=Prompt(ids, ()), fmt=ReplyFormat.plain())
+    return Prepared(request=request, prompt=Prompt(ids, ()), fmt=ReplyFormat(None, None, None, None, None))
 
 
 async def _generate(state: ServeState, http: Request, chat: bool) -> Response:

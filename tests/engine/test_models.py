@@ -96,6 +96,27 @@ def test_tiny_deterministic_across_builds(arch, models_dir, tmp_path):
     assert a.fingerprint != b.fingerprint  # another directory is another model
 
 
+def test_a_tiny_dir_made_by_older_code_gets_this_codes_configs(tmp_path):
+    """A dir made before the tiny context or template changed is reused with both
+    configs rewritten; its weights stay as they are."""
+    from tierchat.core.models.tiny import CHAT_TEMPLATE, materialize_tiny
+
+    target = materialize_tiny("llama", tmp_path)
+    weights = (target / "model.safetensors").stat().st_mtime_ns
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    (target / "tokenizer_config.json").write_text("{}")
+    assert materialize_tiny("llama", tmp_path) == target
+    assert json.loads((target / "config.json").read_text())["max_position_embeddings"] == 131072
+    assert json.loads((target / "tokenizer_config.json").read_text())["chat_template"] == (
+        CHAT_TEMPLATE
+    )
+    assert (target / "model.safetensors").stat().st_mtime_ns == weights
+    assert sorted(p.name for p in target.iterdir()) == [
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+    ]  # fmt: skip
+
+
 def test_fingerprints_differ_between_archs_and_seeds(models_dir):
     prints = {load_model(f"tiny:{a}", models_dir=models_dir).fingerprint for a in TINY_ARCHS}
     assert len(prints) == len(TINY_ARCHS)

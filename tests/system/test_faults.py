@@ -270,14 +270,14 @@ def test_4_weights_rewritten_with_the_same_size_and_mtime_are_a_new_model(tmp_pa
 
 
 def test_5_replay_reports_prompts_past_the_context_and_goes_on(tmp_path, models_dir):
-    """tiny:llama has a 4,096-token context and one token per character: a 5,000-token
-    prompt and a ``max_tokens`` of 5,000 are each an error for their op (nothing is
+    """tiny:llama has a 131,072-token context and one token per character: a 135,000-token
+    prompt and a ``max_tokens`` of 135,000 are each an error for their op (nothing is
     prefilled), and the next op is answered as a cold run answers it."""
     normal = {"op": "user", "text": "the quick brown fox jumps over a lazy dog", "max_tokens": 8}
     ops = [
         {"op": "new"},
-        {"op": "user", "text": "x" * 5000, "max_tokens": 8},
-        {"op": "user", "text": "a short one", "max_tokens": 5000},
+        {"op": "user", "text": "x" * 135000, "max_tokens": 8},
+        {"op": "user", "text": "a short one", "max_tokens": 135000},
         normal,
     ]
     env = env_for(tmp_path)
@@ -286,9 +286,9 @@ def test_5_replay_reports_prompts_past_the_context_and_goes_on(tmp_path, models_
     )
     assert run.code == 1, run.stderr
     r = run.by_index()
-    assert "the prompt is 5,003 tokens; the model's context is 4,096" in r[1]["error"]
+    assert "the prompt is 135,003 tokens; the model's context is 131,072" in r[1]["error"]
     assert "shorten the message" in r[1]["error"]
-    assert "+ 5,000 to generate" in r[2]["error"] and "lower max_tokens" in r[2]["error"]
+    assert "+ 135,000 to generate" in r[2]["error"] and "lower max_tokens" in r[2]["error"]
     assert "s.jsonl:2: user:" in run.stderr and "s.jsonl:3: user:" in run.stderr
     assert run.summary["prefill_tokens"] == r[3]["prefill_tokens"]  # only the last op ran
     cold = run_replay(
@@ -300,7 +300,7 @@ def test_5_replay_reports_prompts_past_the_context_and_goes_on(tmp_path, models_
 
 
 def test_5_chat_reports_a_prompt_past_the_context_and_goes_on(tmp_path, models_dir):
-    lines = "x" * 5000 + "\nthe quick brown fox jumps over a lazy dog\n"
+    lines = "x" * 135000 + "\nthe quick brown fox jumps over a lazy dog\n"
     p = subprocess.run(
         [sys.executable, "-m", "tierchat.cli.main", "chat", *common_flags(tmp_path, models_dir),
          "--max-tokens", "8"],
@@ -308,7 +308,7 @@ def test_5_chat_reports_a_prompt_past_the_context_and_goes_on(tmp_path, models_d
     )  # fmt: skip
     assert p.returncode == 0, p.stderr
     assert "Traceback" not in p.stderr
-    assert "error: the prompt is 5,00" in p.stderr and "context is 4,096" in p.stderr
+    assert "error: the prompt is 135,00" in p.stderr and "context is 131,072" in p.stderr
     replies = [ln for ln in p.stdout.splitlines() if ln.startswith("assistant> ")]
     assert len(replies) == 1  # the second line was answered
 

@@ -1,4 +1,4 @@
-"""The real ``tierchat`` (tiny:llama, a 4,096-token context) in a tmux pane: a message
+"""The real ``tierchat`` (tiny:llama, a 131,072-token context) in a tmux pane: a message
 whose prompt cannot fit the context is refused at Enter with the numbers and a hint, and
 nothing is prefilled or stored; the next normal message is answered as a cold run
 (``tierchat replay --no-cache``) answers it."""
@@ -78,21 +78,24 @@ def test_a_prompt_past_the_context_is_refused_at_enter(tmp_path: Path) -> None:
 
     try:
         until(lambda s: "is ready" in s, "the model to load")
-        long_text = "many words " * 450  # 4,950 characters: one token each on tiny:llama
-        _tmux(socket, "send-keys", "-t", "0", "-l", long_text)
+        long_text = "many words " * 12300  # 135,300 characters: one token each on tiny:llama
+        paste = tmp_path / "paste.txt"  # one bracketed paste (send-keys: a key per character)
+        paste.write_text(long_text)
+        _tmux(socket, "load-buffer", str(paste))
+        _tmux(socket, "paste-buffer", "-p", "-t", "0")
+        until(lambda s: "many words" in s.split("╭─")[-1], "the pasted text")
         _tmux(socket, "send-keys", "-t", "0", "Enter")
         shown = until(lambda s: "Cannot generate" in s, "the refusal")
         # the toast's lines: the text right of its "▌" edge, right border dropped
         toast = [ln.rsplit("▌", 1)[1].strip(" │") for ln in shown.splitlines() if "▌" in ln]
         flat = " ".join(" ".join(toast).split())
-        assert "context is 4,096" in flat and "shorten the message" in flat, shown
-        assert "tokens" in flat and "4,9" in flat, shown  # the prompt's own count
+        assert "context is 131,072" in flat and "shorten the message" in flat, shown
+        assert "tokens" in flat and "135,3" in flat, shown  # the prompt's own count
         # nothing was sent: no message stored, no prefill
         assert _rows(db, "SELECT count(*) FROM nodes")[0][0] == 0
 
         # the input kept the text; erase it, then a normal message
-        for _ in range(len(long_text) // 40):  # Ctrl+U: a wrapped row at a time
-            _tmux(socket, "send-keys", "-t", "0", "C-u")
+        _tmux(socket, "send-keys", "-t", "0", "C-l")  # clear the input
         until(lambda s: "many words" not in s.split("╭─")[-1], "the input to empty")
         _tmux(socket, "send-keys", "-t", "0", "-l", NORMAL)
         _tmux(socket, "send-keys", "-t", "0", "Enter")

@@ -487,3 +487,21 @@ def test_reply_format_of_a_bare_tokenizer_is_inferred_as_mlx_lm_does():
         "</tool_call>{% endfor %}"
     )
     assert ReplyFormat.of(tok) == ReplyFormat.named("json_tools")
+
+
+XTML = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
+XTML_THINK = ("<|open|>think<|sep|>", "<|close|>think<|sep|>")
+
+
+def test_structural_markers_leave_the_visible_text():
+    tok = _char_tokenizer(XTML)  # a Kimi K3 (XTML) vocabulary, no chat template
+    fmt = ReplyFormat.of(tok)
+    assert fmt.tool_parser == "kimi_k3" and (fmt.think_start, fmt.think_end) == XTML_THINK
+    assert "<|open|>response<|sep|>" in fmt.structural_markers
+    out = (
+        "<|open|>think<|sep|>Easy.<|close|>think<|sep|>\n<|open|>response<|sep|>It is sunny."
+        "<|close|>response<|sep|>"
+    )
+    parser, parts = stream(fmt, out)
+    assert (parser.reasoning, parser.text) == ("Easy.", "It is sunny.")
+    assert joined(parts, TextDelta) == "It is sunny."

@@ -1,0 +1,197 @@
+"""The agent CLIs (Claude Code, Codex CLI, OpenCode; pinned in tests/agent_kit.py) run
+headless against ``tierchat serve --model demo`` and against the scripted recorder
+(scripts/record_agent_session.py), on one task: read ``notes.txt`` and answer with its
+first line.
+
+Each run goes through :class:`agent_kit.LoggingProxy`, which keeps every request and its
+whole reply; the cached tokens are read from the replies' own usage fields
+(:func:`agent_kit.usage_of`: ``cache_read_input_tokens`` on Messages,
+``input_tokens_details.cached_tokens`` on Responses, ``prompt_tokens_details.cached_tokens``
+on chat), so the check is the one a client can make, whatever the server logs.
+
+Against the recorder (``test_cli_against_recorder``) the harness itself is tried: the
+recorder calls the CLI's read tool on ``notes.txt`` and then quotes the tool's output, so
+the first line reaches the CLI's output only if the tool ran and its result went back.
+
+Against serve (``test_cli_against_serve``, slow): the Messages and Responses routes and
+tool calls on chat are being written; until they exist these fail. On a 2-core CPU the
+demo model (Qwen2.5-Coder-0.5B) prefills Claude Code's ~12K-token first prompt in minutes,
+cold; each run is bounded by ``CLI_TIMEOUT_S``.
+
+Needs ``node`` and ``npm`` and, once, the network (the npm install; skipped otherwise).
+OpenCode's ``grep`` tool needs ``rg`` (ripgrep), which is not installed here; these tasks
+do not call it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import agent_kit
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.system, pytest.mark.skipif(sys.platform == "win32", reason="POSIX")]
+
+ROOT = Path(__file__).resolve().parents[2]
+FIRST_LINE = "heron-4417 keeps the lighthouse logbook"
+NOTES = f"{FIRST_LINE}\nsecond line: nothing to see\nthird line: the end\n"
+TASK = "Read notes.txt and answer with its first line"
+CLI_TIMEOUT_S = 600
+DEMO_CONTEXT_TOKENS = 32768  # Qwen2.5-Coder-0.5B's window
+MAX_OUTPUT_TOKENS = 512  # what a CLI may ask for per reply (they ask 32000 by default)
+
+
+def _load_recorder():
+    path = ROOT / "scripts" / "record_agent_session.py"
+    spec = importlib.util.spec_from_file_location("record_agent_session", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bins():
+    return agent_kit.install_clis()
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    root = tmp_path / "project"
+    root.mkdir()
+    (root / "notes.txt").write_text(NOTES)
+    return root
+
+
+def run_through_proxy(name, bins, upstream, project, home, model, **limits):
+    with agent_kit.LoggingProxy(upstream) as proxy:
+        run = agent_kit.invocation(name, bins, proxy.url, project, home, TASK, model, **limits)
+        result = agent_kit.run_cli(run, CLI_TIMEOUT_S)
+        return result, proxy.posts()
+
+
+def describe(result: subprocess.CompletedProcess, exchanges, extra: str = "") -> str:
+    lines = [
+        f"exit {result.returncode}",
+        "stdout: " + result.stdout[-3000:],
+        "stderr: " + result.stderr[-3000:],
+    ]
+    for e in exchanges:
+        u = agent_kit.usage_of(e)
+        lines.append(
+            f"{e.path} HTTP {e.status} tools={e.has_tools} usage={u} reply={e.reply[:300]!r}"
+        )
+    return "\n".join(lines) + ("\n" + extra[-4000:] if extra else "")
+
+
+@pytest.mark.parametrize("name", agent_kit.AGENTS)
+def test_cli_against_recorder(name, bins, project, tmp_path):
+    recorder = _load_recorder()
+    log = tmp_path / "requests.jsonl"
+    with recorder.RecorderServer(log, project, "notes") as server:
+        result, exchanges = run_through_proxy(
+            name, bins, server.url, project, tmp_path / "home", "local"
+        )
+    info = describe(result, exchanges)
+    assert result.returncode == 0, info
+    assert FIRST_LINE in result.stdout, info
+    main = [e for e in exchanges if e.has_tools]
+    assert len(main) == 2, info  # the read, then the answer
+    assert all(e.status == 200 for e in exchanges), info
+    assert agent_kit.cache_shortfalls(exchanges) == [], info
+
+
+class Serve:
+    """``tierchat serve --model demo --port 0`` with settings of its own (no user config,
+    no TIERCHAT_* variable), its URL read from its stderr; stderr kept."""
+
+    def __init__(self, tmp: Path, models_dir: Path) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TIERCHAT_")}
+        (tmp / "empty.toml").write_text("")
+        env["TIERCHAT_CONFIG"] = str(tmp / "empty.toml")
+        cmd = [
+            sys.executable,
+            "-m",
+            "tierchat.cli.main",
+            "serve",
+            "--model",
+            "demo",
+            "--port",
+            "0",
+            "--cache-dir",
+            str(tmp / "kv"),
+            "--data-dir",
+            str(tmp / "data"),
+            "--models-dir",
+            str(models_dir),
+            "--max-tokens",
+            str(MAX_OUTPUT_TOKENS),
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+        )
+        self.lines: list[str] = []
+        self.url = ""
+        self._listening = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            m = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line)
+            if m and not self.url:
+                self.url = m.group(1)
+                self._listening.set()
+        self._listening.set()
+
+    def wait_listening(self, timeout_s: float = 600) -> str:
+        self._listening.wait(timeout_s)
+        assert self.url, self.stderr()
+        return self.url
+
+    def stderr(self) -> str:
+        return "".join(self.lines)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", agent_kit.AGENTS)
+def test_cli_against_serve(name, bins, project, tmp_path, models_dir):
+    serve = Serve(tmp_path, models_dir)
+    try:
+        url = serve.wait_listening()
+        model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        result, exchanges = run_through_proxy(
+            name,
+            bins,
+            url,
+            project,
+            tmp_path / "home",
+            model,
+            context_tokens=DEMO_CONTEXT_TOKENS,
+            max_output_tokens=MAX_OUTPUT_TOKENS,
+        )
+    finally:
+        serve.stop()
+    info = describe(result, exchanges, serve.stderr())
+    assert result.returncode == 0, info
+    assert FIRST_LINE in result.stdout, info
+    assert any(e.has_tools for e in exchanges), info
+    assert all(e.status == 200 for e in exchanges), info
+    assert agent_kit.cache_shortfalls(exchanges) == [], info
