@@ -130,10 +130,19 @@ def _tool_result(block: Mapping[str, Any], param: str) -> dict[str, Any]:
 
 
 def _user(blocks: list[Mapping[str, Any]], param: str) -> list[dict[str, Any]]:
-    results = [b for b in blocks if b["type"] == "tool_result"]
-    rest = [b for b in blocks if b["type"] != "tool_result"]
-    out = [_tool_result(b, f"{param}.{i}") for i, b in enumerate(results)]
-    if rest or not results:
+    out, rest = [], []
+    for i, block in enumerate(blocks):
+        if block["type"] == "tool_result":
+            out.append(_tool_result(block, f"{param}.{i}"))
+        elif block["type"] == "text":
+            rest.append(block)
+        else:
+            raise APIError(
+                f"a content block of type {str(block['type'])[:40]!r} is not allowed in a "
+                "user message",
+                param=f"{param}.{i}",
+            )
+    if rest or not out:
         out.append({"role": "user", "content": _text(rest, param)})
     return out
 

@@ -429,3 +429,24 @@ def test_the_recorded_claude_code_first_request_is_answered(real):
     first = json.loads(RECORDED.read_text().splitlines()[0])
     kinds = stream_until_first_block(real.url, first["body"], first["path"])
     assert kinds[:2] == ["message_start", "ping"] and kinds[-1] != "error", kinds
+
+
+@pytest.mark.slow  # the demo package's tokenizer
+def test_a_mid_conversation_system_turn_renders_in_place_on_qwen25(models_dir):
+    import importlib.util
+
+    from mlx_lm.utils import load_tokenizer
+    from tierchat.core.models import shapes
+
+    if importlib.util.find_spec(shapes.DEMO_GGUF_HEADER_PACKAGE) is None:
+        pytest.skip("the demo package is not installed")
+    qwen = load_tokenizer(shapes.tokenizer_dir(models_dir))
+    s = Served(FakeEngine(tokenizer=qwen, replies=["ok"], context_length=32768))
+    try:
+        messages = [user("List the files."), {"role": "system", "content": "# Environment"}]
+        s.client().messages.create(model="m", max_tokens=10, system="Be brief.", messages=messages)
+        prompt = qwen.decode(s.prompt_ids())
+        turns = "<|im_start|>user\nList the files.<|im_end|>\n<|im_start|>system\n# Environment"
+        assert prompt.startswith("<|im_start|>system\nBe brief.") and turns in prompt
+    finally:
+        s.close()
