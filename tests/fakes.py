@@ -66,6 +66,7 @@ class FakeTokenizer:
 
     eos_token_id = END_ID
     pad_token_id = PAD_ID
+    chat_template = None  # its template is apply_chat_template below: no tools, no markers
 
     def __init__(self) -> None:
         self.eos_token_ids: set[int] = {END_ID}
@@ -77,6 +78,11 @@ class FakeTokenizer:
     @property
     def vocab_size(self) -> int:
         return _CHAR_BASE + 0x110000
+
+    def get_vocab(self) -> dict[str, int]:
+        """The specials and merged pairs (what reply-format inference reads; no think or
+        tool-call tokens)."""
+        return {**self._special_to_id, **self._merge_to_id}
 
     def char_ids(self, text: str) -> list[int]:
         """One id per character, no merges, no specials: what the fake engine generates."""
@@ -155,10 +161,10 @@ class FakeEngine:
             reasoning model's shape).
         context_length: the model's context in tokens (as ``Engine.context_length``,
             here 4096 by default; tiny models have 131072).
-        tokenizer: another tokenizer (a tiny model's, whose template renders tools); the
-            replies are then its ``encode`` of the text, ended by its first EOS id.
-        replies: scripted reply texts, one per submit in order (the last repeats), in
-            place of "Reply N to: ..." (a tool call, for tests of the APIs' tool paths).
+        tokenizer: another tokenizer in place of :class:`FakeTokenizer` (a tiny model's,
+            whose template renders tools); replies are then its ``encode`` + its EOS id.
+        replies: scripted reply texts, used in order before the default ones (a tool call
+            in the model's markup, which random weights never write).
 
     A cancel seen before the first token (during "prefill") ends the request with
     ``Failed(kind="cancelled")``, as the real engine does.
@@ -184,7 +190,7 @@ class FakeEngine:
         batch_size: int = 4,
         reasoning: str | None = None,
         context_length: int = 4096,
-        tokenizer: Any = None,
+        tokenizer=None,
         replies: list[str] | None = None,
     ) -> None:
         self.model_name = model_name
@@ -207,8 +213,9 @@ class FakeEngine:
         self.requests: list[GenerateRequest] = []
         self.closed = False
 
-        self._tokenizer = tokenizer if tokenizer is not None else FakeTokenizer()
-        self.replies = list(replies or [])
+        self._tokenizer = tokenizer or FakeTokenizer()
+        self._eos = END_ID if tokenizer is None else min(tokenizer.eos_token_ids)
+        self.replies = list(replies or ())
         self._lock = threading.Lock()
         self._submits = 0
         self._hot: dict[tuple[int, ...], None] = {}  # block prefixes, LRU order
@@ -473,7 +480,7 @@ class FakeEngine:
 
     def _reply_text(self, prompt: tuple[int, ...]) -> str:
         if self.replies:
-            return self.replies[min(self._submits, len(self.replies)) - 1]
+            return self.replies.pop(0)
         text = self._tokenizer.decode(prompt)
         users = _LAST_USER_RE.findall(text)
         reply = f"Reply {self._submits} to: {users[-1] if users else ''}"
@@ -512,12 +519,13 @@ class FakeEngine:
         t1 = self.clock() if self.clock else 0.0
 
         text = self._reply_text(prompt)
-        if isinstance(self._tokenizer, FakeTokenizer):
-            planned = self._tokenizer.char_ids(text) + [END_ID]
-            end_id = END_ID
-        else:
-            end_id = min(self._tokenizer.eos_token_ids)
-            planned = list(self._tokenizer.encode(text, add_special_tokens=False)) + [end_id]
+        tok = self._tokenizer
+        ids = (
+            tok.char_ids(text)
+            if isinstance(tok, FakeTokenizer)
+            else tok.encode(text, add_special_tokens=False)
+        )
+        planned = [*ids, self._eos]
         budget = max(0, request.max_tokens)
         finish = "stop" if len(planned) <= budget else "length"
         planned = planned[:budget]
@@ -529,7 +537,7 @@ class FakeEngine:
                 break
             batch = planned[len(out) : len(out) + self.batch_size]
             out.extend(batch)
-            shown = [i for i in batch if i != end_id]
+            shown = [i for i in batch if i != self._eos]
             handle.emit(TokenBatch(tuple(batch), self._tokenizer.decode(shown)))
             if first:
                 first = False
@@ -564,5 +572,5 @@ class FakeEngine:
             if caching:
                 self._store(prompt, prompt + tuple(out))
             self._last_turn = metrics
-        shown = [i for i in out if i != end_id]
+        shown = [i for i in out if i != self._eos]
         handle.emit(Finished(tuple(out), self._tokenizer.decode(shown), metrics))

@@ -226,7 +226,7 @@ class Sampling:
     repetition_penalty: float = 1.0
 
 
-def _number(body: Mapping[str, Any], name: str, default, lo: float, hi: float, kind=float):
+def check_number(body: Mapping[str, Any], name: str, default, lo: float, hi: float, kind=float):
     value = body.get(name)
     if value is None:
         return default
@@ -299,18 +299,18 @@ def sampling(
     max_name = (
         "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     )
-    max_tokens = _number(body, max_name, default_max_tokens, 1, 1 << 20, int)
-    temperature = _number(body, "temperature", 0.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    seed = _number(body, "seed", default_seed, -(1 << 63), (1 << 64) - 1, int)
-    presence = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
-    frequency = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
-    top_k = _number(body, "top_k", 0, 0, 1 << 20, int)
-    min_p = _number(body, "min_p", 0.0, 0.0, 0.999)
-    repetition = _number(body, "repetition_penalty", 1.0, 0.0, 10.0)
+    max_tokens = check_number(body, max_name, default_max_tokens, 1, 1 << 20, int)
+    temperature = check_number(body, "temperature", 0.0, 0.0, 2.0)
+    top_p = check_number(body, "top_p", 1.0, 0.0, 1.0)
+    seed = check_number(body, "seed", default_seed, -(1 << 63), (1 << 64) - 1, int)
+    presence = check_number(body, "presence_penalty", 0.0, -2.0, 2.0)
+    frequency = check_number(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    top_k = check_number(body, "top_k", 0, 0, 1 << 20, int)
+    min_p = check_number(body, "min_p", 0.0, 0.0, 0.999)
+    repetition = check_number(body, "repetition_penalty", 1.0, 0.0, 10.0)
     if repetition <= 0:
         raise APIError("'repetition_penalty' must be above 0 (1: off)", param="repetition_penalty")
-    if _number(body, "n", 1, 1, 128, int) != 1:
+    if check_number(body, "n", 1, 1, 128, int) != 1:
         raise APIError("only n=1 is supported", param="n")
     if body.get("logprobs") or body.get("top_logprobs"):
         raise APIError("logprobs are not supported", param="logprobs")

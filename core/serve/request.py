@@ -18,6 +18,7 @@ family's tool-call start marker to the prompt, so the model's first tokens are a
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -168,9 +169,39 @@ def check_tools(tools: Any, param: str = "tools") -> tuple[dict[str, Any], ...]:
     return tuple(out)
 
 
+def normalize_system(
+    messages: Sequence[dict[str, Any]], patterns: Sequence[str]
+) -> list[dict[str, Any]]:
+    """``messages`` with every line of a system message that a pattern matches removed
+    (``re.search`` on the line without its line break; ``^``/``$`` anchor at the line's
+    ends), with that line break; when a line was removed, line breaks left at the start
+    and end of the message are dropped too. Other messages are returned as given.
+
+    Why: clients put per-version or per-session lines in the system prompt (Claude Code's
+    ``x-anthropic-billing-header: cc_version=...; cch=...``). Left in, the first tokens of
+    the prompt change with every client release and session, and no cached prefix
+    survives them (:attr:`ServeState.system_line_filters`, one rule by default). Applies
+    to every API: the same system prompt gives the same ids whichever API sent it.
+
+    Raises ``re.error`` for a bad pattern (checked when the state is made)."""
+    compiled = [re.compile(p) for p in patterns]
+    if not compiled:
+        return list(messages)
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if m.get("role") == "system" and isinstance(content, str):
+            lines = content.splitlines(keepends=True)
+            kept = [ln for ln in lines if not any(c.search(ln.rstrip("\r\n")) for c in compiled)]
+            if len(kept) != len(lines):
+                m = {**m, "content": "".join(kept).strip("\r\n")}
+        out.append(m)
+    return out
+
+
 def _build(state: ServeState, chat: ChatRequest, tools: tuple[dict[str, Any], ...]) -> Prompt:
     builder = state.builder()
-    messages = [dict(m) for m in chat.messages]
+    messages = [dict(m) for m in normalize_system(chat.messages, state.system_line_filters)]
     attach_reply_ids(messages, state.memory)
     try:
         return builder.build(

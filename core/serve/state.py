@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,6 +25,10 @@ from .prompts import APIError, ReplyMemory
 from .response_store import ResponseStore
 
 API_KEY_ENV = "TIERCHAT_API_KEY"
+# lines removed from every system message before its prompt is built (request.py
+# normalize_system): Claude Code's per-version billing line would change the prompt's
+# first tokens with every client release and session
+SYSTEM_LINE_FILTERS: tuple[str, ...] = (r"^x-anthropic-billing-header:.*$",)
 MAX_NEW_RENDERS = (
     64  # prefix renders per request: prompt building stays linear (docs/DESIGN.md §15)
 )
@@ -55,6 +60,7 @@ class ServeState:
         build_slots: int = 2,
         responses_dir: str | os.PathLike | None = None,
         keepalive_s: float = 10.0,
+        system_line_filters: tuple[str, ...] = SYSTEM_LINE_FILTERS,
     ) -> None:
         self.engine = engine
         self.limits = limits or ServeLimits()
@@ -75,6 +81,9 @@ class ServeState:
         self.responses = ResponseStore(self.responses_dir) if self.responses_dir else None
         # SSE keep-alives while a stream waits or prefills (docs/DESIGN.md §15)
         self.keepalive_s = keepalive_s
+        for pattern in system_line_filters:
+            re.compile(pattern)  # a bad pattern fails here, not in a request
+        self.system_line_filters = tuple(system_line_filters)
         self.created = int(time.time())
         self._builder: PromptBuilder | None = None
 
