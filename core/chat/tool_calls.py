@@ -27,6 +27,12 @@ dict or JSON text (``"parameters"`` is accepted for ``"arguments"``). Each becom
 :class:`ToolCall` whose ``arguments`` is JSON object text and whose ``id`` is fresh (a
 model's own id, such as kimi's ``functions.f:0``, is not kept).
 
+A reply that is nothing but a bare call, ``{"name": <a tool of the request>, "arguments":
+{...}}`` (or a list of them, or one in a ```json fence) without the family's markers, is
+read as that call: small models (the demo Qwen2.5-Coder-0.5B) often drop the markers. Its
+text is held back from its first ``{``, ``[`` or fence to the end (and whitespace before
+it); anything else is text.
+
 Errors: model output never raises. A call the parser cannot read (it raises anything, or
 returns no call, a call without a name, or arguments that are not a JSON object) is
 emitted as visible text, markers included, plus a :class:`ToolCallFailed` with the reason
@@ -275,6 +281,14 @@ class ReplyParser:
         self.reasoning = ""
         self.calls: list[ToolCall] = []
         self.failures: list[ToolCallFailed] = []
+        # a bare call: a reply that is only ``{"name": <a tool>, "arguments": {...}}`` (small
+        # models often drop the markers) is held back from its first ``{`` or code fence and
+        # read at finish (:func:`_bare_calls`)
+        names = [t.get("function", t).get("name") for t in tools or () if isinstance(t, dict)]
+        self._tool_names = {n for n in names if isinstance(n, str)}
+        self._bare: str | None = None
+        self._bare_released = False  # held once and shown: never held again
+        self._lead = ""  # whitespace before a possible bare call
 
     def _transitions(self) -> dict[_State, list[tuple[str, _State]]]:
         fmt = self.fmt
@@ -322,6 +336,19 @@ class ReplyParser:
         self._pending = ""
         if self._state == "call":
             self._close_call("", out)
+        if self._lead:  # a reply of whitespace only
+            self._bare_released = True
+            self._emit_text(self._lead, out)
+        if self._bare is not None:
+            held, self._bare = self._bare, None
+            calls = _bare_calls(held, self._tool_names)
+            if calls:
+                for call in calls:
+                    out.append(ToolCallDelta(len(self.calls), call))
+                    self.calls.append(call)
+            else:
+                self._bare_released = True
+                self._emit_text(held, out)
         self._finished = True
         return out
 
@@ -348,11 +375,38 @@ class ReplyParser:
         if self._drop_space:
             text = text.lstrip()
             self._drop_space = not text
-        if text:
-            self.text += text
-            out.append(TextDelta(text))
+        if not text:
+            return
+        if self._bare is not None:
+            self._bare += text
+            return
+        if (
+            self._parse is not None
+            and not self._bare_released
+            and self._tool_names
+            and not self.text
+            and not self.calls
+        ):
+            text = self._lead + text
+            self._lead = ""
+            if text.isspace():  # leading whitespace: shown with what follows it
+                self._lead = text
+                return
+            if text.lstrip()[:1] in ("{", "[", "`"):
+                self._bare = text
+                return
+        self.text += text
+        out.append(TextDelta(text))
+
+    def _flush_bare(self, out: list[ReplyPart]) -> None:
+        """A marker came: the held text was not a bare call; show it."""
+        if self._bare is not None:
+            held, self._bare = self._bare, None
+            self._bare_released = True
+            self._emit_text(held, out)
 
     def _enter(self, marker: str, state: _State, out: list[ReplyPart]) -> None:
+        self._flush_bare(out)
         if state == "call":
             self._call_start, self._call_body = marker, ""
             self._state = "call"
@@ -382,6 +436,31 @@ class ReplyParser:
             out.append(ToolCallDelta(len(self.calls), call))
             self.calls.append(call)
         self._drop_space = True
+
+
+def _bare_calls(text: str, names: set[str]) -> list[ToolCall]:
+    """The calls of a reply that is only a bare call, without the family's markers: one
+    JSON object ``{"name", "arguments"}`` (or a list of them), optionally in a code fence,
+    naming a tool of the request. [] when it is anything else (then it is text)."""
+    body = text.strip()
+    if body.startswith("```"):
+        first, _, rest = body.partition("\n")
+        if not rest.rstrip().endswith("```") or first.strip("`").strip() not in ("", "json"):
+            return []
+        body = rest.rstrip()[:-3].strip()
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return []
+    items = parsed if isinstance(parsed, list) else [parsed]
+    if not items or not all(isinstance(i, dict) and i.get("name") in names for i in items):
+        return []
+    if not all(set(i) <= {"name", "arguments", "parameters"} for i in items):
+        return []
+    try:
+        return _read_calls(items)
+    except ValueError:
+        return []
 
 
 class ParsedReply(NamedTuple):

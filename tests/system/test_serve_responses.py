@@ -382,7 +382,7 @@ def test_reasoning_becomes_a_reasoning_item_and_goes_back_as_reasoning_content(
 
     thinking = ReplyFormat("json_tools", "<tool_call>", "</tool_call>", "<think>", "</think>")
     monkeypatch.setattr(request.ReplyFormat, "of", classmethod(lambda cls, tok: thinking))
-    scripted.engine.engine.replies = ["<think>Look first.</think>" + CALL_TEXT]
+    scripted.engine.engine.replies = ["<think>Look first.</think>" + CALL_TEXT] * 2
     c = scripted.client
     whole = c.responses.create(model="tiny", input="Read notes.", tools=[EXEC])
     assert [o.type for o in whole.output] == ["reasoning", "function_call"]

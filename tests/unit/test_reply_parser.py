@@ -505,3 +505,51 @@ def test_structural_markers_leave_the_visible_text():
     parser, parts = stream(fmt, out)
     assert (parser.reasoning, parser.text) == ("Easy.", "It is sunny.")
     assert joined(parts, TextDelta) == "It is sunny."
+
+
+# ---------------------------------------------------------------- bare calls
+
+BARE_TOOLS = [{"type": "function", "function": {"name": "read", "parameters": {}}}]
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        '{"name": "read", "arguments": {"filePath": "notes.txt"}}',
+        '\n```json\n{"name": "read", "arguments": {"filePath": "notes.txt"}}\n```\n',
+        '[{"name": "read", "arguments": {"filePath": "notes.txt"}}]',
+    ],
+)
+def test_a_bare_call_naming_a_tool_is_a_call(reply):
+    fmt = ReplyFormat.named("json_tools")
+    for pieces in ([reply], list(reply)):
+        parser = ReplyParser(fmt, tools=BARE_TOOLS)
+        parts = [p for piece in pieces for p in parser.feed(piece)] + parser.finish()
+        assert not [p for p in parts if isinstance(p, TextDelta)]
+        (call,) = parser.calls
+        assert call.name == "read" and json.loads(call.arguments) == {"filePath": "notes.txt"}
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        '{"name": "write", "arguments": {}}',  # not a tool of the request
+        '{"name": "read", "arguments": {}} and then some',  # more than the call
+        '{"name": "read", "arguments": {}, "why": 1}',  # not a call's shape
+        '```python\n{"name": "read", "arguments": {}}\n```',  # another language's fence
+        '{"a": 1}',
+    ],
+)
+def test_other_json_stays_text(reply):
+    parsed = parse_reply(ReplyFormat.named("json_tools"), reply, tools=BARE_TOOLS)
+    assert parsed.text == reply and not parsed.calls
+
+
+def test_bare_calls_need_tools_and_parsing():
+    reply = '{"name": "read", "arguments": {}}'
+    fmt = ReplyFormat.named("json_tools")
+    assert parse_reply(fmt, reply).text == reply  # no tools in the request
+    assert parse_reply(fmt, reply, tools=BARE_TOOLS, parse_tools=False).text == reply
+    # text shown first: the reply is not a bare call
+    parsed = parse_reply(fmt, "Sure. " + reply, tools=BARE_TOOLS)
+    assert parsed.text == "Sure. " + reply and not parsed.calls
