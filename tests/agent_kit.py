@@ -278,10 +278,13 @@ def usage_of(exchange: Exchange) -> Usage | None:
     """The usage of a reply, by the fields of its wire, streamed or whole; None if absent.
 
     - Messages (path ``/v1/messages``): ``message_start.message.usage`` (or the message's
-      ``usage``): prompt = ``input_tokens + cache_read_input_tokens +
-      cache_creation_input_tokens`` (Anthropic's ``input_tokens`` counts only the uncached
-      part), cached = ``cache_read_input_tokens``; output from the last ``message_delta``.
-    - Responses (``/v1/responses``): ``response.completed``'s ``response.usage``:
+      ``usage``), each field updated by the last ``message_delta``'s usage (as the SDK
+      accumulates it; tierchat sends the cached split there, known after the prefill):
+      prompt = ``input_tokens + cache_read_input_tokens + cache_creation_input_tokens``
+      (Anthropic's ``input_tokens`` counts only the uncached part), cached =
+      ``cache_read_input_tokens``, output ``output_tokens``.
+    - Responses (``/v1/responses``): ``response.completed``'s (or ``response.incomplete``'s)
+      ``response.usage``:
       ``input_tokens``, ``input_tokens_details.cached_tokens``, ``output_tokens``.
     - Chat (``/v1/chat/completions``): the chunk (or reply) with ``usage``:
       ``prompt_tokens``, ``prompt_tokens_details.cached_tokens``, ``completion_tokens``.
@@ -295,16 +298,21 @@ def usage_of(exchange: Exchange) -> Usage | None:
         start = start or next((o.get("usage") for o in objs if o.get("type") == "message"), None)
         if not start:
             return None
-        output = start.get("output_tokens") or 0
+        final = dict(start)
         for o in objs:
             if o.get("type") == "message_delta" and o.get("usage"):
-                output = o["usage"].get("output_tokens", output)
-        cached = start.get("cache_read_input_tokens") or 0
-        prompt = (start.get("input_tokens") or 0) + cached
-        return Usage(prompt + (start.get("cache_creation_input_tokens") or 0), cached, output)
+                final.update({k: v for k, v in o["usage"].items() if v is not None})
+        cached = final.get("cache_read_input_tokens") or 0
+        prompt = (final.get("input_tokens") or 0) + cached
+        output = final.get("output_tokens") or 0
+        return Usage(prompt + (final.get("cache_creation_input_tokens") or 0), cached, output)
     if path.endswith("/responses"):
         u = next(
-            (o["response"].get("usage") for o in objs if o.get("type") == "response.completed"),
+            (
+                o["response"].get("usage")
+                for o in objs
+                if o.get("type") in ("response.completed", "response.incomplete")
+            ),
             None,
         )
         u = u or next((o.get("usage") for o in objs if o.get("object") == "response"), None)
