@@ -157,10 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve",
         parents=[common],
-        help="an OpenAI-compatible HTTP endpoint on the same engine and cache",
-        description="Serve /v1/chat/completions, /v1/completions and /v1/models (OpenAI's API) "
-        "from one engine and its prefix cache. Requests queue for the engine. Binding to "
-        "anything but loopback needs --allow-remote and an API key.",
+        help="an OpenAI-, Anthropic- and Responses-compatible HTTP endpoint on the same "
+        "engine and cache",
+        description="Serve /v1/chat/completions, /v1/completions, /v1/models (OpenAI's API), "
+        "/v1/messages and /v1/messages/count_tokens (Anthropic's) and /v1/responses (OpenAI's "
+        "Responses API), with tool calls, from one engine and its prefix cache. Requests queue "
+        "for the engine. Binding to anything but loopback needs --allow-remote and an API key.",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
@@ -173,6 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-queue", type=int, default=64, metavar="N", help="refuse requests past N queued (503)"
+    )
+    p.add_argument(
+        "--system-line-filter",
+        action="append",
+        metavar="REGEX",
+        help="drop system-prompt lines matching REGEX before the prompt is built (repeatable; "
+        "replaces the default, which drops Claude Code's per-version "
+        "'x-anthropic-billing-header:' line; '' keeps every line)",
     )
     from tierchat.core.serve.limits import add_limit_flags
 

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 from typing import Any
@@ -89,11 +90,18 @@ def run_serve(settings: Any, args: Any) -> int:
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     check_bind(args.host, args.allow_remote, api_key)
+    for pattern in getattr(args, "system_line_filter", None) or ():
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise CLIError(f"--system-line-filter {pattern!r}: {e}", EXIT_USAGE) from None
     check_cache_owner(settings)
     engine = start_engine(settings)
     log = RequestLog()
     tracked = TrackedEngine(engine, log)
     limits = limits_from_args(args)
+    given = getattr(args, "system_line_filter", None)
+    filters = {"system_line_filters": tuple(f for f in given if f)} if given is not None else {}
     state = ServeState(
         tracked,
         api_key=api_key,
@@ -105,6 +113,7 @@ def run_serve(settings: Any, args: Any) -> int:
         responses_dir=responses_path(settings, engine.model_name),
         limits=limits,
         bind_host=args.host,
+        **filters,
     )
     app = create_app(state)
     try:
