@@ -327,12 +327,19 @@ def usage_of(exchange: Exchange) -> Usage | None:
     return Usage(u["prompt_tokens"], cached, u.get("completion_tokens") or 0)
 
 
+# the template's assistant header at the end of a prompt (``<|im_start|>assistant\n`` is 3
+# tokens on Qwen2.5): a client that drops an empty reply (Claude Code: "your previous
+# response had no visible output") sends the next prompt without it
+ASSISTANT_HEADER_TOKENS = 4
+
+
 def cache_shortfalls(exchanges: list[Exchange]) -> list[str]:
     """What breaks "each main request after the first is served from the cache" in a
     session: for the main requests (those with ``tools``) in order, request ``i`` must
     report ``cached_tokens >= prompt_tokens[i-1] - output_tokens[i-1]`` (the previous
     prompt, less the previous reply's length as slack for how a chat template re-renders
-    the turn it ends with). A missing usage is a shortfall too. Empty: all held."""
+    the turn it ends with), less :data:`ASSISTANT_HEADER_TOKENS` after an empty reply
+    (1 token: the end token). A missing usage is a shortfall too. Empty: all held."""
     main = [e for e in exchanges if e.has_tools]
     problems: list[str] = []
     previous: Usage | None = None
@@ -344,6 +351,8 @@ def cache_shortfalls(exchanges: list[Exchange]) -> list[str]:
             continue
         if previous is not None:
             floor = previous.prompt_tokens - previous.output_tokens
+            if previous.output_tokens <= 1:
+                floor -= ASSISTANT_HEADER_TOKENS
             if u.cached_tokens < floor:
                 problems.append(
                     f"main request {i}: cached {u.cached_tokens} < {floor} (previous prompt "
