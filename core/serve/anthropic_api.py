@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import json
 import sys
-import traceback
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -55,11 +54,18 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..chat.tool_calls import ReasoningDelta, TextDelta, ToolCall, ToolCallDelta
 from ..text import log_safe
-from .generation import ClientGone, Generation, KeepAlive, off_loop
+from .generation import Generation, KeepAlive, off_loop
 from .prompts import APIError, Sampling, check_number
-from .replies import internal_error, shutting_down
 from .reply import ReplyEnd, read_reply
-from .request import ChatRequest, Prepared, build_prompt, check_tools, prepare, receive
+from .request import (
+    ChatRequest,
+    Prepared,
+    admitted,
+    build_prompt,
+    check_tools,
+    prepare,
+    receive,
+)
 from .state import ServeState, client_label
 
 BLOCK_JOIN = "\n\n"  # between the text blocks of one system prompt, message or result
@@ -353,21 +359,16 @@ def event(kind: str, data: dict[str, Any]) -> str:
 
 async def messages(state: ServeState, http: Request) -> Response:
     """``POST /v1/messages``."""
-    if state.draining:
-        return error_response(shutting_down())
-    try:
+
+    async def work() -> tuple[dict, ChatRequest, Prepared]:
         body = await receive(state, http)
         chat = chat_request(body, state)
-        prep = await prepare(state, http, chat)
-    except APIError as e:
-        return error_response(e)
-    except ClientGone:
-        return Response(status_code=499)
-    except Exception:  # noqa: BLE001 -- a bug of ours: logged, a 500 without internals
-        traceback.print_exc(file=sys.stderr)
-        return error_response(internal_error())
-    if state.draining:
-        return error_response(shutting_down())
+        return body, chat, await prepare(state, http, chat)
+
+    got = await admitted(state, http, work, error_response)
+    if isinstance(got, Response):
+        return got
+    body, chat, prep = got
     gen = Generation(state, prep.request, client_label(http, body), "messages")
     head = {
         "id": "msg_" + uuid.uuid4().hex[:24],
@@ -477,15 +478,13 @@ async def _stream(
 async def count_tokens(state: ServeState, http: Request) -> Response:
     """``POST /v1/messages/count_tokens``: the prompt's length as ``messages`` would build
     it (tools, thinking switch, a forced call's start marker); nothing is queued."""
-    try:
-        body = await receive(state, http)
-        chat = chat_request(body, state, count_only=True)
-        prompt, _, _ = await off_loop(state, http, build_prompt, state, chat)
-    except APIError as e:
-        return error_response(e)
-    except ClientGone:
-        return Response(status_code=499)
-    except Exception:  # noqa: BLE001 -- a bug of ours: logged, a 500 without internals
-        traceback.print_exc(file=sys.stderr)
-        return error_response(internal_error())
+
+    async def work():
+        chat = chat_request(await receive(state, http), state, count_only=True)
+        return await off_loop(state, http, build_prompt, state, chat)
+
+    got = await admitted(state, http, work, error_response)
+    if isinstance(got, Response):
+        return got
+    prompt, _, _ = got
     return JSONResponse({"input_tokens": len(prompt.token_ids)})

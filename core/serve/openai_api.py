@@ -13,9 +13,7 @@ prefills.
 
 from __future__ import annotations
 
-import sys
 import time
-import traceback
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -27,12 +25,13 @@ from ..chat.prompts import Prompt
 from ..chat.tool_calls import ReasoningDelta, ReplyFormat, TextDelta, ToolCall, ToolCallDelta
 from .generation import ClientGone, Generation, KeepAlive, off_loop
 from .limits import check_prompt, context_length, vocab_size
-from .prompts import APIError, completion_prompt, sampling
-from .replies import error_response, internal_error, shutting_down, sse, usage
+from .prompts import APIError, Sampling, completion_prompt, sampling
+from .replies import error_response, sse, usage
 from .reply import ReplyEnd, read_reply
 from .request import (
     ChatRequest,
     Prepared,
+    admitted,
     check_queue,
     check_tool_calls,
     check_tools,
@@ -193,28 +192,23 @@ async def _prepare_completion(state: ServeState, http: Request, body: dict) -> P
         raise ClientGone
     check_queue(state)
     request = engine_request(state, ids, params, max_tokens)
-    return Prepared(request=request, prompt=Prompt(ids, ()), fmt=ReplyFormat(None, None, None, None, None))
+    return Prepared(
+        request=request, prompt=Prompt(ids, ()), fmt=ReplyFormat(None, None, None, None, None)
+    )
 
 
 async def _generate(state: ServeState, http: Request, chat: bool) -> Response:
-    if state.draining:
-        return error_response(shutting_down())
-    try:
+    async def work() -> tuple[dict, Sampling, Prepared]:
         body = await receive(state, http)
         params = sampling(body, state.max_tokens, state.seed)
         if chat:
-            prep = await prepare(state, http, chat_request(body, state))
-        else:
-            prep = await _prepare_completion(state, http, body)
-    except APIError as e:
-        return error_response(e)
-    except ClientGone:
-        return Response(status_code=499)
-    except Exception:  # noqa: BLE001 -- a bug of ours: logged, a 500 without internals
-        traceback.print_exc(file=sys.stderr)
-        return error_response(internal_error())
-    if state.draining:  # a signal came while the prompt was built
-        return error_response(shutting_down())
+            return body, params, await prepare(state, http, chat_request(body, state))
+        return body, params, await _prepare_completion(state, http, body)
+
+    got = await admitted(state, http, work, error_response)
+    if isinstance(got, Response):
+        return got
+    body, params, prep = got
     endpoint = "chat" if chat else "completion"
     gen = Generation(state, prep.request, client_label(http, body), endpoint)
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]

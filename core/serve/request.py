@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+import sys
+import traceback
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from starlette.requests import Request
+from starlette.responses import Response
 
 from ..api import GenerateRequest
 from ..chat.prompts import Prompt, template_supports_tools
@@ -32,9 +35,11 @@ from .generation import ClientGone, off_loop
 from .guard import authorize
 from .limits import check_prompt, context_length, model_vocab, parse_body
 from .prompts import APIError, ReplyMemory, Sampling
+from .replies import internal_error, shutting_down
 from .state import ServeState
 
 ToolChoice = Literal["auto", "none", "required"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -345,3 +350,30 @@ def engine_request(
         boundaries=boundaries,
         use_cache=state.use_cache,
     )
+
+
+async def admitted(
+    state: ServeState,
+    http: Request,
+    work: Callable[[], Awaitable[T]],
+    error_response: Callable[[APIError], Response],
+) -> T | Response:
+    """``await work()`` (read, convert and prepare one request), or the response that
+    refuses the request in the API's own error shape (``error_response``): its
+    :class:`APIError`, 499 for a client gone while its prompt was built, a 500 naming
+    nothing of the server for any other exception (the traceback goes to the log), 503
+    ``server_shutting_down`` while the server drains (checked before and after)."""
+    if state.draining:
+        return error_response(shutting_down())
+    try:
+        result = await work()
+    except APIError as e:
+        return error_response(e)
+    except ClientGone:
+        return Response(status_code=499)
+    except Exception:  # noqa: BLE001 -- a bug of ours: logged, a 500 without internals
+        traceback.print_exc(file=sys.stderr)
+        return error_response(internal_error())
+    if state.draining:  # a signal came while the prompt was built
+        return error_response(shutting_down())
+    return result

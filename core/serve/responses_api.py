@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-import traceback
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -39,13 +38,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..chat.tool_calls import ReasoningDelta, TextDelta, ToolCallDelta
-from .generation import ClientGone, Generation, KeepAlive
+from .generation import Generation, KeepAlive
 from .guard import authorize
 from .openai_api import ARGUMENT_PIECE, KEEPALIVE
 from .prompts import APIError
-from .replies import error_response, internal_error, shutting_down, usage
+from .replies import error_response, usage
 from .reply import ReplyEnd, read_reply
-from .request import Prepared, prepare, receive
+from .request import ChatRequest, Prepared, admitted, prepare, receive
 from .response_store import new_response_id
 from .responses_input import chat_request, input_items
 from .state import ServeState, client_label
@@ -181,9 +180,8 @@ async def _off(fn, *args):
 
 async def create(state: ServeState, http: Request) -> Response:
     """``POST /v1/responses``."""
-    if state.draining:
-        return error_response(shutting_down())
-    try:
+
+    async def work() -> tuple[dict, list, ChatRequest, Prepared]:
         body = await receive(state, http)
         items = input_items(body)
         previous = body.get("previous_response_id")
@@ -198,16 +196,12 @@ async def create(state: ServeState, http: Request) -> Response:
             record = await _off(state.responses.load, previous, "previous_response_id")
             items = record["input"] + record["output"] + items
         chat = chat_request(body, items, state)
-        prep = await prepare(state, http, chat)
-    except APIError as e:
-        return error_response(e)
-    except ClientGone:
-        return Response(status_code=499)
-    except Exception:  # noqa: BLE001 -- a bug of ours: logged, a 500 without internals
-        traceback.print_exc(file=sys.stderr)
-        return error_response(internal_error())
-    if state.draining:
-        return error_response(shutting_down())
+        return body, items, chat, await prepare(state, http, chat)
+
+    got = await admitted(state, http, work, error_response)
+    if isinstance(got, Response):
+        return got
+    body, items, chat, prep = got
     store = body.get("store", True) is not False and state.responses is not None
     reply = Reply(state, body, store)
     gen = Generation(state, prep.request, client_label(http, body), "responses")
