@@ -34,15 +34,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import agent_kit
 import httpx
 import pytest
+from test_serve_signals import Process
 
 pytestmark = [pytest.mark.system, pytest.mark.skipif(sys.platform == "win32", reason="POSIX")]
 
@@ -123,73 +122,35 @@ def test_cli_against_recorder(name, bins, project, tmp_path):
     assert agent_kit.cache_shortfalls(exchanges) == [], info
 
 
-class Serve:
+def start_serve(tmp: Path, models_dir: Path) -> Process:
     """``tierchat serve --model demo --port 0`` with settings of its own (no user config,
-    no TIERCHAT_* variable), its URL read from its stderr; stderr kept."""
+    no TIERCHAT_* variable); its URL and stderr as :class:`Process` reads them."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERCHAT_")}
+    (tmp / "empty.toml").write_text("")
+    env["TIERCHAT_CONFIG"] = str(tmp / "empty.toml")
+    cmd = [
+        *(sys.executable, "-m", "tierchat.cli.main", "serve", "--model", "demo"),
+        *("--port", "0", "--cache-dir", str(tmp / "kv"), "--data-dir", str(tmp / "data")),
+        *("--models-dir", str(models_dir), "--max-tokens", str(MAX_OUTPUT_TOKENS)),
+    ]
+    return Process(cmd, env)
 
-    def __init__(self, tmp: Path, models_dir: Path) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TIERCHAT_")}
-        (tmp / "empty.toml").write_text("")
-        env["TIERCHAT_CONFIG"] = str(tmp / "empty.toml")
-        cmd = [
-            sys.executable,
-            "-m",
-            "tierchat.cli.main",
-            "serve",
-            "--model",
-            "demo",
-            "--port",
-            "0",
-            "--cache-dir",
-            str(tmp / "kv"),
-            "--data-dir",
-            str(tmp / "data"),
-            "--models-dir",
-            str(models_dir),
-            "--max-tokens",
-            str(MAX_OUTPUT_TOKENS),
-        ]
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
-        )
-        self.lines: list[str] = []
-        self.url = ""
-        self._listening = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
 
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            m = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line)
-            if m and not self.url:
-                self.url = m.group(1)
-                self._listening.set()
-        self._listening.set()
-
-    def wait_listening(self, timeout_s: float = 600) -> str:
-        self._listening.wait(timeout_s)
-        assert self.url, self.stderr()
-        return self.url
-
-    def stderr(self) -> str:
-        return "".join(self.lines)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+def stop(server: Process) -> None:
+    if server.proc.poll() is None:
+        server.proc.terminate()
+        try:
+            server.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", agent_kit.AGENTS)
 def test_cli_against_serve(name, bins, project, tmp_path, models_dir):
-    serve = Serve(tmp_path, models_dir)
+    serve = start_serve(tmp_path, models_dir)
     try:
-        url = serve.wait_listening()
+        url = serve.wait_listening(600)
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         result, exchanges = run_through_proxy(
             name,
@@ -203,7 +164,7 @@ def test_cli_against_serve(name, bins, project, tmp_path, models_dir):
             max_output_tokens=MAX_OUTPUT_TOKENS,
         )
     finally:
-        serve.stop()
+        stop(serve)
     info = describe(result, exchanges, serve.stderr())
     assert result.returncode != -9, info  # the session ended by itself
     assert all(e.status == 200 for e in exchanges), info
