@@ -218,6 +218,8 @@ def _build(state: ServeState, chat: ChatRequest, tools: tuple[dict[str, Any], ..
         # a template's raise_exception ("roles must alternate") is for the client; any
         # other error names our internals, so it is said without them
         said = f": {e}" if type(e).__module__.startswith("jinja2") else ""
+        if not said:  # not the template's own words: ours, or the tokenizer's; logged
+            traceback.print_exc(file=sys.stderr)
         raise APIError(
             f"the chat template cannot render these messages{said}", param=chat.param
         ) from None
