@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 
 import pytest
 from engine_kit import assert_same, engine_maker, generate, make_engine, random_prompt
@@ -68,7 +70,10 @@ def test_damaged_block_is_skipped_counted_removed(engines, cold, damage):
 def test_temp_files_of_a_killed_writer_are_removed(engines):
     first = fill_and_restart(engines)
     shard = block_file(first, 0).parent
-    tmp = shard / "deadbeef.1234.tmp"
+    # a writer that is gone: a pid that just exited (a fixed pid may be a live process)
+    writer = subprocess.Popen([sys.executable, "-c", "pass"])
+    writer.wait()
+    tmp = shard / f"deadbeef.{writer.pid}.tmp"
     tmp.write_bytes(b"half a file")
     engines()
     assert not tmp.exists()
