@@ -57,7 +57,7 @@ from ..chat.tool_calls import ReasoningDelta, TextDelta, ToolCall, ToolCallDelta
 from ..text import log_safe
 from .generation import ClientGone, Generation, KeepAlive, off_loop
 from .prompts import APIError, Sampling, check_number
-from .replies import internal_error, shutting_down
+from .replies import client_gone, internal_error, shutting_down
 from .reply import ReplyEnd, read_reply
 from .request import ChatRequest, Prepared, build_prompt, check_tools, prepare, receive
 from .state import ServeState, client_label
@@ -361,8 +361,8 @@ async def messages(state: ServeState, http: Request) -> Response:
         prep = await prepare(state, http, chat)
     except APIError as e:
         return error_response(e)
-    except ClientGone:
-        return Response(status_code=499)
+    except ClientGone as e:
+        return client_gone(http, e)
     except Exception:  # noqa: BLE001 -- a bug of ours: logged, a 500 without internals
         traceback.print_exc(file=sys.stderr)
         return error_response(internal_error())
@@ -483,8 +483,8 @@ async def count_tokens(state: ServeState, http: Request) -> Response:
         prompt, _, _ = await off_loop(state, http, build_prompt, state, chat)
     except APIError as e:
         return error_response(e)
-    except ClientGone:
-        return Response(status_code=499)
+    except ClientGone as e:
+        return client_gone(http, e)
     except Exception:  # noqa: BLE001 -- a bug of ours: logged, a 500 without internals
         traceback.print_exc(file=sys.stderr)
         return error_response(internal_error())

@@ -28,7 +28,7 @@ from ..chat.tool_calls import ReasoningDelta, ReplyFormat, TextDelta, ToolCall, 
 from .generation import ClientGone, Generation, KeepAlive, off_loop
 from .limits import check_prompt, context_length, vocab_size
 from .prompts import APIError, completion_prompt, sampling
-from .replies import error_response, internal_error, shutting_down, sse, usage
+from .replies import client_gone, error_response, internal_error, shutting_down, sse, usage
 from .reply import ReplyEnd, read_reply
 from .request import (
     ChatRequest,
@@ -190,10 +190,12 @@ async def _prepare_completion(state: ServeState, http: Request, body: dict) -> P
         param="prompt",
     )
     if await http.is_disconnected():
-        raise ClientGone
+        raise ClientGone("while its prompt was built")
     check_queue(state)
     request = engine_request(state, ids, params, max_tokens)
-    return Prepared(request=request, prompt=Prompt(ids, ()), fmt=ReplyFormat(None, None, None, None, None))
+    return Prepared(
+        request=request, prompt=Prompt(ids, ()), fmt=ReplyFormat(None, None, None, None, None)
+    )
 
 
 async def _generate(state: ServeState, http: Request, chat: bool) -> Response:
@@ -208,8 +210,8 @@ async def _generate(state: ServeState, http: Request, chat: bool) -> Response:
             prep = await _prepare_completion(state, http, body)
     except APIError as e:
         return error_response(e)
-    except ClientGone:
-        return Response(status_code=499)
+    except ClientGone as e:
+        return client_gone(http, e)
     except Exception:  # noqa: BLE001 -- a bug of ours: logged, a 500 without internals
         traceback.print_exc(file=sys.stderr)
         return error_response(internal_error())

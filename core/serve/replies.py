@@ -11,15 +11,18 @@ is cancelled on the engine and counts only the tokens returned.
 from __future__ import annotations
 
 import json
+import sys
 from typing import TYPE_CHECKING, Any
 
-from starlette.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from ..api import Failed, TurnMetrics
+from ..text import log_safe
 from .prompts import APIError, StopMatcher
 
 if TYPE_CHECKING:
-    from .generation import Generation
+    from .generation import ClientGone, Generation
     from .state import ServeState
 
 
@@ -46,6 +49,19 @@ def failure(event: Failed) -> APIError:
 def internal_error() -> APIError:
     """A 500 that names nothing of the server's code (the traceback goes to its log)."""
     return APIError("internal server error (details in the server's log)", 500, "server_error")
+
+
+def client_gone(http: Request, gone: ClientGone) -> Response:
+    """A client that closed its connection before its request was queued: one line on
+    stderr (a local client dropping many connections must not fill the log with
+    tracebacks) and a 499 that nobody reads."""
+    host = http.client.host if http.client else "?"
+    when = str(gone) or "before its request was queued"
+    print(
+        f"client {log_safe(host)} closed its connection {when}: {http.method} {log_safe(http.url.path[:80])}",
+        file=sys.stderr,
+    )
+    return Response(status_code=499)
 
 
 def shutting_down() -> APIError:

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from ..api import GenerateRequest
 from ..chat.prompts import Prompt, template_supports_tools
@@ -84,7 +84,8 @@ class Prepared:
 
 async def read_body(http: Request, limit: int) -> bytes:
     """The request body, at most ``limit`` bytes. Raises :class:`APIError` 413 beyond it
-    (by ``Content-Length`` before reading, or while reading a chunked body)."""
+    (by ``Content-Length`` before reading, or while reading a chunked body), and
+    :class:`ClientGone` when the client closes its connection before the body's end."""
     too_big = APIError(
         f"the request body is larger than {limit} bytes", 413, code="request_too_large"
     )
@@ -92,11 +93,14 @@ async def read_body(http: Request, limit: int) -> bytes:
     if length is not None and (not length.isdigit() or int(length) > limit):
         raise too_big
     chunks, size = [], 0
-    async for chunk in http.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
+    try:
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone("while sending its body") from None
     return b"".join(chunks)
 
 
@@ -288,7 +292,7 @@ async def prepare(state: ServeState, http: Request, chat: ChatRequest) -> Prepar
         param=chat.param,
     )
     if await http.is_disconnected():  # gone while its prompt was built: queue nothing
-        raise ClientGone
+        raise ClientGone("while its prompt was built")
     check_queue(state)
     request = engine_request(state, ids, params, max_tokens, prompt.boundaries)
     # the reply starts inside a think block when the prompt opened one it did not close

@@ -43,7 +43,7 @@ from .generation import ClientGone, Generation, KeepAlive
 from .guard import authorize
 from .openai_api import ARGUMENT_PIECE, KEEPALIVE
 from .prompts import APIError
-from .replies import error_response, internal_error, shutting_down, usage
+from .replies import client_gone, error_response, internal_error, shutting_down, usage
 from .reply import ReplyEnd, read_reply
 from .request import Prepared, prepare, receive
 from .response_store import new_response_id
@@ -201,8 +201,8 @@ async def create(state: ServeState, http: Request) -> Response:
         prep = await prepare(state, http, chat)
     except APIError as e:
         return error_response(e)
-    except ClientGone:
-        return Response(status_code=499)
+    except ClientGone as e:
+        return client_gone(http, e)
     except Exception:  # noqa: BLE001 -- a bug of ours: logged, a 500 without internals
         traceback.print_exc(file=sys.stderr)
         return error_response(internal_error())
