@@ -29,10 +29,14 @@ from ..chat.prompts import decode_ids, encode_text
 from ..files import private_dirs, private_open
 
 THINK_END = "</think>"
+# the Retry-After of a 503 that names none (every 503 is worth retrying and says when)
+RETRY_AFTER_S = 1
 
 
 class APIError(Exception):
-    """An error answered as OpenAI does: ``status`` and the ``error`` object's fields."""
+    """An error answered as OpenAI does: ``status`` and the ``error`` object's fields.
+    ``retry_after_s``: the ``Retry-After`` header; a 503 always has one (default
+    :data:`RETRY_AFTER_S`)."""
 
     def __init__(
         self,
@@ -49,7 +53,9 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
-        self.retry_after_s = retry_after_s  # a Retry-After header (503s worth retrying)
+        if retry_after_s is None and status == 503:
+            retry_after_s = RETRY_AFTER_S
+        self.retry_after_s = retry_after_s
 
     def body(self) -> dict[str, Any]:
         return {

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 # ---------------------------------------------------------------- errors
 
+# a stopping server is back, if it is restarted, after its model loads: not within 1 s
+SHUTDOWN_RETRY_AFTER_S = 10
+
 
 def error_response(e: APIError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
@@ -65,7 +68,13 @@ def client_gone(http: Request, gone: ClientGone) -> Response:
 
 
 def shutting_down() -> APIError:
-    return APIError("the server is shutting down", 503, "server_error", code="server_shutting_down")
+    return APIError(
+        "the server is shutting down",
+        503,
+        "server_error",
+        code="server_shutting_down",
+        retry_after_s=SHUTDOWN_RETRY_AFTER_S,
+    )
 
 
 # ---------------------------------------------------------------- replies

@@ -5,11 +5,19 @@ implemented. Each case ends with a normal request answered as a cold run answers
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 
+import httpx
 import pytest
-from test_serve_hostile import Served
+from test_serve_hostile import NORMAL, Served
+from tierchat.core.engine.engine import Engine
+from tierchat.core.serve.app import create_app
+from tierchat.core.serve.limits import ServeLimits
+from tierchat.core.serve.log import RequestLog, TrackedEngine
+from tierchat.core.serve.server import ServerThread
+from tierchat.core.serve.state import ServeState
 
 DROP_PATHS = (
     "/v1/chat/completions",
@@ -64,3 +72,78 @@ def test_a_client_that_drops_while_sending_its_body_is_one_log_line(served, capf
     for path in DROP_PATHS:
         assert sum(line.endswith(f"POST {path}") for line in drops) == 8
     served.still_normal()
+
+
+# ---------------------------------------------------------------- Retry-After on every 503
+
+BODIES = {
+    "/v1/chat/completions": {"model": "m", "messages": NORMAL, "max_tokens": 4},
+    "/v1/completions": {"model": "m", "prompt": "the quick brown fox", "max_tokens": 4},
+    "/v1/messages": {"model": "m", "messages": NORMAL, "max_tokens": 4},
+    "/v1/responses": {"model": "m", "input": "the quick brown fox", "max_output_tokens": 4},
+}
+
+
+def assert_503(r: httpx.Response, path: str, code: str) -> None:
+    assert r.status_code == 503, r.text
+    assert int(r.headers["Retry-After"]) >= 1
+    body = r.json()
+    if path.startswith("/v1/messages"):  # Anthropic's shape
+        assert body["type"] == "error" and body["error"]["type"] == "overloaded_error"
+    else:
+        assert body["error"]["code"] == code and body["error"]["type"] == "server_error"
+
+
+@pytest.mark.parametrize("cause", ["queue_full", "server_shutting_down", "model_not_loaded"])
+def test_every_503_has_retry_after_in_every_apis_shape(served, tmp_path, cause):
+    engine = served.engine
+    if cause == "model_not_loaded":  # an engine with no model loaded yet
+        engine = TrackedEngine(Engine(served.raw.settings), RequestLog())
+    state = ServeState(engine, max_tokens=4, max_queue=0 if cause == "queue_full" else 64)
+    state.draining = cause == "server_shutting_down"
+    try:
+        with ServerThread(create_app(state)) as server:
+            for path, body in BODIES.items():
+                r = httpx.post(server.url + path, json=body, timeout=60)
+                assert_503(r, path, cause)
+    finally:
+        if engine is not served.engine:
+            engine.close()
+    served.still_normal()
+
+
+def test_past_the_connection_cap_a_request_gets_503_with_retry_after(tmp_path, models_dir):
+    limits = ServeLimits(max_connections=4, header_timeout_s=120.0)
+    s = Served(tmp_path, models_dir, limits)
+    idle = []
+    try:
+        for _ in range(limits.max_connections):  # the cap, held by idle connections
+            idle.append(socket.create_connection(("127.0.0.1", s.server.port)))
+        time.sleep(0.5)
+        for path, body in BODIES.items():
+            r = httpx.post(s.url + path, json=body, timeout=60)  # a new connection each
+            assert_503(r, path, "too_many_connections")
+            assert r.headers["Connection"] == "close"
+        # a raw client that sends a whole body reads the answer, not a reset
+        c = socket.create_connection(("127.0.0.1", s.server.port))
+        raw = json.dumps(BODIES["/v1/chat/completions"]).encode()
+        c.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(raw), raw)
+        )
+        c.settimeout(60)
+        answer = b""
+        while chunk := c.recv(65536):
+            answer += chunk
+        c.close()
+        assert answer.startswith(b"HTTP/1.1 503 "), answer[:200]
+        assert b"\r\nretry-after: " in answer.lower()
+        for c in idle:
+            c.close()
+        idle.clear()
+        time.sleep(0.5)
+        s.still_normal()  # under the cap again: served
+    finally:
+        for c in idle:
+            c.close()
+        s.close()
