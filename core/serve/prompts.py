@@ -259,6 +259,10 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),  # audio output
+    "audio": (None,),  # its voice and format
+    "prediction": (None,),  # predicted outputs
+    "web_search_options": (None,),  # a search before the reply
 }
 
 

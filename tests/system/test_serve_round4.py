@@ -147,3 +147,39 @@ def test_past_the_connection_cap_a_request_gets_503_with_retry_after(tmp_path, m
         for c in idle:
             c.close()
         s.close()
+
+
+# ---------------------------------------------------------------- parameters not implemented
+
+CHAT = BODIES["/v1/chat/completions"]
+
+
+@pytest.mark.parametrize(
+    "param, value, neutral",
+    [
+        ("modalities", ["text", "audio"], ["text"]),
+        ("audio", {"voice": "alloy", "format": "wav"}, None),
+        ("prediction", {"type": "content", "content": "the quick brown fox"}, None),
+        ("web_search_options", {}, None),
+    ],
+)
+def test_parameters_that_change_the_reply_are_400_naming_them(served, param, value, neutral):
+    r = served.post("/v1/chat/completions", {**CHAT, param: value})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["code"] == "unsupported_parameter"
+    assert param in error["message"]
+    r = served.post("/v1/chat/completions", {**CHAT, param: neutral, "max_tokens": 8})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == served.cold
+
+
+def test_assistant_tool_calls_in_the_history_are_accepted(served):
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        *NORMAL,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "done"},
+    ]
+    r = served.post("/v1/chat/completions", {**CHAT, "messages": messages})
+    assert r.status_code == 200, r.text
