@@ -5,17 +5,23 @@ implemented. Each case ends with a normal request answered as a cold run answers
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
 import socket
+import subprocess
 import time
 
 import httpx
+import openai
 import pytest
 from test_serve_hostile import NORMAL, Served
 from tierchat.core.engine.engine import Engine
 from tierchat.core.serve.app import create_app
 from tierchat.core.serve.limits import ServeLimits
 from tierchat.core.serve.log import RequestLog, TrackedEngine
+from tierchat.core.serve.prompts import ReplyMemory
 from tierchat.core.serve.server import ServerThread
 from tierchat.core.serve.state import ServeState
 
@@ -183,3 +189,102 @@ def test_assistant_tool_calls_in_the_history_are_accepted(served):
     ]
     r = served.post("/v1/chat/completions", {**CHAT, "messages": messages})
     assert r.status_code == 200, r.text
+
+
+# ---------------------------------------------------------------- reply memory on a full disk
+
+
+def test_a_full_disk_cuts_no_reply_memory_line_and_is_said_once(served, monkeypatch, capfd):
+    """The disk fills in the middle of a reply memory line (the first half written, then
+    ENOSPC): replies go on, one warning is said, the file keeps whole lines only; when
+    space is back the next reply is appended as a line of its own."""
+    path = served.state.memory.path
+    served.chat([{"role": "user", "content": "first, on a disk with room"}])
+    assert path.read_text().count("\n") >= 1
+    real_write = os.write
+    full = {"on": True, "cut": 0}
+
+    def write(fd: int, data) -> int:
+        if full["on"] and os.fstat(fd).st_ino == path.stat().st_ino:
+            full["cut"] += 1
+            real_write(fd, bytes(data[: len(data) // 2]))  # half the line lands
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    capfd.readouterr()
+    for i in range(3):
+        reply = served.chat([{"role": "user", "content": f"on a full disk, {i}"}])
+        assert reply  # serving goes on
+    err = capfd.readouterr().err
+    assert full["cut"] == 3
+    assert err.count("reply memory") == 1 and "No space left" in err, err
+    assert path.read_bytes().endswith(b"\n")
+    full["on"] = False
+    served.chat([{"role": "user", "content": "after space came back"}])
+    lines = path.read_text().splitlines()
+    assert all(json.loads(line) for line in lines)  # every line whole
+    reloaded = ReplyMemory(256, path)
+    assert len(lines) >= 2  # the first reply and the last
+    assert len(reloaded) == len({json.loads(line)[0] for line in lines})
+    assert "written again" in capfd.readouterr().err
+
+
+def test_a_cut_last_line_is_dropped_on_load_so_the_next_append_is_whole(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps(["kept", [1, 2]]) + "\n" + '["cut", [3,')
+    memory = ReplyMemory(16, path)
+    assert memory.lookup("kept") == (1, 2) and len(memory) == 1
+    memory.remember(None, "next", [4, 5])
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        ["kept", [1, 2]],
+        ["next", [4, 5]],
+    ]
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A 64 KiB tmpfs (root only: skipped where it cannot be mounted)."""
+    where = tmp_path / "tmpfs"
+    where.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {done.stderr.decode().strip()}")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_full_tmpfs_leaves_whole_reply_memory_lines(served, tiny_tmpfs, capfd):
+    """The same on a real full file system: the reply memory's file has 24 bytes left in
+    its last page and nothing else is free, so the next reply's line is cut by the disk."""
+    path = tiny_tmpfs / "serve-replies" / "m.jsonl"
+    state = ServeState(served.engine, max_tokens=8, memory_path=path)
+    with ServerThread(create_app(state)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        served.chat([{"role": "user", "content": "first, with room"}], client=client)
+        size = path.stat().st_size
+        pad = json.dumps(["pad", []])
+        with open(path, "a") as f:  # whole lines up to 24 bytes short of a page
+            while 4096 - (size % 4096) > 24 + len(pad) + 1 + 16:
+                f.write(pad + "\n")
+                size += len(pad) + 1
+            room = 4096 - (size % 4096) - 24
+            f.write(json.dumps(["p" * (room - len(json.dumps(["", []])) - 1), []]) + "\n")
+        assert 4096 - path.stat().st_size % 4096 == 24
+        with open(tiny_tmpfs / "filler", "wb", buffering=0) as f:  # every other page
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"x" * 4096)
+        capfd.readouterr()
+        for i in range(3):
+            assert served.chat([{"role": "user", "content": f"full {i}"}], client=client)
+        err = capfd.readouterr().err
+        assert err.count("reply memory") == 1 and "No space left" in err, err
+        assert path.read_bytes().endswith(b"\n")
+        (tiny_tmpfs / "filler").unlink()
+        served.chat([{"role": "user", "content": "after space came back"}], client=client)
+        lines = path.read_text().splitlines()
+        assert all(json.loads(line) for line in lines)
+        assert json.loads(lines[-1])[0] != "pad"
