@@ -23,7 +23,9 @@ sha256 hex digest of the generated token ids written as ASCII decimals joined by
 An op that fails (a ``Failed`` event: a refused prefill, an engine error; or an
 impossible ``edit``/``swipe``/``regenerate``) prints ``{"op_index", "op", "error"}`` on
 stdout and ``error: SCRIPT:LINE: ...`` on stderr; the script goes on and the exit code
-is 1 at the end.
+is 1 at the end. When a ``new`` fails (a locked or full store), the ops of its
+conversation up to the next ``new`` (``user``, ``regenerate``, ``edit``, ``swipe``) are
+not run, each reported so (``skipped: ...``); ``restart`` and ``clear`` still run.
 
 ``restart`` closes the engine (flushing the SSD writer) and starts a new one: the hot tier,
 tails and checkpoints are gone, the SSD tier and the conversation store stay.
@@ -57,6 +59,8 @@ from tierchat.cli.common import (
 from tierchat.core.api import CACHE_KINDS, CACHE_SOURCES, CACHE_TIERS, plain
 from tierchat.core.live_status import StatusService
 
+# the ops that act on the conversation the last ``new`` opened
+CONVERSATION_OPS = frozenset({"user", "regenerate", "edit", "swipe"})
 RESULT_FIELDS: tuple[str, ...] = (
     "op_index",
     "op",
@@ -297,13 +301,23 @@ class Replay:
         from tierchat.core.chat.session import SessionError
         from tierchat.core.chat.sqlite import StoreError
 
+        failed_new: Op | None = None  # a failed `new`: its conversation's ops are skipped
         for op in ops:
+            if op.op == "new":
+                failed_new = None
+            elif failed_new is not None and op.op in CONVERSATION_OPS:
+                # run elsewhere, they would answer without the script's system prompt
+                line = failed_new.index + 1
+                self._fail(op, f"skipped: the new conversation of line {line} was not created")
+                continue
             try:
                 self.step(op)
             except StoreError as e:  # only this op's turn is lost
                 self._fail(op, f"not saved: {e}")
+                failed_new = op if op.op == "new" else failed_new
             except SessionError as e:
                 self._fail(op, str(e))
+                failed_new = op if op.op == "new" else failed_new
             if self.engine is not None:
                 self.ssd_watch.check(self.err)
         self._emit({"summary": self.summary(len(ops))})

@@ -48,6 +48,19 @@ _RANK_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 DEFAULT_TIMEOUT_S = 120.0
 
 
+# how MLX's distributed backends begin their errors ("[ring] connection to a peer was lost")
+BACKEND_TAGS = ("[ring]", "[mpi]", "[jaccl]", "[nccl]")
+
+
+def failure_of(exc: BaseException) -> str:
+    """Why the ranks failed once ``exc`` broke a job: a backend's error from a collective
+    (inside a model forward, say) means a rank was lost, said as :meth:`Ranks._sum` and
+    the README say it; any other error leaves the ranks out of step."""
+    if isinstance(exc, RuntimeError) and str(exc).startswith(BACKEND_TAGS):
+        return f"a rank was lost: {exc}"
+    return f"the ranks are out of step after {exc!r}"
+
+
 class RankError(RuntimeError):
     """A rank died, stopped answering or failed where the others did not; the message
     names the rank (or the stage) and what happened."""

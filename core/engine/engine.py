@@ -296,7 +296,8 @@ class Engine:
                 except Exception as exc:  # an engine error never kills the thread
                     self._on_log(f"engine error: {exc!r}")
                     self.peers.out_of_step(exc)
-                    sched.fail_all(f"{type(exc).__name__}: {exc}")
+                    # across ranks, the group's reason (a rank was lost), as the README says
+                    sched.fail_all(self.peers.failed or f"{type(exc).__name__}: {exc}")
             self._hold_writes(sched.busy)
             if self._clear_when_idle and not sched.busy and not backlog and self._jobs.empty():
                 # no request held nor waiting (clients that send their next turn as a
@@ -390,7 +391,7 @@ class Engine:
             self._on_log(f"engine error: {exc!r}")
             self.peers.out_of_step(exc)
             if handle is not None and not handle.done:
-                handle.emit(Failed(f"{type(exc).__name__}: {exc}"))
+                handle.emit(Failed(self.peers.failed or f"{type(exc).__name__}: {exc}"))
 
     def release_host_buffers(self) -> None:
         """Queue one clear of MLX's buffer cache on the engine thread, after the jobs

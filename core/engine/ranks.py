@@ -155,7 +155,7 @@ class RankGroup:
     def out_of_step(self, exc: BaseException) -> None:
         """A job raised: the other ranks may be anywhere in it now, so the group fails."""
         if not self.ranks.failed:
-            self.ranks.failed = f"the ranks are out of step after {exc!r}"
+            self.ranks.failed = dist.failure_of(exc)
 
     def all_min(self, values: list[int]) -> list[int]:
         """The element-wise minimum over the ranks (:meth:`dist.Ranks.all_min`)."""

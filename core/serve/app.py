@@ -38,7 +38,7 @@ from . import anthropic_api, openai_api, responses_api
 from .guard import HostGuard, authorize
 from .limits import context_length
 from .prompts import APIError
-from .replies import error_response, internal_error
+from .replies import SHUTDOWN_RETRY_AFTER_S, error_response, internal_error
 from .state import ServeState, ranks_failure
 
 # ---------------------------------------------------------------- the app
@@ -73,6 +73,7 @@ def create_app(state: ServeState) -> Starlette:
             return JSONResponse(
                 {"status": "failed", "error": failed, "model": state.engine.model_name},
                 status_code=503,
+                headers={"Retry-After": str(SHUTDOWN_RETRY_AFTER_S)},
             )
         wear = state.engine.stats().wear
         return JSONResponse(

@@ -28,7 +28,8 @@ class KeepAlive:
 
 
 class ClientGone(Exception):
-    """The client closed its connection before its request was queued."""
+    """The client closed its connection before its request was queued; ``str(e)`` says
+    when ("while sending its body", "while its prompt was built")."""
 
 
 class Generation:
@@ -108,7 +109,7 @@ async def off_loop(state: ServeState, http: Request, fn, *args):
             break
         except TimeoutError:
             if await http.is_disconnected():
-                raise ClientGone from None
+                raise ClientGone("while its prompt waited to be built") from None
     task = asyncio.ensure_future(run_in_threadpool(fn, *args))
     task.add_done_callback(lambda _: sem.release())
     while True:
@@ -116,4 +117,4 @@ async def off_loop(state: ServeState, http: Request, fn, *args):
         if done:
             return task.result()
         if await http.is_disconnected():
-            raise ClientGone
+            raise ClientGone("while its prompt was built")

@@ -42,8 +42,10 @@ class ServeLimits:
 
     ``allowed_hosts``: extra names accepted in ``Host`` (beyond loopback and the bound
     address); ``allowed_origins``: extra browser origins (``scheme://host[:port]``, or
-    ``*`` for any). ``max_connections`` and ``header_timeout_s`` go to uvicorn
-    (``limit_concurrency``, and a header timeout on each new connection)."""
+    ``*`` for any). ``max_connections`` and ``header_timeout_s`` bound uvicorn's
+    connections (:func:`~tierchat.core.serve.server.guarded_protocol`: past the first, a
+    request gets 503 with ``Retry-After``; a connection's headers must come within the
+    second)."""
 
     max_body_bytes: int = 4 << 20
     max_messages: int = 1024
@@ -297,7 +299,7 @@ def vocab_size(engine: Any) -> int | None:
 _COUNT_FLAGS = (
     ("max_body_bytes", "refuse larger request bodies with 413 (default {})"),
     ("max_messages", "refuse chats of more messages (default {})"),
-    ("max_connections", "open connections at most (default {}; past it: closed, 503)"),
+    ("max_connections", "open connections at most (default {}; past it: 503 with Retry-After)"),
 )
 
 

@@ -189,7 +189,7 @@ async def _prepare_completion(state: ServeState, http: Request, body: dict) -> P
         param="prompt",
     )
     if await http.is_disconnected():
-        raise ClientGone
+        raise ClientGone("while its prompt was built")
     check_queue(state)
     request = engine_request(state, ids, params, max_tokens)
     return Prepared(

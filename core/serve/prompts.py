@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -29,10 +30,14 @@ from ..chat.prompts import decode_ids, encode_text
 from ..files import private_dirs, private_open
 
 THINK_END = "</think>"
+# the Retry-After of a 503 that names none (every 503 is worth retrying and says when)
+RETRY_AFTER_S = 1
 
 
 class APIError(Exception):
-    """An error answered as OpenAI does: ``status`` and the ``error`` object's fields."""
+    """An error answered as OpenAI does: ``status`` and the ``error`` object's fields.
+    ``retry_after_s``: the ``Retry-After`` header; a 503 always has one (default
+    :data:`RETRY_AFTER_S`)."""
 
     def __init__(
         self,
@@ -49,7 +54,9 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
-        self.retry_after_s = retry_after_s  # a Retry-After header (503s worth retrying)
+        if retry_after_s is None and status == 503:
+            retry_after_s = RETRY_AFTER_S
+        self.retry_after_s = retry_after_s
 
     def body(self) -> dict[str, Any]:
         return {
@@ -74,7 +81,9 @@ class ReplyMemory:
     With a ``path`` the memory survives a restart (JSON lines, appended as replies come,
     compacted on load; the file 0600 in a 0700 dir, as it holds every reply): the SSD tier's blocks are keyed by the generated ids, so without
     them a restarted server would miss from the first re-tokenized reply on. One file per
-    model (the caller names it); an unwritable file leaves the memory in RAM only.
+    model (the caller names it). Appends are whole lines or nothing; a full or read-only
+    disk is said once on stderr and the memory goes on in RAM (appends are tried again
+    with each reply).
     """
 
     def __init__(self, max_entries: int = 256, path: str | os.PathLike | None = None) -> None:
@@ -83,15 +92,21 @@ class ReplyMemory:
         self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._lock = threading.Lock()
         self._lines = 0
+        self._failing = False  # the last append failed (and was said)
         if self.path is not None:
             self._load()
 
     def _load(self) -> None:
         """Read the file (one JSON ``[text, ids]`` a line, oldest first); a bad line is
-        skipped; the file is rewritten when it holds more than twice what is kept."""
+        skipped, a cut last line removed from the file; the file is rewritten when it
+        holds more than twice what is kept."""
         assert self.path is not None
         try:
-            lines = self.path.read_text(encoding="utf-8").splitlines()
+            raw = self.path.read_bytes()
+            if raw and not raw.endswith(b"\n"):  # a cut last line (an older writer's)
+                raw = raw[: raw.rfind(b"\n") + 1]
+                os.truncate(self.path, len(raw))  # the next append starts a line
+            lines = raw.decode("utf-8", "replace").splitlines()
         except FileNotFoundError:
             return
         except OSError:
@@ -122,18 +137,33 @@ class ReplyMemory:
         self._lines = len(self._entries)
 
     def _append(self, keys: dict[str, tuple[int, ...]]) -> None:
+        """Append ``keys``' lines in one write, whole or not at all: a write the disk cuts
+        (``ENOSPC``) is truncated away, so no cut line is left for the next append to merge
+        into. A failure is said once on stderr (until a write succeeds again); the
+        entries stay in memory and serving goes on."""
         if self.path is None:
             return
+        data = "".join(json.dumps([t, list(i)]) + "\n" for t, i in keys.items()).encode()
         try:
             private_dirs(self.path.parent, tighten=True)
             with private_open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND) as f:
-                for text, ids in keys.items():
-                    f.write(json.dumps([text, list(ids)]) + "\n")
+                _append_whole(f.fileno(), data)
             self._lines += len(keys)
             if self._lines > 2 * self.max_entries:
                 self._rewrite()
-        except OSError:
-            self.path = None  # a full or read-only disk: go on in memory
+        except OSError as e:
+            if not self._failing:
+                print(
+                    f"warning: reply memory {self.path} not written ({e.strerror or e}); "
+                    "replies are kept in memory only until a write succeeds",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            self._failing = True
+            return
+        if self._failing:
+            print(f"reply memory {self.path} is written again", file=sys.stderr, flush=True)
+        self._failing = False
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -159,6 +189,20 @@ class ReplyMemory:
             if ids is not None:
                 self._entries.move_to_end(text)
             return ids
+
+
+def _append_whole(fd: int, data: bytes) -> None:
+    """Write ``data`` at the end of the ``O_APPEND`` file ``fd``, all of it or none:
+    on an error (a full disk after part of it) the file is cut back to its old size and
+    the error raised. One writer at a time (the caller's lock)."""
+    start = os.fstat(fd).st_size
+    done = 0
+    try:
+        while done < len(data):
+            done += os.write(fd, data[done:])
+    except OSError:
+        os.ftruncate(fd, start)
+        raise
 
 
 def _after_think(tokenizer: Tokenizer, ids: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
@@ -253,6 +297,10 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),  # audio output
+    "audio": (None,),  # its voice and format
+    "prediction": (None,),  # predicted outputs
+    "web_search_options": (None,),  # a search before the reply
 }
 
 

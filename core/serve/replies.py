@@ -11,19 +11,25 @@ is cancelled on the engine and counts only the tokens returned.
 from __future__ import annotations
 
 import json
+import sys
 from typing import TYPE_CHECKING, Any
 
-from starlette.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from ..api import Failed, TurnMetrics
+from ..text import log_safe
 from .prompts import APIError, StopMatcher
 
 if TYPE_CHECKING:
-    from .generation import Generation
+    from .generation import ClientGone, Generation
     from .state import ServeState
 
 
 # ---------------------------------------------------------------- errors
+
+# a stopping server is back, if it is restarted, after its model loads: not within 1 s
+SHUTDOWN_RETRY_AFTER_S = 10
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -48,8 +54,27 @@ def internal_error() -> APIError:
     return APIError("internal server error (details in the server's log)", 500, "server_error")
 
 
+def client_gone(http: Request, gone: ClientGone) -> Response:
+    """A client that closed its connection before its request was queued: one line on
+    stderr (a local client dropping many connections must not fill the log with
+    tracebacks) and a 499 that nobody reads."""
+    host = http.client.host if http.client else "?"
+    when = str(gone) or "before its request was queued"
+    print(
+        f"client {log_safe(host)} closed its connection {when}: {http.method} {log_safe(http.url.path[:80])}",
+        file=sys.stderr,
+    )
+    return Response(status_code=499)
+
+
 def shutting_down() -> APIError:
-    return APIError("the server is shutting down", 503, "server_error", code="server_shutting_down")
+    return APIError(
+        "the server is shutting down",
+        503,
+        "server_error",
+        code="server_shutting_down",
+        retry_after_s=SHUTDOWN_RETRY_AFTER_S,
+    )
 
 
 # ---------------------------------------------------------------- replies

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from ..api import GenerateRequest
@@ -35,7 +35,7 @@ from .generation import ClientGone, off_loop
 from .guard import authorize
 from .limits import check_prompt, context_length, model_vocab, parse_body
 from .prompts import APIError, ReplyMemory, Sampling
-from .replies import internal_error, shutting_down
+from .replies import client_gone, internal_error, shutting_down
 from .state import ServeState
 
 ToolChoice = Literal["auto", "none", "required"]
@@ -89,7 +89,8 @@ class Prepared:
 
 async def read_body(http: Request, limit: int) -> bytes:
     """The request body, at most ``limit`` bytes. Raises :class:`APIError` 413 beyond it
-    (by ``Content-Length`` before reading, or while reading a chunked body)."""
+    (by ``Content-Length`` before reading, or while reading a chunked body), and
+    :class:`ClientGone` when the client closes its connection before the body's end."""
     too_big = APIError(
         f"the request body is larger than {limit} bytes", 413, code="request_too_large"
     )
@@ -97,11 +98,14 @@ async def read_body(http: Request, limit: int) -> bytes:
     if length is not None and (not length.isdigit() or int(length) > limit):
         raise too_big
     chunks, size = [], 0
-    async for chunk in http.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
+    try:
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone("while sending its body") from None
     return b"".join(chunks)
 
 
@@ -295,7 +299,7 @@ async def prepare(state: ServeState, http: Request, chat: ChatRequest) -> Prepar
         param=chat.param,
     )
     if await http.is_disconnected():  # gone while its prompt was built: queue nothing
-        raise ClientGone
+        raise ClientGone("while its prompt was built")
     check_queue(state)
     request = engine_request(state, ids, params, max_tokens, prompt.boundaries)
     # the reply starts inside a think block when the prompt opened one it did not close
@@ -362,7 +366,8 @@ async def admitted(
 ) -> T | Response:
     """``await work()`` (read, convert and prepare one request), or the response that
     refuses the request in the API's own error shape (``error_response``): its
-    :class:`APIError`, 499 for a client gone while its prompt was built, a 500 naming
+    :class:`APIError`, 499 (and one log line) for a client gone while its body was read
+    or its prompt built, a 500 naming
     nothing of the server for any other exception (the traceback goes to the log), 503
     ``server_shutting_down`` while the server drains (checked before and after)."""
     if state.draining:
@@ -371,8 +376,8 @@ async def admitted(
         result = await work()
     except APIError as e:
         return error_response(e)
-    except ClientGone:
-        return Response(status_code=499)
+    except ClientGone as e:
+        return client_gone(http, e)
     except Exception:  # noqa: BLE001 -- a bug of ours: logged, a 500 without internals
         traceback.print_exc(file=sys.stderr)
         return error_response(internal_error())

@@ -22,6 +22,7 @@ from ..text import log_safe
 from .limits import ServeLimits
 from .log import TrackedEngine
 from .prompts import APIError, ReplyMemory
+from .replies import SHUTDOWN_RETRY_AFTER_S
 from .response_store import ResponseStore
 
 API_KEY_ENV = "TIERCHAT_API_KEY"
@@ -90,7 +91,9 @@ class ServeState:
     def builder(self) -> PromptBuilder:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
-            raise APIError("no model is loaded", 503, "server_error", code="model_not_loaded")
+            raise APIError(
+                "no model is loaded", 503, "server_error", code="model_not_loaded", retry_after_s=5
+            )
         if self._builder is None or self._builder.tokenizer is not tokenizer:
             self._builder = PromptBuilder(tokenizer, max_renders=MAX_NEW_RENDERS)
         return self._builder
@@ -105,7 +108,13 @@ class ServeState:
     def abort_all(self, message: str) -> int:
         """End every open generation with a 503 ``server_shutting_down`` error (streams get
         it as an error event) and cancel it on the engine. Any thread. Returns how many."""
-        error = APIError(message, 503, "server_error", code="server_shutting_down")
+        error = APIError(
+            message,
+            503,
+            "server_error",
+            code="server_shutting_down",
+            retry_after_s=SHUTDOWN_RETRY_AFTER_S,
+        )
         gens = list(self.generations)
         for gen in gens:
             gen.abort(error)

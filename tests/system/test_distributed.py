@@ -221,6 +221,10 @@ def test_worker_killed_mid_request_fails_rank_0(tmp_path, models_dir):
     assert "a rank was lost" in err
     assert took < 30
     assert "Traceback" not in err
+    ops, _ = results(out)  # the client's error is the README's words, not the backend's
+    failed = [x["error"] for x in ops if "error" in x]
+    assert failed and all("a rank was lost" in e for e in failed), failed
+    assert not any(e.startswith("RuntimeError") for e in failed)
 
 
 def test_worker_that_stops_answering_fails_rank_0_within_the_timeout(tmp_path, models_dir):

@@ -221,7 +221,7 @@ def test_9_usage_counts_only_the_tokens_returned_before_a_stop(server, cold):
         ("logit_bias", {"65": 100}),
         ("best_of", 3),
         ("functions", [{"name": "f", "parameters": {}}]),
-        ("tool_choice", "auto"),
+        ("modalities", ["text", "audio"]),
         ("response_format", {"type": "json_object"}),
     ],
 )
@@ -236,7 +236,7 @@ def test_9_parameters_not_implemented_are_400_naming_them(server, cold, param, v
         assert error["param"] == param and error["code"] == "unsupported_parameter"
         assert param in error["message"]
     # their neutral values change nothing and pass
-    neutral = {"logit_bias": {}, "best_of": 1, "functions": [], "tool_choice": "none",
+    neutral = {"logit_bias": {}, "best_of": 1, "functions": [], "modalities": ["text"],
                "response_format": {"type": "text"}}  # fmt: skip
     r = httpx.post(
         server.url + "/v1/chat/completions",

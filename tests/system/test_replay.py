@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -326,3 +327,55 @@ def test_refusal_leaves_store_and_ssd_intact(tmp_path, models_dir, capsys):
     )
     assert code == 0 and lines[0]["cached_by"]["ssd"] > 0
     assert len((tmp_path / "data" / "conversations.sqlite").read_bytes()) >= len(store)
+
+
+def test_a_new_that_fails_on_a_locked_store_skips_its_conversations_ops(
+    tmp_path, models_dir, capsys, monkeypatch
+):
+    """Another process holds the store's write lock while the second ``new`` runs: that
+    ``new`` fails, its conversation's ops are skipped and reported (never run in the first
+    conversation, without the script's system prompt), and the third conversation runs."""
+    import sqlite3
+    import tomllib
+
+    from tierchat.core.chat.store import ConversationStore
+
+    config = Path(os.environ["TIERCHAT_CONFIG"])
+    config.write_text("store_busy_s = 0.2\n")
+    assert tomllib.loads(config.read_text())["store_busy_s"] == 0.2
+    real = ConversationStore.create_conversation
+    calls = []
+
+    def create_while_locked(self, title=None, system=None):
+        calls.append(system)
+        if len(calls) != 2:
+            return real(self, title, system)
+        other = sqlite3.connect(self.path, isolation_level=None)
+        other.execute("BEGIN EXCLUSIVE")  # another process writing the store
+        try:
+            return real(self, title, system)
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+
+    monkeypatch.setattr(ConversationStore, "create_conversation", create_while_locked)
+    ops = [
+        {"op": "new", "system": "First."},
+        {"op": "user", "text": "one", "max_tokens": 2},
+        {"op": "new", "system": "Second, whose system prompt matters."},
+        {"op": "user", "text": "two", "max_tokens": 2},
+        {"op": "regenerate", "max_tokens": 2},
+        {"op": "clear", "tier": "hot"},
+        {"op": "new", "system": "Third."},
+        {"op": "user", "text": "three", "max_tokens": 2},
+    ]
+    script = write_script(tmp_path / "s.jsonl", ops)
+    code, lines, err = replay(capsys, [str(script), *flags(tmp_path, models_dir)])
+    assert code == 1
+    by_index = {line["op_index"]: line for line in lines if "op_index" in line}
+    assert "not saved" in by_index[2]["error"]
+    for i in (3, 4):
+        assert by_index[i]["error"].startswith("skipped: the new conversation of line 3")
+        assert f"s.jsonl:{i + 1}: " in err
+    assert "error" not in by_index[1] and "error" not in by_index[7]
+    assert lines[-1]["summary"]["generations"] == 2 and lines[-1]["summary"]["errors"] == 3
