@@ -4,8 +4,11 @@ conversation uses: ``context 1,298 / 32,768 (4%)``.
 
 Counting tokenizes (the prompt builder renders the template and encodes the draft: up to
 ~100 ms on a long conversation), so it is debounced (:data:`DEBOUNCE_S` after the last
-keystroke) and runs in a thread worker, never on the UI thread; a count for text that has
-changed since is dropped. Only the tokenizer object is used (core/chat/draft.py): no MLX.
+keystroke) and runs in a thread worker, never on the UI thread. The count follows the
+draft and the path on screen: the transcript says when it shows another path (a swipe, an
+edit, a stored reply, another conversation: ``PathShown``), and a count started before the
+latest change of either is dropped. Only the tokenizer object is used
+(core/chat/draft.py): no MLX.
 """
 
 from __future__ import annotations
@@ -56,9 +59,20 @@ class DraftMeter:
         """The last count shown (None: none shown)."""
         self._timer: Timer | None = None
         self._empty = False  # the count shown is the context of an empty input
+        self._changes = 0  # changes of the draft or the path so far; a count carries its own
+        self._path: tuple[int | None, ...] = ()
+
+    def path_shown(self, node_ids: tuple[int | None, ...]) -> None:
+        """The transcript shows the path ``node_ids`` now: count again. The figure shown
+        is wrong at once unless the path only grew (a reply added to it)."""
+        old, self._path = self._path, node_ids
+        if node_ids[: len(old)] != old and self.count is not None:
+            self.show(None)
+        self.changed()
 
     def changed(self) -> None:
         """The draft changed: count it once the typing pauses."""
+        self._changes += 1
         if self._timer is not None:
             self._timer.stop()
         if not self.box.text.strip() and self.count is not None and not self._empty:
@@ -73,18 +87,19 @@ class DraftMeter:
             text = ""
         session = self.screen.tierchat.session
         app = self.screen.app
+        change = self._changes
 
         def work() -> None:
             try:
                 count = count_draft(session, text)
             except Exception:  # noqa: BLE001 - no count (no model, a template error)
                 count = None
-            app.call_from_thread(self._counted, text, count)
+            app.call_from_thread(self._counted, change, text, count)
 
         self.screen.run_worker(work, thread=True, exclusive=True, group="draft-count")
 
-    def _counted(self, text: str, count: DraftCount | None) -> None:
-        if text == self.box.text or (not text and not self.box.text.strip()):
+    def _counted(self, change: int, text: str, count: DraftCount | None) -> None:
+        if change == self._changes:  # neither the draft nor the path changed since
             self.show(count, empty=not text)
 
     def show(self, count: DraftCount | None, empty: bool = False) -> None:

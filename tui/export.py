@@ -11,11 +11,13 @@ stopped reply, the token cap) gets its fence closed, so the rest of the file sta
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
 
 from tierchat.core.chat.store import ConversationStore, Node
+from tierchat.core.files import private_dirs, private_open
 
 ExportFormat = Literal["md", "json"]
 ExportScope = Literal["path", "tree"]
@@ -133,7 +135,7 @@ def export_conversation(
             doc["roots"] = [nest(r) for r in roots]
         return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
 
-    lines = [f"# {title}", ""]
+    lines = [f"# {literal_markdown(' '.join(title.split()))}", ""]
     system = (settings or {}).get("system")
     if system and not (path and path[0].role == "system"):
         lines += ["## System", "", literal_markdown(system), ""]
@@ -171,13 +173,15 @@ def export_path(folder: Path, title: str, conversation_id: int, fmt: str, scope:
 
 def write_export(store: ConversationStore, data_dir: Path, cid: int, fmt: str, scope: str) -> Path:
     """Write conversation ``cid`` (``scope`` "path" or "tree", ``fmt`` "md" or "json")
-    under ``data_dir``/exports; returns the file written. Raises ``OSError``, or the
-    store's error for an unknown conversation."""
+    under ``data_dir``/exports; returns the file written. Owner-only, as everything
+    tierchat writes: the folder 0700, the file 0600. Raises ``OSError``, or the store's
+    error for an unknown conversation."""
     info = store.get_conversation(cid)
     saved = store.conversation_settings(cid)
     text = export_conversation(store, cid, fmt, scope, saved)  # type: ignore[arg-type]
     folder = Path(data_dir) / "exports"
-    folder.mkdir(parents=True, exist_ok=True)
+    private_dirs(folder, tighten=True)
     path = export_path(folder, info.title or "", cid, fmt, scope)
-    path.write_text(text)
+    with private_open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC) as f:
+        f.write(text)
     return path

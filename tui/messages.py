@@ -125,3 +125,11 @@ class TypedInTranscript(Message):
     """A printable key the message cursor does not bind: it belongs in the chat input."""
 
     character: str
+
+
+@dataclass
+class PathShown(Message):
+    """The transcript now shows another path: ``node_ids``, root first (a swipe, an
+    edit, a reply stored, another conversation opened)."""
+
+    node_ids: tuple[int | None, ...]

@@ -55,6 +55,7 @@ from tierchat.tui.messages import (
     ModelLoadAdvanced,
     ModelLoadFailed,
     ModelLoadFinished,
+    PathShown,
     PrefillAdvanced,
     ReplyFailed,
     ReplyFinished,
@@ -661,6 +662,10 @@ class ChatScreen(Screen):
     @on(TextArea.Changed, "#input")
     def _draft_changed(self) -> None:
         self.tools.draft_meter.changed()
+
+    @on(PathShown)
+    def _path_shown(self, event: PathShown) -> None:
+        self.tools.draft_meter.path_shown(event.node_ids)
 
     # ------------------------------------------------------------------ model
 

@@ -93,8 +93,8 @@ class ChatTools:
         if action in ("delete_message", "delete_branch"):
             ok = not chat.streaming and self._message_target() is not None
             return True if ok else None
-        if action == "undo_delete":
-            return True if not chat.streaming and len(chat.tierchat.trash) else None
+        if action == "undo_delete":  # with nothing to undo, it says so
+            return None if chat.streaming else True
         if action == "open_found":
             return None if chat.streaming else True
         if action == "import_conversation":
@@ -318,6 +318,9 @@ class ChatTools:
     async def undo_delete(self) -> None:
         """Put the newest deletion of this session back (core/chat/trash.py)."""
         chat = self.chat
+        if not len(chat.tierchat.trash):
+            self.notify("Nothing to undo: nothing was deleted in this session.", timeout=3)
+            return
         ok, got = await chat.in_background("Cannot undo", chat.tierchat.trash.restore)
         if not ok or got is None:
             return

@@ -356,10 +356,7 @@ class EventsPanel(Panel):
         self._model = ""
 
     def compose(self) -> ComposeResult:
-        # wrap: an event line is never cut off. min_width=1: RichLog renders a line at
-        # least min_width wide (78 by default) and this log is ~40 columns, so the rest of
-        # a longer line was cropped away, without an ellipsis ("resident 1" for 135).
-        log = RichLog(max_lines=500, wrap=True, markup=False, min_width=1, id="events-log")
+        log = EventLog(max_lines=500, id="events-log")
         log.can_focus = False
         yield log
 
@@ -368,14 +365,62 @@ class EventsPanel(Panel):
         if (stats.model and stats.model != self._model) or newest < self._last_seq:
             # a model load makes a new cache: its events restart, as its counters do
             self._model, self._last_seq = stats.model, 0
-            self.query_one(RichLog).clear()
+            self.query_one(EventLog).forget()
         fresh = [(seq, text) for seq, text in stats.events if seq > self._last_seq]
         if fresh:
             self._last_seq = fresh[-1][0]
-            log = self.query_one(RichLog)
+            log = self.query_one(EventLog)
             for seq, text in fresh:
-                line = Text.assemble((f"{seq:>4} ", "dim"), text)
-                log.write(line)
+                log.add(Text.assemble((f"{seq:>4} ", "dim"), text))
+
+
+class EventLog(RichLog):
+    """A ``RichLog`` of event lines wrapped to its width whenever it shows.
+
+    ``RichLog`` wraps a line once, at the width the log has when it is written: while the
+    panels are folded that is 0, and each event became a column of single characters that
+    stayed so once shown. This log keeps the lines (``max_lines`` of them) and wraps them
+    all again when it shows or its width changes. ``min_width=1``: a line is never wider
+    than the log (the default 78 cropped a ~40-column panel's lines without an ellipsis).
+    """
+
+    def __init__(self, *, max_lines: int, id: str | None = None) -> None:
+        super().__init__(max_lines=max_lines, wrap=True, markup=False, min_width=1, id=id)
+        self._texts: deque[Text] = deque(maxlen=max_lines)
+        self._wrapped_at = 0  # the width the lines shown were wrapped at (0: none yet)
+
+    def add(self, text: Text) -> None:
+        """Append ``text``: wrapped now if the log shows, else when it next shows."""
+        self._texts.append(text)
+        if self._width() and self._width() == self._wrapped_at:
+            self.write(text)
+        else:
+            self._wrapped_at = 0  # the lines shown miss this one: wrap all again
+            self._wrap()
+
+    def forget(self) -> None:
+        """Drop every line (a new cache's events restart)."""
+        self._texts.clear()
+        self._wrapped_at = 0
+        self.clear()
+
+    def _width(self) -> int:
+        return self.scrollable_content_region.width if self.display else 0
+
+    def _wrap(self) -> None:
+        width = self._width()
+        if not width or width == self._wrapped_at:
+            return
+        self._wrapped_at = width
+        self.clear()
+        for text in self._texts:
+            self.write(text)
+
+    def on_show(self) -> None:
+        self._wrap()
+
+    def on_resize(self) -> None:
+        self._wrap()
 
 
 def cache_summary(stats: CacheStats | None, loading: str = "") -> str:

@@ -25,7 +25,7 @@ from textual.widgets import Collapsible, Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 from tierchat.core.api import TurnMetrics
 from tierchat.tui.format import fmt_metrics, metrics_from_meta, split_think, verify_line
-from tierchat.tui.messages import BranchRequested, MessageClicked, TypedInTranscript
+from tierchat.tui.messages import BranchRequested, MessageClicked, PathShown, TypedInTranscript
 from tierchat.tui.widgets.conversation_list import fmt_when
 
 
@@ -479,6 +479,9 @@ class Transcript(VerticalScroll):
         return views
 
     async def _sync(self, infos: list[MessageInfo]) -> None:
+        ids = tuple(i.node_id for i in infos)
+        if ids != tuple(i.node_id for i in self._infos):
+            self.post_message(PathShown(ids))
         self._infos = list(infos)
         visible = infos[-self.window :] if len(infos) > self.window else list(infos)
         self.hidden = len(infos) - len(visible)
