@@ -5,7 +5,8 @@ parsers), with keep-alives while nothing comes and one :class:`ReplyEnd` at the 
 (docs/DESIGN.md §15). Each adapter writes these parts in its own wire format.
 
 A call the parser cannot read stays text (its ``ToolCallFailed`` is logged as a warning,
-never a 500); ``tool_choice: none`` never parses.
+never a 500); ``tool_choice: none`` never parses; with ``parallel_tool_calls`` false only
+a reply's first call is returned (the later ones are dropped, and logged).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Literal
 from starlette.requests import Request
 
 from ..api import Failed, Finished, TokenBatch, TurnMetrics
-from ..chat.tool_calls import ReplyParser, ReplyPart, ToolCall, ToolCallFailed
+from ..chat.tool_calls import ReplyParser, ReplyPart, ToolCall, ToolCallDelta, ToolCallFailed
 from ..text import log_safe
 from .generation import Generation, KeepAlive
 from .prompts import APIError, StopMatcher, returned_tokens
@@ -75,7 +76,7 @@ async def read_reply(
         if isinstance(event, KeepAlive):
             yield event
         elif isinstance(event, TokenBatch):
-            for part in _parts(parser, matcher.feed(event.text)):
+            for part in _first_calls(_parts(parser, matcher.feed(event.text)), prep.max_calls):
                 yield part
             if matcher.stopped:
                 gen.handle.cancel()
@@ -85,15 +86,15 @@ async def read_reply(
             yield event
         elif isinstance(event, Finished):
             stopped(state, gen, matcher)
-            for part in _parts(parser, matcher.flush()):
+            for part in _first_calls(_parts(parser, matcher.flush()), prep.max_calls):
                 yield part
-            for part in _log_failed(parser.finish()):
+            for part in _first_calls(_log_failed(parser.finish()), prep.max_calls):
                 yield part
             state.memory.remember(state.engine.tokenizer, matcher.text, event.token_ids)
             n = returned_tokens(
                 state.engine.tokenizer, event.token_ids, matcher.text, matcher.stopped
             )
-            calls = tuple(parser.calls)
+            calls = tuple(parser.calls[: prep.max_calls])
             if calls:
                 reason: FinishReason = "tool_calls"
             elif not matcher.stopped and event.metrics.finish_reason == "length":
@@ -113,6 +114,19 @@ async def read_reply(
 
 def _parts(parser: ReplyParser, text: str) -> list[ReplyPart]:
     return _log_failed(parser.feed(text)) if text else []
+
+
+def _first_calls(parts: list[ReplyPart], max_calls: int | None) -> list[ReplyPart]:
+    """``parts`` without the calls past ``max_calls`` (None: all kept)."""
+    if max_calls is None:
+        return parts
+    kept = [p for p in parts if not (isinstance(p, ToolCallDelta) and p.index >= max_calls)]
+    if len(kept) < len(parts):
+        print(
+            f"parallel_tool_calls is false: {len(parts) - len(kept)} later call(s) dropped",
+            file=sys.stderr,
+        )
+    return kept
 
 
 def _log_failed(parts: list[ReplyPart]) -> list[ReplyPart]:

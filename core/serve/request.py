@@ -83,6 +83,7 @@ class Prepared:
     parse_tools: bool = False
     in_reasoning: bool = False
     forced_call: bool = False
+    max_calls: int | None = None  # 1: ``parallel_tool_calls`` false (later calls are dropped)
     reused_replies: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -315,6 +316,7 @@ async def prepare(state: ServeState, http: Request, chat: ChatRequest) -> Prepar
         fmt=fmt,
         tools=tools,
         parse_tools=bool(tools) and chat.tool_choice != "none",
+        max_calls=None if chat.parallel_tool_calls else 1,
         in_reasoning=in_reasoning and not forced,
         forced_call=forced,
     )

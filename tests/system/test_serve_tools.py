@@ -231,3 +231,24 @@ def test_streams_send_keep_alives_while_waiting():
     finally:
         server.stop()
         engine.close()
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(served):
+    scripted, _, url = served
+    two = CALL + "\n" + CALL.replace("read_file", "list_dir").replace("notes.txt", ".")
+    scripted.replies += [two, two]
+    c = client(url)
+    reply = c.chat.completions.create(
+        model="m", messages=ASK, tools=[READ, LIST], parallel_tool_calls=False
+    )
+    assert [t.function.name for t in reply.choices[0].message.tool_calls] == ["read_file"]
+    stream = c.chat.completions.create(
+        model="m", messages=ASK, tools=[READ, LIST], parallel_tool_calls=False, stream=True
+    )
+    names = [
+        tc.function.name
+        for chunk in stream
+        for tc in chunk.choices[0].delta.tool_calls or []
+        if tc.function and tc.function.name
+    ]
+    assert names == ["read_file"]
