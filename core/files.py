@@ -168,11 +168,6 @@ def _last_write(path: Path) -> float:
     return max(times)
 
 
-def is_temp_name(name: str) -> bool:
-    """Whether ``name`` is a temp entry of a build (this module's names, or older ones)."""
-    return bool(_TEMP.match(name) or _LEGACY_TEMP.match(name))
-
-
 def remove_stale_temps(folder: Path, *, now: float | None = None) -> list[Path]:
     """Remove the temp entries in ``folder`` (not below it) that no live process writes:
     those whose pid is not running, and pid-less ones (older builds) untouched for

@@ -1,6 +1,6 @@
 """The model's context length, and the check every front end runs before it submits a
 prompt (docs/DESIGN.md §12, §15): the TUI, ``tierchat chat`` and ``replay`` through
-:class:`~tierchat.core.session.ChatSession`, ``tierchat serve`` through its 400.
+:class:`~tierchat.core.chat.session.ChatSession`, ``tierchat serve`` through its 400.
 
 A prompt must leave room for one token; a ``max_tokens`` the caller gave explicitly must
 fit beside it (OpenAI's rule), while a default is capped to the room left. Nothing is

@@ -161,8 +161,3 @@ class ServeConsoleApp(TierchatApp):
                 key = self.keymap.get(binding.id or "", binding.key)
                 rows.append(("serve", key, binding.description, binding.id or ""))
         return rows
-
-
-def run_console(engine: EngineLike, store: Any, settings: Any, log: RequestLog) -> None:
-    """Run the console until the user quits. The caller owns engine, store and server."""
-    ServeConsoleApp(engine, store, settings, log).run()
