@@ -252,3 +252,27 @@ def test_parallel_tool_calls_false_keeps_the_first_call(served):
         if tc.function and tc.function.name
     ]
     assert names == ["read_file"]
+
+
+def test_reasoning_is_reasoning_content_never_content(served, monkeypatch):
+    """A think block comes back as ``reasoning_content`` (whole and as deltas), the text
+    after it as ``content``; the tiny tokenizer has no think markers, so the format says
+    them (a reasoning model's)."""
+    from tierchat.core.chat.tool_calls import ReplyFormat
+    from tierchat.core.serve import request
+
+    thinking = ReplyFormat("json_tools", "<tool_call>", "</tool_call>", "<think>", "</think>")
+    monkeypatch.setattr(request.ReplyFormat, "of", classmethod(lambda cls, tok: thinking))
+    scripted, _, url = served
+    reply = "<think>The file is short.</think>\n\nIt says hello."
+    scripted.replies += [reply, reply]
+    c = client(url)
+    whole = c.chat.completions.create(model="m", messages=ASK).choices[0].message
+    assert whole.content == "It says hello."
+    assert whole.model_extra["reasoning_content"] == "The file is short."
+    content, reasoning = "", ""
+    for chunk in c.chat.completions.create(model="m", messages=ASK, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+    assert (content, reasoning) == ("It says hello.", "The file is short.")
