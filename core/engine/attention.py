@@ -31,14 +31,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 
+from ..files import private_dirs, temp_file
 from .device import device_info
 
 _fast_sdpa = mx.fast.scaled_dot_product_attention
@@ -106,17 +110,48 @@ class AttentionPlan:
 OFF = AttentionPlan()
 
 
-def plan_attention(max_query: int | None, backend: str | None = None) -> AttentionPlan:
+def remembered_pow(choice_file: Path | None, probe: Callable[[], bool] | None = None) -> bool:
+    """Whether to use :func:`pow_softmax`: the choice written in ``choice_file``
+    (``{"pow_softmax": bool}``) when it holds one, else ``probe()``, written there (0600,
+    atomically) for the next process. The cache's entries are keyed by the softmax
+    (docs/DESIGN.md §7), so a probe timed afresh under another load after a restart would
+    put the restarted server in another cache folder: its SSD tier lost. A file that
+    cannot be read or written is probed (and the choice kept for this process only).
+    ``None``: probe. ``probe``: default :func:`pow_is_faster`."""
+    probe = probe or pow_is_faster
+    if choice_file is None:
+        return probe()
+    try:
+        value = json.loads(choice_file.read_text()).get("pow_softmax")
+        if isinstance(value, bool):
+            return value
+    except (OSError, ValueError, AttributeError):
+        pass
+    value = probe()
+    try:
+        private_dirs(choice_file.parent)
+        with temp_file(choice_file) as tmp:
+            tmp.write_text(json.dumps({"pow_softmax": value}))
+            os.replace(tmp, choice_file)
+    except OSError:
+        pass
+    return value
+
+
+def plan_attention(
+    max_query: int | None, backend: str | None = None, choice_file: Path | None = None
+) -> AttentionPlan:
     """The plan for the ``chunk_attention`` setting (``max_query``; None: auto) on
     ``backend`` (default: this process's). CUDA: prefill chunks of 2 to ``max_query``
     (auto 512) tokens with MLX's softmax. CPU: every attention up to ``max_query`` query
     tokens (auto: all of them, decode steps included) with :func:`pow_softmax` where
-    :func:`pow_is_faster`. Metal: auto is off. ``max_query`` 0 is off everywhere."""
+    :func:`pow_is_faster`, as first measured for ``choice_file`` (:func:`remembered_pow`).
+    Metal: auto is off. ``max_query`` 0 is off everywhere."""
     backend = backend or device_info().backend
     if backend == "cpu":
         if max_query == 0:
             return OFF
-        softmax = pow_softmax if pow_is_faster() else mlx_softmax
+        softmax = pow_softmax if remembered_pow(choice_file) else mlx_softmax
         limit = ALL_QUERIES if max_query is None else max_query
         return AttentionPlan(max_query=limit, min_query=1, softmax=softmax)
     if max_query is None:

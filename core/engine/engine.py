@@ -482,7 +482,9 @@ class Engine:
 
         s = self.settings
         self._handle = handle
-        self._attention = plan_attention(s.chunk_attention)
+        # the softmax keys the cache's entries: its first probe is kept with the cache
+        choice = None if s.no_cache else Path(s.cache_dir) / "softmax.json"
+        self._attention = plan_attention(s.chunk_attention, choice_file=choice)
         try:
             peers = self._join_peers()
             peers.send({"op": "load", "spec": spec})
