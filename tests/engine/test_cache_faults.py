@@ -67,6 +67,29 @@ def test_damaged_block_is_skipped_counted_removed(engines, cold, damage):
     assert hot.metrics.cached_by["ssd"] + hot.metrics.cached_by["hot"] >= 32
 
 
+def test_blocks_read_before_a_corrupt_one_count_as_ssd(engines, cold):
+    """The first attempt reads blocks 0 and 1 from their files (promoting them to hot),
+    then finds block 2 corrupt; the retry takes 0 and 1 from RAM. They were read from SSD
+    in this turn: ``cached_by`` says so, and the hot tier counts no hit for them."""
+    fill_and_restart(engines)
+    e = engines(choose_recompute=False)  # restore what the tiers hold, never recompute
+    assert e.cache.ssd.wait_verified(60)  # the start-up check finds nothing wrong yet
+    path = block_file(e, 2)
+    data = path.read_bytes()
+    path.write_bytes(data[:-64] + os.urandom(64))  # header intact: only the CRC sees it
+    before = e.stats()
+    hot, handle = generate(e, PROMPT)
+    assert_same(*cold, hot, handle)
+    after = e.stats()
+    assert after.ssd.corrupt == before.ssd.corrupt + 1
+    read_from_files = (after.ssd.hits - before.ssd.hits) * 16
+    assert read_from_files == 32  # blocks 0 and 1, each read once
+    assert hot.metrics.cached_tokens == 32
+    assert hot.metrics.cached_by["ssd"] == read_from_files
+    assert hot.metrics.cached_by["hot"] == 0
+    assert after.hot.hits == before.hot.hits
+
+
 def test_temp_files_of_a_killed_writer_are_removed(engines):
     first = fill_and_restart(engines)
     shard = block_file(first, 0).parent
