@@ -112,6 +112,7 @@ class PrefixCache:
         rates: Rates | None = None,
         write_budget: int = 0,
         admission: bool = True,
+        model: str = "",
     ) -> None:
         self.fingerprint = fingerprint
         # restores of models without state layers land on the exact common prefix
@@ -154,6 +155,7 @@ class PrefixCache:
                 writer_queue,
                 on_event=self.log,
                 ledger=WriteLedger(Path(ssd_dir) / "ssd-writes.json", write_budget),
+                model=model,
             )
             if ssd_dir is not None
             else None

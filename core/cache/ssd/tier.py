@@ -67,6 +67,7 @@ from .io import (
     read_file,
     staging,
 )
+from .model_file import write_model_file
 from .verifier import StartupVerifier, scan_entries
 from .writer import Pending, SSDWriter
 
@@ -83,7 +84,8 @@ class SSDTier:
 
     ``writer`` (:class:`~.writer.SSDWriter`) holds the entries accepted and not yet on
     disk, and the writer's test hooks (``write_delay_s``, ``write_jitter_s``);
-    ``verify_at_start`` turns the background verifier off.
+    ``verify_at_start`` turns the background verifier off. ``model``, when given, is
+    recorded in the folder for commands run without ``--model`` (:mod:`.model_file`).
 
     ``ledger`` (:mod:`.wear`) records every file written and holds the write budget: an
     entry that does not fit it is not accepted (``budget_skips``, ``budget_skipped_bytes``).
@@ -105,6 +107,7 @@ class SSDTier:
         on_event=None,
         max_pending_bytes: int = 1 << 30,
         ledger: WriteLedger | None = None,
+        model: str = "",
     ) -> None:
         self.fingerprint = fingerprint
         self.ledger = ledger if ledger is not None else WriteLedger(None)
@@ -170,6 +173,11 @@ class SSDTier:
             self._on_event(f"warning: {self.reason}")
             self._verifier.done.set()
             return
+        if model:  # what the folder's hashed name cannot say (:mod:`.model_file`)
+            try:
+                write_model_file(self.dir, model, fingerprint)
+            except OSError as exc:
+                self.count_error(f"cannot record the model in {self.dir}: {exc.strerror or exc}")
         self.writer.start()
         todo = list(self._index) if self.verify_at_start else []
         self._verifier = StartupVerifier(todo, self, self.writer.wait_unheld)
