@@ -6,9 +6,12 @@ figures -- its hot tier, tails and counters live only in its process -- and says
 ``clear`` asks the app to clear the tier through its own engine, so its panels stay
 right, and prints what it removed.
 
-Otherwise both load the model (``--model``, default from the settings): block ids and the
-SSD directory are salted with the model's fingerprint, so the cache of one model is only
-reachable through that model. ``stats`` of a fresh process shows the SSD tier (its index
+Otherwise both load the model (``--model``, or the config file's or environment's):
+block ids and the SSD directory are salted with the model's fingerprint, so the cache of
+one model is only reachable through that model. With no model named anywhere, they load
+the one model whose cache the dir holds (each SSD folder records its model,
+:mod:`tierchat.core.cache.ssd.model_file`); a dir that holds none, or several, is an
+error asking for ``--model``, and nothing is created. ``stats`` of a fresh process shows the SSD tier (its index
 is rebuilt from file headers at start); the hot tier and tails live in one process only.
 
 Sizes print in binary units (KiB, MiB, GiB: ``tierchat.core.units.fmt_bytes``, the one
@@ -22,8 +25,9 @@ import time
 from dataclasses import fields, is_dataclass
 from typing import Any
 
-from tierchat.cli.common import EXIT_FAILED, EXIT_OK, CLIError, start_engine, table
+from tierchat.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CLIError, start_engine, table
 from tierchat.core.api import plain
+from tierchat.core.cache.ssd.model_file import models_in
 from tierchat.core.live_status import owner_message, read_status, request_clear, wait_cleared
 from tierchat.core.units import fmt_bytes, fmt_seconds
 
@@ -104,7 +108,8 @@ def run_cache(settings: Any, action: str, args: Any) -> int:
     busy = owner_message(settings.cache_dir)
     if busy is not None:  # an owner that writes no status (yet): never act under it
         raise CLIError(busy, EXIT_FAILED)
-    engine = start_engine(settings)
+    model = dir_model(settings)
+    engine = start_engine(settings, model)
     try:
         if action == "stats":
             _print_stats(engine.stats(), getattr(args, "json", False), {"process": "this"})
@@ -116,11 +121,34 @@ def run_cache(settings: Any, action: str, args: Any) -> int:
             (tier, getattr(before, tier).entries, getattr(after, tier).entries)
             for tier in ("hot", "ssd", "tails")
         ]
-        print(f"cleared {args.tier} for {settings.model}")
+        print(f"cleared {args.tier} for {model}")
         print(table(rows, ("tier", "entries before", "entries after")))
         return EXIT_OK
     finally:
         engine.close()
+
+
+def dir_model(settings: Any) -> str:
+    """The model to open ``settings.cache_dir`` with: the one named (flag, config file,
+    environment), else the one model whose cache the dir holds. Raises :class:`CLIError`
+    (usage) when none is named and the dir holds no model's cache, or several; reads only.
+    """
+    if settings.sources.get("model", "default") != "default":
+        return settings.model
+    models = models_in(settings.cache_dir)
+    if len(models) == 1:
+        return models[0]
+    if not models:
+        raise CLIError(
+            f"{settings.cache_dir} holds no model's cache (or one written before tierchat "
+            "recorded its model); name the model with --model",
+            EXIT_USAGE,
+        )
+    raise CLIError(
+        f"{settings.cache_dir} holds the caches of {len(models)} models "
+        f"({', '.join(models)}); name one with --model",
+        EXIT_USAGE,
+    )
 
 
 def _run_live(settings: Any, action: str, args: Any, live: dict[str, Any]) -> int:

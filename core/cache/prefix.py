@@ -112,6 +112,7 @@ class PrefixCache:
         rates: Rates | None = None,
         write_budget: int = 0,
         admission: bool = True,
+        model: str = "",
     ) -> None:
         self.fingerprint = fingerprint
         # restores of models without state layers land on the exact common prefix
@@ -154,6 +155,7 @@ class PrefixCache:
                 writer_queue,
                 on_event=self.log,
                 ledger=WriteLedger(Path(ssd_dir) / "ssd-writes.json", write_budget),
+                model=model,
             )
             if ssd_dir is not None
             else None
@@ -170,6 +172,9 @@ class PrefixCache:
         self.lookups: dict[str, int] = dict.fromkeys(("resident", "hot", "ssd", "cold", "tail"), 0)
         self.restore_errors = 0
         self._ssd_read = 0  # bytes of SSD files the current restore read
+        # ids the current restore read from SSD files (promoted to hot as they came: a
+        # retry after a bad entry finds them there, and they still count as SSD tokens)
+        self._ssd_loaded: set[str] = set()
         self._evicted_batch = [0, 0]  # [tails and checkpoints, blocks]
 
     # ------------------------------------------------------------------ events
@@ -255,10 +260,12 @@ class PrefixCache:
         return self.planner.plan(*args, **kwargs)
 
     def _fetch(self, entry_id: str) -> tuple[Entry, str] | None:
+        """An entry and the tier its arrays came from in this restore: "ssd" for one
+        read from its file by an earlier attempt of the same restore (then promoted)."""
         e = self.hot.get(entry_id)
         if e is not None:
             self._persist(e)
-            return e, "hot"
+            return e, "ssd" if entry_id in self._ssd_loaded else "hot"
         if self.ssd is None or self.ssd.meta(entry_id) is None:
             return None
         meta = self.ssd.meta(entry_id)
@@ -269,6 +276,7 @@ class PrefixCache:
         if e is None:
             return None
         self._ssd_read += meta.nbytes
+        self._ssd_loaded.add(entry_id)
         e.snapshot_nbytes = self._snapshot_nbytes(e.arrays)
         self.hot.put(e)  # promote
         return e, "ssd"
@@ -343,6 +351,7 @@ class PrefixCache:
         """
         resident = self.take_resident()
         self._ssd_read = 0
+        self._ssd_loaded = set()
         limit = len(prompt) - 1
         # misses: the prompt's full blocks that a tier does not hold at lookup time
         hot_misses = self.hot_misses

@@ -30,6 +30,7 @@ def tier_stats(
     if s is None:
         ssd_stats = TierStats(enabled=False, reason="SSD tier off")
     else:
+        s.reconcile()  # files removed behind the tier's back leave the figures
         ssd_stats = TierStats(
             entries=len(s),
             nbytes=s.nbytes,

@@ -569,6 +569,7 @@ class Engine:
                 else None,
                 write_budget=s.ssd_write_budget,
                 admission=s.ssd_admission,
+                model=spec,
             )
             warning = self.cache.ssd_warning()
             self.cache.on_ssd_idle(self.release_host_buffers)

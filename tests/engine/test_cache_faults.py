@@ -10,6 +10,7 @@ import sys
 import pytest
 from engine_kit import assert_same, engine_maker, generate, make_engine, random_prompt
 from tierchat.core.cache.blocks import chain_ids
+from tierchat.core.cache.ssd.tier import RECONCILE_EVERY_S
 
 MODEL = "tiny:llama"
 PROMPT = random_prompt(100, seed=3)
@@ -65,6 +66,59 @@ def test_damaged_block_is_skipped_counted_removed(engines, cold, damage):
     assert not path.exists() or path.read_bytes() != damaged
     # blocks before the damaged one still served (promoted to hot by the first attempt)
     assert hot.metrics.cached_by["ssd"] + hot.metrics.cached_by["hot"] >= 32
+
+
+def test_blocks_read_before_a_corrupt_one_count_as_ssd(engines, cold):
+    """The first attempt reads blocks 0 and 1 from their files (promoting them to hot),
+    then finds block 2 corrupt; the retry takes 0 and 1 from RAM. They were read from SSD
+    in this turn: ``cached_by`` says so, and the hot tier counts no hit for them."""
+    fill_and_restart(engines)
+    e = engines(choose_recompute=False)  # restore what the tiers hold, never recompute
+    assert e.cache.ssd.wait_verified(60)  # the start-up check finds nothing wrong yet
+    path = block_file(e, 2)
+    data = path.read_bytes()
+    path.write_bytes(data[:-64] + os.urandom(64))  # header intact: only the CRC sees it
+    before = e.stats()
+    hot, handle = generate(e, PROMPT)
+    assert_same(*cold, hot, handle)
+    after = e.stats()
+    assert after.ssd.corrupt == before.ssd.corrupt + 1
+    read_from_files = (after.ssd.hits - before.ssd.hits) * 16
+    assert read_from_files == 32  # blocks 0 and 1, each read once
+    assert hot.metrics.cached_tokens == 32
+    assert hot.metrics.cached_by["ssd"] == read_from_files
+    assert hot.metrics.cached_by["hot"] == 0
+    assert after.hot.hits == before.hot.hits
+
+
+def test_files_removed_behind_the_tier_leave_its_figures(engines):
+    """Entry files deleted by hand leave ``ssd.entries`` and ``ssd.nbytes`` at the next
+    check of the folder (at most every RECONCILE_EVERY_S seconds, on the tier's clock),
+    without a read of those entries."""
+    fill_and_restart(engines)
+    e = engines()
+    ssd = e.cache.ssd
+    assert ssd.wait_verified(60)
+    before = e.stats().ssd
+    files = ssd_files(e)
+    assert before.entries == len(files) > 3
+    gone = files[-3:]
+    gone_bytes = sum(p.stat().st_size for p in gone)
+    for p in gone:
+        p.unlink()
+    now = [ssd.reconciled_at + RECONCILE_EVERY_S - 1]
+    ssd.clock = lambda: now[0]
+    assert e.stats().ssd.entries == before.entries  # checked too recently
+    now[0] += 1
+    after = e.stats()
+    assert after.ssd.entries == len(ssd_files(e)) == before.entries - 3
+    assert after.ssd.nbytes == before.nbytes - gone_bytes
+    assert (after.ssd.hits, after.ssd.errors, after.ssd.corrupt) == (
+        before.hits,
+        before.errors,
+        before.corrupt,
+    )
+    assert any("3 entries missing from disk" in text for _, text in after.events)
 
 
 def test_temp_files_of_a_killed_writer_are_removed(engines):

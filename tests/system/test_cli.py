@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from engine_kit import generate, make_engine, random_prompt
 from tierchat.cli.main import main
 
 pytestmark = pytest.mark.usefixtures("isolated_settings")
@@ -186,6 +187,53 @@ def test_cache_stats_and_clear(capsys, tiny, tmp_path):
     assert ssd_row.split()[1:] == [str(files), "0"]
     code, out, _ = run(capsys, ["cache", "stats", "--json", *tiny])
     assert json.loads(out)["ssd"]["entries"] == 0
+
+
+def _tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def _no_model(tmp_path, models_dir) -> list[str]:
+    """The ``tiny`` flags but ``--model``: the settings' model stays the default."""
+    dirs = {"--cache-dir": tmp_path / "kv", "--data-dir": tmp_path / "data"}
+    dirs["--models-dir"] = models_dir
+    return ["--block-size", "16", *(str(x) for kv in dirs.items() for x in kv)]
+
+
+def test_cache_stats_without_model_opens_the_dirs_own_model(capsys, tmp_path, models_dir):
+    engine = make_engine("tiny:llama", tmp_path, models_dir)  # cache in tmp_path / "kv"
+    generate(engine, random_prompt(100, seed=4))
+    engine.close()  # admission writes what the turn kept at close
+    kv = tmp_path / "kv"
+    files = list(kv.glob("*/*/*.safetensors"))
+    folders = sorted(os.listdir(kv))
+    code, out, _ = run(capsys, ["cache", "stats", "--json", *_no_model(tmp_path, models_dir)])
+    assert code == 0
+    stats = json.loads(out)
+    assert stats["model"] == "tiny:llama"
+    assert stats["ssd"]["entries"] == len(files) > 0
+    # the model's own folder was opened: no folder of another model next to it
+    assert sorted(os.listdir(kv)) == folders
+
+
+@pytest.mark.parametrize("held", ["missing", "empty", "two models"])
+def test_cache_stats_without_model_needs_one_and_creates_nothing(
+    capsys, tmp_path, models_dir, held
+):
+    kv = tmp_path / "kv"
+    if held != "missing":
+        kv.mkdir()
+    if held == "two models":
+        for folder, model in (("a" * 16, "tiny:llama"), ("b" * 16, "tiny:qwen2")):
+            (kv / folder).mkdir()
+            (kv / folder / "model.json").write_text(json.dumps({"model": model}))
+    before = _tree(tmp_path)
+    code, out, err = run(capsys, ["cache", "stats", *_no_model(tmp_path, models_dir)])
+    assert code == 2 and out == ""
+    assert "--model" in err and str(kv) in err
+    if held == "two models":
+        assert "tiny:llama, tiny:qwen2" in err
+    assert _tree(tmp_path) == before
 
 
 def test_chat(capsys, tiny, monkeypatch):

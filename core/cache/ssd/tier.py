@@ -9,7 +9,10 @@ makes an entry *corrupt*: counted, logged with the reason, removed when possible
 loaded. A resource error (EMFILE, ENFILE, ENOMEM, EACCES, EIO...: an ``OSError`` other
 than a missing file) is not corruption: the load is a miss, counted in ``errors`` and
 logged, and the file stays for a later retry (docs/DESIGN.md §8.4). A file found missing
-leaves the index (someone removed it).
+leaves the index (someone removed it); so do files removed behind the tier's back that
+nothing reads: :meth:`SSDTier.reconcile` (called where stats are taken) lists the folder
+at most every :data:`RECONCILE_EVERY_S` seconds and forgets the written entries whose
+files are gone, so ``entries`` and ``nbytes`` follow the disk without reading a file.
 
 One process owns a cache dir (docs/DESIGN.md §8.4): the tier takes an exclusive
 ``fcntl.flock`` on ``<cache_dir>/lock`` (:func:`acquire_dir`; shared by the engines of one
@@ -64,10 +67,12 @@ from .io import (
     read_file,
     staging,
 )
+from .model_file import write_model_file
 from .verifier import StartupVerifier, scan_entries
 from .writer import Pending, SSDWriter
 
 RETRY_AFTER_S = 30.0  # after a full disk, writes at the configured cap are tried again
+RECONCILE_EVERY_S = 10.0  # the index is checked against the folder at most this often
 
 
 class SSDTier:
@@ -79,7 +84,8 @@ class SSDTier:
 
     ``writer`` (:class:`~.writer.SSDWriter`) holds the entries accepted and not yet on
     disk, and the writer's test hooks (``write_delay_s``, ``write_jitter_s``);
-    ``verify_at_start`` turns the background verifier off.
+    ``verify_at_start`` turns the background verifier off. ``model``, when given, is
+    recorded in the folder for commands run without ``--model`` (:mod:`.model_file`).
 
     ``ledger`` (:mod:`.wear`) records every file written and holds the write budget: an
     entry that does not fit it is not accepted (``budget_skips``, ``budget_skipped_bytes``).
@@ -90,6 +96,7 @@ class SSDTier:
     on_idle: Callable[[], None] | None = None
     verify_at_start: bool = True
     close_timeout_s: float = 60.0  # close waits this long for the writer, then drops the rest
+    clock: Callable[[], float] = staticmethod(time.monotonic)  # for :meth:`reconcile`
 
     def __init__(
         self,
@@ -100,6 +107,7 @@ class SSDTier:
         on_event=None,
         max_pending_bytes: int = 1 << 30,
         ledger: WriteLedger | None = None,
+        model: str = "",
     ) -> None:
         self.fingerprint = fingerprint
         self.ledger = ledger if ledger is not None else WriteLedger(None)
@@ -138,6 +146,7 @@ class SSDTier:
         self.enabled = True
         self.reason = ""
         self._verifier = StartupVerifier([], self, self.writer.wait_unheld)
+        self.reconciled_at = self.clock()  # the start-up scan read the folder
         try:
             private_dirs(Path(cache_dir))
             acquire_dir(Path(cache_dir))
@@ -164,6 +173,11 @@ class SSDTier:
             self._on_event(f"warning: {self.reason}")
             self._verifier.done.set()
             return
+        if model:  # what the folder's hashed name cannot say (:mod:`.model_file`)
+            try:
+                write_model_file(self.dir, model, fingerprint)
+            except OSError as exc:
+                self.count_error(f"cannot record the model in {self.dir}: {exc.strerror or exc}")
         self.writer.start()
         todo = list(self._index) if self.verify_at_start else []
         self._verifier = StartupVerifier(todo, self, self.writer.wait_unheld)
@@ -254,6 +268,47 @@ class SSDTier:
                 if entry_id not in self.writer.pending:
                     self._drop(entry_id)
         return len(gone)
+
+    def reconcile(self) -> int:
+        """Forget the written entries whose files are gone (removed by hand, by another
+        tool), if :data:`RECONCILE_EVERY_S` seconds have passed on :attr:`clock` since the
+        last check; returns how many. Lists the entry folders (one ``scandir`` each) and
+        reads no file; an entry missing from the listing is confirmed with ``lstat`` under
+        the lock, which the writer holds while it renames a file into place, so an entry
+        written meanwhile stays. A folder that cannot be listed (other than missing) skips
+        the check. One event names the count."""
+        now = self.clock()
+        if not self.enabled or now - self.reconciled_at < RECONCILE_EVERY_S:
+            return 0
+        self.reconciled_at = now
+        names: set[str] = set()
+        try:
+            with os.scandir(self.dir) as it:
+                shards = [d.path for d in it if d.is_dir(follow_symlinks=False)]
+            for shard in shards:
+                try:
+                    names.update(os.listdir(shard))
+                except FileNotFoundError:
+                    pass
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return 0
+        gone = 0
+        with self._lock:
+            for entry_id in list(self._index):
+                if entry_id in self.writer.pending or f"{entry_id}.safetensors" in names:
+                    continue
+                try:
+                    os.lstat(self._path(entry_id))
+                except FileNotFoundError:
+                    self._drop(entry_id)
+                    gone += 1
+                except OSError:
+                    pass
+        if gone:
+            self._event(f"SSD: {gone} entries missing from disk; forgotten")
+        return gone
 
     def meta(self, entry_id: str) -> FileMeta | None:
         with self._lock:
