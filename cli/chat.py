@@ -8,7 +8,8 @@ Type a message and press Enter; the reply streams, then one line says what the t
     /edit TURN TEXT      replace user turn TURN by TEXT as a new branch and answer it
     /continue            more of the last reply (one cut at --max-tokens): nothing prefilled
     /set [KEY VALUE]     this conversation's settings, or set one: temperature, top_p,
-                         top_k, min_p, repetition_penalty, stop (a|b), max_tokens, seed,
+                         top_k, min_p, repetition_penalty, presence_penalty,
+                         frequency_penalty, stop (a|b), max_tokens, seed,
                          swipe_temperature, system
     /new [SYSTEM]        start a new conversation (optionally with a system prompt)
     /stats               the cache tiers in one line each

@@ -1,0 +1,47 @@
+"""``tierchat chat`` (cli/chat.py): the line-mode loop over a real ``ChatSession`` on the
+fake engine and an in-memory store: what ``/set`` takes and echoes."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from fakes import FakeEngine
+from tierchat.cli.chat import LineChat
+from tierchat.core.chat.session import ChatSession
+from tierchat.core.chat.store import ConversationStore
+
+
+@pytest.fixture
+def engine():
+    engine = FakeEngine("demo")
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def session(engine):
+    store = ConversationStore(":memory:")
+    session = ChatSession(engine, store, max_tokens=16)
+    session.new_conversation()
+    yield session
+    store.close()
+
+
+def chat(session, lines: str) -> tuple[str, str]:
+    """Run the loop over ``lines`` (end of input ends it); returns (stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    LineChat(session, io.StringIO(lines), out, err).loop()
+    return out.getvalue(), err.getvalue()
+
+
+def test_set_takes_presence_and_frequency_penalties(session, engine):
+    out, err = chat(session, "/set presence_penalty 0.5\n/set frequency_penalty -0.25\nhello\n")
+    assert err == ""
+    request = engine.requests[-1]
+    assert (request.presence_penalty, request.frequency_penalty) == (0.5, -0.25)
+    saved = session.store.conversation_settings(session.conversation_id)
+    assert (saved["presence_penalty"], saved["frequency_penalty"]) == (0.5, -0.25)
+    out, err = chat(session, "/set presence_penalty 3\n")
+    assert "presence penalty must be in -2..2" in err
+    assert session.settings().presence_penalty == 0.5  # the bad value was not saved
