@@ -46,6 +46,7 @@ from ..api import (
     Finished,
     GenerateRequest,
     RequestHandle,
+    Stopping,
 )
 from ..engine.sampling_checks import check_sampling
 from .context_limit import ContextLimitExceeded, context_length, generation_room
@@ -561,6 +562,8 @@ class ChatSession:
         turn.request = request
 
         def handle_event(event: Event) -> None:
+            if isinstance(event, Stopping) and turn.cancelled:
+                return  # the turn's own cancel() said it already: one Stopping per turn
             if isinstance(event, Finished):
                 self._finished(turn, event, added, restore)
             elif isinstance(event, Failed) and added:

@@ -45,3 +45,28 @@ def test_set_takes_presence_and_frequency_penalties(session, engine):
     out, err = chat(session, "/set presence_penalty 3\n")
     assert "presence penalty must be in -2..2" in err
     assert session.settings().presence_penalty == 0.5  # the bad value was not saved
+
+
+class InterruptingOut(io.StringIO):
+    """The chat's output: Ctrl+C (KeyboardInterrupt) arrives while the reply's first
+    text is printed, as a terminal's SIGINT would during a stream."""
+
+    interrupted = False
+
+    def write(self, text: str) -> int:
+        n = super().write(text)
+        if text.strip() and "assistant>" not in text and not self.interrupted:
+            self.interrupted = True
+            raise KeyboardInterrupt
+        return n
+
+
+def test_ctrl_c_during_a_reply_says_stopping_once(session, engine):
+    engine.gate.clear()  # decode holds after the first batch until the cancel
+    out, err = InterruptingOut(), io.StringIO()
+    LineChat(session, io.StringIO("tell me a story\n"), out, err).loop()
+    text = out.getvalue()
+    assert out.interrupted
+    assert text.count("[stopping…]") == 1, text
+    assert "cancelled" in text  # the metrics line of the stopped reply follows
+    assert engine.stats().last_turn.finish_reason == "cancelled"
