@@ -70,3 +70,45 @@ def test_ctrl_c_during_a_reply_says_stopping_once(session, engine):
     assert text.count("[stopping…]") == 1, text
     assert "cancelled" in text  # the metrics line of the stopped reply follows
     assert engine.stats().last_turn.finish_reason == "cancelled"
+
+
+def test_set_echoes_plain_values(session):
+    lines = (
+        "/set temperature 0.8\n/set top_k 40\n/set seed\n/set seed 7\n"
+        "/set stop END|\\n\\n\n/set system Be brief.\n/set swipe_temperature 1\n/set\n"
+    )
+    out, err = chat(session, lines)
+    assert err == ""
+    echoed = out.splitlines()
+    assert echoed[:7] == [
+        "[temperature = 0.8]",
+        "[top_k = 40]",
+        "[seed = none]",
+        "[seed = 7]",
+        "[stop = END|\\n\\n]",  # as typed: \n for a line break
+        "[system = Be brief.]",
+        "[swipe_temperature = 1]",
+    ]
+    assert session.settings().stop == ("END", "\n\n")
+    listing = echoed[7:]
+    assert "[max_tokens = 16]" in listing and "[seed = 7]" in listing
+    assert "[presence_penalty = 0]" in listing and "[stop = END|\\n\\n]" in listing
+    assert not any("'" in line or "None" in line or "(" in line for line in listing), listing
+
+
+def test_set_says_what_a_bad_value_should_be(session):
+    lines = (
+        "/set temperature warm\n/set top_k 2.5\n/set seed x\n/set max_tokens\n"
+        "/set temperature 9\n/set colour blue\n"
+    )
+    out, err = chat(session, lines)
+    assert err.splitlines() == [
+        'error: temperature takes a number (not "warm")',
+        'error: top_k takes an integer (not "2.5")',
+        'error: seed takes an integer, or none (not "x")',
+        "error: max_tokens takes an integer (none given)",
+        "error: temperature must be in 0..5, not 9.0",
+        "error: unknown setting colour; /set lists them",
+    ]
+    assert out == ""
+    assert session.settings().temperature == 0.0  # nothing bad was saved
