@@ -15,7 +15,12 @@ error asking for ``--model``, and nothing is created. ``stats`` of a fresh proce
 is rebuilt from file headers at start); the hot tier and tails live in one process only.
 
 Sizes print in binary units (KiB, MiB, GiB: ``tierchat.core.units.fmt_bytes``, the one
-byte formatter); ``--json`` keeps raw byte counts.
+byte formatter), durations as ``fmt_seconds``, rates to one decimal, hit rates as
+percentages; ``--json`` keeps raw numbers. Hits are counted as the panels count them:
+``hot.hits`` the hot entries used (the Hot panel's "entries used"), ``resident.hits`` the
+turns served by the resident cache, and ``lookups.hits`` every turn that hit, of every
+kind (resident, hot, SSD), with ``lookups.hit_rate`` over ``lookups.lookups`` (the Hits
+panel's "hit rate"). Both forms carry these three totals.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from dataclasses import fields, is_dataclass
 from typing import Any
 
 from tierchat.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CLIError, start_engine, table
-from tierchat.core.api import plain
+from tierchat.core.api import LookupStats, plain
 from tierchat.core.cache.ssd.model_file import models_in
 from tierchat.core.live_status import owner_message, read_status, request_clear, wait_cleared
 from tierchat.core.units import fmt_bytes, fmt_seconds
@@ -75,12 +80,43 @@ def is_bytes(name: str) -> bool:
     return leaf in BYTE_FIELDS or (name.startswith("memory.") and leaf in MEMORY_BYTE_FIELDS)
 
 
+def lookup_totals(stats: Any) -> dict[str, Any]:
+    """The turn-level totals of the Hits panel (``LookupStats``' ``hits``, ``lookups``,
+    ``hit_rate``) of a snapshot or of its plain-JSON form; ``{}`` when it has no lookups."""
+    raw = stats.get("lookups") if isinstance(stats, dict) else getattr(stats, "lookups", None)
+    if raw is None:
+        return {}
+    if isinstance(raw, dict):
+        known = {f.name for f in fields(LookupStats)}
+        raw = LookupStats(**{k: int(v) for k, v in raw.items() if k in known})
+    return {"hits": raw.hits, "lookups": raw.lookups, "hit_rate": raw.hit_rate}
+
+
+def fmt_number(name: str, value: float) -> str:
+    """A float of the table, rounded as the panels show it: ``*_s`` a duration, ``*_tps``
+    a rate, ``hit_rate`` a percentage, anything else two decimals."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf.endswith("_s"):
+        return fmt_seconds(value)
+    if leaf.endswith("_tps"):
+        return f"{value:.1f} tok/s"
+    if leaf.endswith("hit_rate"):
+        return f"{value:.0%}"
+    return f"{value:.2f}"
+
+
 def stats_rows(stats: Any) -> list[tuple[str, Any]]:
-    """The table of ``cache stats``: byte fields in binary units, "" as "-"."""
+    """The table of ``cache stats``: byte fields in binary units, floats rounded
+    (:func:`fmt_number`), the lookups' totals after their counts, "" as "-"."""
+    rows = flatten(stats)
+    at = max((i + 1 for i, (name, _) in enumerate(rows) if name.startswith("lookups.")), default=0)
+    rows[at:at] = [(f"lookups.{k}", v) for k, v in lookup_totals(stats).items()]
     out = []
-    for name, value in flatten(stats):
+    for name, value in rows:
         if isinstance(value, int) and not isinstance(value, bool) and is_bytes(name):
             value = fmt_bytes(value)
+        elif isinstance(value, float):
+            value = fmt_number(name, value)
         out.append((name, "-" if value == "" else value))
     return out
 
@@ -93,6 +129,8 @@ def _events(stats: Any) -> list[str]:
 def _print_stats(stats: Any, as_json: bool, source: dict[str, Any]) -> None:
     if as_json:
         data = plain(stats)
+        if "lookups" in data:
+            data["lookups"].update(lookup_totals(stats))
         data["source"] = source
         print(json.dumps(data, indent=2))
         return

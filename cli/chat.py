@@ -8,7 +8,8 @@ Type a message and press Enter; the reply streams, then one line says what the t
     /edit TURN TEXT      replace user turn TURN by TEXT as a new branch and answer it
     /continue            more of the last reply (one cut at --max-tokens): nothing prefilled
     /set [KEY VALUE]     this conversation's settings, or set one: temperature, top_p,
-                         top_k, min_p, repetition_penalty, stop (a|b), max_tokens, seed,
+                         top_k, min_p, repetition_penalty, presence_penalty,
+                         frequency_penalty, stop (a|b), max_tokens, seed,
                          swipe_temperature, system
     /new [SYSTEM]        start a new conversation (optionally with a system prompt)
     /stats               the cache tiers in one line each
@@ -147,33 +148,24 @@ class LineChat:
 
     def set_setting(self, rest: str) -> None:
         """``/set``: show the conversation's settings; ``/set KEY VALUE``: change one.
-        Raises ``ValueError`` (usage) or :class:`SessionError` (no conversation)."""
+        Raises ``ValueError`` with a message for the user (an unknown key, a value that
+        is not a number or out of range) or :class:`SessionError` (no conversation)."""
         import dataclasses
 
         settings = self.session.settings()
         if not rest:
             for key, value in settings.to_dict().items():
-                self.say(f"[{key} = {printable(repr(value))}]")
+                self.say(f"[{key} = {printable(plain_value(value))}]")
             return
         key, _, value = rest.partition(" ")
         fields = {f.name: f for f in dataclasses.fields(settings)}
         if key not in fields:
-            raise ValueError(f"unknown setting {key}")
-        value = value.strip()
-        if key == "stop":
-            parsed: object = tuple(p.replace("\\n", "\n") for p in value.split("|") if p)
-        elif key == "system":
-            parsed = value
-        elif key == "seed":
-            parsed = int(value) if value else None
-        elif key in ("top_k", "max_tokens"):
-            parsed = int(value)
-        else:
-            parsed = float(value)
+            raise ValueError(f"unknown setting {key}; /set lists them")
+        parsed = parse_setting(key, value.strip())
         if self.session.conversation_id is None:
             self.session.new_conversation()
         self.session.save_settings(dataclasses.replace(settings, **{key: parsed}))
-        self.say(f"[{key} = {printable(repr(parsed))}]")
+        self.say(f"[{key} = {printable(plain_value(parsed))}]")
 
     def stream(self, start) -> None:
         """Start a turn with ``start()`` and print its reply as it streams."""
@@ -214,6 +206,50 @@ class LineChat:
             except KeyboardInterrupt:
                 turn.cancel()
                 events = turn.events()
+
+
+INT_SETTINGS = ("top_k", "max_tokens")
+
+
+def parse_setting(key: str, value: str) -> object:
+    """The typed value of ``/set KEY VALUE``: ``stop`` is ``a|b`` (``\\n`` a line break),
+    ``seed`` an integer or empty/``none`` for none, ``top_k`` and ``max_tokens``
+    integers, ``system`` text, the rest numbers. Raises ``ValueError`` saying what
+    ``key`` takes (ranges are checked when the settings are saved)."""
+    if key == "stop":
+        return tuple(p.replace("\\n", "\n") for p in value.split("|") if p)
+    if key == "system":
+        return value
+    try:
+        if key == "seed":
+            return None if value.lower() in ("", "none") else int(value)
+        if key in INT_SETTINGS:
+            return int(value)
+        return float(value)
+    except ValueError:
+        kind = "a number"
+        if key in INT_SETTINGS:
+            kind = "an integer"
+        elif key == "seed":
+            kind = "an integer, or none"
+        got = f'not "{value}"' if value else "none given"
+        raise ValueError(f"{key} takes {kind} ({got})") from None
+
+
+def plain_value(value: object) -> str:
+    """A setting as ``/set`` echoes it, in the form it is typed: ``0.8``, ``512``,
+    ``none`` (no seed), ``a|b`` (stop strings), the system prompt's text; ``(none)`` for
+    no stop strings or no system prompt."""
+    if value is None:
+        return "none"
+    if value in ("", (), []):
+        return "(none)"
+    if isinstance(value, float):
+        short = f"{value:g}"
+        return short if float(short) == value else repr(value)
+    if isinstance(value, (list, tuple)):
+        return "|".join(str(v).replace("\n", "\\n") for v in value)
+    return str(value)
 
 
 def stats_lines(stats: Any) -> str:

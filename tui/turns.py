@@ -79,6 +79,10 @@ class TurnHost(Protocol):
     def turns_changed(self, *, ended: bool, first_token: bool = False) -> None:
         """A turn started or ended (``ended``), or streamed its first token."""
 
+    def message_withdrawn(self, conversation_id: int, text: str) -> None:
+        """The session dropped the user message ``text`` of ``conversation_id`` (its turn
+        failed, or stopped before its first token)."""
+
 
 @dataclass
 class Turn:
@@ -323,6 +327,7 @@ class TurnRunner:
             return
         if any(i.node_id == user.id for i in self.host.path_infos(turn.conversation_id)):
             return
+        self.host.message_withdrawn(turn.conversation_id, user.content)
         if self.host.conversation_id != turn.conversation_id:
             self._unsent[turn.conversation_id] = user.content
             return

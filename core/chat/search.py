@@ -66,3 +66,12 @@ class SearchHit:
     snippet: str
     marks: tuple[tuple[int, int], ...]
     created_at: float
+    index: int = 0
+    """Its place (0-based) among its siblings of the same role (regenerated replies,
+    continued replies, edited messages), as the transcript's ``‹ n/m ›`` counts them."""
+    count: int = 1
+    """How many siblings of its role there are, itself included."""
+    n_tokens: int | None = None
+    """Token ids stored with it (a reply's generated tokens); None when none were kept."""
+    n_chars: int = 0
+    """Characters of its content."""

@@ -46,6 +46,7 @@ from ..api import (
     Finished,
     GenerateRequest,
     RequestHandle,
+    Stopping,
 )
 from ..engine.sampling_checks import check_sampling
 from .context_limit import ContextLimitExceeded, context_length, generation_room
@@ -71,8 +72,8 @@ class ContextLimitError(SessionError):
 class ConversationSettings:
     """How a conversation generates. ``system``: the system prompt ("" for none; it
     replaces a system message stored at the root of the tree). ``seed`` None: unseeded.
-    ``top_k`` 0, ``min_p`` 0 and ``repetition_penalty`` 1 are off; ``stop``: strings a
-    reply ends before (core/engine/sampling.py). ``swipe_temperature``: the temperature of a
+    ``top_k`` 0, ``min_p`` 0, ``repetition_penalty`` 1 and the presence and frequency
+    penalties 0 are off; ``stop``: strings a reply ends before (core/engine/sampling.py). ``swipe_temperature``: the temperature of a
     regenerate while ``temperature`` is 0 (0: regenerates stay greedy and repeat)."""
 
     system: str = ""
@@ -85,6 +86,8 @@ class ConversationSettings:
     repetition_penalty: float = 1.0
     stop: tuple[str, ...] = ()
     swipe_temperature: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -115,6 +118,8 @@ class ConversationSettings:
                 max_tokens=int(values["max_tokens"]),
                 seed=None if values["seed"] is None else int(values["seed"]),
                 swipe_temperature=float(values["swipe_temperature"]),
+                presence_penalty=float(values["presence_penalty"]),
+                frequency_penalty=float(values["frequency_penalty"]),
             )
             return out.checked()
         except (TypeError, ValueError):
@@ -128,6 +133,8 @@ class ConversationSettings:
             top_k=self.top_k,
             min_p=self.min_p,
             repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
             stop=self.stop,
         )
         if not 0.0 <= self.swipe_temperature <= 5.0:
@@ -545,6 +552,8 @@ class ChatSession:
             top_k=settings.top_k,
             min_p=settings.min_p,
             repetition_penalty=settings.repetition_penalty,
+            presence_penalty=settings.presence_penalty,
+            frequency_penalty=settings.frequency_penalty,
             stop=settings.stop,
             seed=seed,
             boundaries=prompt.boundaries,
@@ -553,6 +562,8 @@ class ChatSession:
         turn.request = request
 
         def handle_event(event: Event) -> None:
+            if isinstance(event, Stopping) and turn.cancelled:
+                return  # the turn's own cancel() said it already: one Stopping per turn
             if isinstance(event, Finished):
                 self._finished(turn, event, added, restore)
             elif isinstance(event, Failed) and added:

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 ROLES = ("system", "user", "assistant")
 
+
 class ConversationError(StoreError, KeyError):
     """An unknown conversation or node id, or an operation the tree does not allow."""
 
@@ -546,7 +547,9 @@ class ConversationStore:
             args.append(conversation_id)
         sql = (
             "SELECT n.id, n.conversation_id, c.title, n.role, n.created_at, "
-            f"snippet(nodes_fts, 0, '{MARK_START}', '{MARK_END}', '…', 16) "
+            f"snippet(nodes_fts, 0, '{MARK_START}', '{MARK_END}', '…', 16), "
+            f"{_SIBLING_INDEX_SQL}, {_SIBLING_COUNT_SQL}, "
+            "json_array_length(n.token_ids), length(n.content) "
             "FROM nodes_fts JOIN nodes n ON n.id = nodes_fts.rowid "
             "JOIN conversations c ON c.id = n.conversation_id "
             f"WHERE {where} ORDER BY bm25(nodes_fts), n.created_at DESC, n.id DESC LIMIT ?"
@@ -557,10 +560,13 @@ class ConversationStore:
                 self._check_conversation(conversation_id)
             rows = self._conn.execute(sql, tuple(args)).fetchall()
         hits = []
-        for nid, cid, title, role, created_at, snippet in rows:
+        for nid, cid, title, role, created_at, snippet, index, count, n_tokens, n_chars in rows:
             clean, marks = split_marks(" ".join(snippet.split()))
+            name = title or f"conversation {cid}"
             hits.append(
-                SearchHit(nid, cid, title or f"conversation {cid}", role, clean, marks, created_at)
+                SearchHit(
+                    nid, cid, name, role, clean, marks, created_at, index, count, n_tokens, n_chars
+                )
             )
         return hits
 
@@ -634,19 +640,7 @@ class ConversationStore:
             FROM path WHERE path.id IS NOT NULL
         )
         SELECT {", ".join("n." + c.strip() for c in _NODE_COLUMNS.split(","))},
-            CASE WHEN n.parent_id IS NULL THEN
-                (SELECT count(*) FROM nodes s WHERE s.conversation_id = n.conversation_id
-                   AND s.parent_id IS NULL AND s.role = n.role AND s.id < n.id)
-            ELSE
-                (SELECT count(*) FROM nodes s
-                 WHERE s.parent_id = n.parent_id AND s.role = n.role AND s.id < n.id)
-            END,
-            CASE WHEN n.parent_id IS NULL THEN
-                (SELECT count(*) FROM nodes s WHERE s.conversation_id = n.conversation_id
-                   AND s.parent_id IS NULL AND s.role = n.role)
-            ELSE
-                (SELECT count(*) FROM nodes s WHERE s.parent_id = n.parent_id AND s.role = n.role)
-            END
+            {_SIBLING_INDEX_SQL}, {_SIBLING_COUNT_SQL}
         FROM path JOIN nodes n ON n.id = path.id
         ORDER BY path.depth
         """
@@ -676,6 +670,23 @@ class ConversationStore:
                 "UPDATE conversations SET settings = ? WHERE id = ?", (text, conversation_id)
             )
             self._touch(conversation_id)
+
+
+# A node ``n``'s place among its siblings of the same role, and their number (the
+# transcript's ‹ n/m ›); roots are the siblings of a conversation's first message.
+_SIBLING_INDEX_SQL = """CASE WHEN n.parent_id IS NULL THEN
+        (SELECT count(*) FROM nodes s WHERE s.conversation_id = n.conversation_id
+           AND s.parent_id IS NULL AND s.role = n.role AND s.id < n.id)
+    ELSE
+        (SELECT count(*) FROM nodes s
+         WHERE s.parent_id = n.parent_id AND s.role = n.role AND s.id < n.id)
+    END"""
+_SIBLING_COUNT_SQL = """CASE WHEN n.parent_id IS NULL THEN
+        (SELECT count(*) FROM nodes s WHERE s.conversation_id = n.conversation_id
+           AND s.parent_id IS NULL AND s.role = n.role)
+    ELSE
+        (SELECT count(*) FROM nodes s WHERE s.parent_id = n.parent_id AND s.role = n.role)
+    END"""
 
 
 def _ids(token_ids: Iterable[int] | None) -> tuple[int, ...] | None:

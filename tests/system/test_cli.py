@@ -284,7 +284,7 @@ def test_chat_continue_set_and_negative_turns(capsys, tiny, monkeypatch):
     assert " · prefilled 0 · " in metrics[1] and "resident " in metrics[1], metrics[1]
     assert "[turn -1: reply 1 of 2]" in out
     assert "[top_k = 3]" in out and "error: top-k must be 0 (off) or more" in err
-    assert "[stop = ('END', '\\n\\n')]" in out and "[swipe_temperature = 0.8]" in out
+    assert "[stop = END|\\n\\n]" in out and "[swipe_temperature = 0.8]" in out
 
 
 def test_chat_ends_at_eof(capsys, tiny, monkeypatch):

@@ -126,6 +126,38 @@ async def test_palette_finds_a_conversation_by_a_word_of_an_old_message(make_app
         assert screen.query_one(Transcript).views[screen.selected].info.node_id == target
 
 
+async def test_search_rows_tell_a_reply_from_its_continued_sibling(make_app, store):
+    # a reply cut at max tokens and its continued sibling hold the same words and were
+    # stored in the same minute: the rows must still differ (swipe n/m, length)
+    cid = store.create_conversation("cut")
+    user = store.add_node(cid, None, "user", "tell me about zanzibar")
+    cut = store.add_node(cid, user.id, "assistant", "Zanzibar is an", token_ids=[1, 2, 3])
+    grown = store.add_node(
+        cid,
+        user.id,
+        "assistant",
+        "Zanzibar is an island off Tanzania.",
+        token_ids=[1, 2, 3, 4, 5, 6],
+        meta={"continued_from": cut.id},
+    )
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("ctrl+f")
+        await pilot.press(*"zanzibar")
+        screen = app.screen
+        assert isinstance(screen, SearchScreen)
+        results = screen.query_one(OptionList)
+        heads = {
+            int(results.get_option_at_index(i).id): str(results.get_option_at_index(i).prompt)
+            for i in range(results.option_count)
+        }
+        heads = {nid: text.split("\n")[0] for nid, text in heads.items()}
+        assert heads[cut.id] == "assistant · swipe 1/2 · 3 tokens · 2026-01-01 00:00"
+        assert heads[grown.id] == "assistant · swipe 2/2 · 6 tokens · 2026-01-01 00:00"
+        assert heads[user.id] == "you · 22 chars · 2026-01-01 00:00"  # no ids kept: characters
+
+
 # ---------------------------------------------------------------- one message
 
 

@@ -101,6 +101,37 @@ async def test_settings_are_per_conversation_and_used_by_the_next_turn(make_app,
         assert engine.requests[-1].temperature == 0.0  # the default for a new conversation
 
 
+async def test_settings_dialog_sets_presence_and_frequency_penalties(make_app, engine, store):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "first")
+        await pilot.press("f9")
+        dialog = app.screen
+        assert isinstance(dialog, ConversationSettingsScreen)
+        for wid, keys in (("#presence_penalty", "0.5"), ("#frequency_penalty", "-0.25")):
+            dialog.query_one(wid).focus()
+            await pilot.press("end", "ctrl+u", *keys)  # cleared and typed as a user would
+            assert dialog.query_one(wid).value == keys
+        await pilot.press("ctrl+s")
+        await settle(pilot)
+        cid = chat_screen(app).conversation_id
+        saved = store.conversation_settings(cid)
+        assert (saved["presence_penalty"], saved["frequency_penalty"]) == (0.5, -0.25)
+        await pilot.press("ctrl+r")
+        await settle(pilot)
+        request = engine.requests[-1]
+        assert (request.presence_penalty, request.frequency_penalty) == (0.5, -0.25)
+        await pilot.press("f9")  # shown again as saved
+        dialog = app.screen
+        assert dialog.query_one("#presence_penalty").value == "0.5"
+        assert dialog.query_one("#frequency_penalty").value == "-0.25"
+        dialog.query_one("#frequency_penalty").value = "2.5"
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert "frequency penalty must be in -2..2" in str(dialog.query_one("#error").content)
+        await pilot.press("escape")
+
+
 async def test_settings_dialog_refuses_bad_values(make_app):
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:

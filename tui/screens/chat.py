@@ -62,7 +62,7 @@ from tierchat.tui.messages import (
     ReplyStreamed,
     TypedInTranscript,
 )
-from tierchat.tui.screens.chat_conversations import ConversationActions
+from tierchat.tui.screens.chat_conversations import ConversationActions, title_from
 from tierchat.tui.screens.chat_models import ModelLoads
 from tierchat.tui.screens.chat_tools import TOOL_BINDINGS, ChatTools
 from tierchat.tui.screens.confirm import confirm_clear
@@ -87,12 +87,6 @@ WIDE_COLUMNS = 140
 """From this width on the cache panels sit beside the chat; below it, a summary line."""
 
 __all__ = ["STATS_POLL_S", "WIDE_COLUMNS", "ChatScreen", "title_from"]
-
-
-def title_from(text: str, width: int = 40) -> str:
-    """A conversation title from its first message: first line, at most ``width`` chars."""
-    line = text.strip().splitlines()[0] if text.strip() else "untitled"
-    return line if len(line) <= width else line[: width - 1].rstrip() + "…"
 
 
 class ChatScreen(Screen):
@@ -402,12 +396,16 @@ class ChatScreen(Screen):
         self._show_conversation(None)
         self.focus_input()
 
-    async def _ensure_conversation(self, first_text: str) -> bool:
-        """Create the conversation a first message (or a settings save) belongs to."""
+    async def _ensure_conversation(self, first_text: str | None) -> bool:
+        """Create the conversation a first message (or, ``first_text`` None, a settings
+        save: untitled until its first message) belongs to; a conversation that exists
+        and holds no message yet takes its title from ``first_text``."""
         if self.conversation_id is not None:
+            if first_text is not None:
+                await self.conversation_actions.first_message(self.conversation_id, first_text)
             return True
         session = self.tierchat.session
-        title = title_from(first_text)
+        title = title_from(first_text) if first_text is not None else None
         create = lambda: session.new_conversation(title=title)  # noqa: E731
         ok, cid = await self.in_background("Cannot create conversation", create)
         if not ok:
@@ -564,6 +562,10 @@ class ChatScreen(Screen):
     @on(ReplyFailed)
     async def reply_failed(self, event: ReplyFailed) -> None:
         await self.turns.failed(event)
+
+    def message_withdrawn(self, conversation_id: int, text: str) -> None:
+        """The session dropped the user message ``text``: a title made from it goes."""
+        self.run_worker(self.conversation_actions.withdrawn(conversation_id, text))
 
     def turns_changed(self, *, ended: bool, first_token: bool = False) -> None:
         """A turn started, streamed its first token (the engine's last-turn record is now

@@ -1,5 +1,6 @@
 """Per-conversation settings: system prompt, sampling (temperature, swipe temperature,
-top-p, top-k, min-p, repetition penalty, stop strings), max tokens and seed.
+top-p, top-k, min-p, repetition, presence and frequency penalties, stop strings), max
+tokens and seed.
 
 Saved in the store with the conversation (``ChatSession.save_settings``). A new
 conversation starts from the config file's ``temperature``, ``top_p``, ``max_tokens`` and
@@ -105,6 +106,10 @@ class ConversationSettingsScreen(ModalScreen[ConversationSettings | None]):
                 yield Input(f"{s.min_p:g}", id="min_p", type="number")
                 yield Label("Repetition penalty")
                 yield Input(f"{s.repetition_penalty:g}", id="repetition_penalty", type="number")
+                yield Label("Presence penalty")
+                yield Input(f"{s.presence_penalty:g}", id="presence_penalty", type="number")
+                yield Label("Frequency penalty")
+                yield Input(f"{s.frequency_penalty:g}", id="frequency_penalty", type="number")
                 yield Label("Max tokens")
                 yield Input(str(s.max_tokens), id="max_tokens", type="integer")
                 yield Label("Seed (empty: none)")
@@ -160,10 +165,10 @@ class ConversationSettingsScreen(ModalScreen[ConversationSettings | None]):
             top_p = float(value("top_p") or 1)
             min_p = float(value("min_p") or 0)
             penalty = float(value("repetition_penalty") or 1)
+            presence = float(value("presence_penalty") or 0)
+            frequency = float(value("frequency_penalty") or 0)
         except ValueError:
-            raise ValueError(
-                "temperatures, top-p, min-p and the repetition penalty are numbers"
-            ) from None
+            raise ValueError("temperatures, top-p, min-p and the penalties are numbers") from None
         try:
             top_k = int(value("top_k") or 0)
             max_tokens = int(value("max_tokens"))
@@ -186,6 +191,8 @@ class ConversationSettingsScreen(ModalScreen[ConversationSettings | None]):
             repetition_penalty=penalty,
             stop=parse_stops(self.query_one("#stop", Input).value),
             swipe_temperature=swipe,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
         ).checked()
 
     @dataclass

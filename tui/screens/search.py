@@ -5,7 +5,6 @@ dismisses with the chosen message's node id, which the chat screen opens at.
 
 from __future__ import annotations
 
-import time
 from typing import Any, ClassVar, Literal
 
 from textual import on
@@ -17,17 +16,34 @@ from textual.screen import ModalScreen
 from textual.widgets import Input, OptionList, Static
 from textual.widgets.option_list import Option
 from tierchat.core.chat.search import SearchHit
+from tierchat.core.units import fmt_count
+from tierchat.tui.widgets.conversation_list import fmt_when
 
 SearchScope = Literal["here", "all"]
 
 ROLE_NAMES = {"user": "you", "assistant": "assistant", "system": "system prompt"}
 
 
+def hit_place(hit: SearchHit) -> str:
+    """Which message a hit is, enough to tell siblings apart: role, its place among its
+    siblings (a reply's swipe, a message's edit) when it has any, its length and time:
+    ``"assistant · swipe 2/2 · 57 tokens · 2026-11-20 14:03"``."""
+    parts = [ROLE_NAMES.get(hit.role, hit.role)]
+    if hit.count > 1:
+        kind = "swipe" if hit.role == "assistant" else "edit"
+        parts.append(f"{kind} {hit.index + 1}/{hit.count}")
+    if hit.n_tokens is not None:
+        parts.append(f"{fmt_count(hit.n_tokens)} token{'' if hit.n_tokens == 1 else 's'}")
+    else:
+        parts.append(f"{fmt_count(hit.n_chars)} char{'' if hit.n_chars == 1 else 's'}")
+    parts.append(fmt_when(hit.created_at))
+    return " · ".join(parts)
+
+
 def hit_content(hit: SearchHit, *, with_title: bool) -> Content:
-    """Two lines: where the message is (conversation, role, date) and its snippet with
-    the matched words in bold."""
-    when = time.strftime("%Y-%m-%d", time.gmtime(hit.created_at))
-    where = f"{ROLE_NAMES.get(hit.role, hit.role)} · {when}"
+    """Two lines: where the message is (conversation, :func:`hit_place`) and its snippet
+    with the matched words in bold."""
+    where = hit_place(hit)
     head = Content(f"{hit.title} · {where}" if with_title else where).stylize("dim")
     body = Content(hit.snippet)
     for start, end in hit.marks:
