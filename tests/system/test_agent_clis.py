@@ -51,7 +51,8 @@ NOTES = f"{FIRST_LINE}\nsecond line: nothing to see\nthird line: the end\n"
 TASK = "Read notes.txt and answer with its first line"
 # on serve, the task names each CLI's tool: the 0.5B demo model needs it said
 SERVE_TASKS = {
-    "claude-code": "Use the Read tool to read notes.txt, then answer with its first line.",
+    "claude-code": "Call the Read tool with only the file_path argument set to notes.txt, "
+    "then reply with the first line of the file.",
     "codex": 'Call the exec_command tool with {"cmd": "cat notes.txt"} and answer with the '
     "first line it prints.",
     "opencode": "Use the read tool to read notes.txt, then answer with its first line.",
