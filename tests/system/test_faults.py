@@ -25,19 +25,27 @@ from tierchat.core.chat.store import ConversationStore
 
 
 def test_1_a_locked_store_is_reported_op_by_op_and_replay_goes_on(tmp_path, models_dir):
-    """Another process holds the store under ``BEGIN EXCLUSIVE``; replay reports the ops
-    that cannot save within ``store_busy_s`` and, once the lock is gone, does every op
-    after it and exits (the old code kept the store's lock after a failed BEGIN and hung)."""
+    """Another process holds the store under ``BEGIN EXCLUSIVE``; replay reports the first
+    conversation's ``new`` that cannot save within ``store_busy_s`` and skips that
+    conversation's ops (each reported: run elsewhere they would answer without the
+    script's system prompt); once the lock is gone it does the next conversation whole
+    and exits (the old code kept the store's lock after a failed BEGIN and hung)."""
     flags = common_flags(tmp_path, models_dir)
     db = tmp_path / "data" / "conversations.sqlite"
     ConversationStore(db).close()  # the file exists, in WAL, at the current schema
-    texts = [f"question number {i} about the quick brown fox" for i in range(8)]
-    ops = [{"op": "new"}] + [{"op": "user", "text": t, "max_tokens": 4} for t in texts]
+    texts = [f"question number {i} about the quick brown fox" for i in range(4)]
+    first = [{"op": "new", "system": "first"}] + [
+        {"op": "user", "text": t, "max_tokens": 4} for t in texts
+    ]
+    second = [{"op": "new", "system": "second"}] + [
+        {"op": "user", "text": t, "max_tokens": 4} for t in texts
+    ]
+    ops = first + second
     script = write_script(tmp_path / "s.jsonl", ops)
 
     locker = sqlite3.connect(db, isolation_level=None)
     locker.execute("BEGIN EXCLUSIVE")
-    env = env_for(tmp_path, TIERCHAT_STORE_BUSY_S="2")
+    env = env_for(tmp_path, TIERCHAT_STORE_BUSY_S="5")
     proc = subprocess.Popen(
         replay_cmd(script, flags),
         stdout=subprocess.PIPE,
@@ -72,20 +80,19 @@ def test_1_a_locked_store_is_reported_op_by_op_and_replay_goes_on(tmp_path, mode
     assert proc.returncode == 1, stderr  # some ops failed
     lines = [json.loads(x) for x in out.splitlines()]
     done = {x["op_index"]: x for x in lines if "op_index" in x}
-    assert "locked" in done[0]["error"]  # the first op could not save
-    # every op was done or reported; once one saved, every later one did too
-    assert set(done) == set(range(len(ops)))
-    ok = [i for i in range(1, len(ops)) if "error" not in done[i]]
-    assert ok and ok == list(range(ok[0], len(ops))), stderr
-    for i in range(1, ok[0]):
-        assert "locked" in done[i]["error"]
+    # every op done or reported (a `new` that saves prints no result line)
+    assert set(done) == set(range(len(ops))) - {len(first)}
+    assert "locked" in done[0]["error"]  # the first new could not save
+    for i in range(1, len(first)):  # its conversation's ops: skipped, said so
+        assert done[i]["error"].startswith("skipped: the new conversation of line 1"), done[i]
+    ok = list(range(len(first) + 1, len(ops)))
+    assert all("error" not in done[i] for i in ok), stderr
     summary = next(x["summary"] for x in lines if "summary" in x)
-    assert summary["errors"] == ok[0] and summary["generations"] == len(ok)
+    assert summary["errors"] == len(first) and summary["generations"] == len(texts)
 
-    # the conversation holds the ops that saved; a cold run of it gives the same replies
-    cold_ops = [{"op": "new"}] + [ops[i] for i in ok]
+    # the second conversation is whole; a cold run of it gives the same replies
     cold = run_replay(
-        write_script(tmp_path / "cold.jsonl", cold_ops),
+        write_script(tmp_path / "cold.jsonl", second),
         common_flags(tmp_path, models_dir, tag="-cold") + ["--no-cache"],
         env_for(tmp_path),
     )
@@ -94,8 +101,9 @@ def test_1_a_locked_store_is_reported_op_by_op_and_replay_goes_on(tmp_path, mode
     assert [done[i]["token_ids_sha256"] for i in ok] == want
     with ConversationStore(db) as store:
         (conv,) = store.list_conversations()
-        users = [n.content for n in store.active_path(conv.id) if n.role == "user"]
-    assert users == [ops[i]["text"] for i in ok]
+        path = store.active_path(conv.id)
+    assert [n.content for n in path if n.role == "system"] == ["second"]
+    assert [n.content for n in path if n.role == "user"] == texts
 
 
 # ---------------------------------------------------------------- 2: content as text, in replay
