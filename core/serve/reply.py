@@ -12,6 +12,7 @@ a reply's first call is returned (the later ones are dropped, and logged).
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal
@@ -61,7 +62,9 @@ async def read_reply(
     """The reply's parts as they come, then a :class:`ReplyEnd`, or an :class:`APIError`
     (the engine failed, or the server is stopping). ``http``: for a whole (non-streamed)
     reply, the client whose disconnect cancels it; ``keepalive``: yield
-    :class:`KeepAlive` after each ``state.keepalive_s`` without an event (streams)."""
+    :class:`KeepAlive` once ``state.keepalive_s`` passed without anything yielded (streams):
+    after a wait without an event, and on an event that yields nothing (a prefill's
+    progress: a long prefill sends progress now and then, and the client nothing else)."""
     matcher = StopMatcher(stops)
     parser = ReplyParser(
         prep.fmt,
@@ -72,10 +75,16 @@ async def read_reply(
     if prep.forced_call and prep.fmt.tool_call_start:
         parser.feed(prep.fmt.tool_call_start)  # the prompt opened the call: held, not shown
     keep_s = state.keepalive_s if keepalive else None
+    last = time.monotonic()
     async for event in gen.events(http, keepalive_s=keep_s):
+        if keep_s is not None and not isinstance(event, TokenBatch | Finished):
+            if isinstance(event, KeepAlive) or time.monotonic() - last >= keep_s:
+                last = time.monotonic()
+                yield KeepAlive()
         if isinstance(event, KeepAlive):
-            yield event
-        elif isinstance(event, TokenBatch):
+            continue
+        if isinstance(event, TokenBatch):
+            last = time.monotonic()
             for part in _first_calls(_parts(parser, matcher.feed(event.text)), prep.max_calls):
                 yield part
             if matcher.stopped:

@@ -276,3 +276,33 @@ def test_reasoning_is_reasoning_content_never_content(served, monkeypatch):
         content += delta.content or ""
         reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
     assert (content, reasoning) == ("It says hello.", "The file is short.")
+
+
+def test_a_long_prefill_that_reports_progress_still_sends_keep_alives():
+    """A prefill sends progress events every 20 ms for 0.3 s and nothing a client sees: the
+    stream still gets its keep-alives (the wait between events never reaches
+    ``keepalive_s``, so the time since the last byte sent must decide)."""
+    from tierchat.core.api import PrefillProgress
+
+    class SlowPrefill(FakeEngine):
+        def submit(self, request, on_event=None):
+            def relay(event):
+                if isinstance(event, PrefillProgress) and event.done == 0:
+                    for i in range(1, 15):
+                        time.sleep(0.02)
+                        on_event(PrefillProgress(i, 15, 0.0))
+                on_event(event)
+
+            return super().submit(request, relay)
+
+    engine = TrackedEngine(SlowPrefill(), RequestLog())
+    server = ServerThread(create_app(ServeState(engine, keepalive_s=0.1))).start()
+    try:
+        body = {"messages": ASK, "max_tokens": 3, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert ": keep-alive" in lines
+        assert lines[-1] == "data: [DONE]"
+    finally:
+        server.stop()
+        engine.close()
