@@ -175,6 +175,7 @@ def invocation(
     model: str = "local",
     context_tokens: int | None = None,
     max_output_tokens: int | None = None,
+    max_turns: int | None = None,
 ) -> Invocation:
     """The headless run of ``name`` on ``task`` in ``workdir`` against ``base_url``, with its
     config written under the scratch ``home``. Claude Code may use Read and Bash; Codex runs
@@ -188,6 +189,8 @@ def invocation(
         if max_output_tokens:
             env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(max_output_tokens)
         cmd = [exe, "-p", task, "--model", model, "--allowedTools", "Read", "Bash"]
+        if max_turns:  # Claude Code's own bound on its tool rounds (print mode)
+            cmd += ["--max-turns", str(max_turns)]
     elif name == "codex":
         codex_home = home / ".codex"
         write_codex_config(codex_home, base_url, model, context_tokens)

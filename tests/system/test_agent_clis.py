@@ -19,8 +19,9 @@ parsed into the CLI's tool call, the CLI runs it and sends its result back (the 
 first line is in the next request), and each main request after the first restores the
 previous prompt minus its reply from the cache. OpenCode also finishes the task (its
 answer holds the line). Claude Code and Codex CLI do not with this 0.5B model (it
-repeats a call with an argument Claude Code's ``Read`` refuses; with Codex it repeats
-calls up to the output limit): for them the session must end by itself, not be killed. On a
+repeats Claude Code's ``Read`` instead of answering, bounded by ``--max-turns``; with Codex
+it repeats calls up to the output limit): for them the session must end by itself, not
+be killed. On a
 2-core CPU the demo model prefills Claude Code's ~12K-token first prompt in minutes, cold;
 each run is bounded by ``CLI_TIMEOUT_S``.
 
@@ -61,6 +62,9 @@ CLI_TIMEOUT_S = 600  # against the recorder
 # against serve: a cold prefill of Claude Code's ~12K-token prompt took 130-390 s here (the
 # machine quiet or busy), and the 0.5B model then loops on its tool for a dozen requests
 SERVE_TIMEOUT_S = 1500
+# Claude Code's tool rounds (the 0.5B model repeats its call: without a bound a session
+# ran over 20 minutes); Codex ends at its first reply cut at the output limit
+MAX_TURNS = 3
 DEMO_CONTEXT_TOKENS = 32768  # Qwen2.5-Coder-0.5B's window
 MAX_OUTPUT_TOKENS = 512  # what a CLI may ask for per reply (they ask 32000 by default)
 
@@ -167,6 +171,7 @@ def test_cli_against_serve(name, bins, project, tmp_path, models_dir):
             model,
             task=SERVE_TASKS[name],
             timeout_s=SERVE_TIMEOUT_S,
+            max_turns=MAX_TURNS,
             context_tokens=DEMO_CONTEXT_TOKENS,
             max_output_tokens=MAX_OUTPUT_TOKENS,
         )
