@@ -11,7 +11,6 @@ development (editable) install could still find it in the tree.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_serve_signals import Process, serve_cmd
 
 pytestmark = pytest.mark.system
 
@@ -167,47 +167,22 @@ def test_the_installed_command_runs_and_the_tui_mounts(wheel_venv):
     assert "model tiny:llama" in proc.stdout
 
 
-def test_the_installed_serve_answers_a_chat(wheel_venv, tmp_path):
+def test_the_installed_serve_answers_a_chat(wheel_venv, tmp_path, models_dir):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERCHAT_", "PYTHON"))}
     (tmp_path / "empty.toml").write_text("")
     env["TIERCHAT_CONFIG"] = str(tmp_path / "empty.toml")
-    cmd = [
-        str(wheel_venv / "bin" / "tierchat"),
-        "serve",
-        "--model",
-        "tiny:llama",
-        "--port",
-        "0",
-        "--cache-dir",
-        str(tmp_path / "kv"),
-        "--data-dir",
-        str(tmp_path / "data"),
-        "--models-dir",
-        str(tmp_path / "models"),
-        "--block-size",
-        "16",
-    ]
-    proc = subprocess.Popen(
-        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=tmp_path
-    )
-    lines: list[str] = []
+    # the same flags as the serve tests, run by the venv's own command
+    args = serve_cmd(tmp_path, models_dir)[serve_cmd(tmp_path, models_dir).index("serve") :]
+    server = Process([str(wheel_venv / "bin" / "tierchat"), *args], env)
     try:
-        assert proc.stderr is not None
-        url = ""
-        for line in proc.stderr:
-            lines.append(line)
-            m = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line)
-            if m:
-                url = m.group(1)
-                break
-        assert url, "".join(lines)
+        url = server.wait_listening()
         body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
         reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] >= 1
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0, server.stderr()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
