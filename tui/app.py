@@ -52,7 +52,7 @@ class TierchatApp(App[None]):
     # The default screen's CSS_PATH is not read for a screen from get_default_screen()
     # (Textual 8 loads screen CSS on push/install only), so the app reads it.
     # Absolute: a relative CSS_PATH resolves against a *subclass's* file.
-    CSS_PATH: ClassVar = [HERE / "app.tcss", HERE / "screens" / "chat.tcss"]
+    CSS_PATH: ClassVar = [HERE / "app.tcss", HERE / "screens" / "chat" / "chat.tcss"]
     TITLE = "tierchat"
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("ctrl+q", "quit", "Quit", id="quit", priority=True),

@@ -1,4 +1,4 @@
-"""Pilot tests for the daily tools of the chat screen (screens/chat_tools.py): search
+"""Pilot tests for the daily tools of the chat screen (screens/chat/tools.py): search
 (key and palette, across conversations, opening at the message), the raw text of a
 message, copying one code block, long prompts ($EDITOR, clear, the live token count),
 deleting a message or a branch, importing an export."""

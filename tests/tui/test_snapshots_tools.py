@@ -1,4 +1,4 @@
-"""``snap_compare`` snapshots of the views screens/chat_tools.py adds: the search results
+"""``snap_compare`` snapshots of the views screens/chat/tools.py adds: the search results
 (across conversations, matched words in bold) and a message's raw text.
 
 Regenerate with ``pytest tests/tui/test_snapshots_tools.py --snapshot-update`` and look

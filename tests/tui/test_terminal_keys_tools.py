@@ -1,4 +1,4 @@
-"""The keys of the chat tools (screens/chat_tools.py) as a terminal sends them: the real
+"""The keys of the chat tools (screens/chat/tools.py) as a terminal sends them: the real
 app on the fake engine in a pty (``test_terminal_keys.Terminal``), typed as bytes.
 
 ``TOOL_BINDINGS`` is every ``(binding id, key)`` this file types; the main key test

@@ -62,9 +62,9 @@ from tierchat.tui.messages import (
     ReplyStreamed,
     TypedInTranscript,
 )
-from tierchat.tui.screens.chat_conversations import ConversationActions, title_from
-from tierchat.tui.screens.chat_models import ModelLoads
-from tierchat.tui.screens.chat_tools import TOOL_BINDINGS, ChatTools
+from tierchat.tui.screens.chat.conversations import ConversationActions, title_from
+from tierchat.tui.screens.chat.models import ModelLoads
+from tierchat.tui.screens.chat.tools import TOOL_BINDINGS, ChatTools
 from tierchat.tui.screens.confirm import confirm_clear
 from tierchat.tui.screens.prompt import EditMessageScreen
 from tierchat.tui.services.clear_requests import ClearRequests

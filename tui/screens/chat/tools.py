@@ -2,7 +2,7 @@
 raw text, one code block copied, long prompts ($EDITOR, clear, a live token count),
 deleting a message or a branch, importing an export.
 
-:class:`ChatTools` is composed into ``ChatScreen`` (``screens/chat.py``: ``screen.tools``),
+:class:`ChatTools` is composed into ``ChatScreen`` (``screens/chat/screen.py``: ``screen.tools``),
 whose ``action_*`` methods for these keys (:data:`TOOL_BINDINGS`) call it, so the chat
 screen stays about the chat. Also the actions on one message beyond chatting: fork,
 copy, reasoning shown or folded, export. It uses the chat screen's state
