@@ -34,7 +34,7 @@ def test_raw_message_view(snap_compare, make_app):
         screen = chat_screen(pilot.app)
         screen.query_one(Transcript).focus()
         await pilot.pause()
-        screen.selected = 0
+        screen.pane.selected = 0
         await pilot.press("v")
         await quiet(pilot)
 
