@@ -152,7 +152,7 @@ async def error_notification(pilot, t):
     engine = pilot.app.engine
     if hasattr(engine, "fail_next"):  # the fake loads anything: make it fail like the real one
         engine.fail_next = "no MLX model at /no/such/model-dir (config.json missing)"
-    pilot.app.screen_stack[0].load_model("/no/such/model-dir")
+    pilot.app.screen_stack[0].action_load_model("/no/such/model-dir")
 
 
 @dataclass(frozen=True)

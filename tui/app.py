@@ -8,16 +8,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from textual.app import App
 from textual.binding import Binding, BindingType
 from textual.clock import Clock
+from textual.dom import DOMNode
 from textual.driver import Driver
+from textual.notifications import SeverityLevel
 from textual.screen import Screen
-from tierchat.core.api import EngineLike
+from tierchat.core.api import CacheStats, EngineLike
 from tierchat.core.chat.trash import Trash
+from tierchat.core.live_status import StatusWriter
 from tierchat.tui.screens.chat import ChatScreen
+from tierchat.tui.screens.chat.pane import MessagePane
 from tierchat.tui.screens.code_blocks import CodeBlocksScreen
 from tierchat.tui.screens.confirm import ConfirmScreen
 from tierchat.tui.screens.conversation_settings import ConversationSettingsScreen
@@ -27,12 +31,14 @@ from tierchat.tui.screens.prompt import EditMessageScreen, PromptScreen
 from tierchat.tui.screens.raw_message import RawMessageScreen
 from tierchat.tui.screens.search import SearchScreen
 from tierchat.tui.services.background import BackgroundWriter
+from tierchat.tui.services.clear_requests import ClearRequests
+from tierchat.tui.services.stats_poll import STATS_POLL_S, StatsPoller
 from tierchat.tui.terminal import driver_class
 from tierchat.tui.widgets.chat_input import ChatInput
 from tierchat.tui.widgets.conversation_list import ConversationList
-from tierchat.tui.widgets.transcript import Transcript
 
 HERE = Path(__file__).resolve().parent
+T = TypeVar("T")
 
 
 class TierchatApp(App[None]):
@@ -52,7 +58,7 @@ class TierchatApp(App[None]):
     # The default screen's CSS_PATH is not read for a screen from get_default_screen()
     # (Textual 8 loads screen CSS on push/install only), so the app reads it.
     # Absolute: a relative CSS_PATH resolves against a *subclass's* file.
-    CSS_PATH: ClassVar = [HERE / "app.tcss", HERE / "screens" / "chat.tcss"]
+    CSS_PATH: ClassVar = [HERE / "app.tcss", HERE / "screens" / "chat" / "chat.tcss"]
     TITLE = "tierchat"
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("ctrl+q", "quit", "Quit", id="quit", priority=True),
@@ -82,6 +88,13 @@ class TierchatApp(App[None]):
         self.writer = BackgroundWriter()  # store writes and prompts, off the UI loop
         self.keymap: dict[str, str] = dict(getattr(settings, "keymap", {}) or {})
         self.set_keymap(self.keymap)
+        cache_dir = getattr(settings, "cache_dir", None)
+        status = StatusWriter(Path(cache_dir), process="TUI") if cache_dir is not None else None
+        engine_now = lambda: self.engine  # noqa: E731 - the engine of the moment
+        self.clears = ClearRequests(self, engine_now, self.notify, self.poll_stats, status)
+        """F5-F8 and ``tierchat cache clear`` from another shell (docs/DESIGN.md §10)."""
+        self.stats_poll = StatsPoller(engine_now, self.notify, self.clears, status)
+        """The one stats poll; the chat screen's panels subscribe (docs/DESIGN.md §16)."""
 
     def _make_session(self) -> Any:
         from tierchat.core.chat.session import ChatSession
@@ -95,7 +108,52 @@ class TierchatApp(App[None]):
     def get_default_screen(self) -> Screen:
         return ChatScreen(clock=self.clock)
 
+    def notify(
+        self,
+        message: str,
+        *,
+        title: str = "",
+        severity: SeverityLevel = "information",
+        timeout: float | None = None,
+        markup: bool = False,
+    ) -> None:
+        """As ``App.notify``, but plain text by default: engine and store messages are
+        shown as they are (a ``[`` in them is not markup)."""
+        super().notify(message, title=title, severity=severity, timeout=timeout, markup=markup)
+
+    def attempt(self, title: str, call: Callable[[], T]) -> tuple[bool, T | None]:
+        """Run ``call``; any exception becomes an error notification titled ``title``.
+
+        Engine and store reads go through here: the app never crashes on their errors.
+        """
+        try:
+            return True, call()
+        except Exception as e:  # noqa: BLE001 - the UI boundary: report, never crash
+            self.notify(str(e) or type(e).__name__, title=title, severity="error", timeout=8)
+            return False, None
+
+    async def in_background(
+        self, title: str, call: Callable[[], T], node: DOMNode | None = None
+    ) -> tuple[bool, T | None]:
+        """As :meth:`attempt`, with ``call`` on the background writer's thread (store
+        writes, prompt building), in order with the writes asked for before it; ``node``
+        (default: the app) owns the worker that waits for it."""
+        try:
+            return True, await self.writer.run(node or self, call)
+        except Exception as e:  # noqa: BLE001 - the UI boundary: report, never crash
+            self.notify(str(e) or type(e).__name__, title=title, severity="error", timeout=8)
+            return False, None
+
+    def poll_stats(self) -> CacheStats | None:
+        """One stats poll now (``tui/services/stats_poll.py``). Never raises."""
+        return self.stats_poll.poll()
+
+    def clear_tier(self, tier: str) -> None:
+        """Clear ``tier`` on the engine (no confirmation), off the UI thread."""
+        self.clears.clear(tier)
+
     def on_mount(self) -> None:
+        self.set_interval(STATS_POLL_S, self.poll_stats, pause=False)
         unknown = sorted(set(self.keymap) - set(binding_ids()))
         if unknown:
             self.notify(
@@ -105,6 +163,7 @@ class TierchatApp(App[None]):
             )
 
     def on_unmount(self) -> None:
+        self.stats_poll.close()  # the status file goes
         self.writer.close()  # the writes already asked for are stored
 
     def binding_rows(self) -> list[tuple[str, str, str, str]]:
@@ -128,7 +187,7 @@ BINDING_OWNERS: tuple[tuple[str, type], ...] = (
     ("app", TierchatApp),
     ("chat", ChatScreen),
     ("input", ChatInput),
-    ("messages", Transcript),
+    ("messages", MessagePane),
     ("list", ConversationList),
     ("confirm", ConfirmScreen),
     ("rename", PromptScreen),

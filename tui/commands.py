@@ -1,6 +1,7 @@
-"""Command palette providers: every screen action, plus one command per conversation and
-per built-in model. A command runs the same action as its key binding, and is left out
-while ``check_action`` says the action cannot run now."""
+"""Command palette providers: every action of the chat screen and of its message pane,
+plus one command per conversation and per built-in model. A command runs the same action
+as its key binding, on the same widget, and is left out while that widget's
+``check_action`` says the action cannot run now."""
 
 from __future__ import annotations
 
@@ -11,18 +12,26 @@ from typing import TYPE_CHECKING
 
 from textual.actions import parse
 from textual.command import DiscoveryHit, Hit, Hits, Provider
+from textual.dom import DOMNode
 
 if TYPE_CHECKING:
     from tierchat.tui.app import TierchatApp
 
 
+PANE = "#chat"
+"""The message pane of the chat screen (``screens/chat/pane.py``): the owner of the
+actions on messages, the replies and the input."""
+
+
 @dataclass(frozen=True)
 class Command:
-    """``title`` as the palette shows it, the screen ``action`` it runs, and ``help``."""
+    """``title`` as the palette shows it, the ``action`` it runs, ``help``, and ``owner``:
+    the selector of the widget on the screen whose action it is ("": the screen's)."""
 
     title: str
     action: str
     help: str
+    owner: str = ""
 
 
 CACHE_COMMANDS: tuple[Command, ...] = (
@@ -34,15 +43,17 @@ CACHE_COMMANDS: tuple[Command, ...] = (
 )
 
 BRANCH_COMMANDS: tuple[Command, ...] = (
-    Command("Branch: regenerate reply", "regenerate", "A new sibling reply; old ones stay"),
-    Command("Branch: continue reply", "continue_reply", "More of a reply cut at max tokens"),
-    Command("Branch: previous", "swipe(-1)", "The previous sibling of the selected message"),
-    Command("Branch: next", "swipe(1)", "The next sibling of the selected message"),
-    Command("Branch: edit message", "edit", "Edit the selected user message as a new branch"),
-    Command("Branch: fork conversation", "fork", "Copy the path up to here into a new chat"),
-    Command("Chat: copy message", "copy", "Copy the selected message to the clipboard"),
-    Command("Chat: show or hide reasoning", "toggle_reasoning", "The <think> part of a reply"),
-    Command("Chat: message cursor", "select(-1)", "Move the focus onto the messages"),
+    Command("Branch: regenerate reply", "regenerate", "A new sibling reply; old ones stay", PANE),
+    Command("Branch: continue reply", "continue_reply", "More of a reply cut at max tokens", PANE),
+    Command("Branch: previous", "swipe(-1)", "The previous sibling of the selected message", PANE),
+    Command("Branch: next", "swipe(1)", "The next sibling of the selected message", PANE),
+    Command("Branch: edit message", "edit", "Edit the selected user message as a new branch", PANE),
+    Command("Branch: fork conversation", "fork", "Copy the path up to here into a new chat", PANE),
+    Command("Chat: copy message", "copy", "Copy the selected message to the clipboard", PANE),
+    Command(
+        "Chat: show or hide reasoning", "toggle_reasoning", "The <think> part of a reply", PANE
+    ),
+    Command("Chat: message cursor", "select(-1)", "Move the focus onto the messages", PANE),
     Command("Chat: stop generation", "stop", "Stop decoding now"),
 )
 
@@ -56,30 +67,35 @@ CONVERSATION_COMMANDS: tuple[Command, ...] = (
         "conversation_settings",
         "System prompt, temperature, top-p/k, min-p, penalty, stop, max tokens, seed",
     ),
-    Command("Export: active path as Markdown", "export('md', 'path')", "Under the data dir"),
-    Command("Export: active path as JSON", "export('json', 'path')", "Under the data dir"),
-    Command("Export: whole tree as Markdown", "export('md', 'tree')", "Every branch, outlined"),
-    Command("Export: whole tree as JSON", "export('json', 'tree')", "Every branch, nested"),
+    Command("Export: active path as Markdown", "export('md', 'path')", "Under the data dir", PANE),
+    Command("Export: active path as JSON", "export('json', 'path')", "Under the data dir", PANE),
+    Command(
+        "Export: whole tree as Markdown", "export('md', 'tree')", "Every branch, outlined", PANE
+    ),
+    Command("Export: whole tree as JSON", "export('json', 'tree')", "Every branch, nested", PANE),
     Command("Help: keys", "app.help", "Every key binding and its id"),
 )
 
 
 TOOL_COMMANDS: tuple[Command, ...] = (
-    Command("Search: this conversation…", "search('here')", "Find messages by their words"),
-    Command("Search: all conversations…", "search('all')", "Open a chat at an old message"),
-    Command("Chat: raw text of message", "raw_message", "The selected message as stored"),
+    Command("Search: this conversation…", "search('here')", "Find messages by their words", PANE),
+    Command("Search: all conversations…", "search('all')", "Open a chat at an old message", PANE),
+    Command("Chat: raw text of message", "raw_message", "The selected message as stored", PANE),
     Command(
         "Chat: verify reply against cold",
         "verify_turn",
         "Recompute the selected reply without the cache: top-1, first diff, max |Δlogprob|",
+        PANE,
     ),
-    Command("Chat: copy a code block", "copy_code", "One fenced block of the selected message"),
-    Command("Chat: delete message", "delete_message", "Only the selected message"),
-    Command("Chat: delete branch", "delete_branch", "The selected message and all after it"),
+    Command(
+        "Chat: copy a code block", "copy_code", "One fenced block of the selected message", PANE
+    ),
+    Command("Chat: delete message", "delete_message", "Only the selected message", PANE),
+    Command("Chat: delete branch", "delete_branch", "The selected message and all after it", PANE),
     Command("Chat: undo delete", "undo_delete", "Bring back the last deleted chat or messages"),
-    Command("Input: open in $EDITOR", "edit_in_editor", "Write a long prompt in your editor"),
-    Command("Input: clear", "clear_input", "Empty the input (Ctrl+Z undoes)"),
-    Command("Conversation: import from JSON…", "import_conversation", "A file Export wrote"),
+    Command("Input: open in $EDITOR", "edit_in_editor", "Write a long prompt in your editor", PANE),
+    Command("Input: clear", "clear_input", "Empty the input (Ctrl+Z undoes)", PANE),
+    Command("Conversation: import from JSON…", "import_conversation", "A file Export wrote", PANE),
 )
 
 FOUND_MIN_CHARS = 3
@@ -87,26 +103,28 @@ FOUND_MIN_CHARS = 3
 
 
 class ActionProvider(Provider):
-    """Offers :attr:`COMMANDS`; runs each as an action on the screen the palette opened on."""
+    """Offers :attr:`COMMANDS`; runs each as an action of its owner on the screen the
+    palette opened on."""
 
     COMMANDS: tuple[Command, ...] = ()
 
     def commands(self) -> Iterator[Command]:
         yield from self.COMMANDS
 
+    def _owner(self, command: Command) -> DOMNode:
+        return self.screen.query_one(command.owner) if command.owner else self.screen
+
     def _available(self, command: Command) -> bool:
         name, params = _split(command.action)
-        return self.screen.check_action(name, params) is True
+        return self._owner(command).check_action(name, params) is True
 
-    async def _run(self, action: str) -> None:
-        await self.app.run_action(action, self.screen)
+    async def _run(self, command: Command) -> None:
+        await self.app.run_action(command.action, self._owner(command))
 
     async def discover(self) -> Hits:
         for command in self.commands():
             if self._available(command):
-                yield DiscoveryHit(
-                    command.title, partial(self._run, command.action), help=command.help
-                )
+                yield DiscoveryHit(command.title, partial(self._run, command), help=command.help)
 
     async def search(self, query: str) -> Hits:
         matcher = self.matcher(query)
@@ -116,7 +134,7 @@ class ActionProvider(Provider):
                 yield Hit(
                     score,
                     matcher.highlight(command.title),
-                    partial(self._run, command.action),
+                    partial(self._run, command),
                     help=command.help,
                 )
 
@@ -161,7 +179,7 @@ class FoundMessages(Provider):
 
         if (
             len(query.strip()) < FOUND_MIN_CHARS
-            or self.screen.check_action("open_found", ()) is not True
+            or self.screen.query_one(PANE).check_action("open_found", ()) is not True
         ):
             return
         app: TierchatApp = self.app  # type: ignore[assignment]
@@ -183,7 +201,7 @@ class FoundMessages(Provider):
             )
 
     async def _open(self, node_id: int) -> None:
-        await self.app.run_action(f"open_found({node_id})", self.screen)
+        await self.app.run_action(f"open_found({node_id})", self.screen.query_one(PANE))
 
 
 class ModelCommands(ActionProvider):

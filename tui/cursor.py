@@ -1,17 +1,15 @@
-"""The chat screen's message cursor: which message an action means (pure functions of
-the transcript's views and the cursor index ``selected``, None when the input has the
-focus) and :class:`MessageCursor`, which moves it (docs/DESIGN.md §16).
+"""The chat's message cursor: which message an action means, as pure functions of the
+transcript's views and the cursor index ``selected`` (None when the input has the focus);
+the cursor itself is ``MessagePane.selected`` (``screens/chat/pane.py``; docs/DESIGN.md
+§16).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tierchat.tui.widgets.transcript import MessageView, Transcript
-
-if TYPE_CHECKING:
-    from tierchat.tui.screens.chat import ChatScreen
+from tierchat.tui.widgets.transcript import MessageView
 
 BRANCH_ACTIONS: dict[str, str] = {
     "prev": "swipe(-1)",
@@ -21,7 +19,7 @@ BRANCH_ACTIONS: dict[str, str] = {
     "fork": "fork",
     "copy": "copy",
 }
-"""The screen action for each button of a message's branch bar."""
+"""The message pane's action for each button of a message's branch bar."""
 
 
 def target(views: Sequence[MessageView], selected: int | None) -> MessageView | None:
@@ -101,66 +99,3 @@ def regenerate_note(settings: Any, role: str) -> str:
         "Temperature and swipe temperature are 0 (greedy): the new reply will match the "
         "old one. F9 sets them for this conversation."
     )
-
-
-class MessageCursor:
-    """Moves the chat screen's ``selected`` over the transcript's views and shows it."""
-
-    def __init__(self, chat: ChatScreen) -> None:
-        self.chat = chat
-
-    def _transcript(self) -> Transcript:
-        return self.chat.query_one(Transcript)
-
-    def show(self) -> None:
-        """Mark the selected view (and scroll it into sight)."""
-        views, selected = self._transcript().views, self.chat.selected
-        for i, view in enumerate(views):
-            on = selected is not None and i == selected
-            if view.has_class("-selected") != on:
-                view.set_class(on, "-selected")
-        if selected is not None and 0 <= selected < len(views):
-            views[selected].scroll_visible(animate=False)
-
-    def move(self, delta: int) -> None:
-        """Move by ``delta`` messages and put the focus in the transcript; past the top,
-        mount older messages first."""
-        chat, transcript = self.chat, self._transcript()
-        views = transcript.views
-        if not views:
-            return
-        if not transcript.has_focus:
-            transcript.focus()
-            if chat.selected is None:
-                chat.selected = len(views) - 1  # the cursor starts on the newest message
-                return
-        current = len(views) - 1 if chat.selected is None else chat.selected
-        if current + delta < 0 and transcript.hidden:
-            chat.run_worker(self._show_earlier(current + delta), group="earlier", exclusive=True)
-            return
-        chat.selected = max(0, min(len(views) - 1, current + delta))
-
-    async def _show_earlier(self, selected: int) -> None:
-        """Mount older messages and keep the cursor on the message above the old top."""
-        added = await self._transcript().show_earlier()
-        self.chat.selected = max(0, selected + added)
-
-    def edge(self, last: bool) -> None:
-        views = self._transcript().views
-        if views:
-            self.chat.selected = len(views) - 1 if last else 0
-
-    def clicked(self, view: MessageView) -> None:
-        views = self._transcript().views
-        if view in views:
-            self._transcript().focus()
-            self.chat.selected = views.index(view)
-
-    def branch_action(self, node_id: int | None, button: str) -> str | None:
-        """Put the cursor on message ``node_id``; the action its bar's ``button`` runs
-        (None when the message is not shown or the button is unknown)."""
-        ids = [v.info.node_id for v in self._transcript().views]
-        if node_id not in ids:
-            return None
-        self.chat.selected = ids.index(node_id)
-        return BRANCH_ACTIONS.get(button)

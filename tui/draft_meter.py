@@ -19,7 +19,7 @@ from textual.timer import Timer
 from tierchat.core.chat.draft import DraftCount, count_draft
 
 if TYPE_CHECKING:
-    from tierchat.tui.screens.chat import ChatScreen
+    from textual.widget import Widget
     from tierchat.tui.widgets.chat_input import ChatInput
 
 DEBOUNCE_S = 0.3
@@ -49,11 +49,13 @@ def meter_text(count: DraftCount, empty: bool = False) -> str:
 
 
 class DraftMeter:
-    """Counts the draft of ``screen``'s chat input and shows it in the input's border
-    subtitle, with class ``-near-limit`` / ``-over-limit`` on the input."""
+    """Counts the draft of the chat input ``box`` and shows it in the input's border
+    subtitle, with class ``-near-limit`` / ``-over-limit`` on the input. ``node`` (the
+    widget holding the input) runs the timer and the counting worker; the session is the
+    app's."""
 
-    def __init__(self, screen: ChatScreen, box: ChatInput) -> None:
-        self.screen = screen
+    def __init__(self, node: Widget, box: ChatInput) -> None:
+        self.node = node
         self.box = box
         self.count: DraftCount | None = None
         """The last count shown (None: none shown)."""
@@ -77,7 +79,7 @@ class DraftMeter:
             self._timer.stop()
         if not self.box.text.strip() and self.count is not None and not self._empty:
             self.show(None)  # a draft's count is wrong at once; the context comes next
-        self._timer = self.screen.set_timer(DEBOUNCE_S, self.start)
+        self._timer = self.node.set_timer(DEBOUNCE_S, self.start)
 
     def start(self) -> None:
         """Count the current draft in a thread worker (replacing one in flight); an empty
@@ -85,8 +87,8 @@ class DraftMeter:
         text = self.box.text
         if not text.strip():
             text = ""
-        session = self.screen.tierchat.session
-        app = self.screen.app
+        app = self.node.app
+        session = app.session  # type: ignore[attr-defined]
         change = self._changes
 
         def work() -> None:
@@ -96,7 +98,7 @@ class DraftMeter:
                 count = None
             app.call_from_thread(self._counted, change, text, count)
 
-        self.screen.run_worker(work, thread=True, exclusive=True, group="draft-count")
+        self.node.run_worker(work, thread=True, exclusive=True, group="draft-count")
 
     def _counted(self, change: int, text: str, count: DraftCount | None) -> None:
         if change == self._changes:  # neither the draft nor the path changed since

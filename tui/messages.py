@@ -1,6 +1,6 @@
 """Every Textual message of the app, each a small dataclass named for what happened.
 
-Engine events arrive on the engine's own thread; the callbacks in ``screens/chat.py`` turn
+Engine events arrive on the engine's own thread; the callbacks in ``screens/chat/`` turn
 them into these messages with ``post_message`` (thread-safe) and never touch a widget.
 High-rate ones (:class:`ReplyStreamed`, :class:`PrefillAdvanced`, :class:`ModelLoadAdvanced`)
 carry cumulative state and implement ``can_replace``, so a burst of them collapses into the

@@ -1,12 +1,12 @@
 """The replies in flight in the TUI: start, prefill progress, stream, finish or fail,
 one turn per conversation at a time, several conversations at once (docs/DESIGN.md §16).
 
-``ChatScreen`` owns the widgets and the keys; :class:`TurnRunner` owns the turns in
-flight and the reply stream of the conversation shown. It reaches the screen only
-through :class:`TurnHost`. The engine calls the ``on_event`` made by
-:meth:`TurnRunner.callback` on its own thread; it only posts messages
-(``tierchat.tui.messages``), which the runner handles on the UI thread (the screen
-routes them here).
+The chat's message pane (``screens/chat/pane.py``, ``MessagePane``) owns the widgets
+and the keys; :class:`TurnRunner` owns the turns in flight and the reply stream of the
+conversation shown: each turn's text and the placeholder view it streams into. It
+reaches the pane only through :class:`TurnHost`. The engine calls the ``on_event`` made
+by :meth:`TurnRunner.callback` on its own thread; it only posts messages
+(``tierchat.tui.messages``) to the pane, which hands them to the runner on the UI thread.
 
 A turn of a conversation not shown goes on: its text is kept here, and when its
 conversation is opened again the placeholder is mounted with the text so far. Esc stops
@@ -51,7 +51,7 @@ SessionCall = Callable[[Callable[[Event], None]], Any]
 
 
 class TurnHost(Protocol):
-    """What :class:`TurnRunner` needs of the chat screen."""
+    """What :class:`TurnRunner` needs of the widget holding the transcript."""
 
     @property
     def conversation_id(self) -> int | None:
@@ -102,7 +102,7 @@ class Turn:
 
 
 class TurnRunner:
-    """The turns in flight for one chat screen, at most one per conversation.
+    """The turns in flight for one message pane, at most one per conversation.
 
     ``key`` numbers the turns; messages of a turn no longer in flight (a late token
     batch after a stop) are dropped.

@@ -48,13 +48,13 @@ async def test_a_failed_write_is_a_notification_and_the_app_goes_on(make_app, st
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
         await send(pilot, "first")
-        screen = chat_screen(app)
+        assert chat_screen(app).conversation_id is not None
 
         def broken(*_args, **_kwargs):
             raise RuntimeError("disk full")
 
         store.rename = broken
-        ok, value = await screen.in_background("Rename failed", lambda: store.rename(1, "x"))
+        ok, value = await app.in_background("Rename failed", lambda: store.rename(1, "x"))
         assert (ok, value) == (False, None)
         await settle(pilot)
         assert any(

@@ -72,7 +72,7 @@ async def test_failed_model_load_is_a_notification(make_app, engine):
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         engine.fail_next = "unsupported model: no such directory /nope"
-        chat_screen(app).load_model("/nope")
+        chat_screen(app).action_load_model("/nope")
         await settle(pilot)
         assert any("Cannot load /nope" in n for n in notes(app, "error"))
         assert engine.model_name == "demo"
@@ -95,12 +95,12 @@ async def test_disk_full_and_memory_pressure_in_stats_become_notifications(make_
         await settle(pilot)
         engine.ssd_errors = 1
         engine.memory_level = "hard"
-        chat_screen(app).poll_stats()
+        app.poll_stats()
         await settle(pilot)
         assert any("SSD tier write failed" in n and "ENOSPC" in n for n in notes(app, "error"))
         assert any("Memory pressure hard" in n for n in notes(app))
         count = len(app._notifications)
-        chat_screen(app).poll_stats()  # the same snapshot again: no repeat
+        app.poll_stats()  # the same snapshot again: no repeat
         assert len(app._notifications) == count
 
 

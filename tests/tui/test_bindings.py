@@ -129,9 +129,9 @@ async def test_escape_stops_generation(make_app, engine):
         engine.gate.clear()  # hold decoding after the first token batch
         screen.query_one(ChatInput).insert("a long story please")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: screen.streaming and screen.turns.stream_view.text)
+        await wait_for(pilot, lambda: screen.streaming and screen.pane.turns.stream_view.text)
         assert screen.check_action("stop", ()) is True
-        assert screen.check_action("regenerate", ()) is None  # dimmed while streaming
+        assert screen.pane.check_action("regenerate", ()) is None  # dimmed while streaming
         # "stopping…" shows at once, before the engine's next step ends the reply (the
         # action called here, so no message is handled in between; the key: below)
         bar = screen.query_one(ActivityBar)
@@ -151,7 +151,7 @@ async def test_regenerate_then_swipe_left_and_right(make_app, store):
     async with app.run_test(size=SIZE) as pilot:
         await send(pilot, "question")
         screen = chat_screen(app)
-        assert screen.check_action("swipe", (-1,)) is None  # only one reply
+        assert screen.pane.check_action("swipe", (-1,)) is None  # only one reply
         await pilot.press("ctrl+r")
         await settle(pilot)
         reply = views(app)[-1].info
@@ -159,14 +159,14 @@ async def test_regenerate_then_swipe_left_and_right(make_app, store):
         assert reply.content == "Reply 2 to: question"
         user = store.active_path(screen.conversation_id)[0]
         assert len(store.replies(user.id)) == 2  # the old reply is kept
-        assert screen.check_action("swipe", (1,)) is None  # at the last reply
+        assert screen.pane.check_action("swipe", (1,)) is None  # at the last reply
 
         await pilot.press("alt+left")
         await settle(pilot)
         reply = views(app)[-1].info
         assert (reply.index, reply.content) == (0, "Reply 1 to: question")
         assert store.active_path(screen.conversation_id)[-1].content == "Reply 1 to: question"
-        assert screen.check_action("swipe", (-1,)) is None
+        assert screen.pane.check_action("swipe", (-1,)) is None
 
         await pilot.press("alt+right")
         await settle(pilot)
@@ -192,20 +192,20 @@ async def test_message_cursor_moves_visibly_and_copies_the_message_under_it(make
         screen = chat_screen(app)
         await pilot.press("escape")  # from the input: onto the last message
         assert screen.query_one(Transcript).has_focus
-        assert screen.selected == 1 and views(app)[1].has_class("-selected")
+        assert screen.pane.selected == 1 and views(app)[1].has_class("-selected")
         await pilot.press("c")
         assert app.clipboard == "Reply 1 to: copy me"
         await pilot.press("up")
-        assert screen.selected == 0
+        assert screen.pane.selected == 0
         assert views(app)[0].has_class("-selected") and not views(app)[1].has_class("-selected")
         await pilot.press("c")
         assert app.clipboard == "copy me"
         await pilot.press("down")
-        assert screen.selected == 1
+        assert screen.pane.selected == 1
         await pilot.press("escape")  # back to the input; the cursor goes away
-        assert screen.query_one(ChatInput).has_focus and screen.selected is None
+        assert screen.query_one(ChatInput).has_focus and screen.pane.selected is None
         await pilot.press("alt+up")  # Alt+↑ enters the cursor too
-        assert screen.query_one(Transcript).has_focus and screen.selected == 1
+        assert screen.query_one(Transcript).has_focus and screen.pane.selected == 1
         await pilot.press("x")  # typing goes to the input
         assert screen.query_one(ChatInput).has_focus
         assert screen.query_one(ChatInput).text == "x"

@@ -1,4 +1,4 @@
-"""Pilot tests for the daily tools of the chat screen (screens/chat_tools.py): search
+"""Pilot tests for the daily tools of the chat screen (screens/chat/tools.py): search
 (key and palette, across conversations, opening at the message), the raw text of a
 message, copying one code block, long prompts ($EDITOR, clear, the live token count),
 deleting a message or a branch, importing an export."""
@@ -62,7 +62,7 @@ async def on_message(pilot, index: int) -> None:
     screen.query_one(Transcript).focus()
     await pilot.pause()
     views = screen.query_one(Transcript).views
-    screen.selected = index % len(views)
+    screen.pane.selected = index % len(views)
     await pilot.pause()
 
 
@@ -88,8 +88,8 @@ async def test_search_key_finds_an_old_message_in_another_conversation(make_app,
         await settle(pilot)
         assert screen.conversation_id == old
         views = screen.query_one(Transcript).views
-        assert screen.selected is not None
-        assert views[screen.selected].info.node_id == target
+        assert screen.pane.selected is not None
+        assert views[screen.pane.selected].info.node_id == target
         assert screen.query_one(Transcript).has_focus
 
 
@@ -123,7 +123,7 @@ async def test_palette_finds_a_conversation_by_a_word_of_an_old_message(make_app
         await settle(pilot)
         screen = chat_screen(app)
         assert screen.conversation_id == old
-        assert screen.query_one(Transcript).views[screen.selected].info.node_id == target
+        assert screen.query_one(Transcript).views[screen.pane.selected].info.node_id == target
 
 
 async def test_search_rows_tell_a_reply_from_its_continued_sibling(make_app, store):
@@ -197,7 +197,7 @@ async def test_copy_one_code_block_from_a_list_or_at_once(make_app):
         await pilot.press("i")
         await send(pilot, "plain words")
         await on_message(pilot, -1)
-        assert chat_screen(app).check_action("copy_code", ()) is None  # no fence: dimmed
+        assert chat_screen(app).pane.check_action("copy_code", ()) is None  # no fence: dimmed
 
 
 # ---------------------------------------------------------------- long prompts
@@ -229,7 +229,7 @@ async def test_editor_clear_and_token_count(make_app, engine, tmp_path, monkeypa
         await pilot.pause(DEBOUNCE_S + 0.1)
         await settle(pilot)
         expected = count_draft(app.session, box.text)
-        assert screen.draft_meter.count == expected
+        assert screen.pane.draft_meter.count == expected
         assert box.border_subtitle == (
             f"{expected.text_tokens} tokens · prompt {expected.prompt_tokens} / 4,096 (1%)"
         )
@@ -361,11 +361,11 @@ async def test_every_tool_command_runs_from_the_palette(make_app, tmp_path, monk
             if command.action == "clear_input":
                 screen.query_one(ChatInput).insert("to clear")
             if command.action == "undo_delete":  # offered once something was deleted
-                reply = chat_screen(app).path_infos()[-1].node_id
+                reply = chat_screen(app).pane.path_infos()[-1].node_id
                 app.trash.delete_branch(reply)
                 nodes = len(app.store.active_path(screen.conversation_id))
             if command.action == "verify_turn":  # offered on a reply
-                screen.selected = 1
+                screen.pane.selected = 1
             await run_command(pilot, command.title)
             if command.action == "undo_delete":
                 assert len(app.store.active_path(screen.conversation_id)) == nodes + 1
@@ -373,7 +373,7 @@ async def test_every_tool_command_runs_from_the_palette(make_app, tmp_path, monk
                 assert isinstance(app.screen, expected[command.action]), command
                 await pilot.press("escape")
                 await pilot.pause()
-            screen.selected = 0
+            screen.pane.selected = 0
         box = screen.query_one(ChatInput)
         assert box.text == ""  # "!" from the editor, then cleared
         assert app.screen is screen
@@ -396,8 +396,8 @@ async def test_search_in_this_conversation_moves_the_cursor(make_app, store):
         await settle(pilot)
         assert screen.conversation_id == cid and not notes(app, "warning")
         views = screen.query_one(Transcript).views
-        assert views[screen.selected].info.node_id == hits[1].node_id
-        assert screen.selected in (0, 1) and screen.query_one(Transcript).has_focus
+        assert views[screen.pane.selected].info.node_id == hits[1].node_id
+        assert screen.pane.selected in (0, 1) and screen.query_one(Transcript).has_focus
 
 
 async def test_the_count_waits_for_a_pause_in_typing(make_app, monkeypatch):

@@ -63,7 +63,7 @@ async def test_fork_at_a_user_message_generates_with_ctrl_r_and_focuses_the_inpu
         screen = chat_screen(app)
         assert [v.info.role for v in views(app)] == ["user"]
         assert screen.query_one(ChatInput).has_focus  # typing goes somewhere at once
-        assert screen.check_action("regenerate", ()) is True
+        assert screen.pane.check_action("regenerate", ()) is True
         await pilot.press("ctrl+r")
         await settle(pilot)
         assert [v.info.role for v in views(app)] == ["user", "assistant"]
@@ -180,8 +180,8 @@ async def test_export_path_and_tree(make_app, settings):
         await pilot.press("ctrl+r")
         await settle(pilot)
         screen = chat_screen(app)
-        await screen.action_export("md", "path")
-        await screen.action_export("json", "tree")
+        await screen.pane.action_export("md", "path")
+        await screen.pane.action_export("json", "tree")
         folder = settings.data_dir / "exports"
         md = next(folder.glob("*-path.md")).read_text()
         assert "## You" in md and "export me" in md and "Reply 2 to: export me" in md
@@ -240,7 +240,7 @@ async def test_switching_models_warns_about_the_other_models_replies(make_app):
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
         await send(pilot, "hello")
-        chat_screen(app).load_model("demo-gemma")
+        chat_screen(app).action_load_model("demo-gemma")
         await settle(pilot)
         assert any("replies of demo" in n for n in notes(app))
 
@@ -283,7 +283,7 @@ async def test_a_long_conversation_mounts_a_window_and_shows_earlier_on_demand(m
         await pilot.pause()
         assert transcript.hidden == 0 and len(transcript.views) == 60
         screen = chat_screen(app)
-        assert views(app)[screen.selected].info.content == "answer 9"
+        assert views(app)[screen.pane.selected].info.content == "answer 9"
         await send(pilot, "one more")  # the window slides: newest kept, count bounded
         assert views(app)[-1].info.content == "Reply 1 to: one more"
 

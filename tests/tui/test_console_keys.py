@@ -52,9 +52,9 @@ def test_r_on_an_earlier_reply_regenerates_that_reply(tmp_path):
 
         term.write(b"\x1b[1;3A")  # alt+up: the cursor on the last reply
         term.wait_for(lambda r: r.get("action") == "select(-1)", "the cursor")
-        term.press("up", "screen.select(-1)")  # the second user message
-        term.press("up", "screen.select(-1)")  # the first reply
-        term.press("r", "screen.regenerate")
+        term.press("up", "select(-1)")  # the second user message
+        term.press("up", "select(-1)")  # the first reply
+        term.press("r", "regenerate")
         term.until(lambda: replies(term) == 3, "the new reply")
         term.wait_for(lambda r: r.get("streaming") is False, "the reply to finish")
 
@@ -130,9 +130,9 @@ def test_u_undoes_a_deleted_branch_and_a_deleted_conversation(tmp_path):
             term.wait_for(lambda r: r.get("streaming") is False, "the reply to finish")
         count = "SELECT count(*) FROM nodes"
         nodes = term.rows(count)[0][0]
-        term.press("escape", "screen.select(-1)")  # the cursor on the last reply
-        term.press("up", "screen.select(-1)")  # "delete me"
-        term.press("D", "screen.delete_branch")
+        term.press("escape", "to_messages")  # the cursor on the last reply
+        term.press("up", "select(-1)")  # "delete me"
+        term.press("D", "delete_branch")
         term.press("y", "confirm")
         term.until(lambda: term.rows(count)[0][0] == nodes - 2, "the branch deleted")
         term.press("u", "screen.undo_delete")

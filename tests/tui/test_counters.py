@@ -42,7 +42,7 @@ async def test_panels_and_events_after_cold_resident_tail_and_f4(settings):
         panels = screen.query_one(CachePanels)
 
         async def refreshed():
-            screen.poll_stats()
+            screen.app.poll_stats()
             await settle(pilot, timeout=REAL_TIMEOUT_S)
             return panels.stats
 

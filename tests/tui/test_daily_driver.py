@@ -116,7 +116,11 @@ async def _start_held_reply(pilot, engine, text: str):
     await pilot.press("enter")
     for _ in range(500):
         await pilot.pause()
-        if screen.streaming and screen.turns.stream_view and screen.turns.stream_view.text:
+        if (
+            screen.streaming
+            and screen.pane.turns.stream_view
+            and screen.pane.turns.stream_view.text
+        ):
             return screen
     raise AssertionError("the reply did not start")
 
@@ -236,7 +240,7 @@ async def test_panels_say_loading_while_a_model_loads_not_caching_off(make_app, 
         loading_stats = CacheStats(model="", enabled=False, supported=None)
         engine.stats = lambda: replace(loading_stats, memory=CacheStats().memory)
         screen.loading_model = "demo-gemma"
-        screen.poll_stats()
+        screen.app.poll_stats()
         await pilot.pause()
         panels = screen.query_one(CachePanels)
         header = str(panels.query_one("#cache-model").render())
@@ -244,14 +248,14 @@ async def test_panels_say_loading_while_a_model_loads_not_caching_off(make_app, 
         assert header.startswith("loading demo-gemma…") and "disabled" not in header
         assert hot_na == "N/A — loading demo-gemma…"
         screen.panels_visible = False
-        screen.poll_stats()
+        screen.app.poll_stats()
         await pilot.pause()
         assert str(screen.query_one(CacheSummary).render()) == "cache (F2): loading demo-gemma…"
         # loaded: the readings come back
         screen.loading_model = ""
         screen.panels_visible = True
         del engine.stats
-        screen.poll_stats()
+        screen.app.poll_stats()
         await pilot.pause()
         assert str(panels.query_one("#cache-model").render()).startswith("demo · cache on")
         assert not panels.query_one("#hot-panel").has_class("-off")

@@ -21,7 +21,7 @@ async def test_events_logged_while_folded_wrap_to_the_panel_once_shown(make_app,
         screen = chat_screen(app)
         await send(pilot, "first while folded")
         await send(pilot, "second while folded")
-        screen.poll_stats()
+        screen.app.poll_stats()
         events = [text for _, text in engine.stats().events]
         assert events and not screen.panels_visible
         await pilot.resize_terminal(*WIDE)  # the panels unfold
@@ -41,7 +41,7 @@ async def test_events_logged_while_folded_wrap_to_the_panel_once_shown(make_app,
         await pilot.press("f2")  # folded by hand: events keep coming, and show once unfolded
         await wait_for(pilot, lambda: not screen.panels_visible, what="the fold")
         await send(pilot, "third while hidden by F2")
-        screen.poll_stats()
+        screen.app.poll_stats()
         await pilot.press("f2")
         await settle(pilot)
         last = engine.stats().events[-1][1]

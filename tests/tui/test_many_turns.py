@@ -28,15 +28,15 @@ async def start_two(pilot, engine):
     await settle(pilot)
     engine.gate.clear()
     await enter(pilot, "first question")
-    await wait_for(pilot, lambda: bool(screen.turns.stream_view and screen.turns.stream_view.text))
+    await wait_for(pilot, lambda: bool(screen.pane.turns.stream_view and screen.pane.turns.stream_view.text))
     a = screen.conversation_id
     await pilot.press("ctrl+n")  # allowed while A's reply streams
     assert screen.conversation_id is None and not screen.streaming
-    assert screen.turns.streaming(a)
+    assert screen.pane.turns.streaming(a)
     await enter(pilot, "second question")
     await wait_for(pilot, lambda: screen.conversation_id not in (None, a) and screen.streaming)
     b = screen.conversation_id
-    assert set(screen.turns.turns) == {a, b}
+    assert set(screen.pane.turns.turns) == {a, b}
     return a, b
 
 
@@ -48,7 +48,7 @@ async def test_switching_back_shows_the_reply_that_went_on(make_app, engine, sto
         screen.action_open_conversation(a)
         await wait_for(pilot, lambda: screen.conversation_id == a and screen.streaming)
         await wait_for(
-            pilot, lambda: bool(screen.turns.stream_view and screen.turns.stream_view.text)
+            pilot, lambda: bool(screen.pane.turns.stream_view and screen.pane.turns.stream_view.text)
         )
         shown = screen.query_one(Transcript).views
         assert [v.info.role for v in shown] == ["user", "assistant"]
@@ -73,7 +73,7 @@ async def test_switching_back_shows_the_reply_that_went_on(make_app, engine, sto
         await settle(pilot)
         shown = screen.query_one(Transcript).views
         assert [(v.info.role, v.info.content) for v in shown] == contents(store, b)
-        assert not screen.turns.turns and not screen.streaming
+        assert not screen.pane.turns.turns and not screen.streaming
 
 
 async def test_esc_stops_the_reply_of_the_conversation_shown_only(make_app, engine, store):
@@ -82,7 +82,7 @@ async def test_esc_stops_the_reply_of_the_conversation_shown_only(make_app, engi
         screen = chat_screen(app)
         a, b = await start_two(pilot, engine)
         await pilot.press("escape")  # B is shown: B stops
-        turn_a, turn_b = screen.turns.turns[a], screen.turns.turns[b]
+        turn_a, turn_b = screen.pane.turns.turns[a], screen.pane.turns.turns[b]
         assert turn_b.handle.cancelled and turn_b.stopping
         assert not turn_a.handle.cancelled  # A goes on
         # the fake engine serves one request at a time: B ends when the worker reaches it
@@ -129,7 +129,7 @@ async def test_a_message_dropped_in_another_conversation_comes_back_there(
         await pilot.press("ctrl+n")
         box = screen.query_one(ChatInput)
         assert box.text == ""
-        screen.turns.turns[a].handle.cancel()  # A ends before any token, while not shown
+        screen.pane.turns.turns[a].handle.cancel()  # A ends before any token, while not shown
         engine.prefill_gate.set()
         await settle(pilot)
         assert contents(store, a) == []  # the session dropped the message...

@@ -24,7 +24,7 @@ async def meter_follows(pilot, what: str) -> None:
     screen = chat_screen(app)
 
     def current() -> bool:
-        count = screen.draft_meter.count
+        count = screen.pane.draft_meter.count
         expected = count_draft(app.session, "")
         return count == expected and context_shown(app).startswith(
             f"context {expected.prompt_tokens:,} "
@@ -53,13 +53,13 @@ async def test_meter_follows_an_edit_and_a_swipe_to_a_shorter_branch(make_app):
         assert count_draft(app.session, "").prompt_tokens < long_path
         screen = chat_screen(app)
         screen.query_one(Transcript).focus()
-        screen.selected = 0
+        screen.pane.selected = 0
         await pilot.press("left")  # back to the long branch
         await meter_follows(pilot, "a swipe to the long branch")
-        assert screen.draft_meter.count.prompt_tokens == long_path
+        assert screen.pane.draft_meter.count.prompt_tokens == long_path
         await pilot.press("right")  # and to the short one again
         await meter_follows(pilot, "a swipe to the short branch")
-        assert screen.draft_meter.count.prompt_tokens < long_path
+        assert screen.pane.draft_meter.count.prompt_tokens < long_path
 
 
 async def test_meter_follows_a_chat_opened_from_search(make_app):

@@ -119,7 +119,11 @@ async def test_stop_command_is_offered_only_while_streaming(make_app, engine):
         await pilot.press("enter")
         for _ in range(300):
             await pilot.pause()
-            if screen.streaming and screen.turns.stream_view and screen.turns.stream_view.text:
+            if (
+                screen.streaming
+                and screen.pane.turns.stream_view
+                and screen.pane.turns.stream_view.text
+            ):
                 break
         await run_command(pilot, "Chat: stop generation")
         engine.gate.set()
@@ -168,10 +172,13 @@ async def test_model_commands(make_app, engine):
 
 
 def test_every_screen_action_has_a_palette_command():
+    from textual.actions import parse
     from tierchat.tui.screens.chat import ChatScreen
+    from tierchat.tui.screens.chat.pane import MessagePane
 
     commanded = {c.action.split("(")[0] for c in CACHE_COMMANDS + BRANCH_COMMANDS}
     commanded |= {c.action.split("(")[0] for c in CONVERSATION_COMMANDS + TOOL_COMMANDS}
-    keyed = {b.action.split("(")[0] for b in ChatScreen.BINDINGS}
-    keyed -= {"select"}  # moving the selection is a key, not a command
+    keyed = {parse(b.action)[1] for b in ChatScreen.BINDINGS + MessagePane.BINDINGS}
+    # moving the cursor and going back to the input are keys, not commands
+    keyed -= {"select", "select_edge", "focus_input"}
     assert keyed <= commanded | {"pick_model"}

@@ -40,7 +40,7 @@ async def agree(pilot, engine) -> tuple:
     from tierchat.tui.widgets.cache_panels import CachePanels
 
     screen = chat_screen(pilot.app)
-    screen.poll_stats()
+    screen.app.poll_stats()
     await pilot.pause()
     panels = screen.query_one(CachePanels)
     s = panels.stats

@@ -92,7 +92,7 @@ async def test_two_conversations_at_once_equal_each_run_alone(tmp_path):
         await enter(pilot, A_TEXT)
         await wait_for(
             pilot,
-            lambda: bool(screen.turns.stream_view and screen.turns.stream_view.text),
+            lambda: bool(screen.pane.turns.stream_view and screen.pane.turns.stream_view.text),
             timeout=REAL_TIMEOUT_S,
             what="A's first tokens",
         )

@@ -28,7 +28,7 @@ async def test_the_token_count_is_the_prompt_the_engine_reads(tmp_path: Path):
         await pilot.press(*"How many tokens is this?")
         await pilot.pause(DEBOUNCE_S + 0.2)
         await settle(pilot, timeout=REAL_TIMEOUT_S)
-        count = screen.draft_meter.count
+        count = screen.pane.draft_meter.count
         assert count is not None and count.context_length == engine.context_length
         assert f"/ {engine.context_length:,}" in box.border_subtitle
         await pilot.press("enter")

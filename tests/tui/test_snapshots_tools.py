@@ -1,4 +1,4 @@
-"""``snap_compare`` snapshots of the views screens/chat_tools.py adds: the search results
+"""``snap_compare`` snapshots of the views screens/chat/tools.py adds: the search results
 (across conversations, matched words in bold) and a message's raw text.
 
 Regenerate with ``pytest tests/tui/test_snapshots_tools.py --snapshot-update`` and look
@@ -34,7 +34,7 @@ def test_raw_message_view(snap_compare, make_app):
         screen = chat_screen(pilot.app)
         screen.query_one(Transcript).focus()
         await pilot.pause()
-        screen.selected = 0
+        screen.pane.selected = 0
         await pilot.press("v")
         await quiet(pilot)
 

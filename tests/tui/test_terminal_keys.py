@@ -519,9 +519,9 @@ def test_daily_keys_and_literal_text_in_tmux(tmp_path):
 
         # -- the edit dialog: type at once, the text goes after the message
         term.write(b"\x1b")  # onto the messages
-        term.wait_for(lambda r: r.get("action") == "screen.select(-1)", "the message cursor")
-        term.press("home", "screen.select_edge(0)")
-        term.press("e", "screen.edit")
+        term.wait_for(lambda r: r.get("action") == "to_messages", "the message cursor")
+        term.press("home", "select_edge(0)")
+        term.press("e", "edit")
         term.wait_for(lambda r: r.get("screen") == "EditMessageScreen" and "focus" in r, "edit")
         term.write(b" (edited)")
         term.until(lambda: "(edited)" in term.screen(), "the typed text")

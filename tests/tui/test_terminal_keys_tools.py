@@ -1,4 +1,4 @@
-"""The keys of the chat tools (screens/chat_tools.py) as a terminal sends them: the real
+"""The keys of the chat tools (screens/chat/tools.py) as a terminal sends them: the real
 app on the fake engine in a pty (``test_terminal_keys.Terminal``), typed as bytes.
 
 ``TOOL_BINDINGS`` is every ``(binding id, key)`` this file types; the main key test
@@ -90,8 +90,8 @@ def test_every_tool_binding_is_typed(tmp_path, monkeypatch):
         assert stored == (BLOCKS,)
 
         # -- one message: raw text, copy a code block
-        term.press("escape", "screen.select(-1)")  # onto the messages (the reply)
-        term.press("up", "screen.select(-1)")  # the user message
+        term.press("escape", "to_messages")  # onto the messages (the reply)
+        term.press("up", "select(-1)")  # the user message
         press("raw_message", "v")
         term.wait_for(lambda r: r.get("focus") == "TextArea", "the raw text")
         press("raw_copy_all", "a")
@@ -106,7 +106,7 @@ def test_every_tool_binding_is_typed(tmp_path, monkeypatch):
         press("code_cancel", "escape")
 
         # -- verify the reply against cold (the fake engine answers it or says it cannot)
-        term.press("down", "screen.select(1)")  # the reply
+        term.press("down", "select(1)")  # the reply
         press("verify_turn", "V")
 
         # -- search
@@ -119,7 +119,7 @@ def test_every_tool_binding_is_typed(tmp_path, monkeypatch):
         press("search_cancel", "escape")
 
         # -- delete: cancel one message, then the branch from the reply on
-        term.press("end", "screen.select_edge(1)")
+        term.press("end", "select_edge(1)")
         press("delete_message", "d")
         term.press("n", "cancel")
         press("delete_branch", "D")

@@ -98,7 +98,7 @@ async def settle(pilot: Pilot, timeout: float = 10.0) -> None:
         await pilot.pause()
         await app.workers.wait_for_complete()
         screen = chat_screen(app)
-        if not screen.turns.turns and not screen.loading_model:
+        if not screen.pane.turns.turns and not screen.loading_model:
             break
         if time.monotonic() > deadline:
             raise AssertionError("the app did not settle")

@@ -58,7 +58,7 @@ class ChatInput(TextArea):
             priority=True,
             show=False,  # the placeholder names the keys; the footer keeps its room
         ),
-        Binding("escape", "screen.select(-1)", "Messages", id="to_messages", show=False),
+        Binding("escape", "to_messages", "Messages", id="to_messages", show=False),
         # on the first (last) line, ↑ (↓) recall earlier (later) prompts; elsewhere they
         # move the cursor as in any TextArea
         Binding("up", "recall(-1)", "Earlier prompt", id="recall_prev", show=False),
@@ -75,6 +75,11 @@ class ChatInput(TextArea):
     @dataclass
     class NewlineRequest(Message):
         """Queued by the newline key behind any characters typed before it."""
+
+    @dataclass
+    class ToMessages(Message):
+        """Esc in the input: the user goes to the messages (the widget holding the input
+        and the transcript moves the message cursor there)."""
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(
@@ -121,6 +126,9 @@ class ChatInput(TextArea):
 
     def action_send(self) -> None:
         self.post_message(self.SendRequest())
+
+    def action_to_messages(self) -> None:
+        self.post_message(self.ToMessages())
 
     def action_newline(self) -> None:
         self.post_message(self.NewlineRequest())

@@ -18,7 +18,6 @@ from typing import Any, ClassVar
 
 from textual import events, on
 from textual.app import ComposeResult
-from textual.binding import Binding, BindingType
 from textual.containers import Vertical, VerticalScroll
 from textual.events import Click
 from textual.widgets import Collapsible, Markdown, Static
@@ -371,9 +370,11 @@ class EarlierMessages(Static):
 class Transcript(VerticalScroll):
     """The messages of the active path, with a welcome note while empty.
 
-    Focused, it is the message cursor (see the module docstring): the screen owns the
-    cursor position (``ChatScreen.selected``) and the actions; these bindings only route
-    keys to them. A printable key that is not bound goes to the chat input.
+    Focused, it is the message cursor (see the module docstring): the widget holding it
+    (``screens/chat/pane.py``, ``MessagePane``) owns the cursor position and the actions
+    on the message under it, and binds their keys; the arrow, Home and End keys are not
+    scrolls here (:attr:`CURSOR_SCROLLS`), so they reach those bindings. A printable key
+    that is not bound goes to the chat input.
     """
 
     DEFAULT_CSS = """
@@ -383,26 +384,11 @@ class Transcript(VerticalScroll):
     Transcript.-has-messages > #welcome { display: none; }
     """
 
-    BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("up,k", "screen.select(-1)", "Up", id="msg_up"),
-        Binding("down,j", "screen.select(1)", "Down", id="msg_down"),
-        Binding("home", "screen.select_edge(0)", "First", id="msg_first", show=False),
-        Binding("end", "screen.select_edge(1)", "Last", id="msg_last", show=False),
-        Binding("left,h", "screen.swipe(-1)", "Prev branch", id="msg_prev_branch"),
-        Binding("right,l", "screen.swipe(1)", "Next branch", id="msg_next_branch"),
-        Binding("e", "screen.edit", "Edit", id="edit"),
-        Binding("r", "screen.regenerate", "Regenerate", id="msg_regenerate", show=False),
-        Binding("f", "screen.fork", "Fork", id="fork"),
-        Binding("c", "screen.copy", "Copy", id="copy"),
-        Binding("t", "screen.toggle_reasoning", "Reasoning", id="toggle_reasoning"),
-        Binding("v", "screen.raw_message", "Raw text", id="raw_message", show=False),
-        Binding("V", "screen.verify_turn", "Verify vs cold", id="verify_turn", show=False),
-        Binding("y", "screen.copy_code", "Copy code", id="copy_code", show=False),
-        Binding("d", "screen.delete_message", "Delete", id="delete_message", show=False),
-        Binding("D", "screen.delete_branch", "Delete branch", id="delete_branch", show=False),
-        Binding("u", "screen.undo_delete", "Undo delete", id="undo_delete", show=False),
-        Binding("escape,enter,i", "screen.focus_input", "Type", id="msg_done"),
-    ]
+    CURSOR_SCROLLS: ClassVar[frozenset[str]] = frozenset(
+        {"scroll_up", "scroll_down", "scroll_left", "scroll_right", "scroll_home", "scroll_end"}
+    )
+    """The scroll actions of the arrow, Home and End keys, which here move the message
+    cursor instead (bound on the widget holding the transcript)."""
 
     WINDOW = 40
     """Messages mounted at most (the newest); older ones wait behind a "show earlier" line.
@@ -426,6 +412,11 @@ class Transcript(VerticalScroll):
 
     def on_mount(self) -> None:
         self.anchor()
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in self.CURSOR_SCROLLS:
+            return False  # the key moves the message cursor (the holder's binding)
+        return super().check_action(action, parameters)
 
     def on_key(self, event: events.Key) -> None:
         # A printable key no binding takes (keymap applied) is typing: it goes to the input.

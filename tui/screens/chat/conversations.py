@@ -1,13 +1,15 @@
 """The chat screen's actions on a whole conversation: rename, delete (undo brings it
 back, core/chat/trash.py), its settings (``screens/conversation_settings.py``) and its
 automatic title, which follows the first message kept.
-Composed into ``ChatScreen`` (``screen.conversation_actions``), whose actions of those
-names call it; store writes run on the background writer (docs/DESIGN.md §16).
+:class:`ConversationActions` does the work of the screen's actions of those names,
+through :class:`ConversationHost`; store writes run on the background writer
+(docs/DESIGN.md §16).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tierchat.tui.screens.confirm import ConfirmScreen
 from tierchat.tui.screens.conversation_settings import ConversationSettingsScreen, reuse_note
@@ -15,7 +17,7 @@ from tierchat.tui.screens.prompt import PromptScreen
 from tierchat.tui.widgets.conversation_list import ConversationList
 
 if TYPE_CHECKING:
-    from tierchat.tui.screens.chat import ChatScreen
+    from tierchat.tui.app import TierchatApp
 
 
 AUTO_TITLES = (None, "untitled")
@@ -54,85 +56,102 @@ def untitle_withdrawn(store: Any, conversation_id: int, text: str) -> bool:
     return True
 
 
+class ConversationHost(Protocol):
+    """What :class:`ConversationActions` needs of the chat screen."""
+
+    @property
+    def conversation_id(self) -> int | None:
+        """The conversation shown."""
+
+    def conversations_changed(self) -> None:
+        """The list, the titles and the keys follow the store."""
+
+    def new_conversation(self) -> None:
+        """Show an empty new conversation."""
+
+    def ensure_conversation(self, first_text: str | None) -> Awaitable[bool]:
+        """Create the conversation shown if it is new (False after an error)."""
+
+    def replying(self, conversation_id: int) -> bool:
+        """A reply of ``conversation_id`` is in flight."""
+
+    def settings_changed(self) -> None:
+        """The shown conversation's settings were saved: the transcript shows them."""
+
+
 class ConversationActions:
     """Rename, delete and settings of the open conversation (delete: of the one
-    highlighted in the list when the list has the focus)."""
+    highlighted in ``listing`` when it has the focus)."""
 
-    def __init__(self, chat: ChatScreen) -> None:
-        self.chat = chat
+    def __init__(self, host: ConversationHost, app: TierchatApp, listing: ConversationList):
+        self.host = host
+        self.app = app
+        self.listing = listing
 
     def rename(self) -> None:
-        chat = self.chat
-        cid = chat.conversation_id
+        app, cid = self.app, self.host.conversation_id
         if cid is None:
             return
-        info = chat.tierchat.store.get_conversation(cid)
+        info = app.store.get_conversation(cid)
 
         async def done(title: str | None) -> None:
             if title is None:
                 return
-            rename = lambda: chat.tierchat.store.rename(cid, title)  # noqa: E731
-            if not (await chat.in_background("Rename failed", rename))[0]:
+            rename = lambda: app.store.rename(cid, title)  # noqa: E731
+            if not (await app.in_background("Rename failed", rename))[0]:
                 return
-            chat.refresh_conversations()
-            chat._update_titles()
-            chat.notify(f"Renamed to “{title}”")
+            self.host.conversations_changed()
+            app.notify(f"Renamed to “{title}”")
 
-        chat.app.push_screen(PromptScreen("Rename conversation", info.title or ""), done)
+        app.push_screen(PromptScreen("Rename conversation", info.title or ""), done)
 
     def delete(self) -> None:
-        chat = self.chat
-        listing = chat.query_one(ConversationList)
+        app, host, listing = self.app, self.host, self.listing
         from_list = listing.has_focus
-        cid = listing.highlighted_id if from_list else chat.conversation_id
+        cid = listing.highlighted_id if from_list else host.conversation_id
         if cid is None:
             return
-        if chat.turns.streaming(cid):
-            chat.notify("A reply of that conversation is streaming; stop it first.")
+        if host.replying(cid):
+            app.notify("A reply of that conversation is streaming; stop it first.")
             return
-        info = chat.tierchat.store.get_conversation(cid)
+        info = app.store.get_conversation(cid)
         title = info.title or f"conversation {cid}"
 
         async def done(confirmed: bool | None) -> None:
             if not confirmed:
                 return
-            trash = chat.tierchat.trash
-            delete = lambda: trash.delete_conversation(cid)  # noqa: E731
-            if not (await chat.in_background("Delete failed", delete))[0]:
+            delete = lambda: app.trash.delete_conversation(cid)  # noqa: E731
+            if not (await app.in_background("Delete failed", delete))[0]:
                 return
-            if cid == chat.conversation_id:
-                chat.action_new_conversation()
-            chat.refresh_conversations()
-            chat.refresh_bindings()
+            if cid == host.conversation_id:
+                host.new_conversation()
+            host.conversations_changed()
             if from_list:  # u there brings it back
                 listing.focus()
-            chat.notify(f"Deleted “{title}”; u undoes it (the list or the messages).")
+            app.notify(f"Deleted “{title}”; u undoes it (the list or the messages).")
 
         body = f"“{title}” and every branch in it will be deleted from the store."
-        chat.app.push_screen(
-            ConfirmScreen("Delete conversation?", body, confirm_label="Delete"), done
-        )
+        app.push_screen(ConfirmScreen("Delete conversation?", body, confirm_label="Delete"), done)
 
-    def settings(self) -> None:
-        chat = self.chat
-        session = chat.tierchat.session
-        ok, current = chat.attempt("Cannot read settings", lambda: session.settings())
+    def settings(self, title: str) -> None:
+        """The settings dialog of the open conversation (``title`` in its header)."""
+        app, session = self.app, self.app.session
+        ok, current = app.attempt("Cannot read settings", lambda: session.settings())
         if not ok or current is None:
             return
-        title = chat.sub_title.split(" · ")[-1]
 
         async def done(new) -> None:
             if new is None or new == current:
                 return
-            if not await chat._ensure_conversation(None):
+            if not await self.host.ensure_conversation(None):
                 return
             save = lambda: session.save_settings(new)  # noqa: E731
-            if not (await chat.in_background("Cannot save settings", save))[0]:
+            if not (await app.in_background("Cannot save settings", save))[0]:
                 return
-            chat.sync_transcript()
+            self.host.settings_changed()
             note = reuse_note(session, new.system, current) if new.system != current.system else ""
             extra = f" {note}" if note else ""
-            chat.notify(f"Saved for this conversation.{extra}", title="Settings")
+            app.notify(f"Saved for this conversation.{extra}", title="Settings")
 
         screen = ConversationSettingsScreen(
             current,
@@ -140,24 +159,13 @@ class ConversationActions:
             reuse_note=lambda system: reuse_note(session, system, current),
             default_temperature=session.defaults.temperature,
         )
-        chat.app.push_screen(screen, done)
+        app.push_screen(screen, done)
 
     async def first_message(self, conversation_id: int, text: str) -> None:
         """``text`` is about to be sent in ``conversation_id``: an untitled conversation
         without messages takes its title (:func:`title_first_message`)."""
-        store = self.chat.tierchat.store
+        store = self.app.store
         call = lambda: title_first_message(store, conversation_id, text)  # noqa: E731
-        await self._retitled(call)
-
-    async def withdrawn(self, conversation_id: int, text: str) -> None:
-        """The session dropped the user message ``text``: a title it gave goes
-        (:func:`untitle_withdrawn`)."""
-        store = self.chat.tierchat.store
-        call = lambda: untitle_withdrawn(store, conversation_id, text)  # noqa: E731
-        await self._retitled(call)
-
-    async def _retitled(self, call) -> None:
-        ok, changed = await self.chat.in_background("Cannot update the title", call)
+        ok, changed = await self.app.in_background("Cannot update the title", call)
         if ok and changed:
-            self.chat.refresh_conversations()
-            self.chat._update_titles()
+            self.host.conversations_changed()

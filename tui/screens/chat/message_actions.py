@@ -1,19 +1,15 @@
-"""What a daily user of the chat screen reaches for beyond chatting: search, a message's
-raw text, one code block copied, long prompts ($EDITOR, clear, a live token count),
-deleting a message or a branch, importing an export.
+"""What a daily user of the chat reaches for beyond chatting: search, a message's raw
+text, verify, one code block copied, long prompts ($EDITOR, clear), deleting a message
+or a branch, importing an export, fork, copy, reasoning shown or folded, export.
 
-:class:`ChatTools` is composed into ``ChatScreen`` (``screens/chat.py``: ``screen.tools``),
-whose ``action_*`` methods for these keys (:data:`TOOL_BINDINGS`) call it, so the chat
-screen stays about the chat. Also the actions on one message beyond chatting: fork,
-copy, reasoning shown or folded, export. It uses the chat screen's state
-(``conversation_id``, ``selected``, ``streaming``) and helpers (``attempt``,
-``in_background``, ``path_infos``, ``_target``): store reads go through ``attempt`` and
-store writes through ``in_background`` (off the UI loop, in order), so an error is a
-notification, never a crash. The screens it opens are in
-``screens/search.py``, ``screens/raw_message.py``, ``screens/code_blocks.py``; the
-store work is in core (``ConversationStore.search``/``delete_message``/
-``import_conversation``, ``core/chat/importer.py``, ``core/chat/code_blocks.py``,
-``core/chat/editor.py``, ``core/chat/draft.py``).
+:class:`MessageTools` holds these actions of the message pane (``screens/chat/pane.py``
+``MessagePane``, which owns the cursor they read: the message under it, or the last one).
+Store reads go through ``TierchatApp.attempt`` and store writes through
+``in_background`` (off the UI loop, in order), so an error is a notification, never a
+crash. The screens it opens are in ``screens/search.py``, ``screens/raw_message.py``,
+``screens/code_blocks.py``; the store work is in core (``ConversationStore.search``/
+``delete_message``/``import_conversation``, ``core/chat/importer.py``,
+``core/chat/code_blocks.py``, ``core/chat/editor.py``, ``core/chat/verify.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +24,6 @@ from tierchat.core.chat.code_blocks import CodeBlock, fenced_blocks
 from tierchat.core.chat.editor import EditorError, edit_text
 from tierchat.core.chat.importer import read_export
 from tierchat.core.chat.verify import VerifyReport, verify_reply
-from tierchat.tui.draft_meter import DraftMeter
 from tierchat.tui.screens.code_blocks import CodeBlocksScreen, block_label
 from tierchat.tui.screens.confirm import ConfirmScreen
 from tierchat.tui.screens.prompt import PromptScreen
@@ -38,123 +33,124 @@ from tierchat.tui.widgets.chat_input import ChatInput
 from tierchat.tui.widgets.transcript import MessageView, Transcript
 
 if TYPE_CHECKING:
-    from tierchat.tui.screens.chat import ChatScreen
+    from tierchat.tui.app import TierchatApp
 
 _T = TypeVar("_T")
 
 ROLE_NAMES = {"user": "your", "assistant": "the assistant's", "system": "the system"}
 
 
-TOOL_BINDINGS: list[BindingType] = [
+MESSAGE_TOOL_BINDINGS: list[BindingType] = [
     Binding("ctrl+f", "search('here')", "Search", id="search", show=False),
     Binding("ctrl+g", "edit_in_editor", "$EDITOR", id="edit_in_editor", show=False),
     Binding("ctrl+l", "clear_input", "Clear input", id="clear_input", show=False),
     Binding("ctrl+o", "import_conversation", "Import", id="import_conversation", show=False),
 ]
-"""The tools' keys (ids for the keymap), bound on the chat screen. The message-cursor
-keys for them (v, y, d, D) are bound on the transcript (``widgets/transcript.py``)."""
+"""The tools' keys (ids for the keymap), bound on the message pane: live from the input
+and the transcript. The message-cursor keys for them (v, V, y, d, D) are in
+``pane.py``."""
 
 
-class ChatTools:
+class MessageTools:
     """Search, raw view, verify, code-block copy, editor, clear input, delete, import,
-    fork, copy, reasoning, export: the work behind the chat screen's actions of those
-    names (``ChatScreen.action_<name>`` calls :meth:`<name>`)."""
+    fork, copy, reasoning, export: actions of :class:`~tierchat.tui.screens.chat.pane.
+    MessagePane`, on the message under its cursor (``target()``) or its input."""
 
-    def __init__(self, chat: ChatScreen) -> None:
-        self.chat = chat
-        self._draft_meter: DraftMeter | None = None
+    if TYPE_CHECKING:  # what the pane gives these actions
+        tierchat: TierchatApp
+        host: Any
+        selected: int | None
 
-    def notify(self, message: str, **kwargs: Any) -> None:
-        self.chat.notify(message, **kwargs)
+        @property
+        def streaming(self) -> bool: ...
+        @property
+        def conversation_id(self) -> int | None: ...
+        def target(self) -> MessageView | None: ...
+        def views(self) -> list[MessageView]: ...
+        def focus_input(self) -> None: ...
+        def sync_transcript(self) -> Any: ...
+        async def synced(self) -> None: ...
+        async def resync(self, selected: int | None) -> None: ...
+        def in_background(self, title: str, call: Callable[[], Any]) -> Any: ...
+        def notify(self, message: str, **kwargs: Any) -> None: ...
 
     # ------------------------------------------------------------------ availability
 
     def _message_target(self) -> MessageView | None:
         """The stored message under the cursor (or the last one), None for none or the
         system prompt shown from the settings (node id 0)."""
-        target = self.chat._target()
+        target = self.target()
         if target is None or not target.info.node_id:
             return None
         return target
 
-    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """As ``Screen.check_action`` for the tools' actions; ``NotImplemented`` for any
-        other."""
-        chat = self.chat
+    def tool_state(self, action: str) -> bool | None:
+        """As ``check_action`` for the tools' actions; ``NotImplemented`` for any other."""
+        streaming = self.streaming
         if action == "raw_message":
             return True if self._message_target() is not None else None
         if action == "verify_turn":
             target = self._message_target()
-            ok = not chat.streaming and target is not None and target.info.role == "assistant"
+            ok = not streaming and target is not None and target.info.role == "assistant"
             return True if ok else None
         if action == "copy_code":
             target = self._message_target()
             return True if target is not None and fenced_blocks(target.text) else None
         if action in ("delete_message", "delete_branch"):
-            ok = not chat.streaming and self._message_target() is not None
+            ok = not streaming and self._message_target() is not None
             return True if ok else None
-        if action == "undo_delete":  # with nothing to undo, it says so
-            return None if chat.streaming else True
-        if action == "open_found":
-            return None if chat.streaming else True
-        if action == "import_conversation":
-            return None if chat.streaming else True
+        if action in ("open_found", "import_conversation"):
+            return None if streaming else True
         if action == "clear_input":
-            return True if self.chat.query_one(ChatInput).text else None
-        return NotImplemented  # not one of the tools' actions
+            return True if self.query_one(ChatInput).text else None  # type: ignore[attr-defined]
+        return NotImplemented  # type: ignore[return-value]  # not one of the tools' actions
 
     # ------------------------------------------------------------------ search
 
-    def search(self, scope: str = "here") -> None:
+    def action_search(self, scope: str = "here") -> None:
         """Open the search dialog (``scope`` "here": the open conversation, "all")."""
-        chat = self.chat
         screen = SearchScreen(
-            chat.tierchat.store, chat.conversation_id, "all" if scope == "all" else "here"
+            self.tierchat.store, self.conversation_id, "all" if scope == "all" else "here"
         )
 
         async def done(node_id: int | None) -> None:
             if node_id is not None:
-                await self.open_found(node_id)
+                await self.action_open_found(node_id)
 
-        self.chat.app.push_screen(screen, done)
+        self.tierchat.push_screen(screen, done)
 
-    async def open_found(self, node_id: int) -> bool:
+    async def action_open_found(self, node_id: int) -> bool:
         """Open the conversation holding message ``node_id`` at that message: its branch
         becomes the active path where it was not, the transcript shows it (older messages
         mounted as needed) and the message cursor sits on it. False (with a notification)
         while a reply streams or when the store fails."""
-        chat = self.chat
-        if chat.streaming:
+        if self.streaming:
             self.notify("A reply is streaming; Esc stops it, then open the message.")
             return False
-        store = chat.tierchat.store
+        store = self.tierchat.store
 
         def select() -> tuple[int, bool]:
             node = store.get_node(node_id)
             on_path = any(n.id == node_id for n in store.active_path(node.conversation_id))
             if not on_path:
                 store.select_path(node_id)
-            chat.tierchat.session.open(node.conversation_id)
             return node.conversation_id, not on_path
 
-        ok, found = await chat.in_background("Cannot open that message", select)
+        ok, found = await self.in_background("Cannot open that message", select)
         if not ok or found is None:
             return False
         cid, switched = found
-        chat.conversation_id = cid
-        chat.selected = None
-        transcript = self.chat.query_one(Transcript)
-        await chat.turns.attach(chat.path_infos())
-        chat.refresh_conversations()
-        chat._update_titles()
+        self.host.open_conversation(cid)
+        await self.synced()
+        transcript = self.query_one(Transcript)  # type: ignore[attr-defined]
         ids = [v.info.node_id for v in transcript.views]
         while node_id not in ids and transcript.hidden:
             await transcript.show_earlier()
             ids = [v.info.node_id for v in transcript.views]
         transcript.focus()
         if node_id in ids:
-            chat.selected = ids.index(node_id)
-        chat.refresh_bindings()
+            self.selected = ids.index(node_id)
+        self.refresh_bindings()  # type: ignore[attr-defined]
         if switched:
             self.notify("The message is on another branch: that branch is shown now.")
         return True
@@ -170,21 +166,21 @@ class ChatTools:
         target = self._message_target()
         if target is None:
             return None
-        store, node_id = self.chat.tierchat.store, target.info.node_id
-        ok, answer = self.chat.attempt(failed, lambda: ask(store, node_id))
+        store, node_id = self.tierchat.store, target.info.node_id
+        ok, answer = self.tierchat.attempt(failed, lambda: ask(store, node_id))
         if not ok or answer is None:
             return None
         return target, answer
 
-    def raw_message(self) -> None:
+    def action_raw_message(self) -> None:
         asked = self._ask_about_target("Cannot read the message", lambda s, i: s.get_node(i))
         if asked is None:
             return
         _target, node = asked
         title = f"Raw text · {ROLE_NAMES.get(node.role, node.role)} message"
-        self.chat.app.push_screen(RawMessageScreen(node.content, title))
+        self.tierchat.push_screen(RawMessageScreen(node.content, title))
 
-    def verify_turn(self) -> None:
+    def action_verify_turn(self) -> None:
         """Verify the selected reply against cold (core/chat/verify.py) on a thread: the
         report goes to the reply's row (stored with it), a notification and the events."""
         target = self._message_target()
@@ -193,28 +189,28 @@ class ChatTools:
             return
         self.notify("Recomputing the reply with no cache, twice…", title="Verify against cold")
         node_id = target.info.node_id
-        self.chat.run_worker(
+        self.run_worker(  # type: ignore[attr-defined]
             lambda: self._verify(node_id), thread=True, group="verify", exclusive=True
         )
 
     def _verify(self, node_id: int) -> None:
         """On a worker thread: the verify runs the engine twice and waits for it."""
         try:
-            report = verify_reply(self.chat.tierchat.session, node_id)
+            report = verify_reply(self.tierchat.session, node_id)
         except Exception as e:  # noqa: BLE001 - reported on the UI thread
             text = str(e) or type(e).__name__
-            self.chat.app.call_from_thread(
+            self.tierchat.call_from_thread(
                 self.notify, text, title="Verify failed", severity="error"
             )
             return
-        self.chat.app.call_from_thread(self._verified, report)
+        self.tierchat.call_from_thread(self._verified, report)
 
     def _verified(self, report: VerifyReport) -> None:
         self.notify(report.describe(), title="Verify against cold")
-        self.chat.sync_transcript()
-        self.chat.poll_stats()
+        self.sync_transcript()
+        self.tierchat.poll_stats()
 
-    def copy_code(self) -> None:
+    def action_copy_code(self) -> None:
         """Copy one fenced code block of the message under the cursor: at once when it
         has one, else from a list."""
         target = self._message_target()
@@ -233,19 +229,19 @@ class ChatTools:
                 self.copy_block(block)
 
         title = f"Copy a code block ({len(blocks)} in this message)"
-        self.chat.app.push_screen(CodeBlocksScreen(blocks, title), done)
+        self.tierchat.push_screen(CodeBlocksScreen(blocks, title), done)
 
     def copy_block(self, block: CodeBlock) -> None:
-        self.chat.app.copy_to_clipboard(block.code)
+        self.tierchat.copy_to_clipboard(block.code)
         self.notify(f"Copied the code block ({block_label(block)}).", timeout=3)
 
-    def delete_message(self) -> None:
+    def action_delete_message(self) -> None:
         """Delete the message under the cursor; what follows it moves up (confirmed)."""
         asked = self._ask_about_target("Cannot delete", lambda s, i: s.children(i))
         if asked is None:
             return
         target, kids = asked
-        store, node_id = self.chat.tierchat.store, target.info.node_id
+        store, node_id = self.tierchat.store, target.info.node_id
         if len(kids) > 1:
             self.notify(
                 f"This message has {len(kids)} branches after it. Delete a branch with "
@@ -266,12 +262,12 @@ class ChatTools:
                 body += " Two messages of one role will then follow each other."
         else:
             body = f"{who.capitalize()} message is deleted (it is the last of its branch)."
-        trash = self.chat.tierchat.trash
+        trash = self.tierchat.trash
         self._confirm_delete(
             "Delete message?", body, lambda: trash.delete_message(node_id), "Deleted the message."
         )
 
-    def delete_branch(self) -> None:
+    def action_delete_branch(self) -> None:
         """Delete the message under the cursor and everything after it (confirmed)."""
         asked = self._ask_about_target("Cannot delete", lambda s, i: s.subtree_size(i))
         if asked is None:
@@ -287,7 +283,7 @@ class ChatTools:
             else f"{who.capitalize()} message is deleted (nothing follows it)."
         )
         note = f"Deleted {size} message{'s' if size != 1 else ''}."
-        trash = self.chat.tierchat.trash
+        trash = self.tierchat.trash
         self._confirm_delete("Delete branch?", body, lambda: trash.delete_branch(node_id), note)
 
     def _confirm_delete(self, title: str, body: str, delete: Callable[[], Any], note: str) -> None:
@@ -297,64 +293,36 @@ class ChatTools:
 
         async def done(confirmed: bool | None) -> None:
             if confirmed:
-                ok, _ = await self.chat.in_background("Delete failed", delete)
+                ok, _ = await self.in_background("Delete failed", delete)
                 if ok:
                     await self._after_delete(note)
 
-        self.chat.app.push_screen(ConfirmScreen(title, body, confirm_label="Delete"), done)
+        self.tierchat.push_screen(ConfirmScreen(title, body, confirm_label="Delete"), done)
 
     async def _after_delete(self, note: str) -> None:
-        chat = self.chat
-        selected = chat.selected
-        await self.chat.query_one(Transcript).sync(chat.path_infos())
-        views = self.chat.query_one(Transcript).views
-        if selected is not None:
-            chat.selected = min(selected, len(views) - 1) if views else None
-        chat._show_selection()
-        chat.refresh_conversations()
-        chat.refresh_bindings()
+        await self.resync(self.selected)
+        self.host.conversations_changed()
         self.notify(f"{note} u on the messages undoes it.", timeout=4)
-
-    async def undo_delete(self) -> None:
-        """Put the newest deletion of this session back (core/chat/trash.py)."""
-        chat = self.chat
-        if not len(chat.tierchat.trash):
-            self.notify("Nothing to undo: nothing was deleted in this session.", timeout=3)
-            return
-        ok, got = await chat.in_background("Cannot undo", chat.tierchat.trash.restore)
-        if not ok or got is None:
-            return
-        item, cid, _node = got
-        chat.open_conversation(cid)
-        chat.refresh_conversations()
-        chat.refresh_bindings()
-        self.notify(f"Restored {item.label}.", title="Undo delete", timeout=3)
 
     # ------------------------------------------------------------------ the input
 
-    @property
-    def draft_meter(self) -> DraftMeter:
-        if self._draft_meter is None:
-            self._draft_meter = DraftMeter(self.chat, self.chat.query_one(ChatInput))
-        return self._draft_meter
-
-    def clear_input(self) -> None:
-        box = self.chat.query_one(ChatInput)
+    def action_clear_input(self) -> None:
+        box = self.query_one(ChatInput)  # type: ignore[attr-defined]
         if box.text:
             box.clear()  # an edit: Ctrl+Z brings the text back
             self.notify("Input cleared (Ctrl+Z brings it back).", timeout=2)
         box.focus()
 
-    def edit_in_editor(self) -> None:
+    def action_edit_in_editor(self) -> None:
         """Edit the input in ``$VISUAL``/``$EDITOR`` with the terminal handed over
         (``App.suspend``); the edited text replaces the input, not sent."""
-        box = self.chat.query_one(ChatInput)
+        box = self.query_one(ChatInput)  # type: ignore[attr-defined]
         try:
             try:
-                with self.chat.app.suspend():
+                with self.tierchat.suspend():
                     text = edit_text(box.text)
             except SuspendNotSupported:
-                if not self.chat.app.is_headless:  # Textual Web: no terminal to hand over
+                if not self.tierchat.is_headless:  # Textual Web: no terminal to hand over
                     raise EditorError("this terminal cannot be handed to an editor") from None
                 text = edit_text(box.text)  # headless (tests): the editor needs no terminal
         except EditorError as e:
@@ -363,70 +331,69 @@ class ChatTools:
         box.load_text(text)
         box.move_cursor(box.document.end)
         box.focus()
-        self.draft_meter.changed()
+        self.draft_meter.changed()  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ import
 
-    def import_conversation(self) -> None:
+    def action_import_conversation(self) -> None:
         """Ask for an export's path (the exports folder first) and import it as a new
         conversation; a bad file is an error notification and stores nothing."""
-        chat = self.chat
-        folder = Path(getattr(chat.tierchat.settings, "data_dir", ".")) / "exports"
+        folder = Path(getattr(self.tierchat.settings, "data_dir", ".")) / "exports"
 
         async def done(path: str | None) -> None:
             if path:
                 await self.import_file(Path(path))
 
         hint = "Enter to import · Esc to cancel · a .json export (path or whole tree)"
-        self.chat.app.push_screen(
+        self.tierchat.push_screen(
             PromptScreen("Import conversation from JSON", f"{folder}/", hint=hint), done
         )
 
     async def import_file(self, path: Path) -> int | None:
         """Import the export at ``path`` and open it; returns its id, None on error."""
-        chat = self.chat
-        store = chat.tierchat.store
+        store = self.tierchat.store
 
         def load() -> tuple[int, Any]:
             conversation = read_export(path)
             return store.import_conversation(conversation), conversation
 
-        ok, result = await chat.in_background("Import failed", load)
+        ok, result = await self.in_background("Import failed", load)
         if not ok or result is None:
             return None
         cid, conversation = result
-        chat.open_conversation(cid)
-        chat.focus_input()
+        self.host.open_conversation(cid)
+        self.focus_input()
         title = conversation.title or f"conversation {cid}"
         self.notify(f"Imported “{title}” ({conversation.count()} messages).", title="Import")
         return cid
 
     # ------------------------------------------------------------------ one message, more
 
-    async def fork(self) -> None:
-        target = self.chat._target()
+    async def action_fork(self) -> None:
+        target = self.target()
         if target is None or target.info.node_id is None:
             return
         node_id = target.info.node_id
-        fork = lambda: self.chat.tierchat.session.fork(node_id)  # noqa: E731
-        ok, new_id = await self.chat.in_background("Fork failed", fork)
+        fork = lambda: self.tierchat.session.fork(node_id)  # noqa: E731
+        ok, new_id = await self.in_background("Fork failed", fork)
         if not ok or new_id is None:
             return
-        self.chat.open_conversation(new_id)
-        self.chat.focus_input()
+        self.host.open_conversation(new_id)
+        self.focus_input()
         hint = " Ctrl+R generates its reply." if target.info.role == "user" else ""
-        self.notify(f"Forked into “{self.chat.sub_title.split(' · ')[-1]}”.{hint}")
+        title = self.tierchat.store.get_conversation(new_id).title or f"conversation {new_id}"
+        self.notify(f"Forked into “{title}”.{hint}")
 
-    def copy(self) -> None:
-        target = self.chat._target()
+    def action_copy(self) -> None:
+        target = self.target()
         if target is None:
             return
         text = target.text
-        self.chat.app.copy_to_clipboard(text)
+        self.tierchat.copy_to_clipboard(text)
         self.notify(f"Copied {len(text)} characters of the {target.info.role} message.")
 
-    def toggle_reasoning(self) -> None:
-        target = self.chat._target()
+    def action_toggle_reasoning(self) -> None:
+        target = self.target()
         if target is None:
             return
         if not target.has_reasoning:
@@ -434,16 +401,16 @@ class ChatTools:
             return
         target.toggle_reasoning()
 
-    async def export(self, fmt: str = "md", scope: str = "path") -> None:
+    async def action_export(self, fmt: str = "md", scope: str = "path") -> None:
         """Write the open conversation (active path or whole tree) under the data dir."""
         from tierchat.tui.export import write_export
 
-        cid, app = self.chat.conversation_id, self.chat.tierchat
+        cid, app = self.conversation_id, self.tierchat
         if cid is None:
             return
         data_dir = Path(getattr(app.settings, "data_dir", "."))
         write = lambda: write_export(app.store, data_dir, cid, fmt, scope)  # noqa: E731
-        ok, path = await self.chat.in_background("Export failed", write)
+        ok, path = await self.in_background("Export failed", write)
         if ok:
             self.notify(str(path), title="Exported")
 
