@@ -16,11 +16,13 @@ is rebuilt from file headers at start); the hot tier and tails live in one proce
 
 Sizes print in binary units (KiB, MiB, GiB: ``tierchat.core.units.fmt_bytes``, the one
 byte formatter), durations as ``fmt_seconds``, rates to one decimal, hit rates as
-percentages; ``--json`` keeps raw numbers. Hits are counted as the panels count them:
-``hot.hits`` the hot entries used (the Hot panel's "entries used"), ``resident.hits`` the
-turns served by the resident cache, and ``lookups.hits`` every turn that hit, of every
-kind (resident, hot, SSD), with ``lookups.hit_rate`` over ``lookups.lookups`` (the Hits
-panel's "hit rate"). Both forms carry these three totals.
+percentages; ``--json`` keeps raw numbers and field names. Hits are counted as the panels
+count them, and the table names them as the panels do: ``hot.entries_used`` (the JSON's
+``hot.hits``) the hot entries a restore used, per entry (the Hot panel's "entries used"),
+``ssd.entries_read`` (``ssd.hits``) the SSD files read, ``resident.hits`` the turns served
+by the resident cache, and ``lookups.hits`` every turn that hit, of every kind (resident,
+hot, SSD), with ``lookups.hit_rate`` over ``lookups.lookups`` (the Hits panel's "hit
+rate"). Both forms carry these three totals.
 """
 
 from __future__ import annotations
@@ -105,10 +107,15 @@ def fmt_number(name: str, value: float) -> str:
     return f"{value:.2f}"
 
 
+# the table's names for counters whose field name reads as something else (module doc)
+TABLE_NAMES = {"hot.hits": "hot.entries_used", "ssd.hits": "ssd.entries_read"}
+
+
 def stats_rows(stats: Any) -> list[tuple[str, Any]]:
     """The table of ``cache stats``: byte fields in binary units, floats rounded
-    (:func:`fmt_number`), the lookups' totals after their counts, "" as "-"."""
-    rows = flatten(stats)
+    (:func:`fmt_number`), the lookups' totals after their counts, "" as "-", and the
+    counters named as the panels name them (:data:`TABLE_NAMES`)."""
+    rows = [(TABLE_NAMES.get(name, name), value) for name, value in flatten(stats)]
     at = max((i + 1 for i, (name, _) in enumerate(rows) if name.startswith("lookups.")), default=0)
     rows[at:at] = [(f"lookups.{k}", v) for k, v in lookup_totals(stats).items()]
     out = []

@@ -52,6 +52,10 @@ class GenerateRequest:
     # teacher forcing (exactness measurements): decode feeds exactly these tokens, through
     # the same decode loop, and the handle keeps every step's logprobs
     teacher_ids: tuple[int, ...] = ()
+    # a measurement, not a turn (verify against cold, docs/DESIGN.md §18): the cache serves
+    # it as it would a turn, but its lookup and hits are not counted, it stores no entry,
+    # the resident cache stays as it was, and the stats' last turn is not replaced
+    measure: bool = False
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,7 @@ class TierchatApp(App[None]):
         self.device = device
         self.engine = engine
         self.store = store
-        self.trash = Trash(store)  # the deletions of this session, for "undo delete"
+        self.trash = Trash(store)  # the last deletions and continues, kept in the store
         self.settings = settings
         if clock is not None and not isinstance(clock, Clock):
             clock = Clock(get_time=clock)

@@ -15,6 +15,7 @@ BRANCH_ACTIONS: dict[str, str] = {
     "prev": "swipe(-1)",
     "next": "swipe(1)",
     "regenerate": "regenerate",
+    "continue": "continue_reply",
     "edit": "edit",
     "fork": "fork",
     "copy": "copy",

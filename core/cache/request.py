@@ -31,6 +31,7 @@ import mlx.core as mx
 
 from .blocks import KIND_BOUNDARY, KIND_SEQ, KIND_TAIL
 from .plans import Restored
+from .stats import uncounted
 
 if TYPE_CHECKING:
     from .prefix import PrefixCache
@@ -237,6 +238,85 @@ class CacheRequest:
         if self._writer_paused:
             self._writer_paused = False
             self.cache.ssd.resume(self)
+
+
+class MeasureRequest(CacheRequest):
+    """A measurement through the cache (``GenerateRequest.measure``: the cached run of a
+    verify against cold, docs/DESIGN.md §18): restored as a turn would be, but no turn.
+
+    Its restore moves no counter (the lookups behind the hit rate, the tiers', tails' and
+    resident cache's hits and misses: :func:`.stats.uncounted`); it captures and stores no entry; and the resident
+    cache stays as it was. The resident is handed to the restore only when it holds
+    exactly ``prompt + reply`` (``whole``: the reply being measured), which the run
+    rebuilds and gives back; any other resident is set aside for the restore and put
+    back after it. Its reads admit no entry to the SSD tier (``PrefixCache.measuring``);
+    they still refresh the hot tier's LRU order and promote an SSD entry read to it.
+    """
+
+    def __init__(
+        self, cache: PrefixCache, prompt, points, boundaries, fresh, whole, max_position=None
+    ) -> None:
+        super().__init__(cache, prompt, points, boundaries, fresh, max_position)
+        self.whole = tuple(whole)
+        self._took_resident = False
+
+    def restore(self, max_position: int | None = None) -> Restored:
+        cache = self.cache
+        r = cache.resident
+        self._took_resident = r is not None and r.tokens == self.whole
+        aside = None if self._took_resident else cache.take_resident()
+        cache.log("verify: a measurement through the cache (counted nowhere, stores nothing)")
+        cache.measuring = True
+        try:
+            with uncounted(cache):
+                restored = self.cache_restore(max_position)
+        finally:
+            cache.measuring = False
+            if aside is not None:
+                cache.set_resident(
+                    aside.tokens,
+                    aside.caches,
+                    aside.prompt_tokens,
+                    aside.first_logprobs,
+                    aside.end_logprobs,
+                )
+        self._position = restored.position
+        return restored
+
+    def cache_restore(self, max_position: int | None) -> Restored:
+        """The cache's restore of the whole prompt (a repeat of the resident, else the
+        furthest prefix), nothing counted by the caller's lookup."""
+        limit = _lower(self.max_position, max_position)
+        n = len(self.prompt)
+        restored = None
+        if limit is None or limit >= n:
+            restored = self.cache.restore_repeat(self.prompt)
+        if restored is None:
+            restored = self.cache.restore(
+                self.prompt, self.ids, self.points, self.fresh, max_position=limit
+            )
+        self.read_ssd = bool(restored.cached_by.get("ssd") or restored.ssd_bytes)
+        return restored
+
+    def offer_repeat(self) -> bool:
+        return False  # ranks: a measurement restores through the plain path
+
+    def chunk(self, caches, start, end, first_logprobs=None, checkpoint=True) -> list[mx.array]:
+        return []  # nothing is captured
+
+    def first_token(self, caches: list[Any]) -> None:
+        self._resume_writer()
+
+    def cancel(self, caches: list[Any], position: int) -> int:
+        if self._took_resident and position > 0:  # a valid cache: the resident again
+            self.cache.set_resident(self.prompt[:position], caches)
+        return 0
+
+    def finish(self, caches, sequence, first_logprobs, end_logprobs=None) -> None:
+        if self._took_resident:  # the same tokens it held (or fewer, stopped)
+            self.cache.set_resident(
+                sequence, caches, len(self.prompt), first_logprobs, end_logprobs
+            )
 
 
 def _lower(a: int | None, b: int | None) -> int | None:

@@ -3,6 +3,8 @@ one immutable record per tier, read from a :class:`~.prefix.PrefixCache` on any 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from ..api import ResidentStats, SnapshotStats, TailStats, TierStats, WearStats
@@ -68,6 +70,36 @@ def tier_stats(
         tokens=len(r.tokens) if r else 0, nbytes=r.nbytes if r else 0, hits=cache.resident_hits
     )
     return hot_stats, ssd_stats, tails, snaps, resident
+
+
+# the hit and miss counters a restore moves (a measurement's restore puts them back)
+_COUNTERS = (
+    "hot_hits",
+    "hot_misses",
+    "resident_hits",
+    "tail_hits",
+    "tail_misses",
+    "tail_tokens_saved",
+    "checkpoint_hits",
+)
+
+
+@contextmanager
+def uncounted(cache: PrefixCache) -> Iterator[None]:
+    """Hits and misses of ``cache``'s tiers, tails, checkpoints and resident cache as they
+    were before the block: a measurement's restore (:class:`~.request.MeasureRequest`)
+    counts nowhere. A snapshot taken meanwhile on another thread may see them moved for
+    the time of that restore."""
+    saved = {k: getattr(cache, k) for k in _COUNTERS}
+    ssd = cache.ssd
+    ssd_saved = (ssd.hits, ssd.misses) if ssd is not None else (0, 0)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(cache, k, v)
+        if ssd is not None:
+            ssd.hits, ssd.misses = ssd_saved
 
 
 def wear_stats(cache: PrefixCache) -> WearStats:

@@ -52,6 +52,7 @@ from ..engine.sampling_checks import check_sampling
 from .context_limit import ContextLimitExceeded, context_length, generation_room
 from .prompts import Prompt, PromptBuilder, decode_ids
 from .store import ConversationStore, Node, PathEntry
+from .trash import Trash
 
 
 class SessionError(Exception):
@@ -485,8 +486,9 @@ class ChatSession:
         one cut at ``max_tokens`` or stopped). The prompt is that reply's prompt followed
         by its generated ids, so the resident cache that ended with it restores all of it
         with the logprobs after its last token (docs/DESIGN.md §8.1): nothing prefilled.
-        The result is stored as a new sibling holding the whole reply (old + new ids), and
-        selected; the cut reply stays. Raises :class:`SessionError` when there is no such
+        The reply grows in place (one swipe): its content, ids (old + new) and meta (this
+        generation's metrics, ``continued``: how many times) are replaced in one
+        transaction that keeps the cut version for undo (core/chat/trash.py). Raises :class:`SessionError` when there is no such
         reply, or its ids are not the loaded model's (regenerate it instead)."""
         with self._lock:
             if reply_id is None:
@@ -604,7 +606,7 @@ class ChatSession:
         text, ids = event.text, event.token_ids
         old = turn.continued
         if old is not None:  # the whole reply, as one generation would have made it
-            meta["continued_from"] = old.id
+            meta["continued"] = (old.meta or {}).get("continued", 0) + 1
             ids = tuple(old.token_ids or ()) + tuple(ids)
             text = old.content + text
             try:
@@ -613,6 +615,9 @@ class ChatSession:
                 pass
 
         def store() -> None:
+            if old is not None:  # grown in place; the cut version kept for undo
+                turn.reply_node = Trash(self.store).replace_reply(old, text, ids, meta)
+                return
             turn.reply_node = self.store.add_node(
                 turn.user_node.conversation_id,
                 turn.user_node.id,

@@ -67,6 +67,18 @@ MIGRATIONS: tuple[str, ...] = (
     END;
     INSERT INTO nodes_fts(nodes_fts) VALUES ('rebuild');
     """,
+    # undo history (core/chat/trash.py): the last deletions and replaced replies, each a
+    # JSON snapshot; no key to conversations, so a deleted conversation's snapshot stays
+    """
+    CREATE TABLE trash (
+        id INTEGER PRIMARY KEY,
+        kind TEXT NOT NULL,
+        conversation_id INTEGER NOT NULL,
+        label TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        item TEXT NOT NULL
+    );
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 

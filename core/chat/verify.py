@@ -14,22 +14,33 @@ near -20 is 0.125).
 :func:`verify_turn` runs the three requests on an engine; :func:`verify_reply` verifies a
 stored reply and keeps the report in the reply's ``meta["verify"]``
 (:meth:`~tierchat.core.chat.store.ConversationStore.update_meta`). Both block until the
-runs are done: call them off the UI thread.
+runs are done: call them off the UI thread. The runs are measurements, not turns
+(``GenerateRequest.measure``): the hit rate, the tiers' counters, the stored entries, the
+resident cache and the stats' last turn stay as they were. Progress goes to an
+``on_progress(done, total)`` callback; a ``cancel`` event stops the run in flight at its
+next engine step (:class:`VerifyCancelled`).
 """
 
 from __future__ import annotations
 
+import queue
+import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
-from ..api import Failed, Finished, GenerateRequest
+from ..api import Failed, Finished, GenerateRequest, PrefillProgress, TokenBatch
 from ..units import fmt_count
 
 
 class VerifyError(Exception):
     """A turn cannot be verified (no reply, a failed run); the message says why."""
+
+
+class VerifyCancelled(VerifyError):
+    """The verify was stopped (its ``cancel`` event set) before its report."""
 
 
 @dataclass(frozen=True)
@@ -107,37 +118,107 @@ class VerifyReport:
         )
 
 
-def _forced(engine: Any, prompt, reply, boundaries, use_cache: bool, timeout: float):
+Progress = Callable[[int, int], None]
+
+
+class _Runs:
+    """The three runs of one verify and their progress: ``done`` of ``total`` token
+    positions (each run: the prompt, prefilled or restored, then the reply's tokens)."""
+
+    def __init__(self, prompt, reply, on_progress: Progress | None, cancel) -> None:
+        self.n, self.r = len(prompt), len(reply)
+        self.total = 3 * (self.n + self.r)
+        self.base = 0  # positions of the runs already done
+        self.on_progress = on_progress
+        self.cancel = cancel
+
+    def tell(self, done: int) -> None:
+        if self.on_progress is not None:
+            self.on_progress(self.base + done, self.total)
+
+    def stopped(self) -> bool:
+        return self.cancel is not None and self.cancel.is_set()
+
+
+def _forced(engine: Any, prompt, reply, boundaries, use_cache: bool, timeout: float, runs: _Runs):
+    """One teacher-forced run; ``timeout``: the longest wait for its next event (s)."""
+    what = "cached" if use_cache else "cold"
+    if runs.stopped():
+        raise VerifyCancelled("verify stopped")
     req = GenerateRequest(
         prompt_ids=tuple(prompt),
         max_tokens=len(reply),
         boundaries=tuple(boundaries),
         use_cache=use_cache,
         teacher_ids=tuple(reply),
+        measure=True,
     )
-    handle = engine.submit(req)
-    event = handle.wait(timeout)
+    events: queue.Queue = queue.Queue()
+    box: list = []  # the handle, once submit returned (the engine may emit before)
+
+    def on_event(event) -> None:  # the engine thread: a stop takes effect at its next step
+        events.put(event)
+        if box and runs.stopped():
+            box[0].cancel()
+
+    handle = engine.submit(req, on_event)
+    box.append(handle)
+    if runs.stopped():
+        handle.cancel()
+    decoded = 0
+    while True:
+        try:
+            event = events.get(timeout=timeout)
+        except queue.Empty:
+            handle.cancel()
+            raise VerifyError(f"the {what} run did not go on for {timeout:.0f} s") from None
+        if isinstance(event, PrefillProgress):
+            runs.tell(runs.n - event.total + event.done)
+        elif isinstance(event, TokenBatch) and event.token_ids:
+            decoded += len(event.token_ids)
+            runs.tell(runs.n + decoded)
+        elif isinstance(event, (Finished, Failed)):
+            break
+    stopped = isinstance(event, Failed) and event.kind == "cancelled"
+    stopped |= isinstance(event, Finished) and event.metrics.finish_reason == "cancelled"
+    if stopped or runs.stopped():
+        raise VerifyCancelled("verify stopped")
     if isinstance(event, Failed):
-        raise VerifyError(f"the {'cached' if use_cache else 'cold'} run failed: {event.message}")
-    if not isinstance(event, Finished):
-        raise VerifyError(f"the {'cached' if use_cache else 'cold'} run did not finish in time")
+        raise VerifyError(f"the {what} run failed: {event.message}")
+    runs.base += runs.n + runs.r
+    runs.tell(0)
     return event, list(handle.logprobs)
 
 
 def verify_turn(
-    engine: Any, prompt_ids, reply_ids, boundaries=(), timeout: float = 600.0
+    engine: Any,
+    prompt_ids,
+    reply_ids,
+    boundaries=(),
+    timeout: float = 600.0,
+    on_progress: Progress | None = None,
+    cancel: threading.Event | None = None,
 ) -> VerifyReport:
     """Run ``prompt_ids`` teacher-forced on ``reply_ids`` through the cache and twice
     cold on ``engine`` (one request after the other) and compare (module doc).
 
+    The runs are measurements (``GenerateRequest.measure``): no chat counter, no entry,
+    no last turn moves. ``on_progress(done, total)``: token positions of the three runs
+    (``total = 3 * (len(prompt_ids) + len(reply_ids))``), called on the caller's thread at
+    each prefill piece and decode step. ``cancel``: set it to stop; the run in flight ends
+    at its next engine step. ``timeout``: the longest wait for a run's next event (s).
+
     Raises:
-        VerifyError: an empty reply or prompt, or a run that failed or timed out.
+        VerifyCancelled: ``cancel`` was set.
+        VerifyError: an empty reply or prompt, or a run that failed or stalled.
     """
     if not prompt_ids or not reply_ids:
         raise VerifyError("nothing to verify: an empty prompt or reply")
-    hot, lp_hot = _forced(engine, prompt_ids, reply_ids, boundaries, True, timeout)
-    _, lp_cold = _forced(engine, prompt_ids, reply_ids, boundaries, False, timeout)
-    _, lp_cold2 = _forced(engine, prompt_ids, reply_ids, boundaries, False, timeout)
+    runs = _Runs(prompt_ids, reply_ids, on_progress, cancel)
+    args = (engine, prompt_ids, reply_ids, boundaries)
+    hot, lp_hot = _forced(*args, True, timeout, runs)
+    _, lp_cold = _forced(*args, False, timeout, runs)
+    _, lp_cold2 = _forced(*args, False, timeout, runs)
     report = VerifyReport(
         cached=agreement(lp_hot, lp_cold, reply_ids),
         floor=agreement(lp_cold2, lp_cold, reply_ids),
@@ -151,13 +232,21 @@ def verify_turn(
     return report
 
 
-def verify_reply(session: Any, node_id: int, timeout: float = 600.0) -> VerifyReport:
+def verify_reply(
+    session: Any,
+    node_id: int,
+    timeout: float = 600.0,
+    on_progress: Progress | None = None,
+    cancel: threading.Event | None = None,
+) -> VerifyReport:
     """Verify the stored assistant reply ``node_id`` of ``session``'s store: its prompt
     (the path to its user message, as the session builds it now) and its generated ids
     (or its text tokenized, for a reply with none or of another model). The report is
-    stored in the reply's ``meta["verify"]``.
+    stored in the reply's ``meta["verify"]``; a stopped verify stores nothing.
+    ``on_progress``, ``cancel``, ``timeout``: as :func:`verify_turn`.
 
     Raises:
+        VerifyCancelled: ``cancel`` was set.
         VerifyError: not an assistant reply, or a run failed.
     """
     store = session.store
@@ -171,6 +260,8 @@ def verify_reply(session: Any, node_id: int, timeout: float = 600.0) -> VerifyRe
         session.engine.model_name
     ):
         ids = tuple(session.engine.tokenizer.encode(node.content, add_special_tokens=False))
-    report = verify_turn(session.engine, prompt.token_ids, ids, prompt.boundaries, timeout)
+    report = verify_turn(
+        session.engine, prompt.token_ids, ids, prompt.boundaries, timeout, on_progress, cancel
+    )
     store.update_meta(node_id, "verify", report.to_dict())
     return report

@@ -72,6 +72,9 @@ def open_turn(
     # processors need the first token's logits: such a request restores at most N - 1
     # (the cache keeps the model's own logprobs)
     limit = len(req.prompt_ids) - 1 if sampling.needs_logits else None
+    if req.measure:  # a verify's cached run: counted nowhere, stores nothing (§18)
+        whole = req.prompt_ids + req.teacher_ids
+        return cache.begin_measure(req.prompt_ids, points, req.boundaries, fresh, whole, limit)
     return cache.begin(req.prompt_ids, points, req.boundaries, fresh, limit)
 
 

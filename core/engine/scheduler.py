@@ -263,7 +263,7 @@ class Scheduler:
             return False
         for other in self.prefilling:
             p = other.prefill
-            if not other.req.use_cache:
+            if not other.req.use_cache or other.req.measure:  # stores nothing
                 continue
             reach = common_prefix_len(seq.req.prompt_ids, p.prompt)
             if e.cache.state:  # state layers restore at its checkpoints only
@@ -492,7 +492,8 @@ class Scheduler:
             if p.pos < p.n:  # the last prompt token went through the first decode step
                 ttft = seq.t_first - p.t0
                 seq.handle.emit(PrefillProgress(p.total, p.total, p.total / ttft if ttft else 0.0))
-            self.engine._last = p.metrics(seq.t_first - p.t0)
+            if not seq.req.measure:  # a measurement is no turn (docs/DESIGN.md §18)
+                self.engine._last = p.metrics(seq.t_first - p.t0)
         seq.tokens.append(tok)
         if len(seq.logprobs) < seq.record:
             seq.logprobs.append(np.array(lp.astype(mx.float32)))
@@ -542,7 +543,8 @@ class Scheduler:
             finish_reason=reason,
             ssd_write_bytes=p.turn.ssd_write_bytes,
         )
-        e._last = metrics
+        if not seq.req.measure:
+            e._last = metrics
         # before Finished: the caller's next stats() has every rank's figures
         e.peers.gather_stats(e.cache, e.monitor.stats)
         seq.handle.emit(Finished(tuple(seq.tokens), text, metrics))

@@ -61,3 +61,42 @@ def test_continue_after_a_one_token_reply_from_kept_logprobs(tmp_path, models_di
         assert again.token_ids + more.token_ids == whole.token_ids
     finally:
         e.close()
+
+
+def test_a_session_continue_grows_the_reply_in_place_as_one_longer_generation(tmp_path, models_dir):
+    """Two continues of a reply cut at 4 tokens: one reply (one swipe) holding the 12
+    tokens one cold generation of 12 makes, nothing prefilled by either continue; undo
+    gives the cut versions back, newest first (core/chat/trash.py)."""
+    from tierchat.core.chat.session import ChatSession
+    from tierchat.core.chat.store import ConversationStore
+    from tierchat.core.chat.trash import Trash
+
+    cold = make_engine("tiny:llama", tmp_path / "cold", models_dir, no_cache=True)
+    e = make_engine("tiny:llama", tmp_path, models_dir)
+    store = ConversationStore(tmp_path / "c.sqlite")
+    try:
+        session = ChatSession(e, store, max_tokens=4)
+        session.new_conversation(system="You are terse.")
+        cut = session.send("Tell me about the tides and the moon, please.").wait(120)
+        assert cut.metrics.finish_reason == "length"
+        reply = session.active_path()[-1]
+        prompt = session.build_prompt(store.path_to(reply.parent_id)).token_ids
+        whole, _ = generate(cold, prompt, max_tokens=12)
+        for k in (1, 2):
+            more = session.continue_reply().wait(120)
+            assert more.metrics.prefill_tokens == 0, more.metrics
+            grown = session.active_path()[-1]
+            assert grown.id == reply.id and len(store.replies(reply.parent_id)) == 1
+            assert grown.token_ids == whole.token_ids[: 4 * (k + 1)]
+            assert grown.meta["continued"] == k
+        assert grown.content == e.tokenizer.decode(list(whole.token_ids), skip_special_tokens=True)
+        trash = Trash(store)
+        trash.restore()
+        assert store.get_node(reply.id).token_ids == whole.token_ids[:8]
+        trash.restore()
+        back = store.get_node(reply.id)
+        assert back.token_ids == reply.token_ids and back.content == reply.content
+    finally:
+        cold.close()
+        e.close()
+        store.close()

@@ -459,7 +459,7 @@ def test_a_regenerate_at_temperature_0_samples_at_the_swipe_temperature(engine, 
     assert req.temperature == 0.8 and req.seed == 5 + 1  # reply 1 of this message
 
 
-def test_continue_extends_the_last_reply_as_a_new_sibling(session, engine):
+def test_continue_extends_the_last_reply_in_place(session, engine):
     first = session.send("tell me more").wait(TIMEOUT)
     cut = session.active_path()[-1]
     turn = session.continue_reply()
@@ -467,8 +467,11 @@ def test_continue_extends_the_last_reply_as_a_new_sibling(session, engine):
     req = engine.requests[-1]
     assert req.prompt_ids == engine.requests[0].prompt_ids + first.token_ids
     new = session.active_path()[-1]
-    assert new.parent_id == cut.parent_id and new.id != cut.id
+    assert new.id == cut.id == turn.reply_node.id  # one swipe, grown
     assert new.token_ids == first.token_ids + more.token_ids
     assert new.content == engine.tokenizer.decode(list(new.token_ids), skip_special_tokens=True)
-    assert new.meta["continued_from"] == cut.id
-    assert [r.id for r in session.replies(0)] == [cut.id, new.id]
+    assert new.meta["continued"] == 1 and new.meta["prompt_tokens"] == len(req.prompt_ids)
+    assert [r.id for r in session.replies(0)] == [cut.id]
+    session.continue_reply().wait(TIMEOUT)  # twice: still one reply
+    assert [r.id for r in session.replies(0)] == [cut.id]
+    assert session.active_path()[-1].meta["continued"] == 2

@@ -4,19 +4,29 @@ The comparison itself on hand-made logprobs; then on ``tiny:llama`` in float32 o
 a cached turn (the resident cache, the first token from its kept logprobs) recomputed
 teacher-forced agrees with a cold run bit for bit, on both schedules, and so do two cold
 runs; the report is stored with the reply and logged in the events; ``tierchat verify``
-runs a script and prints one report per reply.
+runs a script and prints one report per reply. A verify reports its progress, stops
+within a step of its cancel event, and leaves the chat's figures (lookups, the tiers'
+hits and misses, tails, the resident cache, the last turn) as they were.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
 from engine_kit import make_engine
 from tierchat.core.chat.session import ChatSession
 from tierchat.core.chat.store import ConversationStore
-from tierchat.core.chat.verify import Agreement, VerifyError, VerifyReport, agreement, verify_reply
+from tierchat.core.chat.verify import (
+    Agreement,
+    VerifyCancelled,
+    VerifyError,
+    VerifyReport,
+    agreement,
+    verify_reply,
+)
 
 
 def test_agreement_counts_top1_first_difference_and_largest_delta():
@@ -60,6 +70,97 @@ def test_a_cached_turn_verifies_bitwise_on_the_cpu(tmp_path, models_dir, bitwise
         assert any(text.startswith("verify vs cold") for _, text in engine.stats().events)
         with pytest.raises(VerifyError):
             verify_reply(session, turn.user_node.id)
+    finally:
+        engine.close()
+        store.close()
+
+
+def _figures(engine):
+    """What a user reads of the cache: every counter a turn moves, and the last turn
+    (once the SSD writer has written what earlier turns handed it)."""
+    assert engine.cache.ssd.flush()
+    st = engine.stats()
+    return (
+        st.lookups,
+        (st.hot.entries, st.hot.hits, st.hot.misses),
+        (st.ssd.entries, st.ssd.hits, st.ssd.misses),
+        st.tails,
+        st.resident,
+        st.last_turn,
+    )
+
+
+def test_a_verify_reports_progress_and_moves_no_chat_figure(tmp_path, models_dir):
+    engine = make_engine("tiny:llama", tmp_path, models_dir)
+    store = ConversationStore(tmp_path / "c.sqlite")
+    try:
+        session = ChatSession(engine, store, max_tokens=8)
+        session.new_conversation(system="You are terse.")
+        first = session.send("Tell me about the tides and the moon, briefly please.")
+        first.wait(120)
+        second = session.send("And the sun, does it pull on the sea as well?")
+        second.wait(120)
+        before = _figures(engine)
+        assert before[0].lookups == 2 and before[4].tokens > 0
+        seen: list[tuple[int, int]] = []
+        for turn in (second, first):  # the reply the resident cache holds, and an older one
+            report = verify_reply(
+                session, turn.reply_node.id, on_progress=lambda *a: seen.append(a)
+            )
+            # the second prompt holds the first reply, whose K/V decode computed: equal
+            # within float rounding only (docs/DESIGN.md §18)
+            assert report.cached.max_dlogprob < 1e-4 and report.floor.bitwise, report
+            assert report.cached_tokens > 0  # the cached run did restore
+            assert _figures(engine) == before
+        # progress: the three runs' token positions, rising to the total
+        n = report.prompt_tokens
+        total = 3 * (n + report.cached.positions)
+        last = [d for d, t in seen if t == total]
+        assert last[-1] == total and len(last) >= 3 * report.cached.positions
+        assert last == sorted(last)
+        # the chat goes on as before: the next turn restores the resident cache
+        third = session.send("Thanks, that is all.")
+        third.wait(120)
+        after = engine.stats()
+        assert after.lookups.resident == before[0].resident + 1
+        assert after.last_turn.prompt_tokens == third.reply_node.meta["prompt_tokens"]
+    finally:
+        engine.close()
+        store.close()
+
+
+def test_a_cancelled_verify_stops_within_a_step(tmp_path, models_dir):
+    engine = make_engine("tiny:llama", tmp_path, models_dir)
+    store = ConversationStore(tmp_path / "c.sqlite")
+    try:
+        session = ChatSession(engine, store, max_tokens=48)
+        session.new_conversation(system="You are terse.")
+        turn = session.send("Tell me about the tides and the moon, at length please.")
+        turn.wait(120)
+        reply = turn.reply_node
+        assert len(reply.token_ids) == 48
+        before = _figures(engine)
+        cancel = threading.Event()
+        seen: list[int] = []
+        n, r = None, len(reply.token_ids)
+
+        def on_progress(done: int, total: int) -> None:
+            nonlocal n
+            n = total // 3 - r
+            seen.append(done)
+            if done >= (n + r) + n + 2:  # the first cold run's third decode step
+                cancel.set()
+
+        with pytest.raises(VerifyCancelled):
+            verify_reply(session, reply.id, on_progress=on_progress, cancel=cancel)
+        after_cancel = [d for d in seen if d > (n + r) + n + 2]
+        # each decode step emits one event: the stop lands at the next step or the one after
+        assert len(after_cancel) <= 2, after_cancel
+        assert max(seen) < 2 * (n + r)  # the second cold run never started
+        assert "verify" not in store.get_node(reply.id).meta  # a stopped verify stores nothing
+        assert _figures(engine)[:4] == before[:4] and _figures(engine)[5] == before[5]
+        # a stopped verify leaves the engine as it was: the next one runs to its report
+        assert verify_reply(session, reply.id).cached.bitwise
     finally:
         engine.close()
         store.close()

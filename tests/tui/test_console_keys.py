@@ -70,7 +70,7 @@ def test_r_on_an_earlier_reply_regenerates_that_reply(tmp_path):
 
 
 def test_continue_recall_and_context_in_the_input(tmp_path):
-    """Alt+C continues a reply cut at max tokens (a new sibling holding the whole reply,
+    """Alt+C continues a reply cut at max tokens (the reply grows in place, one swipe;
     prompt = the cut reply's prompt + its ids); ↑/↓ on the input's edge lines walk the
     prompts sent and come back to the draft; the empty input's border shows the context
     the conversation uses."""
@@ -89,19 +89,24 @@ def test_continue_recall_and_context_in_the_input(tmp_path):
         meta = json.loads(term.rows("SELECT meta FROM nodes WHERE id=?", (cut_id,))[0][0])
         assert meta["finish_reason"] == "length"
 
-        term.press("alt+c", "continue_reply")
-        term.until(lambda: replies(term) == 3, "the continued reply")
-        term.wait_for(lambda r: r.get("streaming") is False, "the reply to finish")
-        new_id, parent, ids, new_meta = term.rows(
-            "SELECT id, parent_id, token_ids, meta FROM nodes WHERE role='assistant' "
-            "ORDER BY id DESC LIMIT 1"
-        )[0]
         cut_ids = json.loads(term.rows("SELECT token_ids FROM nodes WHERE id=?", (cut_id,))[0][0])
+        term.press("alt+c", "continue_reply")
+
+        def grown() -> bool:
+            row = term.rows("SELECT meta FROM nodes WHERE id=?", (cut_id,))[0][0]
+            return json.loads(row).get("continued") == 1
+
+        term.until(grown, "the reply grown in place")
+        term.wait_for(lambda r: r.get("streaming") is False, "the reply to finish")
+        assert replies(term) == 2, "no new sibling: the cut reply grew"
+        parent, ids, new_meta = term.rows(
+            "SELECT parent_id, token_ids, meta FROM nodes WHERE id=?", (cut_id,)
+        )[0]
         new_meta = json.loads(new_meta)
-        assert parent == user_id and new_meta["continued_from"] == cut_id
+        assert parent == user_id and len(json.loads(ids)) > len(cut_ids)
         assert json.loads(ids)[: len(cut_ids)] == cut_ids
         assert new_meta["prompt_tokens"] == meta["prompt_tokens"] + len(cut_ids)
-        term.until(lambda: "2/2" in term.screen(), "the continued reply shown as 2/2")
+        assert "2/2" not in term.screen()
 
         # ↑ recalls the prompts sent (newest first), ↓ comes back to the draft
         term.write(b"draft")

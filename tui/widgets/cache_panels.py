@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from rich.cells import cell_len
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.clock import Clock
@@ -22,6 +23,26 @@ from tierchat.core.units import fmt_bytes, fmt_count, fmt_seconds
 from tierchat.tui.format import fmt_cached_by, fmt_cached_kind, fmt_rate
 
 SPARK_POINTS = 40
+LINE_WIDTH = 40
+"""Columns of a panel's text inside the fixed-width panels (``CachePanels`` 46 wide, less
+padding, a scrollbar, a border and the panel's padding)."""
+
+
+def fit_parts(parts: list[str], width: int) -> str:
+    """``parts`` joined by " · ", with a line break instead of a separator wherever the
+    next part would pass ``width`` columns (a part wider than that alone is left whole)."""
+    lines: list[str] = []
+    line = ""
+    for part in (p for p in parts if p):
+        joined = f"{line} · {part}" if line else part
+        if line and cell_len(joined) > width:
+            lines.append(line)
+            line = part
+        else:
+            line = joined
+    if line or not lines:
+        lines.append(line)
+    return "\n".join(lines)
 
 
 class Panel(Vertical):
@@ -35,7 +56,7 @@ class Panel(Vertical):
         border-subtitle-color: $text-muted;
         padding: 0 1;
     }
-    Panel > .line { height: 1; width: 1fr; }
+    Panel > .line { height: auto; width: 1fr; }
     Panel > .na { color: $warning; width: 1fr; }
     Panel ProgressBar { width: 1fr; height: 1; }
     Panel ProgressBar > Bar { width: 1fr; }
@@ -60,6 +81,14 @@ class Panel(Vertical):
     def set_gauge(bar: ProgressBar, value: int, total: int) -> None:
         # total=0 would make ProgressBar indeterminate (animated); show an empty bar instead.
         bar.update(total=max(total, 1), progress=min(value, max(total, 1)))
+
+    def put(self, selector: str, parts: list[str]) -> None:
+        """Show ``parts`` in the ``.line`` Static ``selector``, joined by " · " and broken
+        into lines between parts so that none is wider than the Static (the panels'
+        width is fixed: :data:`LINE_WIDTH` until it is laid out)."""
+        static = self.query_one(selector, Static)
+        width = static.content_region.width or LINE_WIDTH
+        static.update(fit_parts(parts, width))
 
     def set_off(self, reason: str | None) -> None:
         """Show "N/A" with ``reason`` instead of the readings (None: readings)."""
@@ -87,10 +116,8 @@ class MemoryPanel(Panel):
         m: MemoryStats = stats.memory
         self.set_gauge(self.query_one("#memory-gauge", ProgressBar), m.active, m.limit)
         limit = f"{fmt_bytes(m.limit)} ({ceiling_source(m)})" if m.limit else "no limit"
-        self.query_one("#memory-text", Static).update(f"active {fmt_bytes(m.active)} / {limit}")
-        self.query_one("#memory-peak", Static).update(
-            f"peak {fmt_bytes(m.peak)} · MLX cache {fmt_bytes(m.cache)}"
-        )
+        self.put("#memory-text", [f"active {fmt_bytes(m.active)} / {limit}"])
+        self.put("#memory-peak", [f"peak {fmt_bytes(m.peak)}", f"MLX cache {fmt_bytes(m.cache)}"])
         for level in ("ok", "soft", "hard"):
             self.set_class(m.level == level, f"-{level}")
         self.border_subtitle = f"pressure {m.level}"
@@ -133,9 +160,9 @@ class TierPanel(Panel):
             self.set_off((t.reason or stats.reason or "caching off") if off else None)
         self.set_gauge(self.query_one(ProgressBar), t.nbytes, t.max_bytes)
         noun = "entries" if self.tier == "hot" else "files"
-        size = self.query_one(f"#{self.tier}-size", Static)
-        size.update(
-            f"{fmt_bytes(t.nbytes)} / {fmt_bytes(t.max_bytes)} · {fmt_count(t.entries)} {noun}"
+        self.put(
+            f"#{self.tier}-size",
+            [f"{fmt_bytes(t.nbytes)} / {fmt_bytes(t.max_bytes)}", f"{fmt_count(t.entries)} {noun}"],
         )
         if self.tier == "hot":
             # hits count every hot entry used: blocks and MRU tails (core/api.py); the
@@ -145,46 +172,58 @@ class TierPanel(Panel):
             # Per-block misses are left out here: a turn served from the resident cache
             # misses every block it never looked up. Turn-level hits: the Hits panel.
             evicted = t.evictions + stats.tails.evictions
-            counters = f"entries used {t.hits} · evicted {evicted}"
+            counters = [f"entries used {fmt_count(t.hits)}", f"evicted {fmt_count(evicted)}"]
             r = getattr(stats, "resident", None)
             if r is not None:
-                self.query_one("#hot-resident", Static).update(
-                    f"resident {fmt_count(r.tokens)} tok · {fmt_bytes(r.nbytes)} · hits {r.hits}"
+                self.put(
+                    "#hot-resident",
+                    [
+                        f"resident {fmt_count(r.tokens)} tok",
+                        fmt_bytes(r.nbytes),
+                        f"hits {fmt_count(r.hits)}",
+                    ],
                 )
         else:
-            counters = (
-                f"read {t.hits} · queue {t.queue_depth} · errors {t.errors} · drops {t.write_drops}"
-            )
-            if t.corrupt:
-                counters += f" · corrupt {t.corrupt}"
-            self.query_one("#ssd-writes", Static).update(fmt_wear(stats.wear))
-        self.query_one(f"#{self.tier}-counters", Static).update(counters)
+            counters = [
+                f"read {fmt_count(t.hits)}",
+                f"queue {t.queue_depth}",
+                f"errors {fmt_count(t.errors)}",
+                f"drops {fmt_count(t.write_drops)}",
+                f"corrupt {fmt_count(t.corrupt)}" if t.corrupt else "",
+            ]
+            self.put("#ssd-writes", fmt_wear(stats.wear))
+        self.put(f"#{self.tier}-counters", counters)
 
 
-def fmt_wear(w: WearStats) -> str:
-    """The SSD panel's line of bytes written (docs/DESIGN.md §8.6): this session, in
+def fmt_wear(w: WearStats) -> list[str]:
+    """The SSD panel's parts of bytes written (docs/DESIGN.md §8.6): this session, in
     total, the last 24 hours against the budget, and what admission deferred or skipped."""
-    day = fmt_bytes(w.day_bytes) + (f"/{fmt_bytes(w.budget_bytes)}" if w.budget_bytes else "")
-    line = f"written {fmt_bytes(w.session_bytes)} · total {fmt_bytes(w.total_bytes)} · 24 h {day}"
+    day = fmt_bytes(w.day_bytes) + (f" of {fmt_bytes(w.budget_bytes)}" if w.budget_bytes else "")
+    parts = [f"written {fmt_bytes(w.session_bytes)}", f"total {fmt_bytes(w.total_bytes)}"]
+    parts.append(f"24 h {day}")
     if w.deferred:
-        line += f" · deferred {w.deferred}"
+        parts.append(f"deferred {fmt_count(w.deferred)}")
     if w.skipped:
-        line += f" · skipped {w.skipped} ({fmt_bytes(w.skipped_bytes)})"
+        parts.append(f"skipped {fmt_count(w.skipped)} ({fmt_bytes(w.skipped_bytes)})")
     if w.budget_skips:
-        line += f" · over budget {w.budget_skips}"
-    return line
+        parts.append(f"over budget {fmt_count(w.budget_skips)}")
+    return parts
 
 
 SPARK_BARS = "▁▂▃▄▅▆▇█"
 
 
-def fmt_lookups(lk: LookupStats) -> tuple[str, str]:
-    """Two lines: the hit rate over turns, and where the hits came from."""
+def fmt_lookups(lk: LookupStats) -> tuple[list[str], list[str]]:
+    """Two lines' parts: the hit rate over turns, and where the hits came from."""
     if not lk.lookups:
-        return "no turn yet", ""
-    rate = f"hit rate {lk.hit_rate:.0%} ({lk.hits}/{lk.lookups} turns) · cold {lk.cold}"
-    split = f"resident {lk.resident} · hot {lk.hot} · SSD {lk.ssd} · via tail {lk.tail}"
-    return rate, split
+        return ["no turn yet"], []
+    n = fmt_count
+    rate = [
+        f"hit rate {lk.hit_rate:.0%} ({n(lk.hits)}/{n(lk.lookups)} turns)",
+        f"cold {n(lk.cold)}",
+    ]
+    split = [f"resident {n(lk.resident)}", f"hot {n(lk.hot)}", f"SSD {n(lk.ssd)}"]
+    return rate, [*split, f"via tail {n(lk.tail)}"]
 
 
 class HitsPanel(Panel):
@@ -204,8 +243,8 @@ class HitsPanel(Panel):
             return
         self.set_off(None)
         rate, split = fmt_lookups(stats.lookups)
-        self.query_one("#hits-rate", Static).update(rate)
-        self.query_one("#hits-split", Static).update(split)
+        self.put("#hits-rate", rate)
+        self.put("#hits-split", split)
 
 
 class RateSparkline(Static):
@@ -254,12 +293,17 @@ class TailsPanel(Panel):
             self._lookups = lookups
             self._rates.append(t.hit_rate)
             self.query_one(RateSparkline).show(list(self._rates))
-        self.query_one("#tails-entries", Static).update(
-            f"{t.entries}/{t.max_entries} entries · hit rate {t.hit_rate:.0%} ({t.hits}/{lookups})"
+        n = fmt_count
+        self.put(
+            "#tails-entries",
+            [
+                f"{n(t.entries)}/{n(t.max_entries)} entries",
+                f"hit rate {t.hit_rate:.0%} ({n(t.hits)}/{n(lookups)})",
+            ],
         )
-        self.query_one("#tails-saved", Static).update(
-            f"saved {fmt_count(t.tokens_saved)} tokens · {fmt_bytes(t.nbytes)}"
-            f" · evicted {t.evictions}"
+        self.put(
+            "#tails-saved",
+            [f"saved {n(t.tokens_saved)} tokens", fmt_bytes(t.nbytes), f"evicted {n(t.evictions)}"],
         )
 
 
@@ -272,21 +316,21 @@ class SnapshotsPanel(Panel):
 
     def show(self, stats: CacheStats) -> None:
         s = stats.snapshots
-        self.query_one("#snapshots-text", Static).update(
-            f"snapshots {fmt_count(s.count)} · {fmt_bytes(s.nbytes)}"
-        )
+        self.put("#snapshots-text", [f"snapshots {fmt_count(s.count)}", fmt_bytes(s.nbytes)])
         t = stats.tails
         # held now vs used since start: a cleared checkpoint's hit still counts
-        self.query_one("#checkpoints-text", Static).update(
-            f"checkpoints held {t.checkpoints} · used {t.checkpoint_hits}×"
+        self.put(
+            "#checkpoints-text",
+            [
+                f"checkpoints held {fmt_count(t.checkpoints)}",
+                f"used {fmt_count(t.checkpoint_hits)}×",
+            ],
         )
 
 
 LAST_TURN_ROWS = (
     ("prompt", "prompt"),
     ("cached", "cached"),
-    ("by", " by tier"),
-    ("kind", " by kind"),
     ("prefilled", "prefilled"),
     ("ttft", "TTFT"),
     ("prefill_tps", "prefill"),
@@ -306,6 +350,10 @@ class LastTurnPanel(Panel):
         )
         table.can_focus = False
         yield table
+        # the cached tokens' split: lines of their own, broken between parts (a table cell
+        # is one line: "block 261,888 · tail 64 · checkpoint 128" passed the panel)
+        yield Static("", classes="line", id="last-turn-by", markup=False)
+        yield Static("", classes="line", id="last-turn-kind", markup=False)
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
@@ -319,8 +367,6 @@ class LastTurnPanel(Panel):
         values = {
             "prompt": f"{fmt_count(lt.prompt_tokens)} tokens",
             "cached": fmt_count(lt.cached_tokens),
-            "by": fmt_cached_by(lt.cached_by),
-            "kind": fmt_cached_kind(lt.cached_kind),
             "prefilled": fmt_count(lt.prefill_tokens),
             "ttft": fmt_seconds(lt.ttft_s),
             "prefill_tps": fmt_rate(lt.prefill_tps, lt.prefill_tokens),
@@ -332,6 +378,10 @@ class LastTurnPanel(Panel):
         table = self.query_one(DataTable)
         for key, value in values.items():
             table.update_cell(key, "value", value, update_width=True)
+        by = fmt_cached_by(lt.cached_by).split(" · ") if lt.cached_tokens else []
+        kind = fmt_cached_kind(lt.cached_kind).split(" · ") if lt.cached_tokens else []
+        self.put("#last-turn-by", [f"by tier {by[0]}", *by[1:]] if by else [])
+        self.put("#last-turn-kind", [f"by kind {kind[0]}", *kind[1:]] if kind else [])
 
 
 class EventsPanel(Panel):

@@ -101,7 +101,8 @@ def message_infos(entries: Sequence[Any], system: str | None = None) -> list[Mes
 
 
 class BranchBar(Static):
-    """``◀ 2/3 ▶ · ↻ regenerate · fork · copy``; each part is a click action."""
+    """``◀ 2/3 ▶ · ↻ regenerate · ⏵ continue · fork · copy`` (continue on a reply cut at max
+    tokens or stopped); each part is a click action."""
 
     DEFAULT_CSS = """
     BranchBar { height: auto; color: $text-muted; }
@@ -128,6 +129,9 @@ class BranchBar(Static):
             parts.append(f"{prev} {info.index + 1}/{info.count} {nxt}")
         if info.role == "assistant" and last_turn:
             parts.append("[@click=branch('regenerate')]↻ regenerate[/]")
+        cut = info.metrics is not None and info.metrics.finish_reason in ("length", "cancelled")
+        if info.role == "assistant" and cut:  # Alt+C: the reply grows in place
+            parts.append("[@click=branch('continue')]⏵ continue[/]")
         if info.role == "user":
             parts.append("[@click=branch('edit')]✎ edit[/]")
         parts.append("[@click=branch('fork')]fork[/]")
