@@ -95,6 +95,9 @@ class Settings:
     # from RAM, or still needed at close); off: every committed entry at once, as a
     # write-through tier that a crash loses nothing of (docs/DESIGN.md §8.6)
     ssd_admission: bool = True
+    # seconds an entry admission defers may wait before it is written (or found covered):
+    # a crash loses at most this much of a session (docs/DESIGN.md §8.6)
+    ssd_flush_idle_s: float = 5.0
     # the SSD writer runs while requests are held; off: it waits for no request held (or
     # backpressure). None: auto (off on CUDA, where its host reads of device memory slow
     # the decode steps after them; on elsewhere) (docs/DESIGN.md §8.6)
@@ -318,6 +321,13 @@ def _positive_float(v: Any) -> float:
     return x
 
 
+def _nonneg_float(v: Any) -> float:
+    x = _to_float(v)
+    if not 0.0 <= x <= 3600.0:
+        raise ValueError("must be a number of seconds in [0, 3600]")
+    return x
+
+
 def _fraction(v: Any) -> float:
     x = _to_float(v)
     if not 0.0 < x <= 1.0:
@@ -379,6 +389,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "ssd_bytes": _size,
     "ssd_write_budget": _size,
     "ssd_admission": _to_bool,
+    "ssd_flush_idle_s": _nonneg_float,
     "ssd_write_while_busy": _auto_bool,
     "cuda_graphs": _to_bool,
     "tail_entries": _nonneg_int,

@@ -273,7 +273,7 @@ class WearStats:
     (``session_*``) and by every session of the cache dir (``total_*``); bytes written in
     the last 24 hours (``day_bytes``, whole hours) against ``budget_bytes`` (0: none);
     bytes accepted and not yet on disk (``pending_bytes``); entries kept in RAM until reused,
-    evicted or closed (``deferred``), dropped because a longer entry holds their tokens
+    evicted, due (``ssd_flush_idle_s`` after their commit) or closed (``deferred``), dropped because a longer entry holds their tokens
     (``skipped``: entries and bytes of arrays), refused by the budget (``budget_skips``)."""
 
     session_bytes: int = 0

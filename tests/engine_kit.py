@@ -28,6 +28,9 @@ def make_engine(model: str, tmp: Path, models_dir: Path, **overrides) -> Engine:
         data_dir=tmp / "data",
         hot_bytes=256 << 20,
         ssd_bytes=1 << 30,
+        # deferred entries wait for close or eviction, whatever the machine's load (tests
+        # of the write window set it: tests/engine/test_ssd_window.py)
+        ssd_flush_idle_s=3600.0,
     )
     values.update(overrides)
     engine = Engine(Settings(**values))

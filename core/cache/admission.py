@@ -22,13 +22,20 @@ tier is written to the SSD tier
   regenerated reply: :func:`replaced`) is skipped too: the prompt is kept by the newer one,
   only the old reply's tokens would be computed again if the user went back to it.
 
-Deferred entries live in the hot tier meanwhile: a crash (not a close) loses them, never
-the blocks and checkpoints already written. Engine thread only.
+Deferred entries live in the hot tier meanwhile, for a bounded time: once an entry has
+waited ``idle_s`` seconds since its commit (``ssd_flush_idle_s``), it is *due*
+(:meth:`WritePolicy.due`) and decided as at close: written, or skipped when covered. A
+session that goes on within the window covers its last turn's tails and is written as
+above; one that stops has its entries on disk ``idle_s`` later. So a crash (not a close)
+loses at most what was committed in the last ``idle_s`` seconds (and what the writer had
+queued), never the blocks and checkpoints already written. Engine thread only; the clock
+is injectable (:attr:`WritePolicy.clock`).
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -73,20 +80,28 @@ class WritePolicy:
     """Admission of committed entries to the SSD tier (see the module doc).
 
     ``children``: the entries (hot ``Entry`` or SSD ``FileMeta``) after a parent id, for
-    :func:`covers`; ``enabled`` False admits every entry at once. Counters: ``deferred`` entries waiting (and their bytes), ``skipped``
+    :func:`covers`; ``enabled`` False admits every entry at once; ``idle_s``: seconds a
+    deferred entry waits before it is due (:meth:`due`), on :attr:`clock` (seconds,
+    monotonic). Counters: ``deferred`` entries waiting (and their bytes), ``skipped``
     entries dropped as covered (and their bytes of arrays), ``admitted`` entries handed
     to the SSD tier by reason.
     """
 
-    def __init__(self, children: Callable[[str], list[Any]], enabled: bool = True) -> None:
+    clock: Callable[[], float] = staticmethod(time.monotonic)
+
+    def __init__(
+        self, children: Callable[[str], list[Any]], enabled: bool = True, idle_s: float = 5.0
+    ) -> None:
         self._children = children
         self.enabled = enabled  # False: every entry is written at once (write-through)
+        self.idle_s = idle_s
         self._deferred: dict[str, Entry] = {}  # commit order
+        self._since: dict[str, float] = {}  # clock at the commit of each deferred entry
         self._order: dict[str, int] = {}  # commit order of the deferred entries
         self._seq = itertools.count()
         self.newest_prompt_tail: str | None = None
         self.skipped = self.skipped_bytes = 0
-        self.admitted: dict[str, int] = {"now": 0, "hit": 0, "evicted": 0, "close": 0}
+        self.admitted: dict[str, int] = dict.fromkeys(("now", "hit", "evicted", "idle", "close"), 0)
 
     @property
     def deferred(self) -> int:
@@ -105,39 +120,68 @@ class WritePolicy:
             self.newest_prompt_tail = e.id
         urgent = (e.kind == KIND_BLOCK and e.role == "system") or e.kind == KIND_BOUNDARY
         if urgent or not self.enabled:
-            self._deferred.pop(e.id, None)
-            self._order.pop(e.id, None)
+            self._pop(e.id)
             self.admitted["now"] += 1
             return True
         self._deferred[e.id] = e
+        self._since.setdefault(e.id, self.clock())  # the window runs from the first commit
         self._order[e.id] = next(self._seq)
         return False
+
+    def due_in(self) -> float | None:
+        """Seconds until the oldest deferred entry is due (0.0: now), None when none waits."""
+        for entry_id in self._since:  # commit order: the first is the oldest
+            return max(0.0, self._since[entry_id] + self.idle_s - self.clock())
+        return None
+
+    def due(self, max_bytes: int | None = None) -> list[Entry]:
+        """The deferred entries that have waited ``idle_s`` seconds, in commit order, at
+        most ``max_bytes`` of arrays (at least one entry), to write now; the covered ones
+        are skipped (counted), as at :meth:`flush`."""
+        now, keep, nbytes = self.clock(), [], 0
+        for entry_id, since in list(self._since.items()):
+            e = self._deferred[entry_id]
+            if since + self.idle_s > now or (
+                keep and max_bytes is not None and nbytes + e.nbytes > max_bytes
+            ):
+                break
+            del self._deferred[entry_id], self._since[entry_id]
+            if self._keep(e, "idle"):
+                keep.append(e)
+                nbytes += e.nbytes
+            self._order.pop(entry_id, None)
+        return keep
+
+    def _pop(self, entry_id: str) -> Entry | None:
+        self._order.pop(entry_id, None)
+        self._since.pop(entry_id, None)
+        return self._deferred.pop(entry_id, None)
 
     def hit(self, e: Entry) -> bool:
         """``e`` was reused (read by a restore, or passed through by a later prompt):
         True, it is to be written (a no-op for the SSD tier when it holds it already)."""
-        if self._deferred.pop(e.id, None) is not None:
+        if self._pop(e.id) is not None:
             self.admitted["hit"] += 1
-        self._order.pop(e.id, None)
         return True
 
     def evicted(self, e: Entry) -> bool:
         """The hot tier dropped ``e``: True to write it now (deferred and not covered)."""
         if self._deferred.pop(e.id, None) is None:
             return False
+        self._since.pop(e.id, None)
         keep = self._keep(e, "evicted")
         self._order.pop(e.id, None)
         return keep
 
     def forget(self, entry_id: str) -> None:
         """``entry_id`` left the hot tier without being written (a clear, a bad entry)."""
-        self._deferred.pop(entry_id, None)
-        self._order.pop(entry_id, None)
+        self._pop(entry_id)
 
     def flush(self) -> list[Entry]:
         """At close: the deferred entries to write, in commit order; the covered ones are
         skipped (counted)."""
         entries, self._deferred = list(self._deferred.values()), {}
+        self._since.clear()
         keep = []
         for e in entries:
             # coverage is judged against what stays: entries skipped just before still

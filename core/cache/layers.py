@@ -27,7 +27,7 @@ All functions here run on the engine thread (they build MLX graphs).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -301,3 +301,28 @@ def leaf_map(caches: list[Any]) -> dict[str, Any]:
 
 def arrays_nbytes(arrays: dict[str, mx.array]) -> int:
     return sum(a.nbytes for a in arrays.values())
+
+
+Spec = dict[str, tuple[tuple[int, ...], Any]]
+
+
+def probe_specs(leaves: Sequence[Leaf], caches: list[Any]) -> Spec:
+    """Shapes and dtypes of every cached array, read off a cache that has seen >= 1 token.
+
+    The token axis of slices is recorded as -1. Used to validate entries before restore.
+    The caller may add ``spec[LOGPROBS]``, the first-token logprobs' ``((vocab,), dtype)``:
+    without it no tail keeps them.
+    """
+    live = leaf_map(caches)
+    spec: Spec = {}
+    for leaf in leaves:
+        c = live[leaf.name]
+        if leaf.snapshots:
+            for n, a in leaf.snapshot(c).items():
+                spec[f"{leaf.name}.{n}"] = (tuple(a.shape), a.dtype)
+        else:
+            for n, a in leaf.capture(c, c.offset - 1, c.offset).items():
+                shape = list(a.shape)
+                shape[2] = -1
+                spec[f"{leaf.name}.{n}"] = (tuple(shape), a.dtype)
+    return spec

@@ -58,36 +58,13 @@ from .blocks import (
 )
 from .capture import Capture
 from .hot import HotTier
+from .layers import Spec
 from .planner import Planner
 from .plans import Held, Plan, Resident, Restored
 from .rates import Rates
 from .request import CacheRequest, ColdRequest, MeasureRequest
 from .ssd.tier import SSDTier
 from .wear import WriteLedger
-
-Spec = dict[str, tuple[tuple[int, ...], Any]]
-
-
-def probe_specs(leaves: Sequence[L.Leaf], caches: list[Any]) -> Spec:
-    """Shapes and dtypes of every cached array, read off a cache that has seen >= 1 token.
-
-    The token axis of slices is recorded as -1. Used to validate entries before restore.
-    The caller may add ``spec[LOGPROBS]``, the first-token logprobs' ``((vocab,), dtype)``:
-    without it no tail keeps them.
-    """
-    live = L.leaf_map(caches)
-    spec: Spec = {}
-    for leaf in leaves:
-        c = live[leaf.name]
-        if leaf.snapshots:
-            for n, a in leaf.snapshot(c).items():
-                spec[f"{leaf.name}.{n}"] = (tuple(a.shape), a.dtype)
-        else:
-            for n, a in leaf.capture(c, c.offset - 1, c.offset).items():
-                shape = list(a.shape)
-                shape[2] = -1
-                spec[f"{leaf.name}.{n}"] = (tuple(shape), a.dtype)
-    return spec
 
 
 class PrefixCache:
@@ -113,6 +90,7 @@ class PrefixCache:
         write_budget: int = 0,
         admission: bool = True,
         model: str = "",
+        flush_idle_s: float = 5.0,
     ) -> None:
         self.fingerprint = fingerprint
         # restores of models without state layers land on the exact common prefix
@@ -161,7 +139,7 @@ class PrefixCache:
             else None
         )
         # which committed entries the SSD tier writes, and when (.admission)
-        self.writes = WritePolicy(self.children, enabled=admission)
+        self.writes = WritePolicy(self.children, enabled=admission, idle_s=flush_idle_s)
         self.resident: Resident | None = None
         # a measurement's restore runs (.request.MeasureRequest): reads admit nothing
         self.measuring = False
@@ -534,9 +512,12 @@ class PrefixCache:
                 self.tail_stashes += 1
         self._flush_evictions()
 
-    def persist(self) -> int:
-        """Hand the entries admitted since the last call (:mod:`.admission`) to the SSD
-        tier, in commit order; returns the bytes of files it accepted."""
+    def persist(self, max_due: int | None = None) -> int:
+        """Hand the entries admitted since the last call and the deferred ones now due
+        (at most ``max_due`` bytes: :meth:`.admission.WritePolicy.due`) to the SSD tier,
+        in commit order; returns the bytes accepted."""
+        if self.ssd is not None:
+            self._unsaved += self.writes.due(max_due)
         unsaved, self._unsaved = self._unsaved, []
         if self.ssd is None or not unsaved:
             return 0
@@ -597,14 +578,35 @@ class PrefixCache:
 
     def close(self) -> None:
         """Write what was admitted and what is still deferred (:mod:`.admission`), save
-        the rates, close the SSD tier (its writer writes what is queued)."""
-        if self.ssd is not None:
-            self._unsaved += self.writes.flush()
-        self.persist()
-        if self.rates is not None:
-            self.rates.save()
-        if self.ssd is not None:
-            self.ssd.close()
+        the rates, close the SSD tier (its writer writes what is queued). Never raises: a
+        failure is logged, and the tier still closes (its lock given back)."""
+        try:
+            if self.ssd is not None:
+                self._unsaved += self.writes.flush()
+            self.persist()
+            if self.rates is not None:
+                self.rates.save()
+        except Exception as exc:  # an exit must not abort the process (docs/DESIGN.md §8.6)
+            self.log(f"SSD write failed at close: {type(exc).__name__}: {exc}")
+        finally:
+            if self.ssd is not None:
+                self.ssd.close()
+
+    def write_due_in(self) -> float | None:
+        """Seconds until a deferred entry is due (0.0: now), None when none waits or the
+        SSD writer is busy (its emptied queue wakes the engine): how long an idle engine
+        may sleep (docs/DESIGN.md §8.6)."""
+        if self.ssd is None or self.ssd.queue_depth:
+            return None
+        return self.writes.due_in()
+
+    def write_due(self) -> int:
+        """Hand the deferred entries now due to an idle SSD writer, a quarter of its
+        pending bound at a time (one copy); returns the bytes accepted. The engine calls
+        it while no request is held or waiting."""
+        if self.ssd is None or self.ssd.queue_depth:
+            return 0
+        return self.persist(self.ssd.writer.max_pending_bytes // 4)
 
     # ------------------------------------------------------------------ the engine's calls
     # what the engine asks of the tiers, so that it never reaches into them (§2, §11)

@@ -52,7 +52,8 @@ from ..api import (
 )
 from ..cache import layers as L
 from ..cache.blocks import LOGPROBS
-from ..cache.prefix import PrefixCache, probe_specs
+from ..cache.layers import probe_specs
+from ..cache.prefix import PrefixCache
 from ..cache.rates import Rates
 from ..memory import prefill as prefill_mod
 from ..memory import pressure as memory_mod
@@ -303,12 +304,16 @@ class Engine:
                 # no request held nor waiting (clients that send their next turn as a
                 # reply ends would otherwise wait for the clear)
                 self._clear_buffer_cache()
+            if self.cache is not None and not sched.busy and not backlog and self._jobs.empty():
+                self.cache.write_due()  # deferred entries past their window go to the writer
 
     def _take_jobs(self, block: bool) -> None:
-        """Move the jobs queued now to the backlog (``block``: wait for one first)."""
+        """Move the jobs queued now to the backlog (``block``: wait for one first, or
+        until a deferred SSD entry is due: docs/DESIGN.md §8.6)."""
+        wait = self.cache.write_due_in() if block and self.cache is not None else None
         try:
             while True:
-                self._backlog.append(self._jobs.get(block=block))
+                self._backlog.append(self._jobs.get(block=block, timeout=wait))
                 block = False
         except queue.Empty:
             pass
@@ -569,6 +574,7 @@ class Engine:
                 else None,
                 write_budget=s.ssd_write_budget,
                 admission=s.ssd_admission,
+                flush_idle_s=s.ssd_flush_idle_s,
                 model=spec,
             )
             warning = self.cache.ssd_warning()

@@ -85,7 +85,11 @@ def create_app(state: ServeState) -> Starlette:
                 # SSD bytes written (docs/DESIGN.md §8.6)
                 "ssd_writes": {
                     k: getattr(wear, k)
-                    for k in ("session_bytes", "total_bytes", "day_bytes", "budget_bytes")
+                    for k in (
+                        *("session_bytes", "total_bytes", "day_bytes", "budget_bytes"),
+                        # what a crash would lose now (docs/DESIGN.md §8.6)
+                        *("pending_bytes", "deferred", "deferred_bytes"),
+                    )
                 },
             }
         )

@@ -78,3 +78,63 @@ def test_an_evicted_leaf_is_written_a_covered_one_skipped():
     held.remove(b)
     assert w.evicted(b) and w.admitted["evicted"] == 1
     assert not w.evicted(b)  # not deferred any more: nothing to do
+
+
+class Clock:
+    """An injected clock (seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_deferred_entries_are_due_after_the_window_covered_ones_skipped():
+    """docs/DESIGN.md §8.6: an entry deferred waits ``idle_s`` from its commit, then is
+    written or skipped as covered, as at close: a session that goes on within the window
+    covers its last turn's tails; one that stops is written ``idle_s`` later."""
+    held = []
+    clock = Clock()
+    w = WritePolicy(lambda parent: [e for e in held if e.parent == parent], idle_s=5.0)
+    w.clock = clock
+    assert w.due_in() is None and w.due() == []
+    block = entry("b", range(16), KIND_BLOCK, "user")
+    tail1 = entry("p1", [1, 2, 3], KIND_TAIL, logprobs=True)
+    seq1 = entry("q1", [1, 2, 3, 7], KIND_SEQ, "assistant", prompt_end=3)
+    for e in (block, tail1, seq1):
+        held.append(e)
+        assert not w.offer(e)
+    assert w.due_in() == 5.0
+    clock.now += 3.0  # the next turn comes within the window
+    tail2 = entry("p2", [1, 2, 3, 7, 9], KIND_TAIL, logprobs=True)
+    seq2 = entry("q2", [1, 2, 3, 7, 9, 4], KIND_SEQ, "assistant", prompt_end=5)
+    for e in (tail2, seq2):
+        held.append(e)
+        assert not w.offer(e)
+    assert w.due_in() == 2.0 and w.due() == []
+    clock.now += 2.0
+    # the first turn's entries are due: the block is written, its tails are covered
+    assert [e.id[:2] for e in w.due()] == ["b0"]
+    assert w.skipped == 2 and w.admitted["idle"] == 1 and w.deferred == 2
+    assert w.due_in() == 3.0
+    clock.now += 3.0  # the session stopped: its last turn is written
+    assert [e.id[:2] for e in w.due()] == ["p2", "q2"]
+    assert w.deferred == 0 and w.due_in() is None and w.flush() == []
+
+
+def test_due_is_bounded_in_bytes_and_a_reuse_is_written_at_once():
+    clock = Clock()
+    w = WritePolicy(lambda parent: [], idle_s=0.0)
+    w.clock = clock
+    blocks = [
+        entry(f"b{i}", range(i * 16, i * 16 + 16), KIND_BLOCK, start=16 * i) for i in range(5)
+    ]
+    for b in blocks:
+        w.offer(b)
+    assert w.due_in() == 0.0
+    assert w.hit(blocks[0]) and w.admitted["hit"] == 1  # reused: written now, not due later
+    first = w.due(max_bytes=2 * 160)
+    assert [e.id[:2] for e in first] == ["b1", "b2"]
+    assert [e.id[:2] for e in w.due(max_bytes=1)] == ["b3"]  # at least one
+    assert [e.id[:2] for e in w.due()] == ["b4"] and w.due_in() is None

@@ -1,7 +1,15 @@
-"""The SSD tier's I/O: reading a file into an MLX array in checksummed chunks, staging
-and views, reads ahead of a load on worker threads, the page cache, the disk's read bandwidth, host copies for the writer, and the
-directory and inode helpers (docs/DESIGN.md §8.4). Moves bytes only; never builds an MLX
-graph (docs/DESIGN.md §2).
+"""The SSD tier's I/O: reading a file into MLX arrays in checksummed chunks, staging
+and views, reads ahead of a load on worker threads, the page cache, the disk's read
+bandwidth, host copies for the writer, and the directory and inode helpers
+(docs/DESIGN.md §8.4). Moves bytes only; the staging arrays and the writer's copies are
+made on the engine thread (docs/DESIGN.md §2).
+
+Every buffer made here is at most :data:`PIECE_BYTES`, whatever the entry's size: MLX
+refuses arrays over 2^31 bytes, and one copy of a 32K-token session of an 8B model is
+4.8 GB. A file is staged in pieces of that size (:func:`staging`), and the writer's copy
+of an entry is a list of pieces (:func:`copy_pieces`), an array over the bound split along
+its outer axes (a K/V slice ``(1, n_kv_heads, T, head_dim)`` by heads, then by tokens),
+so the bytes on disk are those of the whole tensors in row order either way.
 """
 
 from __future__ import annotations
@@ -21,6 +29,18 @@ import numpy as np
 from .format import DTYPES, HCRC_AT, MAX_HEADER, CorruptEntry, Layout, parse_header
 
 CHUNK = 1 << 20  # bytes read (and checksummed while in cache) at a time
+
+
+def _piece_bytes() -> int:
+    # test hook for subprocesses (tests/system/test_ssd_sessions.py); in-process tests set
+    # PIECE_BYTES itself
+    value = os.environ.get("TIERCHAT_TEST_SSD_PIECE_BYTES", "")
+    return max(1, int(value)) if value.isdigit() else 256 << 20
+
+
+# the largest MLX array the SSD tier makes to read or write a file (bytes): well under the
+# 2^31 bytes MLX takes in one array
+PIECE_BYTES = _piece_bytes()
 
 
 class ReadBandwidth(NamedTuple):
@@ -73,15 +93,28 @@ def _read_head(f, size: int) -> bytes:
     return bytes(head)
 
 
+def _spans(pieces: list[memoryview], begin: int, end: int, most: int):
+    """Views of ``pieces`` (one buffer cut in consecutive pieces) covering the buffer's
+    bytes ``[begin, end)`` in order, each at most ``most`` bytes and inside one piece."""
+    at, base = begin, 0
+    for piece in pieces:
+        top = base + len(piece)
+        while base <= at < min(top, end):
+            n = min(most, min(top, end) - at)
+            yield piece[at - base : at - base + n]
+            at += n
+        base = top
+
+
 def read_file(
-    path: Path, keep: bool = True, into: memoryview | None = None
-) -> tuple[Layout, bytearray | memoryview | None, int]:
+    path: Path, keep: bool = True, into: list[memoryview] | None = None
+) -> tuple[Layout, bytearray | list[memoryview] | None, int]:
     """Read and verify a whole entry file: ``(layout, file bytes or None, inode)``.
 
-    Reads in :data:`CHUNK` pieces into one buffer, checksumming each piece while it is in
-    cache: ``into`` when given (the bytes of a :func:`staging` array of the file's size,
-    as indexed; plain file I/O into its memory, no MLX call, so a reader thread may do
-    it), else a new ``bytearray``. With ``keep=False`` only verifies (one reused buffer).
+    Reads in :data:`CHUNK` pieces, checksumming each while it is in cache, into ``into``
+    when given (the memory of the :func:`staging` arrays of the file's size, as indexed,
+    filled in order; plain file I/O, no MLX call, so a reader thread may do it), else into
+    a new ``bytearray``. With ``keep=False`` only verifies (one reused buffer).
 
     Raises:
         CorruptEntry: not a regular file, not the size of ``into``, or any check of
@@ -90,7 +123,7 @@ def read_file(
     """
     f, st = _open_regular(path)
     with f:
-        if into is not None and st.st_size != len(into):
+        if into is not None and st.st_size != sum(len(v) for v in into):
             raise CorruptEntry("file size changed since indexed")
         if keep and hasattr(os, "posix_fadvise"):  # the kernel reads ahead while we check
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
@@ -99,9 +132,12 @@ def read_file(
         n = st.st_size - len(head)
         if keep:
             buf = into if into is not None else bytearray(st.st_size)
-            whole = memoryview(buf)
-            whole[: len(head)] = head
-            views = (whole[o : o + CHUNK] for o in range(len(head), st.st_size, CHUNK))
+            pieces = buf if into is not None else [memoryview(buf)]
+            at = 0
+            for view in _spans(pieces, 0, len(head), len(head)):
+                view[:] = head[at : at + len(view)]
+                at += len(view)
+            views = _spans(pieces, len(head), st.st_size, CHUNK)
         else:
             buf, scratch = None, memoryview(bytearray(min(CHUNK, max(n, 1))))
             views = (scratch[: min(CHUNK, n - o)] for o in range(0, n, CHUNK))
@@ -114,30 +150,51 @@ def read_file(
     return layout, buf, st.st_ino
 
 
-def staging(size: int) -> mx.array:
-    """A new evaluated ``uint8`` array of ``size`` bytes in host-written memory, for
-    :func:`read_file` to read into (engine thread). Made on the CPU stream: on CUDA, MLX gives an array
-    made without a GPU stream managed memory, here first touched by MLX's CPU thread
-    while the GIL is free, so readers write into resident pages and no copy follows."""
-    stage = mx.zeros((size,), dtype=mx.uint8, stream=mx.cpu)
-    mx.eval(stage)
-    return stage
+def staging(size: int) -> list[mx.array]:
+    """New evaluated ``uint8`` arrays of ``size`` bytes in all, in pieces of
+    :data:`PIECE_BYTES` (the last one shorter), in host-written memory, for
+    :func:`read_file` to read into (engine thread). Made on the CPU stream: on CUDA, MLX
+    gives an array made without a GPU stream managed memory, here first touched by MLX's
+    CPU thread while the GIL is free, so readers write into resident pages and no copy
+    follows."""
+    step = PIECE_BYTES
+    stages = [
+        mx.zeros((min(step, size - at),), dtype=mx.uint8, stream=mx.cpu)
+        for at in range(0, max(size, 1), step)
+    ]
+    mx.eval(stages)
+    return stages
 
 
-def arrays_in(layout: Layout, stage: mx.array) -> dict[str, mx.array]:
-    """The tensors of a verified file read into ``stage`` (:func:`read_file`), as views of
-    it (no copy; a tensor whose offset is not a multiple of its item size is copied out);
-    evaluated. Engine thread only."""
+def views_of(stages: list[mx.array]) -> list[memoryview]:
+    """The memory of :func:`staging` arrays, for :func:`read_file` (engine thread)."""
+    return [memoryview(s).cast("B") for s in stages]
+
+
+def arrays_in(layout: Layout, stages: list[mx.array]) -> dict[str, mx.array]:
+    """The tensors of a verified file read into ``stages`` (:func:`staging`,
+    :func:`read_file`), as views of them (no copy); a tensor that straddles two pieces is
+    one concatenate of its parts, and one whose offset is not a multiple of its item size
+    is copied out. Evaluated. Engine thread only."""
+    step = stages[0].size  # every piece but the last; one piece: the whole file
     arrays = {}
     for name, dtype, shape, begin, end in layout.tensors:
         mxd, npd = DTYPES[dtype]
         lo, hi = layout.data_start + begin, layout.data_start + end
+        k = lo // step
         if hi == lo:
             arrays[name] = mx.zeros(shape, dtype=mxd)
+        elif (hi - 1) // step != k:  # across pieces: its parts, joined
+            parts = [
+                stages[i][max(lo - i * step, 0) : min(hi - i * step, step)]
+                for i in range(k, (hi - 1) // step + 1)
+            ]
+            arrays[name] = mx.concatenate(parts).view(mxd).reshape(shape)
         elif lo % mxd.size == 0:
-            arrays[name] = stage[lo:hi].view(mxd).reshape(shape)
+            arrays[name] = stages[k][lo - k * step : hi - k * step].view(mxd).reshape(shape)
         else:
-            bits = np.frombuffer(memoryview(stage).cast("B")[lo:hi], npd).reshape(shape)
+            piece = memoryview(stages[k]).cast("B")[lo - k * step : hi - k * step]
+            bits = np.frombuffer(piece, npd).reshape(shape)
             arrays[name] = mx.array(bits).view(mxd) if dtype == "BF16" else mx.array(bits)
     mx.eval(list(arrays.values()))
     return arrays
@@ -149,7 +206,7 @@ class ReadAhead:
     array made by the caller (the engine thread), keyed by entry id."""
 
     def __init__(self, workers: int = 4) -> None:
-        self._reads: dict[str, tuple[mx.array, Future]] = {}
+        self._reads: dict[str, tuple[list[mx.array], Future]] = {}
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierchat-ssd-read")
 
     def __contains__(self, key: str) -> bool:
@@ -157,12 +214,11 @@ class ReadAhead:
 
     def start(self, key: str, path: Path, nbytes: int) -> None:
         """Stage ``nbytes`` and start reading ``path`` (the whole file) into them."""
-        stage = staging(nbytes)
-        view = memoryview(stage).cast("B")
-        self._reads[key] = (stage, self._pool.submit(read_file, path, into=view))
+        stages = staging(nbytes)
+        self._reads[key] = (stages, self._pool.submit(read_file, path, into=views_of(stages)))
 
-    def take(self, key: str) -> tuple[mx.array, Future] | None:
-        """The staging array and the read's future (:func:`read_file`'s result, or its
+    def take(self, key: str) -> tuple[list[mx.array], Future] | None:
+        """The staging arrays and the read's future (:func:`read_file`'s result, or its
         error when the future is asked), or None when ``key`` was not read ahead."""
         return self._reads.pop(key, None)
 
@@ -247,15 +303,45 @@ def _raw_bytes(a) -> np.ndarray:
         return np.ascontiguousarray(np.asarray(a)).view(np.uint8).reshape(-1)
 
 
-def _flat_copy(arrays: list[mx.array]) -> mx.array:
-    """A new flat ``uint8`` array of ``arrays``' bytes, one after the other, each in row
-    order (bf16 bits included; lazy, one concatenate). Never a view of an input: the SSD
-    writer reads it from the host, and on CUDA MLX moves a buffer the host reads to
+def _split(a: mx.array, most: int):
+    """Parts of ``a`` whose bytes, one after the other, are ``a``'s in row order, each at
+    most ``most`` bytes where a row of its last axis allows: runs of whole rows of the
+    outermost axis, an axis at a time inwards (K/V ``(1, n_kv_heads, T, head_dim)``: the
+    heads, then runs of tokens of one head)."""
+    if a.nbytes <= most or a.ndim <= 1:
+        yield a
+        return
+    row = a.nbytes // a.shape[0]
+    if row > most:
+        for i in range(a.shape[0]):
+            yield from _split(a[i], most)
+        return
+    n = max(1, most // row)
+    for i in range(0, a.shape[0], n):
+        yield a[i : i + n]
+
+
+def copy_pieces(arrays: list[mx.array], most: int | None = None) -> list[mx.array]:
+    """New flat ``uint8`` arrays of ``arrays``' bytes, one after the other, each in row
+    order (bf16 bits included), each at most ``most`` bytes (default
+    :data:`PIECE_BYTES`): small arrays share a piece, one over the bound is split
+    (:func:`_split`). Lazy: one concatenate per piece. Never a view of an input: the SSD
+    writer reads them from the host, and on CUDA MLX moves a buffer the host reads to
     managed memory for good (``allocator::Buffer::raw_ptr``), where later GPU reads of it
     fault pages back. The hot tier's arrays so stay in device memory."""
-    flat = [a.reshape(-1).view(mx.uint8) for a in arrays]
-    # concatenate returns a lone input as it is: an empty second one makes it copy
-    return mx.concatenate(flat + [mx.zeros((0,), dtype=mx.uint8)])
+    most = PIECE_BYTES if most is None else most
+    groups: list[list[mx.array]] = [[]]
+    size = 0
+    for a in arrays:
+        for part in _split(a, most):
+            if size + part.nbytes > most and groups[-1]:
+                groups.append([])
+                size = 0
+            groups[-1].append(part.reshape(-1).view(mx.uint8))
+            size += part.nbytes
+    # concatenate returns a lone input as it is: an empty last one makes it copy
+    empty = mx.zeros((0,), dtype=mx.uint8)
+    return [mx.concatenate([*g, empty]) for g in groups if g]
 
 
 def _inode(path: Path) -> int | None:

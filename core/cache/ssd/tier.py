@@ -60,12 +60,13 @@ from .format import CorruptEntry, FileMeta, check_arrays, entry_header, entry_me
 from .index import EntryIndex
 from .io import (
     ReadAhead,
-    _flat_copy,
     _real_dir,
     advise_willneed,
     arrays_in,
+    copy_pieces,
     read_file,
     staging,
+    views_of,
 )
 from .model_file import write_model_file
 from .verifier import StartupVerifier, scan_entries
@@ -344,27 +345,13 @@ class SSDTier:
     def pending_bytes(self) -> int:
         return self.writer.pending_bytes
 
-    # the writer's counters, read where the tier's stats are
-    @property
-    def saves_queued(self) -> int:
-        return self.writer.saves_queued
-
-    @property
-    def saves_persisted(self) -> int:
-        return self.writer.saves_persisted
-
-    @property
-    def bytes_queued(self) -> int:
-        """Bytes of the files accepted for writing (:meth:`put_many`)."""
-        return self.writer.bytes_queued
-
-    @property
-    def backpressure_waits(self) -> int:
-        return self.writer.backpressure_waits
-
-    @property
-    def backpressure_s(self) -> float:
-        return self.writer.backpressure_s
+    # the writer's counters, read where the tier's stats are (bytes_queued: of the files
+    # accepted for writing by :meth:`put_many`)
+    saves_queued = property(lambda self: self.writer.saves_queued)
+    saves_persisted = property(lambda self: self.writer.saves_persisted)
+    bytes_queued = property(lambda self: self.writer.bytes_queued)
+    backpressure_waits = property(lambda self: self.writer.backpressure_waits)
+    backpressure_s = property(lambda self: self.writer.backpressure_s)
 
     # ------------------------------------------------------------------ writes
     def put(self, e: Entry) -> bool:
@@ -374,14 +361,17 @@ class SSDTier:
     def put_many(self, entries: list[Entry]) -> list[bool]:
         """Accept entries (arrays already evaluated): indexed at once, written later.
 
-        The writer gets a copy of the accepted entries' bytes in one flat array
-        (:func:`_flat_copy`; one concatenate and one eval on the engine thread), never the
-        entries' own arrays. Evicts least recently used entries to stay under
-        ``max_bytes``. Blocks while the writer is more than ``queue_size`` entries or
-        ``max_pending_bytes`` behind. Per entry, False when the tier is off, the entry is
-        already held with at least as much, it is larger than the cap or has an
-        unstorable dtype, or the writer stayed stuck for ``backpressure_timeout_s`` (the
-        last three counted in ``write_drops``).
+        The writer gets a copy of each accepted entry's bytes in pieces of at most
+        ``io.PIECE_BYTES`` (:func:`copy_pieces`, engine thread), never the entries' own
+        arrays; the copies are made and handed over a batch of about
+        ``max_pending_bytes`` at a time (one eval each), parents first, so neither one
+        array nor the copies in RAM grow with the session. Evicts least recently used
+        entries to stay under ``max_bytes``. Blocks while the writer is more than
+        ``queue_size`` entries or ``max_pending_bytes`` behind. Per entry, False when the
+        tier is off, the entry is already held with at least as much, it is larger than
+        the cap or has an unstorable dtype, its copy failed (an MLX error: the rest are
+        still written), or the writer stayed stuck for ``backpressure_timeout_s`` (the
+        last four counted in ``write_drops``).
         """
         if not self.enabled:
             return [False] * len(entries)
@@ -399,11 +389,12 @@ class SSDTier:
             f = entries[j] if j is not None else None
             if f is None or (e.window, e.snapshot, e.logprobs) > (f.window, f.snapshot, f.logprobs):
                 best[e.id] = i
-        accepted, flat, offset = [], [], 0
         results = [False] * len(entries)
-        for i, e in enumerate(entries):
-            if best[e.id] != i:
-                continue
+        batch: list[tuple[int, Pending]] = []
+        held = 0  # bytes of this call's entries, for the write budget
+        # parents before children (a parent starts earlier), so each finds its parent held
+        for i in sorted(best.values(), key=lambda i: entries[i].start):
+            e = entries[i]
             with self._lock:
                 old = self._index.get(e.id)
                 if (
@@ -421,26 +412,36 @@ class SSDTier:
             if len(head) + data > self.max_bytes:
                 self._refuse(f"entry of {len(head) + data} bytes exceeds the cap")
                 continue
-            room = self.ledger.room(self.writer.pending_bytes + sum(a[1].nbytes for a in accepted))
+            room = self.ledger.room(self.writer.pending_bytes + held)
             if room is not None and len(head) + data > room:
                 with self._lock:
                     self.budget_skips += 1
                     self.budget_skipped_bytes += len(head) + data
                 continue
-            item = Pending(replace(e, arrays=dict(e.arrays)), head, len(head) + data)
-            item.begin, item.end = offset, offset + data
-            offset += data
-            flat += [e.arrays[name] for name in sorted(e.arrays)]
-            accepted.append((i, item))
-        if not accepted:
-            return results
-        blob = _flat_copy(flat)
-        mx.eval(blob)
-        # parents before children (a parent starts earlier), so each finds its parent held
-        for i, item in sorted(accepted, key=lambda a: a[1].entry.start):
-            item.blob = blob
-            results[i] = self._enqueue(item)
+            held += len(head) + data
+            batch.append((i, Pending(replace(e, arrays=dict(e.arrays)), head, len(head) + data)))
+            if sum(p.nbytes for _, p in batch) >= self.writer.max_pending_bytes:
+                self._hand_over(batch, results)
+                batch, held = [], 0  # pending from here
+        self._hand_over(batch, results)
         return results
+
+    def _hand_over(self, batch: list[tuple[int, Pending]], results: list[bool]) -> None:
+        """Copy a batch's bytes in pieces (one eval) and queue its entries in order."""
+        if not batch:
+            return
+        try:
+            for _, item in batch:
+                e = item.entry
+                item.pieces = copy_pieces([e.arrays[name] for name in sorted(e.arrays)])
+            mx.eval([p for _, item in batch for p in item.pieces])
+        except Exception as exc:  # an MLX error: these entries are lost, the rest written
+            for _, item in batch:
+                item.pieces = None
+                self._refuse(f"copy of {item.entry.id[:12]} failed ({exc})")
+            return
+        for i, item in batch:
+            results[i] = self._enqueue(item)
 
     def _enqueue(self, item: Pending) -> bool:
         e, size = item.entry, item.nbytes
@@ -596,7 +597,7 @@ class SSDTier:
         """One entry's arrays as MLX arrays (engine thread), or None.
 
         A pending entry comes from memory (the arrays ``put`` was given); otherwise the
-        file is read whole into a staging array (:func:`read_file`), both CRCs checked,
+        file is read whole into staging arrays (:func:`read_file`), both CRCs checked,
         its header compared with the index, and its tensors viewed in place
         (:func:`arrays_in`). ``expected`` maps names to ``(shape, dtype)`` with
         ``-1`` for the token axis (:func:`check_arrays`). A checksum, format or shape
@@ -618,15 +619,14 @@ class SSDTier:
             else:
                 ahead = self._ahead.take(entry_id)
                 if ahead is None:
-                    stage = staging(meta.nbytes)
-                    view = memoryview(stage).cast("B")
-                    layout, _, ino = read_file(self._path(entry_id), into=view)
+                    stages = staging(meta.nbytes)
+                    layout, _, ino = read_file(self._path(entry_id), into=views_of(stages))
                 else:
-                    stage, read = ahead
+                    stages, read = ahead
                     layout, _, ino = read.result()
                 if EntryMeta.meta(entry_meta(layout.meta, self.fingerprint)) != meta.meta():
                     raise CorruptEntry("file changed since indexed")
-                arrays = arrays_in(layout, stage)
+                arrays = arrays_in(layout, stages)
             if expected is not None:
                 check_arrays(arrays, expected, len(meta.tokens))
         except CorruptEntry as exc:

@@ -14,7 +14,9 @@ leaves both at once, so a lookup never sees one without the other.
   files) until every holder resumes; backpressure and :meth:`SSDWriter.flush` let it run
   anyway until its queue empties.
 - **Writes.** A file is written to ``<id>.<pid>.<n>.tmp`` (0600, ``O_EXCL``, no
-  symbolic link followed) and renamed into place only while its entry is still pending;
+  symbolic link followed), its data piece by piece (each at most ``io.PIECE_BYTES``,
+  checksummed as it goes, the sealed header written last at offset 0), and renamed into
+  place only while its entry is still pending;
   the tier decides what a failed write costs (``on_failed``: a full disk shrinks its cap).
 
 The writer thread handles numpy views and bytes only and never builds an MLX graph.
@@ -48,9 +50,14 @@ class Pending:
     entry: Entry  # the arrays as given (what a load returns meanwhile)
     head: bytes  # encode_header(...), CRCs not yet filled
     nbytes: int  # the file's size
-    blob: mx.array | None = None  # the tensor bytes, shared with the batch's other entries
-    begin: int = 0  # this entry's bytes are blob[begin:end]
-    end: int = 0
+    # the tensor bytes in order, each piece at most io.PIECE_BYTES (:func:`.io.copy_pieces`)
+    pieces: list[mx.array] | None = None
+
+
+def _write_all(f, data) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[f.write(view) :]
 
 
 class SSDWriter:
@@ -228,7 +235,7 @@ class SSDWriter:
                     text = self._on_failed(item, exc)
                 self._on_event(text)
             finally:
-                item.blob = None  # the batch's copy goes when its last entry is written
+                item.pieces = None  # the copy goes once written (or dropped)
             with self._cond:
                 idle = not self._queue
                 if idle:
@@ -243,17 +250,21 @@ class SSDWriter:
         with self._cond:
             if self.pending.get(eid) is not item:
                 return  # evicted, removed or replaced since
-        data = _raw_bytes(item.blob)[item.begin : item.end]
-        head = seal_header(item.head, zlib.crc32(data))
         path = self._path_of(eid)
         tmp = path.with_name(f"{eid}.{os.getpid()}.{next(self._tmp_seq)}.tmp")
         try:
             self._prepare_dir(path)
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
             fd = os.open(tmp, flags, 0o600)
-            with open(fd, "wb") as f:
-                f.write(head)
-                f.write(memoryview(data))
+            with open(fd, "wb", buffering=0) as f:
+                _write_all(f, item.head)  # CRCs zeroed: sealed once the data is out
+                crc = 0
+                for piece in item.pieces or ():
+                    data = _raw_bytes(piece)
+                    crc = zlib.crc32(data, crc)
+                    _write_all(f, memoryview(data))
+                if os.pwrite(fd, seal_header(item.head, crc), 0) != len(item.head):
+                    raise OSError(f"short header write to {tmp.name}")
             with self._cond:
                 if self.pending.get(eid) is item:
                     os.replace(tmp, path)
