@@ -81,9 +81,7 @@ def parse_servers(data: Any, source: str) -> list[ServerConfig]:
     for name, entry in data["mcpServers"].items():
         where = f"{source}: mcpServers.{name}"
         if not _NAME_RE.match(name):
-            raise McpConfigError(
-                f"{where}: a server name is 1-64 letters, digits, '_', '-' or '.'"
-            )
+            raise McpConfigError(f"{where}: a server name is 1-64 letters, digits, '_', '-' or '.'")
         if not isinstance(entry, dict):
             raise McpConfigError(f"{where} must be an object")
         if entry.get("disabled") is True:

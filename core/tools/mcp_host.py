@@ -194,7 +194,9 @@ class McpHost:
     """Client sessions to ``servers`` (module docstring). Nothing starts before
     :meth:`start`; use as a context manager or call :meth:`close`."""
 
-    def __init__(self, servers: Iterable[ServerConfig], *, start_timeout_s: float = START_TIMEOUT_S):
+    def __init__(
+        self, servers: Iterable[ServerConfig], *, start_timeout_s: float = START_TIMEOUT_S
+    ):
         self.configs = list(servers)
         self.start_timeout_s = start_timeout_s
         self._servers: dict[str, _Server] = {}
@@ -404,10 +406,14 @@ class McpHost:
         :meth:`close`."""
         if self._closed or self._loop is None:
             raise RuntimeError("the MCP host is closed")
-        future = asyncio.run_coroutine_threadsafe(self._call(tool, arguments, timeout_s), self._loop)
+        future = asyncio.run_coroutine_threadsafe(
+            self._call(tool, arguments, timeout_s), self._loop
+        )
         return CallHandle(future, tool)
 
-    async def _call(self, tool: ToolInfo, arguments: dict[str, Any], timeout_s: float) -> ToolResult:
+    async def _call(
+        self, tool: ToolInfo, arguments: dict[str, Any], timeout_s: float
+    ) -> ToolResult:
         server = self._servers.get(tool.server)
         if server is None or server.state != "ready" or server.client is None:
             why = server.error if server is not None and server.error else "it is not running"
