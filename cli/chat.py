@@ -231,9 +231,12 @@ class LineChat:
         settings = self.session.settings()
         if not rest:
             for key, value in settings.to_dict().items():
-                self.say(f"[{key} = {printable(plain_value(value))}]")
+                if key not in TOOL_SETTINGS:
+                    self.say(f"[{key} = {printable(plain_value(value))}]")
             return
         key, _, value = rest.partition(" ")
+        if key in TOOL_SETTINGS:
+            raise ValueError(f"{key} is set with /tools")
         fields = {f.name: f for f in dataclasses.fields(settings)}
         if key not in fields:
             raise ValueError(f"unknown setting {key}; /set lists them")
@@ -313,6 +316,7 @@ class LineChat:
 
 
 INT_SETTINGS = ("top_k", "max_tokens")
+TOOL_SETTINGS = ("tools", "allowed_tools")  # /tools sets them, /set shows neither
 
 
 def parse_setting(key: str, value: str) -> object:
