@@ -41,7 +41,8 @@ class McpConfigError(ValueError):
 @dataclass(frozen=True)
 class ServerConfig:
     """One MCP server. ``transport`` "stdio": ``command`` + ``args`` run with ``env`` over
-    the inherited environment, in ``cwd`` (None: ours); "http": streamable HTTP at ``url``
+    the SDK's safe subset of our environment (``HOME``, ``PATH``, ``USER``...: mcp's
+    ``get_default_environment``), in ``cwd`` (None: ours); "http": streamable HTTP at ``url``
     with ``headers`` on every request."""
 
     name: str
