@@ -110,7 +110,8 @@ def test_servers_that_fail_to_start_say_why_and_never_hang():
     )
 
 
-def test_close_stops_stdio_servers_and_leaves_no_warning():
+def test_close_stops_stdio_servers_and_leaves_no_warning(caplog):
+    caplog.set_level("WARNING")
     with warnings.catch_warnings():
         warnings.simplefilter("error", ResourceWarning)
         host = McpHost([stdio_config("a"), stdio_config("b")])
@@ -121,6 +122,8 @@ def test_close_stops_stdio_servers_and_leaves_no_warning():
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # gone (reaped by the SDK's transport)
+    # no "Task was destroyed but it is pending", no unclosed transport
+    assert [r.getMessage() for r in caplog.records if r.name.startswith(("asyncio", "mcp"))] == []
 
 
 def _tool_on(host, server):
