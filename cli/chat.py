@@ -449,12 +449,4 @@ def tool_rounds(session: Any, host: Any, settings: Any) -> Any:
         return None
     from tierchat.core.chat.tool_rounds import ToolRounds
 
-    rounds = ToolRounds(
-        session,
-        host,
-        max_rounds=settings.tool_rounds,
-        timeout_s=settings.tool_timeout_s,
-        auto_allow=settings.tools_auto_allow,
-    )
-    session.sampling["tools"] = tuple(s.name for s in host.status() if s.state == "ready")
-    return rounds
+    return ToolRounds.from_settings(session, host, settings)

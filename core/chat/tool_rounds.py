@@ -91,6 +91,21 @@ class ToolRounds:
         self.auto_allow = frozenset(auto_allow)
         session.tools = host
 
+    @classmethod
+    def from_settings(cls, session: ChatSession, host: McpHost, settings: Any) -> ToolRounds:
+        """Rounds with ``settings``' ``tool_rounds``, ``tool_timeout_s`` and
+        ``tools_auto_allow`` (a ``config.settings.Settings``); a new conversation of
+        ``session`` gets the tools of every server of ``host`` that is ready now."""
+        rounds = cls(
+            session,
+            host,
+            max_rounds=settings.tool_rounds,
+            timeout_s=settings.tool_timeout_s,
+            auto_allow=settings.tools_auto_allow,
+        )
+        session.sampling["tools"] = tuple(s.name for s in host.status() if s.state == "ready")
+        return rounds
+
     # ------------------------------------------------------------------ tools
 
     def tools(self, conversation_id: int | None = None) -> list[ToolInfo]:

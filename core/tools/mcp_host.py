@@ -430,7 +430,7 @@ class McpHost:
         except Exception as e:  # noqa: BLE001 -- the connection or the protocol failed
             text = error_text(e)
             if "connection closed" in text.lower():
-                server.fail(f"{tool.server}: the server closed the connection during a call")
+                server.fail(f"{tool.server}: the server closed the connection")
                 return ToolResult(f"{tool.display} failed: {server.error}", True)
             return ToolResult(f"{tool.display} failed: {text}", True)
         return ToolResult(result_text(result), bool(result.is_error))
