@@ -12,12 +12,19 @@ Type a message and press Enter; the reply streams, then one line says what the t
                          frequency_penalty, stop (a|b), max_tokens, seed,
                          swipe_temperature, system
     /new [SYSTEM]        start a new conversation (optionally with a system prompt)
+    /tools [on|off NAME] the MCP servers and their tools; enable or disable one here
     /stats               the cache tiers in one line each
     /help                this list
     /quit                leave (so does end of input, Ctrl-D)
 
 Ctrl-C during a reply cancels it (what was generated is kept); at the prompt it clears the
 line. Conversations are stored in the conversation store (``--data-dir``).
+
+Tools (docs/DESIGN.md §12.1): with MCP servers in ``mcp.json`` (or ``--mcp-config``), a new
+conversation has every server's tools. A reply that calls a tool asks first, one line per
+call: ``y`` runs it once, ``a`` runs it and this tool from then on in the conversation,
+``n`` denies it (then a reason, sent to the model); Ctrl-C during a call cancels it. The
+next step then runs by itself, up to ``tool_rounds`` steps with calls per answer.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from typing import Any, TextIO
 
 from tierchat.cli.common import (
     EXIT_OK,
+    EXIT_USAGE,
+    CLIError,
     SSDWatch,
     check_cache_owner,
     new_session,
@@ -55,8 +64,11 @@ def metrics_line(m: Any) -> str:
 class LineChat:
     """The read-eval-print loop over a :class:`~tierchat.core.chat.session.ChatSession`."""
 
-    def __init__(self, session: Any, inp: TextIO, out: TextIO, err: TextIO) -> None:
+    def __init__(
+        self, session: Any, inp: TextIO, out: TextIO, err: TextIO, rounds: Any = None
+    ) -> None:
         self.session = session
+        self.rounds = rounds  # ToolRounds, None without MCP servers
         self.inp = inp
         self.out = out
         self.err = err
@@ -94,6 +106,67 @@ class LineChat:
                 self.stream(lambda text=line: self.session.send(text))
             self.ssd_watch.check(self.err)
 
+    def stream(self, start) -> Any:
+        """Start a turn with ``start()``, print it, then run its tool rounds; returns the
+        last turn (None when none started)."""
+        turn = self.stream_turn(start)
+        while self.rounds is not None and turn is not None and turn.reply_node is not None:
+            turn = self.tool_round(turn.reply_node)
+        return turn
+
+    def tool_round(self, reply: Any) -> Any:
+        """Answer ``reply``'s calls and generate the next step; None when there is none."""
+        from tierchat.core.chat.tool_rounds import call_summary
+
+        state = self.rounds.state(reply)
+        if state is None or not state.calls:
+            return None
+        for call in state.calls:
+            self.say(f"[tool call: {printable(call_summary(call))}]")
+        if state.step == "limit":
+            self.say(f"[the limit of {self.rounds.max_rounds} tool rounds is reached: not run]")
+        go = self.rounds.resolve(state, self.approve, wait=self.wait_call, on_result=self.result)
+        if not go:
+            return None
+        return self.stream_turn(lambda: self.rounds.next_round(state))
+
+    def approve(self, call: Any) -> Any:
+        """The ``y/n/a`` question for ``call``; end of input denies."""
+        from tierchat.core.chat.tool_rounds import Decision, call_summary
+
+        while True:
+            self.out.write(f"run {printable(call_summary(call))}? [y]es once, [n]o, [a]lways: ")
+            self.out.flush()
+            line = self.read()
+            if line is None:
+                return Decision("deny")
+            answer = line.strip().lower()
+            if answer in ("n", "no"):
+                self.out.write("reason (optional): ")
+                self.out.flush()
+                return Decision("deny", (self.read() or "").strip())
+            if answer in ("y", "yes"):
+                return Decision("once")
+            if answer in ("a", "always"):
+                return Decision("always")
+
+    def wait_call(self, handle: Any) -> Any:
+        """A call's result; Ctrl-C cancels it."""
+        try:
+            return handle.result()
+        except KeyboardInterrupt:
+            handle.cancel()
+            return handle.result()
+
+    def result(self, call: Any, node: Any) -> None:
+        meta = node.meta or {}
+        kind = "cancelled" if meta.get("cancelled") else "denied" if meta.get("denied") else None
+        kind = kind or ("error" if meta.get("is_error") else "ok")
+        first = node.content.strip().splitlines()[0] if node.content.strip() else ""
+        lines = node.content.count("\n") + 1
+        more = f" (+{lines - 1} lines)" if lines > 1 else ""
+        self.say(f"[tool {printable(call.display)} → {kind}: {printable(first[:160])}{more}]")
+
     def command(self, line: str) -> bool:
         """Run a /command; False to quit."""
         from tierchat.core.chat.session import SessionError
@@ -129,12 +202,14 @@ class LineChat:
                 self.say("[new conversation]")
             elif name == "/stats":
                 self.say(stats_lines(self.session.engine.stats()))
+            elif name == "/tools":
+                self.tools_command(rest.strip())
             else:
                 self.say(f"unknown command {name}; /help lists them")
         except (SessionError, StoreError) as e:
             print(f"error: {printable(str(e))}", file=self.err, flush=True)
         except ValueError as e:
-            if name == "/set" and str(e):
+            if name in ("/set", "/tools") and str(e):
                 print(f"error: {printable(str(e))}", file=self.err, flush=True)
                 return True
             usage = {
@@ -142,6 +217,7 @@ class LineChat:
                 "/edit": "/edit TURN TEXT",
                 "/regen": "/regen [TURN]",
                 "/set": "/set KEY VALUE (a number; stop: a|b; seed: empty for none)",
+                "/tools": "/tools [on|off NAME]",
             }.get(name, name)
             print(f"error: usage: {usage}", file=self.err, flush=True)
         return True
@@ -155,9 +231,12 @@ class LineChat:
         settings = self.session.settings()
         if not rest:
             for key, value in settings.to_dict().items():
-                self.say(f"[{key} = {printable(plain_value(value))}]")
+                if key not in TOOL_SETTINGS:
+                    self.say(f"[{key} = {printable(plain_value(value))}]")
             return
         key, _, value = rest.partition(" ")
+        if key in TOOL_SETTINGS:
+            raise ValueError(f"{key} is set with /tools")
         fields = {f.name: f for f in dataclasses.fields(settings)}
         if key not in fields:
             raise ValueError(f"unknown setting {key}; /set lists them")
@@ -167,8 +246,36 @@ class LineChat:
         self.session.save_settings(dataclasses.replace(settings, **{key: parsed}))
         self.say(f"[{key} = {printable(plain_value(parsed))}]")
 
-    def stream(self, start) -> None:
-        """Start a turn with ``start()`` and print its reply as it streams."""
+    def tools_command(self, rest: str) -> None:
+        """``/tools``: servers (state, enabled here) and tools; ``/tools on|off NAME``."""
+        if self.rounds is None or self.rounds.host is None:
+            self.say("[no MCP servers: add them to mcp.json in the config dir, or --mcp-config]")
+            return
+        if rest:
+            verb, _, name = rest.partition(" ")
+            if verb not in ("on", "off") or not name.strip():
+                raise ValueError("")
+            enabled = list(self.session.settings().tools)
+            name = name.strip()
+            enabled = [*enabled, name] if verb == "on" else [s for s in enabled if s != name]
+            try:
+                self.rounds.set_servers(enabled)
+            except KeyError as e:
+                raise ValueError(str(e.args[0])) from None
+        enabled = set(self.session.settings().tools)
+        for status in self.rounds.host.status():
+            on = "on " if status.name in enabled else "off"
+            self.say(f"[{on} {status.name} ({status.transport}, {status.state})]")
+            if status.error:
+                for line in status.error.splitlines():
+                    self.say(f"      {printable(line)}")
+            for tool in status.tools:
+                desc = " ".join(tool.description.split())[:80]
+                self.say(f"      {printable(tool.display)}: {printable(desc)}")
+
+    def stream_turn(self, start) -> Any:
+        """Start a turn with ``start()`` and print its reply as it streams; returns it
+        (None when it did not start)."""
         from tierchat.core.api import Failed, Finished, Stopping, TokenBatch
         from tierchat.core.chat.session import SessionError
         from tierchat.core.chat.sqlite import StoreError
@@ -177,10 +284,10 @@ class LineChat:
             turn = start()
         except StoreError as e:  # the turn could not be saved: say why, go on
             print(f"error: turn not saved: {printable(str(e))}", file=self.err, flush=True)
-            return
+            return None
         except SessionError as e:  # e.g. a prompt past the context: nothing was sent
             print(f"error: {printable(str(e))}", file=self.err, flush=True)
-            return
+            return None
         self.out.write("assistant> ")
         self.out.flush()
         events = turn.events()
@@ -202,13 +309,14 @@ class LineChat:
                 if turn.error is not None:
                     msg = printable(str(turn.error))
                     print(f"error: reply not saved: {msg}", file=self.err, flush=True)
-                return
+                return turn
             except KeyboardInterrupt:
                 turn.cancel()
                 events = turn.events()
 
 
 INT_SETTINGS = ("top_k", "max_tokens")
+TOOL_SETTINGS = ("tools", "allowed_tools")  # /tools sets them, /set shows neither
 
 
 def parse_setting(key: str, value: str) -> object:
@@ -284,23 +392,61 @@ def run_chat(
     from tierchat.core.live_status import StatusService
 
     check_cache_owner(settings)
-    store = open_store(settings.db_path, settings.store_busy_s)
+    host = start_tools(settings, err)
     try:
-        engine = start_engine(settings)
+        store = open_store(settings.db_path, settings.store_busy_s)
         try:
-            session = new_session(engine, store, settings)
-            session.new_conversation(system=system)
-            if inp.isatty():
-                print(
-                    f"tierchat chat with {settings.model} — /help for commands, Ctrl-D to quit",
-                    file=out,
-                    flush=True,
-                )
-            # `tierchat cache stats|clear` in another shell talk to this engine
-            with StatusService(engine, settings.cache_dir, "chat"):
-                LineChat(session, inp, out, err).loop()
+            engine = start_engine(settings)
+            try:
+                session = new_session(engine, store, settings)
+                rounds = tool_rounds(session, host, settings)
+                session.new_conversation(system=system)
+                if inp.isatty():
+                    print(
+                        f"tierchat chat with {settings.model} — /help for commands, Ctrl-D to quit",
+                        file=out,
+                        flush=True,
+                    )
+                # `tierchat cache stats|clear` in another shell talk to this engine
+                with StatusService(engine, settings.cache_dir, "chat"):
+                    LineChat(session, inp, out, err, rounds).loop()
+            finally:
+                engine.close()
         finally:
-            engine.close()
+            store.close()
     finally:
-        store.close()
+        if host is not None:
+            host.close()
     return EXIT_OK
+
+
+def start_tools(settings: Any, err: TextIO) -> Any:
+    """An :class:`~tierchat.core.tools.mcp_host.McpHost` with the servers of
+    ``settings.mcp_path`` started (None when there are none); a server that fails is
+    said on ``err`` and the chat goes on without it. Raises :class:`CLIError` (exit 2) for
+    a malformed file."""
+    from tierchat.core.tools.config import McpConfigError, load_servers
+    from tierchat.core.tools.mcp_host import McpHost
+
+    try:
+        servers = load_servers(settings.mcp_path, explicit=settings.mcp_config is not None)
+    except McpConfigError as e:
+        raise CLIError(str(e), EXIT_USAGE) from None
+    if not servers:
+        return None
+    host = McpHost(servers)
+    host.start()
+    for status in host.wait_ready():
+        if status.state != "ready":
+            print(f"warning: MCP server {printable(status.error)}", file=err, flush=True)
+    return host
+
+
+def tool_rounds(session: Any, host: Any, settings: Any) -> Any:
+    """The session's :class:`~tierchat.core.chat.tool_rounds.ToolRounds` (None without
+    servers); a new conversation gets every ready server's tools."""
+    if host is None:
+        return None
+    from tierchat.core.chat.tool_rounds import ToolRounds
+
+    return ToolRounds.from_settings(session, host, settings)

@@ -57,6 +57,10 @@ SETTING_FLAGS: dict[str, tuple[str, str]] = {
     "repetition_penalty": ("X", "penalize the last 20 tokens' repeats (1: off; 1.1-1.3 typical)"),
     "swipe_temperature": ("T", "temperature of a regenerate at temperature 0 (0: greedy)"),
     "memory_limit": ("SIZE", "memory limit for the prefill guard"),
+    "mcp_config": (
+        "PATH",
+        "MCP servers file, mcp.json notation (default: mcp.json in the config dir)",
+    ),
 }
 
 

@@ -132,9 +132,21 @@ class Settings:
     # how long one conversation-store operation waits for another process's lock
     # (seconds) before it is reported as failed and the next one runs
     store_busy_s: float = 10.0
+    # MCP tools in the chat (docs/DESIGN.md §12.1): the servers' file (None: mcp.json next
+    # to config.toml), the steps with tool calls one answer may take, one call's time
+    # limit (seconds), and servers whose tools run without asking
+    mcp_config: Path | None = None
+    tool_rounds: int = 8
+    tool_timeout_s: float = 120.0
+    tools_auto_allow: list[str] = field(default_factory=list)
     keymap: dict[str, str] = field(default_factory=dict)
     # where each value came from: key (or "keymap.<id>") -> "default", "file PATH", ...
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def mcp_path(self) -> Path:
+        """The MCP servers' file: ``mcp_config``, else ``mcp.json`` in the config dir."""
+        return self.mcp_config or default_config_path().parent / "mcp.json"
 
     @property
     def db_path(self) -> Path:
@@ -366,6 +378,14 @@ def _keymap(v: Any) -> dict[str, str]:
     return {bid: key.strip() for bid, key in v.items()}
 
 
+def _names(v: Any) -> list[str]:
+    if isinstance(v, str):  # env form: "a,b"
+        v = [p.strip() for p in v.split(",") if p.strip()]
+    if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+        raise TypeError("must be a list of names")
+    return list(v)
+
+
 def _chunk_attention(v: Any) -> int | None:
     if isinstance(v, str) and v.strip().lower() in ("auto", ""):
         return None
@@ -411,6 +431,10 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "memory_soft_fraction": _fraction,
     "memory_hard_fraction": _fraction,
     "store_busy_s": _positive_float,
+    "mcp_config": _optional(_path),
+    "tool_rounds": _positive_int,
+    "tool_timeout_s": _positive_float,
+    "tools_auto_allow": _names,
     "keymap": _keymap,
 }
 KEYS: tuple[str, ...] = tuple(f.name for f in fields(Settings) if f.name != "sources")
@@ -428,6 +452,8 @@ def to_toml(settings: Settings) -> str:
             continue
         if isinstance(value, bool):
             text = "true" if value else "false"
+        elif isinstance(value, list):
+            text = json.dumps([str(v) for v in value])
         elif isinstance(value, int | float):
             text = repr(value)
         else:  # a TOML basic string (JSON's escapes are TOML's)

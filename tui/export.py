@@ -3,7 +3,9 @@
 Pure Python over a ``ConversationStore``. JSON carries everything the store holds (ids,
 roles, content, generated token ids, meta with the turn's metrics, the selected branch);
 Markdown is for reading: the active path as a chat, or the tree as an outline where the
-branches on the active path are marked ``●``; user and system text is escaped so that it
+branches on the active path are marked ``●``; a step's tool calls are listed under it and a
+tool result is shown as a code block headed by its tool (errors, denials and cancels
+marked); user and system text is escaped so that it
 renders as typed (replies are the model's Markdown). A message cut inside a code block (a
 stopped reply, the token cap) gets its fence closed, so the rest of the file stays text.
 """
@@ -22,7 +24,7 @@ from tierchat.core.files import private_dirs, private_open
 ExportFormat = Literal["md", "json"]
 ExportScope = Literal["path", "tree"]
 
-ROLE_TITLES = {"system": "System", "user": "You", "assistant": "Assistant"}
+ROLE_TITLES = {"system": "System", "user": "You", "assistant": "Assistant", "tool": "Tool"}
 
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
 
@@ -72,6 +74,46 @@ def literal_markdown(text: str) -> str:
             line = match.group(1) + escaped + line[match.end() :]
         out.append(line)
     return "\\\n".join(out)
+
+
+def code_block(text: str) -> str:
+    """``text`` in a fence longer than any backtick run inside it."""
+    longest = max((len(m) for m in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}\n{text.rstrip()}\n{fence}"
+
+
+def _tool_title(node: Node) -> str:
+    """``server.tool`` of a tool result and how it ended (`` · error``...)."""
+    meta = node.meta or {}
+    name = f"{meta['server']}.{meta['tool']}" if meta.get("server") else meta.get("name", "tool")
+    for flag in ("cancelled", "denied", "timed_out"):
+        if meta.get(flag):
+            return f"{name} · {flag.replace('_', ' ')}"
+    return name + (" · error" if meta.get("is_error") else "")
+
+
+def _calls_markdown(node: Node) -> list[str]:
+    """One line per tool call of an assistant step: ``→ `name` `{"arguments"}```."""
+    out = []
+    for call in (node.meta or {}).get("tool_calls") or ():
+        fn = call.get("function") or {}
+        args = " ".join(str(fn.get("arguments", "")).split()).replace("`", "'")
+        out.append(f"→ calls `{fn.get('name', '?')}` with `{args}`")
+    return out
+
+
+def _body_markdown(node: Node, *, strip: bool = False) -> str:
+    """A message's body as the Markdown export shows it (``strip``: its content without
+    surrounding whitespace, as the outline shows it)."""
+    content = node.content.strip() if strip else node.content
+    if node.role == "tool":
+        return code_block(content)
+    if node.role == "assistant":
+        lines = [close_fences(content)] if content.strip() else []
+        calls = _calls_markdown(node)
+        return "\n\n".join(lines + (["\\\n".join(calls)] if calls else []))
+    return literal_markdown(content)
 
 
 def _node_dict(node: Node, *, active: bool) -> dict[str, Any]:
@@ -143,9 +185,10 @@ def export_conversation(
         for node in path:
             model = (node.meta or {}).get("model")
             head = ROLE_TITLES.get(node.role, node.role)
+            if node.role == "tool":
+                head += f" · {_tool_title(node)}"
             title = f"## {head}" + (f" · {model}" if model else "")
-            body = close_fences(node.content) if node.role == "assistant" else None
-            lines += [title, "", body if body is not None else literal_markdown(node.content), ""]
+            lines += [title, "", _body_markdown(node), ""]
         return "\n".join(lines).rstrip() + "\n"
 
     roots, children = _tree(store, conversation_id)
@@ -153,8 +196,9 @@ def export_conversation(
 
     def walk(node: Node, depth: int) -> None:
         mark = "●" if node.id in active else "○"
-        content = node.content.strip()
-        text = close_fences(content) if node.role == "assistant" else literal_markdown(content)
+        text = _body_markdown(node, strip=True)
+        if node.role == "tool":
+            text = f"({_tool_title(node)})\n{text}"
         text = text.replace("\n", "\n" + "  " * (depth + 1) + "  ")
         lines.append(f"{'  ' * depth}- {mark} **{ROLE_TITLES.get(node.role, node.role)}**: {text}")
         for child in children.get(node.id, []):

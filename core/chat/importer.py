@@ -22,7 +22,7 @@ VERSIONS = (1,)
 MAX_BYTES = 64 << 20
 """Largest file :func:`read_export` reads (bytes); a bigger one is refused unread."""
 
-_ROLES = ("system", "user", "assistant")
+_ROLES = ("system", "user", "assistant", "tool")
 
 
 class ImportFormatError(ValueError):

@@ -29,14 +29,18 @@ regenerate gives a new reply and a replay gives the same ones.
 A reply's generated token ids are spliced into later prompts only while the model that
 generated them is loaded (``meta["model"]``); after a model switch its text is tokenized
 by the new model instead (another model's ids are another vocabulary).
+
+Tools (docs/DESIGN.md §12.1): a conversation whose settings name MCP servers gets their
+tools (from :attr:`ChatSession.tools`) in every prompt; a reply's calls are stored in its
+meta, and :class:`~tierchat.core.chat.tool_rounds.ToolRounds` runs the rounds.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from ..api import (
     EngineLike,
@@ -45,14 +49,33 @@ from ..api import (
     Failed,
     Finished,
     GenerateRequest,
-    RequestHandle,
     Stopping,
 )
-from ..engine.sampling_checks import check_sampling
+from ..tools.rounds import reply_meta
 from .context_limit import ContextLimitExceeded, context_length, generation_room
+from .conversation_settings import ConversationSettings
 from .prompts import Prompt, PromptBuilder, decode_ids
 from .store import ConversationStore, Node, PathEntry
+from .tool_calls import ReplyFormat
 from .trash import Trash
+from .turn_handle import TurnHandle
+
+__all__ = ["ChatSession", "ContextLimitError", "ConversationSettings", "SessionError", "TurnHandle"]
+
+
+class ToolCatalog(Protocol):
+    """Where a session gets a conversation's tools: an
+    :class:`~tierchat.core.tools.mcp_host.McpHost`, or a stand-in in tests."""
+
+    def specs(self, servers: Sequence[str]) -> list[dict[str, Any]]:
+        """OpenAI function tools of ``servers`` (in a stable order)."""
+
+
+# the OpenAI chat fields a node's meta gives its prompt message, by role
+_MESSAGE_FIELDS = {
+    "assistant": ("tool_calls", "reasoning_content"),
+    "tool": ("tool_call_id", "name"),
+}
 
 
 class SessionError(Exception):
@@ -67,115 +90,6 @@ class ContextLimitError(SessionError):
     def __init__(self, limit: ContextLimitExceeded) -> None:
         super().__init__(str(limit))
         self.limit = limit
-
-
-@dataclass(frozen=True)
-class ConversationSettings:
-    """How a conversation generates. ``system``: the system prompt ("" for none; it
-    replaces a system message stored at the root of the tree). ``seed`` None: unseeded.
-    ``top_k`` 0, ``min_p`` 0, ``repetition_penalty`` 1 and the presence and frequency
-    penalties 0 are off; ``stop``: strings a reply ends before (core/engine/sampling.py). ``swipe_temperature``: the temperature of a
-    regenerate while ``temperature`` is 0 (0: regenerates stay greedy and repeat)."""
-
-    system: str = ""
-    temperature: float = 0.0
-    top_p: float = 1.0
-    max_tokens: int = 512
-    seed: int | None = None
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: tuple[str, ...] = ()
-    swipe_temperature: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["stop"] = list(self.stop)
-        return out
-
-    @classmethod
-    def from_dict(
-        cls, data: dict[str, Any], defaults: ConversationSettings
-    ) -> ConversationSettings:
-        """``data`` (as saved) over ``defaults``; unknown keys and bad values are ignored."""
-        values = defaults.to_dict()
-        for f in dataclasses.fields(cls):
-            if f.name in data:
-                values[f.name] = data[f.name]
-        try:
-            stop = values["stop"]
-            if isinstance(stop, str) or not all(isinstance(x, str) for x in stop):
-                raise TypeError("stop must be a list of strings")
-            out = cls(
-                system=str(values["system"] or ""),
-                temperature=float(values["temperature"]),
-                top_p=float(values["top_p"]),
-                top_k=int(values["top_k"]),
-                min_p=float(values["min_p"]),
-                repetition_penalty=float(values["repetition_penalty"]),
-                stop=tuple(stop),
-                max_tokens=int(values["max_tokens"]),
-                seed=None if values["seed"] is None else int(values["seed"]),
-                swipe_temperature=float(values["swipe_temperature"]),
-                presence_penalty=float(values["presence_penalty"]),
-                frequency_penalty=float(values["frequency_penalty"]),
-            )
-            return out.checked()
-        except (TypeError, ValueError):
-            return defaults
-
-    def checked(self) -> ConversationSettings:
-        """Raises ``ValueError`` naming the first value out of range."""
-        check_sampling(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            stop=self.stop,
-        )
-        if not 0.0 <= self.swipe_temperature <= 5.0:
-            raise ValueError(f"swipe temperature must be in 0..5, not {self.swipe_temperature}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max tokens must be at least 1, not {self.max_tokens}")
-        return self
-
-
-class TurnHandle(RequestHandle):
-    """One generating call: a :class:`RequestHandle` whose events are forwarded from the
-    engine's handle after the session has handled them, so ``events()``, ``wait()`` and
-    the caller's ``on_event`` all see a finished reply already stored and selected.
-    ``user_node`` is the user message answered, ``reply_node`` the stored reply once
-    finished (None before, and after a failure). ``kind`` is "send", "regenerate",
-    "edit" or "continue"; ``prompt`` the prompt of the path to ``user_node``; ``error`` an exception raised while storing
-    the reply (the event is still forwarded)."""
-
-    def __init__(
-        self, kind: str, user_node: Node, prompt: Prompt, on_event: EventCallback | None = None
-    ) -> None:
-        super().__init__(on_event)
-        self.kind = kind
-        self.user_node = user_node
-        self.prompt = prompt
-        self.reply_node: Node | None = None
-        self.continued: Node | None = None  # the reply a "continue" extends
-        self.error: Exception | None = None
-        self.request: GenerateRequest | None = None
-        self._handle: RequestHandle | None = None
-
-    @property
-    def request_handle(self) -> RequestHandle:
-        assert self._handle is not None
-        return self._handle
-
-    def cancel(self) -> None:
-        super().cancel()
-        if self._handle is not None:
-            self._handle.cancel()
 
 
 class ChatSession:
@@ -240,6 +154,7 @@ class ChatSession:
         self._turns: dict[int, TurnHandle] = {}  # the last turn of each conversation
         self._lock = threading.Lock()
         self._builder: PromptBuilder | None = None
+        self.tools: ToolCatalog | None = None  # the conversations' tools (docs/DESIGN.md §12.1)
 
     # ------------------------------------------------------------------ settings
 
@@ -261,13 +176,7 @@ class ChatSession:
         cid = self.conversation_id if conversation_id is None else conversation_id
         if cid is None:
             return self.defaults
-        saved = self.store.conversation_settings(cid)
-        defaults = self.defaults
-        if "system" not in saved:
-            root = self.store.selected_child(None, cid)
-            if root is not None and root.role == "system":
-                defaults = dataclasses.replace(defaults, system=root.content)
-        return ConversationSettings.from_dict(saved, defaults)
+        return ConversationSettings.saved(self.store, cid, self.defaults)
 
     def save_settings(self, settings: ConversationSettings) -> None:
         """Save ``settings`` with the open conversation. Raises ``ValueError`` for a value
@@ -278,7 +187,9 @@ class ChatSession:
 
     def prompt_messages(self, path: list[Node], settings: ConversationSettings | None = None):
         """What the model sees for ``path``: the conversation's system prompt first (it
-        replaces a stored system root), and no generated ids from another model."""
+        replaces a stored system root), and no generated ids from another model. An
+        assistant step's calls and a tool result carry their OpenAI chat fields from
+        ``meta`` (``tool_calls``, ``reasoning_content``; ``tool_call_id``, ``name``)."""
         settings = settings or self.settings(path[0].conversation_id if path else None)
         model = self.engine.model_name
         body = path[1:] if path and path[0].role == "system" else list(path)
@@ -289,13 +200,31 @@ class ChatSession:
             ids = node.token_ids
             if ids is not None and (node.meta or {}).get("model", model) != model:
                 ids = None
-            out.append({"role": node.role, "content": node.content, "token_ids": ids})
+            message = {"role": node.role, "content": node.content, "token_ids": ids}
+            meta = node.meta or {}
+            for key in _MESSAGE_FIELDS.get(node.role, ()):
+                if meta.get(key):
+                    message[key] = meta[key]
+            out.append(message)
         return out
 
-    def build_prompt(self, path: list[Any], settings: ConversationSettings | None = None) -> Prompt:
+    def tool_specs(self, settings: ConversationSettings) -> list[dict[str, Any]]:
+        """The OpenAI function tools the model gets under ``settings`` (its ``tools``
+        servers, from :attr:`tools`); [] when none."""
+        if not settings.tools or self.tools is None:
+            return []
+        return self.tools.specs(settings.tools)
+
+    def build_prompt(
+        self,
+        path: list[Any],
+        settings: ConversationSettings | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> Prompt:
         """The prompt for ``path`` (nodes, or role/content dicts) with the engine's current
         tokenizer (renders cached across turns; a new tokenizer, after a model switch,
-        starts a new cache). Raises :class:`SessionError` when no model is loaded."""
+        starts a new cache); ``tools`` (OpenAI function tools) rendered by the template.
+        Raises :class:`SessionError` when no model is loaded."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None or not self.engine.model_name:
             raise SessionError("no model is loaded yet: pick one (F4) or wait for it to load")
@@ -303,7 +232,7 @@ class ChatSession:
             path = self.prompt_messages(path, settings)
         if self._builder is None or self._builder.tokenizer is not tokenizer:
             self._builder = PromptBuilder(tokenizer)
-        return self._builder.build(path)
+        return self._builder.build(path, tools=tools or None)
 
     # ------------------------------------------------------------------ conversation
 
@@ -511,6 +440,27 @@ class ChatSession:
             user = self.store.get_node(reply.parent_id)
             return self._generate("continue", user, None, max_tokens, on_event, reply)
 
+    def generate_after(
+        self,
+        node_id: int,
+        *,
+        regenerate: bool = False,
+        max_tokens: int | None = None,
+        on_event: EventCallback | None = None,
+    ) -> TurnHandle:
+        """Generate an assistant step under node ``node_id`` (a user message, or the last
+        tool result of a round: the next step of a tool round, docs/DESIGN.md §12.1); the
+        prompt is the path to it. ``regenerate``: a new sibling of the steps already
+        there, sampled as a regenerate is (the swipe temperature). Raises
+        :class:`SessionError` while the conversation has a turn in flight."""
+        with self._lock:
+            node = self.store.get_node(node_id)
+            if node.role not in ("user", "tool"):
+                raise SessionError("a step follows a user message or a tool result")
+            self._check_idle(node.conversation_id)
+            kind = "regenerate" if regenerate else "round"
+            return self._generate(kind, node, None, max_tokens, on_event)
+
     def _check_idle(self, conversation_id: int | None) -> None:
         if self.in_flight(conversation_id) is not None:
             raise SessionError("a reply is still being generated")
@@ -530,7 +480,8 @@ class ChatSession:
         added = kind in ("send", "edit")
         try:
             settings = self.settings(user.conversation_id)
-            prompt = self.build_prompt(self.store.path_to(user.id), settings)
+            tools = self.tool_specs(settings)
+            prompt = self.build_prompt(self.store.path_to(user.id), settings, tools)
             n_replies = len(self.store.replies(user.id))
             ids = prompt.token_ids + (tuple(continued.token_ids) if continued is not None else ())
             max_tokens = self._room(len(ids), max_tokens, settings)
@@ -540,6 +491,7 @@ class ChatSession:
             raise
         turn = TurnHandle(kind, user, prompt, on_event)
         turn.continued = continued
+        turn.tools = tools
         temperature = settings.temperature
         if kind == "regenerate" and temperature == 0:
             temperature = settings.swipe_temperature  # a regenerate that differs
@@ -573,7 +525,7 @@ class ChatSession:
             turn.emit(event)
 
         try:
-            turn._handle = self.engine.submit(request, handle_event)
+            turn.attach(self.engine.submit(request, handle_event))
         except Exception:
             if added:
                 self._rollback(user, restore)
@@ -604,6 +556,10 @@ class ChatSession:
         meta = dataclasses.asdict(metrics)
         meta["model"] = self.engine.model_name
         text, ids = event.text, event.token_ids
+        if turn.tools and turn.continued is None:  # its calls into meta (docs/DESIGN.md §12.1)
+            fmt = ReplyFormat.of(self.engine.tokenizer)
+            self._safely(turn, lambda: meta.update(reply_meta(fmt, text, turn.tools)))
+            text = meta.pop("content", text)
         old = turn.continued
         if old is not None:  # the whole reply, as one generation would have made it
             meta["continued"] = (old.meta or {}).get("continued", 0) + 1

@@ -79,6 +79,46 @@ MIGRATIONS: tuple[str, ...] = (
         item TEXT NOT NULL
     );
     """,
+    # role "tool" (a tool call's result; docs/DESIGN.md §12.1): SQLite cannot change a
+    # CHECK, so the table is rebuilt (renamed away, created again, copied with its ids,
+    # the old one dropped; its indexes and the search triggers made again). The old rows'
+    # parents are cleared before the drop: a DROP whose implicit delete cascades within
+    # the table fails with "table is locked".
+    """
+    ALTER TABLE nodes RENAME TO nodes_old;
+    DROP TRIGGER nodes_fts_insert;
+    DROP TRIGGER nodes_fts_delete;
+    DROP TRIGGER nodes_fts_update;
+    CREATE TABLE nodes (
+        id INTEGER PRIMARY KEY,
+        conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        parent_id INTEGER REFERENCES nodes(id) ON DELETE CASCADE,
+        role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant', 'tool')),
+        content TEXT NOT NULL,
+        token_ids TEXT,
+        created_at REAL NOT NULL,
+        meta TEXT NOT NULL DEFAULT '{}',
+        selected_child INTEGER
+    );
+    INSERT INTO nodes (id, conversation_id, parent_id, role, content, token_ids, created_at,
+        meta, selected_child)
+        SELECT id, conversation_id, parent_id, role, content, token_ids, created_at, meta,
+        selected_child FROM nodes_old;
+    UPDATE nodes_old SET parent_id = NULL;
+    DROP TABLE nodes_old;
+    CREATE INDEX nodes_by_parent ON nodes(parent_id);
+    CREATE INDEX nodes_by_conversation ON nodes(conversation_id);
+    CREATE TRIGGER nodes_fts_insert AFTER INSERT ON nodes BEGIN
+        INSERT INTO nodes_fts(rowid, content) VALUES (new.id, new.content);
+    END;
+    CREATE TRIGGER nodes_fts_delete AFTER DELETE ON nodes BEGIN
+        INSERT INTO nodes_fts(nodes_fts, rowid, content) VALUES ('delete', old.id, old.content);
+    END;
+    CREATE TRIGGER nodes_fts_update AFTER UPDATE OF content ON nodes BEGIN
+        INSERT INTO nodes_fts(nodes_fts, rowid, content) VALUES ('delete', old.id, old.content);
+        INSERT INTO nodes_fts(rowid, content) VALUES (new.id, new.content);
+    END;
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -1,6 +1,6 @@
 """Conversation trees in SQLite (docs/DESIGN.md §12). Pure Python: stdlib ``sqlite3`` only.
 
-A conversation is a tree of nodes (system / user / assistant messages). Every parent
+A conversation is a tree of nodes (system / user / assistant messages, tool results). Every parent
 remembers one selected child, and the conversation remembers its selected root, so the
 **active path** -- what the model sees -- is the walk from the selected root through
 selected children. Regenerate adds an assistant sibling, edit adds a user sibling, swipe
@@ -39,7 +39,7 @@ from .sqlite import (
 if TYPE_CHECKING:
     from .importer import ImportedConversation, ImportedNode
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class ConversationError(StoreError, KeyError):

@@ -172,7 +172,7 @@ def test_unknown_ids(store):
         assert isinstance(e.value, KeyError)
         assert not str(e.value).startswith("'")  # a readable message, not a repr
     with pytest.raises(ValueError, match="role"):
-        store.add_node(cid, None, "tool", "x")
+        store.add_node(cid, None, "robot", "x")
 
 
 def test_failed_operation_leaves_no_partial_write(store):

@@ -193,6 +193,8 @@ class ConversationSettingsScreen(ModalScreen[ConversationSettings | None]):
             swipe_temperature=swipe,
             presence_penalty=presence,
             frequency_penalty=frequency,
+            tools=self.settings.tools,  # not on this form: kept as they are
+            allowed_tools=self.settings.allowed_tools,
         ).checked()
 
     @dataclass

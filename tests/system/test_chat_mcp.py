@@ -1,0 +1,118 @@
+"""``tierchat chat`` with MCP tools: the test server of ``tests/mcp_kit.py`` over stdio from
+an ``--mcp-config`` file, ``tiny:qwen2`` with recorded replies (``engine_kit.ScriptedEngine``),
+approval typed on stdin (y/n/a), ``/tools``, and the cache line of each round."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from engine_kit import ScriptedEngine
+from tierchat.cli.main import main
+
+pytestmark = pytest.mark.usefixtures("isolated_settings")
+KIT = Path(__file__).resolve().parents[1] / "mcp_kit.py"
+
+
+def call(name: str, args: dict) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(args)}}}\n</tool_call>'
+
+
+@pytest.fixture
+def argv(tmp_path, models_dir) -> list[str]:
+    config = tmp_path / "mcp.json"
+    config.write_text(
+        json.dumps({"mcpServers": {"kit": {"command": sys.executable, "args": [str(KIT)]}}})
+    )
+    return [
+        "chat",
+        "--model",
+        "tiny:qwen2",
+        "--block-size",
+        "16",
+        "--cache-dir",
+        str(tmp_path / "kv"),
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--models-dir",
+        str(models_dir),
+        "--max-tokens",
+        "96",
+        "--mcp-config",
+        str(config),
+    ]
+
+
+def scripted(monkeypatch, replies: list[str]) -> None:
+    import tierchat.cli.chat as chat
+
+    real = chat.start_engine
+    monkeypatch.setattr(chat, "start_engine", lambda s: ScriptedEngine(real(s), replies))
+
+
+def test_line_chat_runs_rounds_with_y_n_a_approval(capsys, monkeypatch, argv):
+    scripted(
+        monkeypatch,
+        [
+            call("echo", {"text": "hi"}),
+            "It said: echo: hi.",
+            call("echo", {"text": "again"}),
+            "Fine, no tool.",
+            call("echo", {"text": "always"}),
+            "Done.",
+            call("echo", {"text": "no question"}),
+            "Done again.",
+            call("write_file", {"path": "x"}),
+            "That tool does not exist.",
+        ],
+    )
+    lines = [
+        "Say hi through echo.",
+        "y",
+        "Again.",
+        "n",
+        "not now",
+        "Once more.",
+        "a",
+        "And again.",
+        "Break something.",
+        "/tools",
+        "/tools off kit",
+        "/tools on nope",
+        "/quit",
+    ]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "Traceback" not in out + err
+    assert out.count("? [y]es once, [n]o, [a]lways: ") == 3  # y, n, a; then allowed
+    assert "[tool kit.echo → ok: echo: hi]" in out
+    assert "[tool kit.echo → denied: the user denied this call: not now]" in out
+    assert "[tool kit.echo → ok: echo: no question]" in out
+    assert "[tool write_file → error: error: there is no tool named 'write_file'" in out
+    assert "It said: echo: hi." in out and "That tool does not exist." in out
+    assert "[on  kit (stdio, ready)]" in out and "kit.echo: Return the text, prefixed." in out
+    assert "[off kit (stdio, ready)]" in out
+    assert "no MCP server 'nope'" in err
+
+    # the round's line: the previous prompt and the call were restored, the result and
+    # the generation prompt prefilled
+    cost = re.findall(r"\[cached (\d+)/(\d+).*? · prefilled (\d+) · .*? · (\d+) tokens at", out)
+    (c1, p1, f1, g1), (c2, p2, f2, _) = [tuple(map(int, m)) for m in cost[:2]]
+    assert (c1, f1) == (0, p1)
+    assert c2 >= p1 + g1 and f2 == p2 - c2  # only the result and the generation prompt
+
+
+def test_a_malformed_mcp_config_is_a_usage_error(capsys, tmp_path, argv):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"mcpServers": {"x": {"command": 3}}}')
+    argv[argv.index("--mcp-config") + 1] = str(bad)
+    code = main(argv)
+    _, err = capsys.readouterr()
+    assert code == 2
+    assert err.strip() == f"error: {bad}: mcpServers.x.command must be a non-empty string"
