@@ -411,12 +411,14 @@ async def test_the_count_waits_for_a_pause_in_typing(make_app, monkeypatch):
         return real(session, text)
 
     monkeypatch.setattr(draft_meter, "count_draft", counting)
+    # a pause longer than a loaded machine takes between two of the keys below
+    monkeypatch.setattr(draft_meter, "DEBOUNCE_S", 2.0)
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         chat_screen(app).query_one(ChatInput).focus()
         await pilot.press(*"a burst of keys")
         assert calls == []  # nothing counted while typing
-        await pilot.pause(DEBOUNCE_S + 0.2)
+        await pilot.pause(draft_meter.DEBOUNCE_S + 0.3)
         await settle(pilot)
         assert calls == ["a burst of keys"]  # one count, of the whole draft

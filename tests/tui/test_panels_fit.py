@@ -79,7 +79,7 @@ async def test_every_panel_line_fits_its_panel(make_app, engine, monkeypatch, si
             await wait_for(pilot, lambda: screen.panels_visible, what="the panels")
         panels = screen.query_one(CachePanels)
         for _ in range(3):  # laid out, then shown again at the laid-out width
-            screen.poll_stats()
+            app.poll_stats()
             await pilot.pause()
         checked = 0
         for panel in panels.query(Panel):

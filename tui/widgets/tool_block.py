@@ -1,4 +1,4 @@
-"""Blocks of a tool round in the transcript (DESIGN §12.2): a call (server, tool, arguments)
+"""Blocks of a tool round in the transcript (docs/DESIGN.md §12.1): a call (server, tool, arguments)
 under the reply that made it, and a result (folded like a long paste, collapsible, errors
 and cancelled calls marked).
 """
