@@ -319,8 +319,10 @@ class ChatScreen(Screen):
 
     def turns_changed(self, *, ended: bool, first_token: bool = False) -> None:
         """A turn started, streamed its first token (the engine's last-turn record is now
-        its own: poll), or ended: the list, the keys and the panels follow."""
+        its own: poll), or ended: the list (its streaming marks), the keys and the panels
+        follow."""
         self.streaming = self.replying(self.conversation_id)
+        self.query_one(ConversationList).mark_streaming(self.pane.turns.turns)
         if first_token:
             self.tierchat.poll_stats()
         elif ended:
