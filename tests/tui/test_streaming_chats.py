@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 from test_many_turns import start_two
 from tierchat.tui.widgets.conversation_list import STREAMING_MARK, ConversationList
-from tui_kit import SIZE, chat_screen, enter, settle
+from tierchat.tui.widgets.transcript import MessageView, Transcript
+from tui_kit import SIZE, chat_screen, enter, settle, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -47,3 +48,43 @@ async def test_the_list_marks_streaming_conversations_until_their_reply_ends(
         # the open conversation's own mark stays
         listing = screen.query_one(ConversationList)
         assert str(listing.get_option(str(b)).prompt).startswith("●")
+
+
+async def test_a_streaming_conversation_shows_its_partial_reply_at_once(make_app, engine, store):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = chat_screen(app)
+        a, b = await start_two(pilot, engine)
+        turn = screen.pane.turns.turns[a]
+        partial = turn.text
+        assert partial and "Reply 1 to: first question".startswith(partial)
+        streamed = len(engine.requests), turn.text
+        transcript = screen.query_one(Transcript)
+        mounts: list[list[MessageView]] = []
+        mount_all = transcript.mount_all
+
+        def spy(widgets, *args, **kwargs):
+            mounts.append([w for w in widgets if isinstance(w, MessageView)])
+            return mount_all(widgets, *args, **kwargs)
+
+        transcript.mount_all = spy  # type: ignore[method-assign]
+        screen.action_open_conversation(a)
+        await screen.pane.synced()
+        views = transcript.views
+        assert [v.info.role for v in views] == ["user", "assistant"]
+        reply = views[-1]
+        assert reply.info.node_id is None and reply.has_class("-streaming")
+        # the partial reply is in the very mount that shows A's messages, with its text
+        assert mounts and mounts[-1] == views, mounts
+        assert reply.markdown.source == partial
+        assert (len(engine.requests), turn.text) == streamed  # no new token meanwhile
+        assert screen.pane.turns.stream_view is reply
+        # the next tokens extend the text mounted (not replace it)
+        await reply.stream_to(partial + "…more")
+        await wait_for(pilot, lambda: reply.markdown.source == partial + "…more")
+        # and the stream goes on from there
+        engine.gate.set()
+        await settle(pilot)
+        shown = transcript.views
+        assert shown[-1].info.content == "Reply 1 to: first question"
+        assert store.active_path(a)[-1].content == "Reply 1 to: first question"
