@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from tierchat.core.api import (
     CACHE_KINDS,
     CACHE_SOURCES,
@@ -572,5 +573,8 @@ class FakeEngine:
             if caching:
                 self._store(prompt, prompt + tuple(out))
             self._last_turn = metrics
+        if request.teacher_ids:  # as the real engine: a teacher-forced run keeps logprobs
+            vocab = max((*request.teacher_ids, *out)) + 1  # enough to index every id
+            handle.logprobs = [np.full(vocab, -1.0, np.float32) for _ in out]
         shown = [i for i in out if i != self._eos]
         handle.emit(Finished(tuple(out), self._tokenizer.decode(shown), metrics))

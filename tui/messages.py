@@ -62,6 +62,28 @@ class ReplyFailed(Message):
 
 
 @dataclass
+class VerifyAdvanced(Message):
+    """A verify against cold (core/chat/verify.py) has run ``done`` of ``total`` token
+    positions of its three runs (cumulative)."""
+
+    done: int
+    total: int
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, VerifyAdvanced)
+
+
+@dataclass
+class VerifyEnded(Message):
+    """A verify against cold ended: ``report`` (a ``VerifyReport``) when it completed,
+    ``stopped`` when its cancel was set, else ``error`` says why it failed."""
+
+    report: object = None
+    stopped: bool = False
+    error: str = ""
+
+
+@dataclass
 class ModelLoadAdvanced(Message):
     """Loading ``model`` is at step ``done`` of ``total``."""
 

@@ -215,24 +215,23 @@ class TurnRunner:
 
     async def attach(self, infos: list[MessageInfo]) -> None:
         """Show the conversation shown as it stands: its path (:meth:`visible`) and, when
-        its turn is in flight, the placeholder with the text streamed so far."""
+        its turn is in flight, the placeholder with the text streamed so far, mounted
+        with the path's messages (not after them: no frame shows the path without it)."""
         transcript, _, box = self.host.widgets()
         infos = self.visible(infos)
-        await transcript.sync(infos)
+        turn = self.shown()
+        placeholder = None
+        if turn is not None and turn.handle is not None:  # mounted with the path, its text
+            number = sum(1 for i in infos if i.role == "user") - 1  # so far in it: at once
+            text = turn.prefix + turn.text if turn.text else ""
+            placeholder = MessageInfo(None, "assistant", text, number, model=self.host.model_name)
+        view = await transcript.sync(infos, placeholder)
+        if turn is not None and view is not None:
+            turn.view = view
         cid = self.host.conversation_id
         unsent = self._unsent.pop(cid, None) if cid is not None else None
         if unsent is not None and not box.text.strip():
             box.load_text(unsent)
-        turn = self.shown()
-        if turn is None or turn.handle is None:
-            return
-        if turn.view is not None and turn.view in transcript.views:
-            return
-        number = sum(1 for i in infos if i.role == "user") - 1
-        placeholder = MessageInfo(None, "assistant", "", number, model=self.host.model_name)
-        turn.view = await transcript.add_streaming_reply(placeholder)
-        if turn.text:
-            await turn.view.stream_to(turn.prefix + turn.text)
 
     def _drop(self, turn: Turn) -> None:
         if self.turns.get(turn.conversation_id) is turn:

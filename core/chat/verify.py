@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -120,6 +121,11 @@ class VerifyReport:
 
 Progress = Callable[[int, int], None]
 
+CANCEL_POLL_S = 0.1
+"""How often a waiting verify looks at its ``cancel`` event while its run emits nothing
+(queued behind other requests, or held): a stop takes effect within this, or at the
+run's next engine step."""
+
 
 class _Runs:
     """The three runs of one verify and their progress: ``done`` of ``total`` token
@@ -166,12 +172,18 @@ def _forced(engine: Any, prompt, reply, boundaries, use_cache: bool, timeout: fl
     if runs.stopped():
         handle.cancel()
     decoded = 0
+    last = time.monotonic()
     while True:
-        try:
-            event = events.get(timeout=timeout)
+        try:  # in slices: a stop reaches a run that emits nothing (queued, or held)
+            event = events.get(timeout=min(timeout, CANCEL_POLL_S))
         except queue.Empty:
-            handle.cancel()
-            raise VerifyError(f"the {what} run did not go on for {timeout:.0f} s") from None
+            if runs.stopped():
+                handle.cancel()
+            elif time.monotonic() - last >= timeout:
+                handle.cancel()
+                raise VerifyError(f"the {what} run did not go on for {timeout:.0f} s") from None
+            continue
+        last = time.monotonic()
         if isinstance(event, PrefillProgress):
             runs.tell(runs.n - event.total + event.done)
         elif isinstance(event, TokenBatch) and event.token_ids:

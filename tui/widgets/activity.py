@@ -1,4 +1,5 @@
-"""A one-line progress strip above the input: prefill progress or model loading."""
+"""A one-line progress strip above the input: prefill progress, a verify against cold or
+model loading."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from tierchat.core.units import fmt_count
 
 
 class ActivityBar(Horizontal):
-    """Hidden unless a long prefill or a model load is under way."""
+    """Hidden unless a long prefill, a verify or a model load is under way."""
 
     DEFAULT_CSS = """
     ActivityBar { height: 1; padding: 0 1; display: none; }
@@ -49,11 +50,20 @@ class ActivityBar(Horizontal):
             return
         self._show(label, done, total)
 
-    def show_stopping(self) -> None:
+    def show_verify(self, done: int, total: int) -> None:
+        """A verify's progress (core/chat/verify.py): ``done`` of ``total`` token
+        positions over its three runs, and which run: the cached one, then two cold."""
+        run = min(2, done * 3 // max(total, 1))
+        what = ("through the cache", "cold 1/2", "cold 2/2")[run]
+        label = f"verify {fmt_count(done)}/{fmt_count(total)} tokens · {what} · Esc stops"
+        self._show(label, done, total)
+
+    def show_stopping(self, what: str = "") -> None:
         """A stop was asked for: it takes effect at the engine's next step (an
-        indeterminate bar until the reply's last event)."""
+        indeterminate bar until the reply's last event); ``what``: " verify" for a
+        verify, "" for a reply."""
         self.add_class("-active")
-        self.query_one("#activity-label", Static).update("stopping…")
+        self.query_one("#activity-label", Static).update(f"stopping{what}…")
         self.query_one(ProgressBar).update(total=None)
 
     def show_loading(self, model: str, done: int, total: int, note: str) -> None:

@@ -40,8 +40,14 @@ def fmt_when(epoch: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.gmtime(epoch)) if epoch else ""
 
 
+STREAMING_MARK = "… "
+"""Before the title of a conversation whose reply is still streaming (the open one is
+marked ``●`` in the column before)."""
+
+
 class ConversationList(OptionList):
-    """Option ids are conversation ids as strings; the open one is marked ``●``."""
+    """Option ids are conversation ids as strings; the open one is marked ``●``, one
+    whose reply streams :data:`STREAMING_MARK` before its title."""
 
     DEFAULT_CSS = """
     ConversationList { height: 1fr; border: round $primary 40%; background: transparent; }
@@ -57,19 +63,34 @@ class ConversationList(OptionList):
         super().__init__(id=id)
         self.border_title = "Conversations"
         self.rows: list[ConversationRow] = []
+        self.active_id: int | None = None
+        self.streaming: frozenset[int] = frozenset()
+        """Conversations whose reply streams (marked)."""
+
+    def _prompt(self, row: ConversationRow) -> str:
+        mark = "●" if row.id == self.active_id else " "
+        stream = STREAMING_MARK if row.id in self.streaming else ""
+        return f"{mark} {stream}{escape(row.title)}\n  [dim]{fmt_when(row.when)}[/]"
 
     def show(self, rows: Iterable[ConversationRow], active_id: int | None) -> None:
         """Replace the options, keeping the highlight on ``active_id`` when it is listed."""
         self.rows = list(rows)
+        self.active_id = active_id
         self.clear_options()
         for row in self.rows:
-            mark = "●" if row.id == active_id else " "
-            prompt = f"{mark} {escape(row.title)}\n  [dim]{fmt_when(row.when)}[/]"
-            self.add_option(Option(prompt, id=str(row.id)))
+            self.add_option(Option(self._prompt(row), id=str(row.id)))
         ids = [row.id for row in self.rows]
         if active_id in ids:
             self.highlighted = ids.index(active_id)
         self.border_subtitle = f"{len(self.rows)}"
+
+    def mark_streaming(self, conversation_ids: Iterable[int]) -> None:
+        """Mark the conversations whose reply streams (and unmark the others)."""
+        streaming = frozenset(conversation_ids)
+        changed, self.streaming = streaming ^ self.streaming, streaming
+        for row in self.rows:
+            if row.id in changed:
+                self.replace_option_prompt(str(row.id), self._prompt(row))
 
     @property
     def highlighted_id(self) -> int | None:

@@ -185,8 +185,9 @@ class MessageView(Vertical):
         super().__init__(classes=f"-{info.role}")
         self.info = info
         self._stream: MarkdownStream | None = None
-        self._shown_text = ""
-        self._shown_answer = ""
+        # a streaming reply mounted with its text so far (``info.content``) shows it at once
+        self._shown_text = info.content if streaming else ""
+        self._shown_answer = self._parts(info.content)[1] if streaming else ""
         self._last_turn = True
         self.set_class(streaming, "-streaming")
 
@@ -334,7 +335,8 @@ class MessageView(Vertical):
                 await self.markdown.update("")  # drop the "…" placeholder
             return
         if self._stream is None:
-            await self.markdown.update("")
+            if not self._shown_answer:  # the "…" placeholder (else: the text mounted with)
+                await self.markdown.update("")
             self._stream = Markdown.get_stream(self.markdown)
         self._shown_answer = answer
         await self._stream.write(delta)
@@ -438,10 +440,14 @@ class Transcript(VerticalScroll):
     def views(self) -> list[MessageView]:
         return list(self.query_children(MessageView))
 
-    async def sync(self, infos: list[MessageInfo]) -> None:
-        """Show exactly ``infos``: keep views whose node ids match, remount the rest."""
+    async def sync(
+        self, infos: list[MessageInfo], streaming: MessageInfo | None = None
+    ) -> MessageView | None:
+        """Show exactly ``infos``: keep views whose node ids match, remount the rest;
+        ``streaming``: a reply in flight after them (its text so far as content), mounted
+        with the rest. Returns its view (None without one)."""
         async with self._lock:
-            await self._sync(infos)
+            return await self._sync(infos, streaming)
 
     async def show_earlier(self, count: int | None = None) -> int:
         """Mount ``count`` (default :attr:`WINDOW`) more of the older messages; returns
@@ -473,7 +479,9 @@ class Transcript(VerticalScroll):
             return older + views
         return views
 
-    async def _sync(self, infos: list[MessageInfo]) -> None:
+    async def _sync(
+        self, infos: list[MessageInfo], streaming: MessageInfo | None = None
+    ) -> MessageView | None:
         ids = tuple(i.node_id for i in infos)
         if ids != tuple(i.node_id for i in self._infos):
             self.post_message(PathShown(ids))
@@ -500,18 +508,11 @@ class Transcript(VerticalScroll):
         for i, view in enumerate(views[:keep]):
             await view.update_info(infos[i], last_turn=i == last_assistant)
         new = [MessageView(info) for info in infos[keep:]]
-        if new:
-            await self.mount_all(new)
+        reply = MessageView(streaming, streaming=True) if streaming is not None else None
+        if new or reply is not None:
+            await self.mount_all([*new, *([reply] if reply is not None else [])])
             for offset, view in enumerate(new):
                 view.set_last_turn(keep + offset == last_assistant)
-        self.set_class(bool(infos), "-has-messages")
+        self.set_class(bool(infos) or reply is not None, "-has-messages")
         self.anchor()
-
-    async def add_streaming_reply(self, info: MessageInfo) -> MessageView:
-        """Mount the placeholder a new reply streams into."""
-        view = MessageView(info, streaming=True)
-        async with self._lock:
-            await self.mount(view)
-        self.set_class(True, "-has-messages")
-        self.anchor()
-        return view
+        return reply

@@ -14,6 +14,7 @@ crash. The screens it opens are in ``screens/search.py``, ``screens/raw_message.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -23,12 +24,14 @@ from textual.binding import Binding, BindingType
 from tierchat.core.chat.code_blocks import CodeBlock, fenced_blocks
 from tierchat.core.chat.editor import EditorError, edit_text
 from tierchat.core.chat.importer import read_export
-from tierchat.core.chat.verify import VerifyReport, verify_reply
+from tierchat.core.chat.verify import VerifyCancelled, VerifyReport, verify_reply
+from tierchat.tui.messages import VerifyAdvanced, VerifyEnded
 from tierchat.tui.screens.code_blocks import CodeBlocksScreen, block_label
 from tierchat.tui.screens.confirm import ConfirmScreen
 from tierchat.tui.screens.prompt import PromptScreen
 from tierchat.tui.screens.raw_message import RawMessageScreen
 from tierchat.tui.screens.search import SearchScreen
+from tierchat.tui.widgets.activity import ActivityBar
 from tierchat.tui.widgets.chat_input import ChatInput
 from tierchat.tui.widgets.transcript import MessageView, Transcript
 
@@ -180,35 +183,84 @@ class MessageTools:
         title = f"Raw text · {ROLE_NAMES.get(node.role, node.role)} message"
         self.tierchat.push_screen(RawMessageScreen(node.content, title))
 
+    # ------------------------------------------------------------------ verify
+
+    verify_cancel: threading.Event | None = None
+    """Set to stop the verify that runs (None: none runs); one at a time."""
+
+    @property
+    def verifying(self) -> bool:
+        """A verify against cold runs (Esc stops it)."""
+        return self.verify_cancel is not None
+
     def action_verify_turn(self) -> None:
-        """Verify the selected reply against cold (core/chat/verify.py) on a thread: the
-        report goes to the reply's row (stored with it), a notification and the events."""
+        """Verify the selected reply against cold (core/chat/verify.py) on a thread: its
+        progress in the activity bar, Esc stops it; the report goes to the reply's row
+        (stored with it), a notification and the events. One verify at a time."""
+        if self.verifying:
+            self.notify("A verify is running; Esc stops it.", title="Verify", severity="warning")
+            return
         target = self._message_target()
         if target is None or target.info.role != "assistant" or not target.info.node_id:
             self.notify("Select a reply to verify", severity="warning")
             return
         self.notify("Recomputing the reply with no cache, twice…", title="Verify against cold")
-        node_id = target.info.node_id
+        node_id, cancel = target.info.node_id, threading.Event()
+        self.verify_cancel = cancel
+        self.refresh_bindings()  # type: ignore[attr-defined]  # Esc: stop
         self.run_worker(  # type: ignore[attr-defined]
-            lambda: self._verify(node_id), thread=True, group="verify", exclusive=True
+            lambda: self._verify(node_id, cancel), thread=True, group="verify"
         )
 
-    def _verify(self, node_id: int) -> None:
-        """On a worker thread: the verify runs the engine twice and waits for it."""
-        try:
-            report = verify_reply(self.tierchat.session, node_id)
-        except Exception as e:  # noqa: BLE001 - reported on the UI thread
-            text = str(e) or type(e).__name__
-            self.tierchat.call_from_thread(
-                self.notify, text, title="Verify failed", severity="error"
-            )
-            return
-        self.tierchat.call_from_thread(self._verified, report)
+    def stop_verify(self) -> bool:
+        """Stop the verify that runs at its next engine step; False when none runs."""
+        if self.verify_cancel is None or self.verify_cancel.is_set():
+            return self.verify_cancel is not None
+        self.verify_cancel.set()
+        if not self.streaming:
+            self.query_one(ActivityBar).show_stopping(" verify")  # type: ignore[attr-defined]
+        return True
 
-    def _verified(self, report: VerifyReport) -> None:
-        self.notify(report.describe(), title="Verify against cold")
-        self.sync_transcript()
-        self.tierchat.poll_stats()
+    def _verify(self, node_id: int, cancel: threading.Event) -> None:
+        """On a worker thread: the verify runs the engine three times and waits for it;
+        its progress and end are posted as messages (no widget is touched here)."""
+        post = self.post_message  # type: ignore[attr-defined]
+
+        def progress(done: int, total: int) -> None:
+            post(VerifyAdvanced(done, total))
+
+        try:
+            report = verify_reply(
+                self.tierchat.session, node_id, on_progress=progress, cancel=cancel
+            )
+        except VerifyCancelled:
+            post(VerifyEnded(stopped=True))
+        except Exception as e:  # noqa: BLE001 - reported on the UI thread
+            post(VerifyEnded(error=str(e) or type(e).__name__))
+        else:
+            post(VerifyEnded(report=report))
+
+    def on_verify_advanced(self, event: VerifyAdvanced) -> None:
+        """The activity bar shows the verify's progress (unless a reply of the
+        conversation shown uses it, or the verify is stopping)."""
+        cancel = self.verify_cancel
+        if cancel is None or cancel.is_set() or self.streaming:
+            return
+        self.query_one(ActivityBar).show_verify(event.done, event.total)  # type: ignore[attr-defined]
+
+    def on_verify_ended(self, event: VerifyEnded) -> None:
+        self.verify_cancel = None
+        if not self.streaming:
+            self.query_one(ActivityBar).hide()  # type: ignore[attr-defined]
+        self.refresh_bindings()  # type: ignore[attr-defined]
+        if event.stopped:
+            self.notify("Verify stopped; nothing was stored.", title="Verify stopped", timeout=4)
+        elif event.error:
+            self.notify(event.error, title="Verify failed", severity="error")
+        elif isinstance(event.report, VerifyReport):
+            self.notify(event.report.describe(), title="Verify against cold")
+            self.sync_transcript()
+            self.tierchat.poll_stats()
 
     def action_copy_code(self) -> None:
         """Copy one fenced code block of the message under the cursor: at once when it

@@ -502,6 +502,13 @@ class MessagePane(MessageTools, Vertical):
         if ok:
             await self.resync(selected)
 
+    def stop(self) -> None:
+        """Esc: stop the reply of the conversation shown, else the verify that runs."""
+        if self.streaming:
+            self.turns.stop()
+        else:
+            self.stop_verify()
+
     @on(PrefillAdvanced)
     async def _prefill_advanced(self, event: PrefillAdvanced) -> None:
         await self.turns.prefill(event)

@@ -98,8 +98,8 @@ class ChatScreen(Screen):
     ]
 
     # Priority: F6/F7 are TextArea keys, Esc must stop a reply whatever has the focus.
-    # Ctrl+C stops a reply too (as in every terminal chat); idle, "stop" is unavailable
-    # and Ctrl+C reaches Textual's own binding (the quit hint).
+    # Ctrl+C stops a reply or a verify too (as in every terminal chat); idle, "stop" is
+    # unavailable and Ctrl+C reaches Textual's own binding (the quit hint).
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "stop", "Stop", id="stop", priority=True),
         Binding("ctrl+c", "stop", "Stop", id="interrupt", show=False, priority=True),
@@ -210,7 +210,7 @@ class ChatScreen(Screen):
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "stop":
-            return True if self.streaming else None
+            return True if self.streaming or self.pane.verifying else None
         if action in ("rename_conversation", "delete_conversation"):
             return True if self.conversation_id is not None and not self.streaming else None
         if action == "undo_delete":  # with nothing to undo, it says so
@@ -319,8 +319,10 @@ class ChatScreen(Screen):
 
     def turns_changed(self, *, ended: bool, first_token: bool = False) -> None:
         """A turn started, streamed its first token (the engine's last-turn record is now
-        its own: poll), or ended: the list, the keys and the panels follow."""
+        its own: poll), or ended: the list (its streaming marks), the keys and the panels
+        follow."""
         self.streaming = self.replying(self.conversation_id)
+        self.query_one(ConversationList).mark_streaming(self.pane.turns.turns)
         if first_token:
             self.tierchat.poll_stats()
         elif ended:
@@ -328,8 +330,9 @@ class ChatScreen(Screen):
             self.tierchat.poll_stats()
 
     def action_stop(self) -> None:
-        """Esc, whatever has the focus: stop the reply of the conversation shown."""
-        self.pane.turns.stop()
+        """Esc, whatever has the focus: stop the reply of the conversation shown, else a
+        verify that runs."""
+        self.pane.stop()
 
     # ------------------------------------------------------------------ model
 
