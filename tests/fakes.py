@@ -520,6 +520,8 @@ class FakeEngine:
         t1 = self.clock() if self.clock else 0.0
 
         text = self._reply_text(prompt)
+        # a request for a long story streams slowly, so that a key stops it on a loaded machine
+        slow = "long story" in self._tokenizer.decode(prompt[-64:])
         tok = self._tokenizer
         ids = (
             tok.char_ids(text)
@@ -545,7 +547,7 @@ class FakeEngine:
                 while not self.gate.wait(0.01) and not handle.cancelled:
                     pass
             if self.token_delay_s:
-                handle._cancel.wait(self.token_delay_s)
+                handle._cancel.wait(self.token_delay_s * (20 if slow else 1))
         t2 = self.clock() if self.clock else 0.0
 
         if self.clock is None:
