@@ -394,11 +394,26 @@ class Replayer:
         self.run.peak_mlx_bytes = MemorySampler._max(self.run.peak_mlx_bytes, sampler.mlx)
         self.launcher.stop(handle)
 
+    def check_context(self, port: int) -> None:
+        """Raise :class:`CLIError` when the longest prompt and its reply do not fit the
+        context ``/v1/models`` reports (tierchat serve would refuse those requests with a
+        400; mlx_lm.server reports none)."""
+        models = _get_json(port, "/v1/models").get("data") or [{}]
+        context = models[0].get("context_length")
+        longest = max(max(c.prompt_lengths) for c in self.convs)
+        if isinstance(context, int) and longest + self.max_tokens > context:
+            raise CLIError(
+                f"the session's longest prompt is {longest:,} tokens but the model's context "
+                f"is {context:,}: pick a model with a longer one (shape:qwen3-8b-128k)",
+                EXIT_USAGE,
+            )
+
     def replay(self, calibrate: Callable[[int], list[tuple[int, float]]] | None) -> ServerRun:
         """The whole run; ``calibrate(port)`` returns the cold ``(tokens, TTFT)`` points
         (None: no floors)."""
         handle, port, sampler = self._start()
         try:
+            self.check_context(port)
             self.t0 = time.perf_counter()
             k = self.restart_after
             self._phase(port, 0, k, "before")
