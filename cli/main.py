@@ -266,6 +266,49 @@ def build_parser() -> argparse.ArgumentParser:
         help="--serve --clients: the shared system prompt's tokens (default 1500)",
     )
     p.add_argument(
+        "--agent",
+        nargs="+",
+        metavar="SESSION",
+        help="instead: replay recorded agent sessions (claude-code, codex, opencode, "
+        "claude-code-long, or a file) through tierchat serve and mlx_lm.server: TTFT, "
+        "cached tokens, the floor, SSD writes, peak memory per request (agent_bench)",
+    )
+    p.add_argument(
+        "--sessions",
+        type=int,
+        default=1,
+        metavar="N",
+        help="--agent: copies of each session at once, told apart after the first user "
+        "message (sub-agents sharing the system prompt and tools; default 1)",
+    )
+    p.add_argument(
+        "--restart-after",
+        type=int,
+        default=None,
+        metavar="K",
+        help="--agent: SIGTERM and start each server again after every conversation's K-th request",
+    )
+    p.add_argument(
+        "--agent-max-tokens",
+        type=int,
+        default=16,
+        metavar="N",
+        help="--agent: tokens generated per request (default 16)",
+    )
+    p.add_argument(
+        "--floor-points",
+        type=int,
+        default=4,
+        metavar="N",
+        help="--agent: cold requests per server for the floor's prefill curve (0: no floor; "
+        "default 4)",
+    )
+    p.add_argument(
+        "--fresh-kernel-cache",
+        action="store_true",
+        help="--agent: each server with its own empty MLX kernel cache (MLX_PTX_CACHE_DIR, TMPDIR)",
+    )
+    p.add_argument(
         "--no-warm-round",
         action="store_true",
         help="--serve --clients: skip each server's unreported first round of the most "
@@ -361,6 +404,10 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
         from tierchat.cli.serve import run_serve
 
         return run_serve(settings, args)
+    if command == "bench" and args.agent:
+        from tierchat.cli.bench.agent_bench import run_agent_bench
+
+        return run_agent_bench(settings, args)
     if command == "bench" and args.serve and args.clients:
         from tierchat.cli.bench.clients import run_clients_bench
 

@@ -31,7 +31,7 @@ Every request is written as one JSON line to ``--out``: ``{"api", "path", "heade
 client and version sent it).
 
     python scripts/record_agent_session.py serve --out /tmp/log.jsonl --workdir DIR [--script tour]
-    python scripts/record_agent_session.py record claude-code|codex|opencode|all
+    python scripts/record_agent_session.py record claude-code|codex|opencode|all [--script read-large]
 
 ``serve`` prints ``recording on http://127.0.0.1:PORT/v1`` on stderr once it listens.
 ``record`` makes a scratch project (a small Python package), installs the CLIs (tests/
@@ -98,6 +98,22 @@ SCRIPTS: dict[str, list[Step]] = {
         Step("read", "pyproject.toml"),
     ],
 }
+# the long session (``record claude-code --script read-large``): this repository's largest
+# source files, copied into the scratch project under their own paths and read one by one,
+# so the prompt grows by ~8K tokens a step, past 64K tokens after the last
+LARGE_FILES = (
+    "core/cache/prefix.py",
+    "core/engine/engine.py",
+    "tui/screens/chat.py",
+    "core/cache/ssd/tier.py",
+    "core/chat/store.py",
+    "core/chat/session.py",
+    "core/chat/prompts.py",
+    "core/engine/scheduler.py",
+    "core/serve/anthropic_api.py",
+    "cli/bench/main.py",
+)
+SCRIPTS["read-large"] = [Step("shell", "ls -R"), *(Step("read", f) for f in LARGE_FILES)]
 
 
 # ---------------------------------------------------------------- the request's view
@@ -580,10 +596,24 @@ TOUR_TASK = (
 )
 
 
-def write_sample_project(root: Path) -> None:
+LARGE_TASK = (
+    "Read these source files of this project one by one, in this order, and after each one "
+    "summarize what it does in a few sentences: " + ", ".join(LARGE_FILES) + "."
+)
+TASKS = {"tour": TOUR_TASK, "read-large": LARGE_TASK, "notes": "Read notes.txt."}
+OUT_NAMES = {"tour": "agent-{name}", "read-large": "agent-{name}-long", "notes": "agent-{name}"}
+
+
+def write_sample_project(root: Path, script: str = "tour") -> None:
+    """The scratch project: the small package, plus (``read-large``) the files of
+    :data:`LARGE_FILES` copied from this repository under the same relative paths."""
     for rel, text in SAMPLE_PROJECT.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
+    if script == "read-large":
+        for rel in LARGE_FILES:
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(ROOT / rel, root / rel)
 
 
 def neutral(text: str, scratch: Path) -> str:
@@ -604,7 +634,10 @@ def neutral(text: str, scratch: Path) -> str:
     return text
 
 
-def record(name: str, timeout_s: float = 600) -> Path:
+def record(name: str, timeout_s: float = 600, script: str = "tour") -> Path:
+    """Run CLI ``name`` against the recorder with ``script`` and its task; write the
+    session to ``cli/workloads/`` (``agent-<name>.jsonl``; ``read-large``:
+    ``agent-<name>-long.jsonl.gz``). Returns the file written."""
     sys.path.insert(0, str(ROOT / "tests"))
     import agent_kit  # tests/agent_kit.py: the pinned CLIs and their configs
 
@@ -613,16 +646,17 @@ def record(name: str, timeout_s: float = 600) -> Path:
     try:
         project, log = scratch / "project", scratch / "log.jsonl"
         project.mkdir()
-        write_sample_project(project)
-        with RecorderServer(log, project, "tour") as server:
-            run = agent_kit.invocation(name, bins, server.url, project, scratch / "home", TOUR_TASK)
+        write_sample_project(project, script)
+        with RecorderServer(log, project, script) as server:
+            task = TASKS[script]
+            run = agent_kit.invocation(name, bins, server.url, project, scratch / "home", task)
             result = agent_kit.run_cli(run, timeout_s)
         print(result.stdout[-2000:], result.stderr[-2000:], sep="\n", file=sys.stderr)
         if result.returncode != 0:
             raise SystemExit(f"{name} exited {result.returncode}")
         lines = [json.loads(x) for x in neutral(log.read_text(), scratch).splitlines()]
         text = "".join(json.dumps(x) + "\n" for x in lines if x["api"])
-        out = ROOT / "cli" / "workloads" / f"agent-{name}.jsonl"
+        out = ROOT / "cli" / "workloads" / (OUT_NAMES[script].format(name=name) + ".jsonl")
         for stale in (out, out.with_suffix(".jsonl.gz")):
             stale.unlink(missing_ok=True)
         if len(text) > 1_000_000:
@@ -647,11 +681,17 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("record", help="record one CLI's session into cli/workloads/")
     r.add_argument("name", choices=["claude-code", "codex", "opencode", "all"])
     r.add_argument("--timeout-s", type=float, default=600)
+    r.add_argument(
+        "--script",
+        choices=sorted(SCRIPTS),
+        default="tour",
+        help="tour (the short sessions) or read-large (agent-<name>-long.jsonl.gz, past 64K)",
+    )
     args = p.parse_args(argv)
     if args.cmd == "record":
         names = ["claude-code", "codex", "opencode"] if args.name == "all" else [args.name]
         for name in names:
-            record(name, args.timeout_s)
+            record(name, args.timeout_s, args.script)
         return 0
     with RecorderServer(args.out, args.workdir.resolve(), args.script, args.port) as server:
         print(f"recording on {server.url}/v1", file=sys.stderr, flush=True)

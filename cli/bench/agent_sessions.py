@@ -19,6 +19,9 @@ Api = Literal["messages", "responses", "chat"]
 APIS: tuple[Api, ...] = ("messages", "responses", "chat")
 SESSIONS_DIR = Path(__file__).resolve().parents[1] / "workloads"
 SESSION_NAMES: tuple[str, ...] = ("claude-code", "codex", "opencode")
+# sessions that grow past 64K tokens (``agent-<name>.jsonl.gz``), kept apart from the short
+# ones that tests replay on tiny models
+LONG_SESSION_NAMES: tuple[str, ...] = ("claude-code-long",)
 
 
 @dataclass(frozen=True)
@@ -38,9 +41,10 @@ class RecordedRequest:
 
 
 def session_path(name_or_path: str | Path) -> Path:
-    """The file of a shipped session (``claude-code``, ``codex``, ``opencode``: ``agent-
-    <name>.jsonl`` or ``.jsonl.gz`` in :data:`SESSIONS_DIR`) or the path given."""
-    if str(name_or_path) in SESSION_NAMES:
+    """The file of a shipped session (``claude-code``, ``codex``, ``opencode``,
+    ``claude-code-long``: ``agent-<name>.jsonl`` or ``.jsonl.gz`` in :data:`SESSIONS_DIR`)
+    or the path given."""
+    if str(name_or_path) in SESSION_NAMES + LONG_SESSION_NAMES:
         for suffix in (".jsonl", ".jsonl.gz"):
             path = SESSIONS_DIR / f"agent-{name_or_path}{suffix}"
             if path.exists():
@@ -127,3 +131,40 @@ def as_chat_body(request: RecordedRequest, state: Any, max_tokens: int) -> dict[
     if chat.enable_thinking is not None:
         out["chat_template_kwargs"] = {"enable_thinking": chat.enable_thinking}
     return out
+
+
+def _append_text(content: Any, tag: str, part_type: str) -> Any:
+    """``content`` (a string or a list of parts) with ``tag`` after its last text part."""
+    if isinstance(content, str):
+        return content + tag
+    parts = list(content or [])
+    for i in range(len(parts) - 1, -1, -1):
+        part = parts[i]
+        if isinstance(part, dict) and part.get("type") in ("text", "input_text"):
+            parts[i] = {**part, "text": str(part.get("text", "")) + tag}
+            return parts
+    return [*parts, {"type": part_type, "text": tag.strip()}]
+
+
+def with_suffix(request: RecordedRequest, tag: str) -> RecordedRequest:
+    """``request`` with ``tag`` appended to the text of its conversation's first user
+    message: copies of one session tagged apart are different conversations that share
+    the system prompt, the tools and the user message's text up to the tag (sub-agents of
+    one agent). ``tag`` "": the request itself. Raises ValueError for a conversation
+    without a user message."""
+    if not tag:
+        return request
+    key = "input" if request.api == "responses" else "messages"
+    items = request.body.get(key)
+    if isinstance(items, str):  # a Responses input given as one string
+        return RecordedRequest(
+            request.api, request.path, {**request.body, key: items + tag}, request.headers
+        )
+    items = list(items or [])
+    for i, item in enumerate(items):
+        if isinstance(item, dict) and item.get("role") == "user":
+            kind = "input_text" if request.api == "responses" else "text"
+            items[i] = {**item, "content": _append_text(item.get("content"), tag, kind)}
+            body = {**request.body, key: items}
+            return RecordedRequest(request.api, request.path, body, request.headers)
+    raise ValueError(f"a {request.api} request without a user message: nothing to tag")

@@ -276,7 +276,8 @@ class MlxLm:
         self.max_tokens = max_tokens
         self.log_path = log_path
 
-    def start(self, timeout_s: float = 600):
+    def start(self, timeout_s: float = 600, extra_env: dict[str, str] | None = None):
+        """Start it; ``extra_env`` is added to its environment (a kernel cache dir)."""
         from tierchat.core.engine.device import peer_env
 
         port = free_port()
@@ -284,7 +285,7 @@ class MlxLm:
         cmd += ["--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--max-tokens", str(self.max_tokens), "--log-level", "WARNING"]
         # as it ships: not the MLX variables an engine of this process set for itself
-        env = peer_env()
+        env = peer_env() | (extra_env or {})
         return spawn_server("mlx_lm.server", cmd, port, self.log_path, bool, env, timeout_s)
 
     stop = staticmethod(stop_server)
@@ -308,12 +309,14 @@ class ServeProcess:
         self.config.write_text(to_toml(settings))
         self.log_path = workdir / "tierchat_serve.log"
 
-    def start(self, timeout_s: float = 900):
+    def start(self, timeout_s: float = 900, extra_env: dict[str, str] | None = None):
+        """Start it; ``extra_env`` is added to its environment (a kernel cache dir)."""
         port = free_port()
         cmd = [sys.executable, "-m", "tierchat.cli.main", "serve"]
         cmd += ["--host", "127.0.0.1", "--port", str(port)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("TIERCHAT_")}
         env["TIERCHAT_CONFIG"] = str(self.config)
+        env |= extra_env or {}
         loaded = lambda body: body.get("status") == "ok"  # noqa: E731 -- the model loaded
         return spawn_server("tierchat serve", cmd, port, self.log_path, loaded, env, timeout_s)
 

@@ -31,6 +31,9 @@ folder put into its models dir.
                         32 heads / 8 KV heads of 128 with q/k RMSNorm, MLP 12288, vocab
                         151936, untied, rope theta 1e6 (8.19B parameters). KVCache.
 ``qwen3-8b-4bit``       the same, 4-bit as mlx-community ships it (see below; ~4.6 GB).
+``qwen3-8b-128k``       the same with YaRN (factor 4 over 32,768 positions: 131,072), as
+                        Qwen3-8B's model card enables long contexts; for agent sessions past
+                        the 40,960 tokens of the plain config (``tierchat bench --agent``).
 ``qwen3-30b-a3b-4bit``  Qwen3-30B-A3B (``qwen3_moe``), 4-bit: 48 layers, hidden 2048, 32
                         heads / 4 KV heads of 128, 128 experts of 768 with 8 per token, vocab
                         151936, untied (30.5B parameters, 3.3B active; ~17 GB). KVCache.
@@ -190,6 +193,15 @@ SHAPES: dict[str, dict[str, Any]] = {
     "gemma3-270m": _GEMMA3_270M,
     "qwen3-8b": _QWEN3_8B,
     "qwen3-8b-4bit": _4bit(_QWEN3_8B),
+    "qwen3-8b-128k": {
+        **_QWEN3_8B,
+        "max_position_embeddings": 131072,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 32768,
+        },
+    },
     "qwen3-30b-a3b-4bit": _4bit(_QWEN3_30B_A3B),
     "qwen2.5-0.5b-4bit": _4bit(_QWEN25_05B),
 }
@@ -202,6 +214,7 @@ DESCRIPTIONS: dict[str, str] = {
     "cache: RotatingKVCache + KVCache",
     "qwen3-8b": "Qwen3-8B shapes (36 layers, hidden 4096), bf16 on a GPU; cache: KVCache",
     "qwen3-8b-4bit": "Qwen3-8B shapes, 4-bit (group 64, as mlx-community); cache: KVCache",
+    "qwen3-8b-128k": "Qwen3-8B shapes with YaRN to 131072 positions, bf16; cache: KVCache",
     "qwen3-30b-a3b-4bit": "Qwen3-30B-A3B MoE shapes (128 experts, 8 active), 4-bit; cache: KVCache",
     "qwen2.5-0.5b-4bit": "Qwen2.5-0.5B shapes, 4-bit (group 64); cache: KVCache",
 }

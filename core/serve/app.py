@@ -75,7 +75,8 @@ def create_app(state: ServeState) -> Starlette:
                 status_code=503,
                 headers={"Retry-After": str(SHUTDOWN_RETRY_AFTER_S)},
             )
-        wear = state.engine.stats().wear
+        stats = state.engine.stats()
+        wear, mem = stats.wear, stats.memory
         return JSONResponse(
             {
                 "status": "ok" if state.engine.model_name else "loading",
@@ -90,6 +91,13 @@ def create_app(state: ServeState) -> Starlette:
                         # what a crash would lose now (docs/DESIGN.md §8.6)
                         *("pending_bytes", "deferred", "deferred_bytes"),
                     )
+                },
+                # MLX's allocator (docs/DESIGN.md §11); peak: since the last prefill began
+                "memory": {
+                    "active_bytes": mem.active,
+                    "peak_bytes": mem.peak,
+                    "limit_bytes": mem.limit,
+                    "level": mem.level,
                 },
             }
         )
