@@ -23,9 +23,7 @@ so its TTFT has no forward at all (:meth:`~.cache.prefix.PrefixCache.restore_rep
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import gc
-import hashlib
 import queue
 import threading
 import time
@@ -37,7 +35,6 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
 from ...config.settings import Settings
 from ..api import (
@@ -50,26 +47,17 @@ from ..api import (
     RequestHandle,
     TurnMetrics,
 )
-from ..cache import layers as L
-from ..cache.blocks import LOGPROBS
-from ..cache.prefix import PrefixCache, probe_specs
-from ..cache.rates import Rates
-from ..memory import prefill as prefill_mod
+from ..cache.prefix import PrefixCache
 from ..memory import pressure as memory_mod
 from . import distributed as dist
 from . import ranks as ranks_mod
-from .attention import OFF, mlx_softmax, plan_attention, pow_softmax
+from .attention import plan_attention
 from .device import device_info, use_cuda_graphs, use_deterministic_kernels
-from .forward import last_logits_fn, verify_last_logits
-from .prefill_steps import auto_prefill_step
+from .runtime import Runtime, build_runtime
 from .scheduler import Scheduler
 
 _STOP = object()
 _BUSY_HOLD = "requests held"  # the engine's key among the SSD writer's holders
-# the CPU's limit on a folded last chunk, per layer (docs/DESIGN.md §7): a 1-token forward of
-# demo (24 layers, float32) costs about what 20 tokens' share of a prefill does, and the
-# folded chunk's extra work is one layer of its tokens
-FOLD_TOKENS_PER_LAYER = 20
 _live_engines: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -99,27 +87,18 @@ class Engine:
         if settings.bitwise:  # reproducible decode on CUDA too (core/engine/device.py)
             use_deterministic_kernels()
         use_cuda_graphs(settings.cuda_graphs)
-        self.model_name = ""
-        self.loaded = None
-        self.cache: PrefixCache | None = None
-        self.supported: bool | None = None
-        self.reason = ""
-        self.layer_kinds: tuple[str, ...] = ()
+        # the loaded model and what was built from it, swapped as one (None: none loaded)
+        self.runtime: Runtime | None = None
         self.record_logprobs = 0  # tests: keep the first N logprob vectors on the handle
         self._on_log = on_log or (lambda text: None)
         self._jobs: queue.Queue = queue.Queue()
         self._control: queue.Queue = queue.Queue()
         self._last = TurnMetrics()
-        self._kv_profile = None
         self._release_queued = threading.Event()
         # several ranks (docs/DESIGN.md §19): joined on the engine thread by the first load
         self.peers: ranks_mod.Peers = ranks_mod.OneProcess()
         # the load or request being sent to the ranks (the rank watchdog fails it)
         self._handle: RequestHandle | None = None
-        self._attention = OFF  # which attentions run in plain MLX ops (core/engine/attention.py)
-        self._last_logits = None  # set when this model's prompts use the folded schedule
-        self._fold_limit: int | None = None  # longest folded last chunk (None: any)
-        self._prefill_step = 0  # chunks are cut at its multiples (tokens; 0: not cut)
         # the requests held (docs/DESIGN.md §20); those that arrive while a step runs
         # can start within it (:meth:`_admit_arrived`)
         self._sched = Scheduler(self, arrivals=self._admit_arrived)
@@ -143,12 +122,39 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
     @property
+    def loaded(self) -> Any:
+        """The loaded model (:class:`~.models.loading.LoadedModel`), or None."""
+        return self.runtime.loaded if self.runtime is not None else None
+
+    @property
+    def cache(self) -> PrefixCache | None:
+        """The prefix cache of the loaded model, or None (none loaded, or caching off)."""
+        return self.runtime.cache if self.runtime is not None else None
+
+    @property
+    def model_name(self) -> str:
+        return self.runtime.spec if self.runtime is not None else ""
+
+    @property
+    def supported(self) -> bool | None:
+        """Whether the loaded model's caches can be cached (None: no model loaded)."""
+        return self.runtime.supported if self.runtime is not None else None
+
+    @property
+    def reason(self) -> str:
+        return self.runtime.reason if self.runtime is not None else ""
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        return self.runtime.layer_kinds if self.runtime is not None else ()
+
+    @property
     def tokenizer(self):
-        return self.loaded.tokenizer if self.loaded else None
+        return self.runtime.tokenizer if self.runtime is not None else None
 
     @property
     def eos_token_ids(self) -> set[int]:
-        return set(self.loaded.eos_token_ids) if self.loaded else set()
+        return self.runtime.eos_token_ids if self.runtime is not None else set()
 
     def submit(
         self, request: GenerateRequest, on_event: EventCallback | None = None
@@ -375,7 +381,7 @@ class Engine:
         # free the weights now, and MLX's buffer cache with them, so a restart in
         # the same process (replay, the bench) never holds two models' memory at
         # once (the folded schedule's head closure holds the trunk's weights too)
-        self.loaded, self._last_logits = None, None
+        self.runtime = None
         gc.collect()
         mx.clear_cache()
         # MLX wants each thread to destroy its own streams before it ends, or the
@@ -456,9 +462,10 @@ class Engine:
         """The prefill chunk for an ``n``-token prompt (:meth:`_plan_chunk`) on every rank.
 
         Raises:
-            prefill_mod.PrefillRefused: a rank has no chunk that fits its memory.
+            memory.prefill.PrefillRefused: a rank has no chunk that fits its memory.
         """
-        return self.peers.agree_chunk(lambda: self._plan_chunk(n), n)
+        runtime, hard = self.runtime, self.monitor.hard_line()
+        return self.peers.agree_chunk(lambda: runtime.plan_chunk(self.settings, n, hard), n)
 
     def _clear_tier(self, tier: str) -> str:
         """Clear ``tier`` of this rank's cache (rank 0 sent the same to every worker)."""
@@ -470,7 +477,7 @@ class Engine:
         """A worker's side of rank 0's engine closing: flush and drop the model."""
         if self.cache is not None:
             self.cache.close()
-        self.cache, self.loaded, self.model_name, self.supported = None, None, "", None
+        self.runtime = None
         self.peers.forget_restore()
 
     # ------------------------------------------------------------------ load
@@ -484,7 +491,7 @@ class Engine:
         self._handle = handle
         # the softmax keys the cache's entries: its first probe is kept with the cache
         choice = None if s.no_cache else Path(s.cache_dir) / "softmax.json"
-        self._attention = plan_attention(s.chunk_attention, choice_file=choice)
+        attention = plan_attention(s.chunk_attention, choice_file=choice)
         try:
             peers = self._join_peers()
             peers.send({"op": "load", "spec": spec})
@@ -496,124 +503,17 @@ class Engine:
         except Exception as exc:  # the current model and its cache stay as they were
             handle.emit(Failed(str(exc), kind="load"))
             return
-        if self.cache is not None:
-            self.cache.close()
-        self.cache, self.supported = None, None
-        self.loaded, self.model_name = loaded, spec
-        step = s.prefill_step or auto_prefill_step(loaded.model, s.prefill_chunk)
-        self._prefill_step = self.peers.all_min([step])[0]  # one on every rank (its shard's)
-        self._last_logits = None
-        warning = None
-        self._kv_profile = prefill_mod.kv_profile(loaded.model, lambda m: self._make_cache())
-        caches = self._make_cache()
-        try:
-            leaves = L.classify(caches)
-        except L.UnsupportedCache as exc:
-            self.supported, self.reason = False, f"caching off for {spec}: {exc}"
-            self.layer_kinds = ()
-            handle.emit(ModelLoaded(spec, warning=self.reason))
-            return
-        self.supported, self.reason = True, ""
-        self.layer_kinds = tuple(f"{lf.name}:{lf.kind}" for lf in leaves)
-        # on the CPU the folded chunk's last layer computes its output for the last token
-        # only (core/engine/forward.py); not across ranks, whose pipeline stages pass whole chunks
-        cpu = device_info().kind == "cpu"
-        splits = False  # the folded chunk's last layer runs the last token only
-        if not s.bitwise and not any(lf.snapshots for lf in leaves):
-            # models without recurrent state: the last chunk gives the first token (with
-            # its last layer split where that checks out, else whole)
-            for split in (True, False) if cpu and self.peers.size == 1 else (False,):
-                fn = last_logits_fn(loaded.model, split_last_layer=split)
-                if fn is not None and verify_last_logits(loaded.model, fn, self._make_cache):
-                    self._last_logits, splits = fn, split and fn.splits() > 0
-                    break
-        # a folded chunk that computes its last layer for every token (a prefill that ends
-        # before N skips that layer's output lazily) costs more than it saves on the CPU,
-        # where a forward has no fixed floor: there, unless the last layer splits, fold only
-        # chunks of at most FOLD_TOKENS_PER_LAYER tokens per layer (a GPU folds every one)
-        self._fold_limit = FOLD_TOKENS_PER_LAYER * len(leaves) if cpu and not splits else None
-        # one schedule and one softmax on every rank (pow_is_faster is timed per process)
-        pow_ = self._attention.softmax is pow_softmax
-        fold, pow_ = self.peers.all_min([int(self._last_logits is not None), int(pow_)])
-        if not fold:
-            self._last_logits = None
-        if not pow_:
-            self._attention = dataclasses.replace(self._attention, softmax=mlx_softmax)
-        # probe: two tokens through a throwaway cache give every cached array's shape
-        logits = loaded.model(mx.array([[0, 0]]), cache=caches)
-        mx.eval([c.state for c in caches])
-        spec_shapes = probe_specs(leaves, caches)
-        # and the first-token logprobs a prompt tail keeps (folded schedule)
-        spec_shapes[LOGPROBS] = ((logits.shape[-1],), logits.dtype)
-        if not s.no_cache:
-            kv = f"{loaded.fingerprint}/kv{s.kv_bits}g{s.kv_group_size}"
-            if self._attention.softmax is pow_softmax:  # entries of one softmax only
-                kv += "/pow-softmax"
-            fingerprint = hashlib.sha256(kv.encode()).hexdigest()
-            self.cache = PrefixCache(
-                fingerprint=fingerprint,
-                leaves=leaves,
-                spec=spec_shapes,
-                block_size=s.block_size,
-                hot_bytes=s.hot_bytes,
-                ssd_dir=Path(s.cache_dir),
-                ssd_bytes=s.ssd_bytes,
-                max_tails=s.tail_entries,
-                max_checkpoints=s.checkpoint_entries,
-                writer_queue=s.writer_queue,
-                pin_system=s.pin_system,
-                exact_prefix=self._last_logits is not None,
-                # across ranks every rank restores: a per-rank choice would split them
-                rates=Rates(Path(s.cache_dir) / f"rates-{fingerprint[:16]}.json")
-                if s.choose_recompute and self.peers.size == 1
-                else None,
-                write_budget=s.ssd_write_budget,
-                admission=s.ssd_admission,
-                model=spec,
-            )
-            warning = self.cache.ssd_warning()
-            self.cache.on_ssd_idle(self.release_host_buffers)
-            if self.cache.needs_prefill_rate and device_info().backend == "cuda":
-                self._calibrate_prefill()
-        self.peers.gather_stats(self.cache, self.monitor.stats)
-        handle.emit(ModelLoaded(spec, warning=warning))
-
-    def _calibrate_prefill(self, tokens: int = 1536) -> None:
-        """Measure the prefill rate once, at load, for the restore-or-recompute choice
-        (:mod:`.cache.rates`): after a warm-up prefill of ``tokens`` tokens (the first
-        use of each kernel compiles it), a prefill of a length no request has had yet, so
-        it pays the per-shape graph builds a recompute pays. On CUDA only, where computing
-        can beat reading the disk and the two prefills cost well under a second (8B
-        shapes on an H100); elsewhere the rates come from requests."""
-        model = self.loaded.model
-        with mx.stream(generation_stream):
-            for n in (tokens, tokens + 67):
-                ids = mx.arange(n)[None] % 2  # ids 0 and 1 exist in every vocabulary
-                t0 = time.perf_counter()
-                model(ids, cache=(caches := self._make_cache()))
-                mx.eval([c.state for c in caches])
-                dt = time.perf_counter() - t0
-        self.cache.observe_prefill(tokens + 67, dt)
-
-    def _make_cache(self) -> list[Any]:
-        model = self.loaded.model
-        caches = (
-            model.make_cache()
-            if hasattr(model, "make_cache")
-            else [KVCache() for _ in model.layers]
+        old, self.runtime = self.runtime, None
+        if old is not None and old.cache is not None:
+            old.cache.close()
+        del old
+        runtime, warning = build_runtime(
+            spec, loaded, s, attention, self.peers, self.release_host_buffers
         )
-        bits = self.settings.kv_bits
-        if not bits:
-            return caches
-
-        def quantize(c):
-            if type(c) is KVCache:
-                return QuantizedKVCache(group_size=self.settings.kv_group_size, bits=bits)
-            if isinstance(c, CacheList):
-                c.caches = tuple(quantize(x) for x in c.caches)
-            return c
-
-        return [quantize(c) for c in caches]
+        self.runtime = runtime
+        if runtime.supported:
+            self.peers.gather_stats(runtime.cache, self.monitor.stats)
+        handle.emit(ModelLoaded(spec, warning=warning))
 
     # ------------------------------------------------------------------ generate
     def _cap_tokens(self, max_tokens: int, n: int) -> int:
@@ -630,14 +530,7 @@ class Engine:
     @property
     def context_length(self) -> int | None:
         """The model's context length in tokens, from its config, or None if unknown."""
-        if self.loaded is None:
-            return None
-        args = getattr(self.loaded.model, "args", None)
-        for key in ("max_position_embeddings", "max_seq_len", "n_ctx"):
-            value = getattr(args, key, None)
-            if isinstance(value, int) and value > 0:
-                return value
-        return None
+        return self.runtime.info.context_length if self.runtime is not None else None
 
     # ------------------------------------------------------------------ memory
     def _apply_memory_pressure(self) -> None:
@@ -657,37 +550,3 @@ class Engine:
             budget, evicted = fitted
             level = self.monitor.level()
             cache.log(f"memory {level}: hot budget {budget:,} bytes ({evicted} evicted)")
-
-    def _plan_chunk(self, n: int) -> int:
-        """The prefill chunk (tokens): ``prefill_chunk``, or the largest smaller one whose
-        estimated peak fits the hard limit. A function of the prompt length and the memory
-        in use, never of what the cache holds, so cached and cold runs use one schedule
-        unless memory is short.
-
-        Raises:
-            prefill_mod.PrefillRefused: no chunk down to 16 tokens fits.
-        """
-        chunk = max(1, self.settings.prefill_chunk)
-        if n <= 1 or self._kv_profile is None:
-            return chunk
-        model = self.loaded.model
-        active = int(mx.get_active_memory())
-
-        def estimate(c: int) -> int:
-            return prefill_mod.estimate_for_model(
-                model,
-                self._kv_profile,
-                active_bytes=active,
-                new_tokens=n - 1,
-                context_tokens=n,
-                chunk_tokens=min(c, n - 1),
-            )
-
-        chunk, _ = prefill_mod.plan_prefill(
-            estimate,
-            self.monitor.hard_line(),
-            chunk,
-            min_chunk=min(16, chunk),
-            new_tokens=n - 1,
-        )
-        return chunk

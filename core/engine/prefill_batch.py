@@ -81,7 +81,7 @@ def prefill_group(prefills: list[Prefill]) -> int:
     folded = [p.ends[-1] == p.n for p in prefills]
     logits = None
     if any(folded):
-        logits = e._last_logits(tokens, merged, mx.array([n - 1 for n in lengths]))
+        logits = e.runtime.plan.last_logits(tokens, merged, mx.array([n - 1 for n in lengths]))
     else:
         e.loaded.model(tokens, cache=merged)
     computed: list[Any] = []

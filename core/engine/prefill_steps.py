@@ -64,7 +64,7 @@ def open_turn(
     """The request's cache object (docs/DESIGN.md §9): a :class:`CacheRequest` over the
     engine's prefix cache for the schedule ``points``, or a :class:`ColdRequest` with the
     cache off (for this request or the engine)."""
-    cache, fresh = engine.cache, engine._make_cache
+    cache, fresh = engine.cache, engine.runtime.make_cache
     if cache is None:
         return ColdRequest(fresh)
     if not req.use_cache:
@@ -119,10 +119,10 @@ class Prefill:
         e = engine
         n = len(req.prompt_ids)
         chunk = e._agreed_chunk(n)
-        fold = e._last_logits is not None
+        fold = e.runtime.plan.folds
         points = schedule_points(n, chunk, req.boundaries, fold=fold)
         checkpoints = set(points)
-        step = e._prefill_step
+        step = e.runtime.plan.step
         if step and not fold:  # the step's multiples are schedule points too (no checkpoint)
             points = sorted(checkpoints | set(range(step, n - 1, step)))
         sampling = make_request_sampler(req)  # the one place sampling is built (§2)
@@ -136,7 +136,7 @@ class Prefill:
             raise
         start = restored.position
         ends = chunk_ends(start, points, chunk if fold else 0)
-        limit = e._fold_limit
+        limit = e.runtime.plan.fold_limit
         if fold and limit is not None and ends and ends[-1] - max([start, *ends[:-1]]) > limit:
             ends[-1] = n - 1  # too long to fold here: the last token goes to decode
         handle.chunk_ends = tuple(ends)
@@ -164,7 +164,7 @@ class Prefill:
         e = self.engine
         pos = self.pos
         end = next(x for x in self.ends if x > pos)
-        step = e._prefill_step
+        step = e.runtime.plan.step
         if lone and budget is not None and not e.settings.bitwise:
             return min(end, pos + max(budget, step, 1))
         if step:
@@ -185,7 +185,7 @@ class Prefill:
         tokens_in = mx.array(self.prompt[pos:end])[None]
         computed = []
         if end == n:  # folded: this piece gives the first token's logits
-            logits = e._last_logits(tokens_in, self.caches)
+            logits = e.runtime.plan.last_logits(tokens_in, self.caches)
             self.first_logprobs = logprobs_of(logits).squeeze(0)  # kept: pre-processor
             computed.append(self.first_logprobs)
             if self.sampling.needs_logits:

@@ -164,7 +164,7 @@ class Scheduler:
         if e.peers.failed:  # the ranks failed: no step can meet its peers
             self.fail_all(e.peers.failed)
             return
-        with mx.stream(generation_stream), chunk_attention(e._attention), e.peers.watched("a step"):
+        with mx.stream(generation_stream), chunk_attention(e.runtime.attention), e.peers.watched("a step"):
             held = [*self.queued, *self.prefilling, *self.decoding.values()]
             cancelled = [seq.uid for seq in held if seq.handle.cancelled]
             if cancelled:
@@ -204,7 +204,7 @@ class Scheduler:
     def follow(self, action: dict) -> None:
         """A worker rank: run rank 0's scheduler ``action`` (docs/DESIGN.md §19), so every
         rank's requests take the same steps, in the same order."""
-        with mx.stream(generation_stream), chunk_attention(self.engine._attention):
+        with mx.stream(generation_stream), chunk_attention(self.engine.runtime.attention):
             self._apply(action)
 
     def _act(self, action: dict) -> None:
@@ -314,7 +314,7 @@ class Scheduler:
         budget, lone = None, False
         if self.decoding or len(self.prefilling) > 1 or self.queued:
             budget = self.cost.tokens_in(max(left_s, 0.05))  # what fits the step's time left
-        elif e._prefill_step and not e.settings.bitwise:
+        elif e.runtime.plan.step and not e.settings.bitwise:
             budget = self._lone_budget()
             lone = budget is not None
         return seq.prefill.next_end(budget, lone=lone)

@@ -250,7 +250,7 @@ def test_closing_an_engine_frees_the_model(tmp_path, models_dir):
 
     engine = make_engine("tiny:llama", tmp_path, models_dir, bitwise=False)
     trunk = weakref.ref(engine.loaded.model.model)
-    assert engine._last_logits is not None
+    assert engine.runtime.plan.folds
     engine.close()
     gc.collect()
     assert trunk() is None
@@ -274,7 +274,8 @@ def test_a_hold_clears_host_buffers_only_for_files_written_while_idle(monkeypatc
         ssd_files_written=0, hold_writes=lambda holder: True, release_writes=lambda holder: None
     )
     eng = engine_mod.Engine.__new__(engine_mod.Engine)  # the hold's state only: no thread
-    eng.cache, eng._write_while_busy, eng._writes_held = cache, False, False
+    eng.runtime = types.SimpleNamespace(cache=cache)
+    eng._write_while_busy, eng._writes_held = False, False
     eng._saves_at_clear = eng._saves_at_release = 0
     eng._clear_when_idle, eng._release_queued = False, threading.Event()
     eng._hold_writes(True)

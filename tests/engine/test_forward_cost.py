@@ -77,7 +77,7 @@ def _scheduler(prefill_step: int = 0) -> Scheduler:
     engine = types.SimpleNamespace(
         cache=types.SimpleNamespace(prefill_rate=0.0),
         settings=types.SimpleNamespace(bitwise=False, prefill_chunk=2048),
-        _prefill_step=prefill_step,
+        runtime=types.SimpleNamespace(plan=types.SimpleNamespace(step=prefill_step)),
     )
     return Scheduler(engine)
 

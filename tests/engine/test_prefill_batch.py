@@ -82,7 +82,7 @@ def test_a_group_of_folded_and_unfolded_rests_equals_each_alone(arch, tmp_path, 
     try:
         for e in (cold, hot):
             e.record_logprobs = 6
-            e._fold_limit = 20  # the CPU's limit on a folded chunk, made small
+            e.runtime = e.runtime.with_plan(fold_limit=20)  # the CPU's limit on a folded chunk, made small
         reqs = _requests()
         for r in reqs:
             r.pop("repetition_penalty", None)
