@@ -121,7 +121,7 @@ def _forced(engine: Any, prompt, reply, boundaries, use_cache: bool, timeout: fl
         raise VerifyError(f"the {'cached' if use_cache else 'cold'} run failed: {event.message}")
     if not isinstance(event, Finished):
         raise VerifyError(f"the {'cached' if use_cache else 'cold'} run did not finish in time")
-    return event, list(handle.logprobs)
+    return event, list(handle.trace.logprobs)
 
 
 def verify_turn(

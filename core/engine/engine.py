@@ -45,16 +45,16 @@ from ..api import (
     ModelLoaded,
     ModelLoading,
     RequestHandle,
-    TurnMetrics,
 )
 from ..cache.prefix import PrefixCache
 from ..memory import pressure as memory_mod
 from . import distributed as dist
 from . import ranks as ranks_mod
+from .actions import ClearTier, Close, Load
 from .attention import plan_attention
 from .device import device_info, use_cuda_graphs, use_deterministic_kernels
+from .executor import Executor
 from .runtime import Runtime, build_runtime
-from .scheduler import Scheduler
 
 _STOP = object()
 _BUSY_HOLD = "requests held"  # the engine's key among the SSD writer's holders
@@ -82,26 +82,22 @@ class Engine:
     through its :attr:`peers` (:mod:`.ranks`: one process alone, or a group of ranks).
     """
 
-    def __init__(self, settings: Settings, on_log: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        on_log: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.settings = settings
         if settings.bitwise:  # reproducible decode on CUDA too (core/engine/device.py)
             use_deterministic_kernels()
         use_cuda_graphs(settings.cuda_graphs)
-        # the loaded model and what was built from it, swapped as one (None: none loaded)
-        self.runtime: Runtime | None = None
-        self.record_logprobs = 0  # tests: keep the first N logprob vectors on the handle
         self._on_log = on_log or (lambda text: None)
         self._jobs: queue.Queue = queue.Queue()
         self._control: queue.Queue = queue.Queue()
-        self._last = TurnMetrics()
         self._release_queued = threading.Event()
-        # several ranks (docs/DESIGN.md §19): joined on the engine thread by the first load
-        self.peers: ranks_mod.Peers = ranks_mod.OneProcess()
         # the load or request being sent to the ranks (the rank watchdog fails it)
         self._handle: RequestHandle | None = None
-        # the requests held (docs/DESIGN.md §20); those that arrive while a step runs
-        # can start within it (:meth:`_admit_arrived`)
-        self._sched = Scheduler(self, arrivals=self._admit_arrived)
         self._backlog: deque = deque()  # jobs taken from the queue, not yet run
         busy_writes = settings.ssd_write_while_busy
         if busy_writes is None:
@@ -116,11 +112,46 @@ class Engine:
             soft_fraction=settings.memory_soft_fraction,
             hard_fraction=settings.memory_hard_fraction,
         )
+        # the requests held and the actions that move them (docs/DESIGN.md §20); those
+        # that arrive while a step runs can start within it (:meth:`_admit_arrived`);
+        # ``clock`` times forwards for the scheduler's budget (tests pass a still one)
+        self.executor = Executor(
+            settings, self.monitor, self.release_host_buffers, self._admit_arrived, clock
+        )
         self._thread = threading.Thread(target=self._run, name="tierchat-engine", daemon=True)
         self._thread.start()
         _live_engines.add(self)
 
     # ------------------------------------------------------------------ public API
+    @property
+    def runtime(self) -> Runtime | None:
+        """The loaded model and what was built from it (None: none loaded), swapped as
+        one reference by a load (docs/DESIGN.md §2)."""
+        return self.executor.runtime
+
+    @runtime.setter
+    def runtime(self, runtime: Runtime | None) -> None:
+        self.executor.runtime = runtime
+
+    @property
+    def peers(self) -> ranks_mod.Peers:
+        """This engine's ranks (docs/DESIGN.md §19): one process alone until the first
+        load joins a group it was launched in."""
+        return self.executor.peers
+
+    @peers.setter
+    def peers(self, peers: ranks_mod.Peers) -> None:
+        self.executor.peers = peers
+
+    @property
+    def record_logprobs(self) -> int:
+        """Tests: keep the first N steps' logprob vectors in each request's trace."""
+        return self.executor.record_logprobs
+
+    @record_logprobs.setter
+    def record_logprobs(self, n: int) -> None:
+        self.executor.record_logprobs = n
+
     @property
     def loaded(self) -> Any:
         """The loaded model (:class:`~.models.loading.LoadedModel`), or None."""
@@ -150,11 +181,11 @@ class Engine:
 
     @property
     def tokenizer(self):
-        return self.runtime.tokenizer if self.runtime is not None else None
+        return self.loaded.tokenizer if self.loaded is not None else None
 
     @property
     def eos_token_ids(self) -> set[int]:
-        return self.runtime.eos_token_ids if self.runtime is not None else set()
+        return set(self.loaded.eos_token_ids) if self.loaded is not None else set()
 
     def submit(
         self, request: GenerateRequest, on_event: EventCallback | None = None
@@ -168,7 +199,7 @@ class Engine:
 
     def load_model(self, model: str, on_event: EventCallback | None = None) -> RequestHandle:
         handle = RequestHandle(on_event)
-        self._jobs.put((self._load, model, handle))
+        self._jobs.put((self.load_here, model, handle))
         return handle
 
     def clear(self, tier: str) -> None:
@@ -238,9 +269,9 @@ class Engine:
                 reason=self.reason,
                 layer_kinds=self.layer_kinds,
                 memory=mem,
-                last_turn=self._last,
+                last_turn=self.executor.last,
                 ranks=self.peers.stats,
-                requests=self._sched.states(),
+                requests=self.executor.states(),
             )
         hot, ssd, tails, snaps, resident = cache.tier_stats()
         return CacheStats(
@@ -258,10 +289,10 @@ class Engine:
             resident=resident,
             lookups=cache.lookup_stats(),
             memory=mem,
-            last_turn=self._last,
+            last_turn=self.executor.last,
             events=tuple(cache.events),
             ranks=self.peers.stats,
-            requests=self._sched.states(),
+            requests=self.executor.states(),
         )
 
     # ------------------------------------------------------------------ thread
@@ -271,7 +302,7 @@ class Engine:
         the jobs behind them wait too (docs/DESIGN.md §20)."""
         backlog = self._backlog
         while True:
-            sched = self._sched
+            sched = self.executor
             self._take_jobs(block=not backlog and not sched.busy)
             while backlog:
                 job = backlog[0]
@@ -362,17 +393,17 @@ class Engine:
         if self.peers.failed:
             handle.emit(Failed(self.peers.failed, kind="error"))
             return
-        uid, self._handle = self._sched.next_uid, handle  # the watchdog fails it if need be
+        uid, self._handle = self.executor.next_uid, handle  # the watchdog fails it if need be
         try:  # across ranks the workers queue it too, with the same uid
             self.peers.share_request(req, uid)
         except dist.RankError as exc:
             handle.emit(Failed(str(exc), kind="error"))
             return
-        self._sched.admit(req, handle, uid)
+        self.executor.admit(req, handle, uid)
 
     def _stop(self) -> None:
         try:
-            self.peers.send({"op": "close"})
+            self.peers.send(Close())
         except dist.RankError as exc:
             self._on_log(str(exc))
         if self.cache is not None:
@@ -381,7 +412,8 @@ class Engine:
         # free the weights now, and MLX's buffer cache with them, so a restart in
         # the same process (replay, the bench) never holds two models' memory at
         # once (the folded schedule's head closure holds the trunk's weights too)
-        self.runtime = None
+        if self.runtime is not None:
+            self.runtime = self.runtime.unloaded()
         gc.collect()
         mx.clear_cache()
         # MLX wants each thread to destroy its own streams before it ends, or the
@@ -429,16 +461,16 @@ class Engine:
             try:
                 if tier not in ("hot", "ssd", "tails", "all", "resident"):
                     raise ValueError(f"unknown tier {tier!r}")
-                self.peers.send({"op": "clear", "tier": tier})
+                self.peers.send(ClearTier(tier))
                 if self.cache is not None or self.peers.size > 1:
-                    box.append(self._clear_tier(tier))
+                    box.append(self.clear_here(tier))
             except Exception as exc:
                 box.append(exc)
             finally:
                 done.set()
 
     # ------------------------------------------------------------------ ranks
-    def _join_peers(self) -> ranks_mod.Peers:
+    def join_peers(self) -> ranks_mod.Peers:
         """This process's peers: its ranks, joined on the first load when it was launched
         as one of several (docs/DESIGN.md §19), else one process alone.
 
@@ -454,34 +486,29 @@ class Engine:
     def _rank_timeout(self, message: str) -> None:
         # the watchdog thread: the engine thread is blocked in a collective
         self._on_log(message)
-        for handle in [self._handle, *self._sched.handles()]:
+        for handle in [self._handle, *self.executor.handles()]:
             if handle is not None and not handle.done:
                 handle.emit(Failed(message, kind="error"))
 
-    def _agreed_chunk(self, n: int) -> int:
-        """The prefill chunk for an ``n``-token prompt (:meth:`_plan_chunk`) on every rank.
-
-        Raises:
-            memory.prefill.PrefillRefused: a rank has no chunk that fits its memory.
-        """
-        runtime, hard = self.runtime, self.monitor.hard_line()
-        return self.peers.agree_chunk(lambda: runtime.plan_chunk(self.settings, n, hard), n)
-
-    def _clear_tier(self, tier: str) -> str:
-        """Clear ``tier`` of this rank's cache (rank 0 sent the same to every worker)."""
+    def clear_here(self, tier: str) -> str:
+        """Clear ``tier`` of this rank's cache (rank 0 sent the same to every worker); on
+        the engine thread. Returns the report."""
         msg = self.cache.clear(tier) if self.cache is not None else f"cleared {tier}: no cache"
         self.peers.gather_stats(self.cache, self.monitor.stats)
         return self.peers.on_every_rank(msg)
 
-    def _close_model(self) -> None:
-        """A worker's side of rank 0's engine closing: flush and drop the model."""
+    def close_model(self) -> None:
+        """A worker's side of rank 0's engine closing: flush and drop the model; on the
+        engine thread."""
         if self.cache is not None:
             self.cache.close()
         self.runtime = None
         self.peers.forget_restore()
 
     # ------------------------------------------------------------------ load
-    def _load(self, spec: str, handle: RequestHandle) -> None:
+    def load_here(self, spec: str, handle: RequestHandle) -> None:
+        """Load ``spec`` now, on the engine thread (a worker rank's loop; others queue it
+        with :meth:`load_model`): its events go to ``handle``."""
         from ..models.loading import load_model
 
         def progress(done: int, total: int, message: str = "") -> None:
@@ -493,8 +520,8 @@ class Engine:
         choice = None if s.no_cache else Path(s.cache_dir) / "softmax.json"
         attention = plan_attention(s.chunk_attention, choice_file=choice)
         try:
-            peers = self._join_peers()
-            peers.send({"op": "load", "spec": spec})
+            peers = self.join_peers()
+            peers.send(Load(spec))
             loaded = peers.agree_loaded(
                 lambda: load_model(
                     spec, models_dir=Path(s.models_dir), progress=progress, group=peers.group
@@ -516,37 +543,7 @@ class Engine:
         handle.emit(ModelLoaded(spec, warning=warning))
 
     # ------------------------------------------------------------------ generate
-    def _cap_tokens(self, max_tokens: int, n: int) -> int:
-        """``max_tokens`` capped so prompt + reply stays within the model's context length
-        (``max_position_embeddings`` of its config, when known); logged when it bites."""
-        ctx = self.context_length
-        if ctx is None:
-            return max_tokens
-        room = max(1, ctx - n)
-        if max_tokens > room and self.cache is not None:
-            self.cache.log(f"max tokens {max_tokens} capped at {room}: context length {ctx}")
-        return min(max_tokens, room)
-
     @property
     def context_length(self) -> int | None:
         """The model's context length in tokens, from its config, or None if unknown."""
-        return self.runtime.info.context_length if self.runtime is not None else None
-
-    # ------------------------------------------------------------------ memory
-    def _apply_memory_pressure(self) -> None:
-        """Shrink the hot tier's budget at soft/hard pressure, restore it at ok. Under
-        pressure MLX's pool of freed buffers goes back first (``mx.clear_cache()``): it
-        counts as in use, and on a GPU it grows to tens of GB under many requests (35 GiB
-        beside 17 GiB of live arrays with 16 clients of an 8B model on an H100), which
-        would otherwise empty the hot tier of what the next turns restore."""
-        cache = self.cache
-        if cache is None:
-            return
-        if memory_mod.should_clear_mlx_cache(self.monitor.level()):
-            mx.clear_cache()
-        configured = self.settings.hot_bytes
-        fitted = cache.fit_hot_budget(lambda held: self.monitor.budget(configured, held_bytes=held))
-        if fitted is not None:
-            budget, evicted = fitted
-            level = self.monitor.level()
-            cache.log(f"memory {level}: hot budget {budget:,} bytes ({evicted} evicted)")
+        return self.runtime.info.context_length if self.loaded is not None else None

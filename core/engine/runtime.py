@@ -100,6 +100,11 @@ class Runtime:
     def eos_token_ids(self) -> set[int]:
         return set(self.loaded.eos_token_ids)
 
+    def unloaded(self) -> Runtime:
+        """This runtime without its model (the engine closed): the weights and the folded
+        schedule's closure over them go; the cache, closed, stays readable for stats."""
+        return dataclasses.replace(self, loaded=None, make_cache=_no_model, plan=PrefillPlan())
+
     def with_plan(self, **changes: Any) -> Runtime:
         """This runtime with its prefill plan's ``changes`` (tests shrink ``fold_limit``)."""
         return dataclasses.replace(self, plan=dataclasses.replace(self.plan, **changes))
@@ -133,6 +138,10 @@ class Runtime:
             estimate, hard_line, chunk, min_chunk=min(16, chunk), new_tokens=n - 1
         )
         return chunk
+
+
+def _no_model() -> list[Any]:
+    raise RuntimeError("no model loaded")
 
 
 def cache_factory(model: Any, settings: Settings) -> Callable[[], list[Any]]:

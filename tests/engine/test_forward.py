@@ -48,9 +48,9 @@ def test_last_chunk_gives_the_first_token_on_models_without_state(tmp_path, mode
         b, hb = generate(engine, prompt, max_tokens=4, boundaries=bounds)
         assert_same(a, ha, b, hb)
         if arch in STATE_ARCHS:
-            assert hb.chunk_ends == (9, 32, 40, 64, 74)
+            assert hb.trace.chunk_ends == (9, 32, 40, 64, 74)
         else:  # message ends are no chunk ends; the last chunk ends at N
-            assert hb.chunk_ends == (32, 64, 75)
+            assert hb.trace.chunk_ends == (32, 64, 75)
         # a next turn: one chunk after the restored prompt + reply on KV models (chunks
         # count from the restore point)
         longer = prompt + b.token_ids + random_prompt(20, seed=8)
@@ -59,7 +59,7 @@ def test_last_chunk_gives_the_first_token_on_models_without_state(tmp_path, mode
         assert_same(c, hc, d, hd)
         assert d.metrics.cached_tokens >= len(prompt)
         if arch not in STATE_ARCHS:
-            assert len(hd.chunk_ends) == 1 and hd.chunk_ends[-1] == len(longer)
+            assert len(hd.trace.chunk_ends) == 1 and hd.trace.chunk_ends[-1] == len(longer)
     finally:
         engine.close()
         cold.close()
@@ -177,7 +177,7 @@ def test_a_split_last_layer_folds_long_last_chunks_on_the_cpu(tmp_path, models_d
             a, ha = generate(cold, prompt, max_tokens=4)
             b, hb = generate(engine, prompt, max_tokens=4)
             assert_same(a, ha, b, hb)
-            assert hb.chunk_ends == ends
+            assert hb.trace.chunk_ends == ends
         finally:
             engine.close()
             cold.close()
@@ -198,10 +198,10 @@ def test_folded_schedule_with_quantized_kv(tmp_path, models_dir):
             a, ha = generate(cold, prompt, max_tokens=4)
             b, hb = generate(engine, prompt, max_tokens=4)
             assert a.token_ids == b.token_ids
-            for x, y in zip(ha.logprobs, hb.logprobs, strict=True):
+            for x, y in zip(ha.trace.logprobs, hb.trace.logprobs, strict=True):
                 assert float(np.abs(x - y).max()) < 1e-3
             reply = b.token_ids
-        assert b.metrics.cached_tokens >= 90 and hb.chunk_ends == (len(prompt),)
+        assert b.metrics.cached_tokens >= 90 and hb.trace.chunk_ends == (len(prompt),)
     finally:
         engine.close()
         cold.close()
@@ -241,9 +241,9 @@ def test_a_model_whose_split_fails_still_folds_whole(tmp_path, models_dir, monke
     try:
         assert engine.runtime.plan.folds and engine.runtime.plan.fold_limit == 40  # 2 layers
         b, hb = generate(engine, random_prompt(90, seed=5), max_tokens=2)
-        assert hb.chunk_ends == (89,)
+        assert hb.trace.chunk_ends == (89,)
         c, hc = generate(engine, random_prompt(90, seed=5) + b.token_ids + (7, 8, 9), 2)
-        assert hc.chunk_ends[-1] == 95  # a short last chunk folds
+        assert hc.trace.chunk_ends[-1] == 95  # a short last chunk folds
     finally:
         engine.close()
 
