@@ -43,9 +43,11 @@ class Piece:
 
 @dataclass(frozen=True)
 class Group:
-    """Prefill the rests of the requests ``uids`` in one forward (docs/DESIGN.md §20)."""
+    """Prefill the rests of the requests ``uids`` in one forward of ``width`` columns (the
+    longest rest, padded to one of few sizes; docs/DESIGN.md §20)."""
 
     uids: tuple[int, ...]
+    width: int
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,11 @@ class Executor:
         return self.runtime.plan.step if self.runtime is not None else 0
 
     @property
+    def block_size(self) -> int:
+        cache = self.cache
+        return cache.block_size if cache is not None else self.settings.block_size
+
+    @property
     def busy(self) -> bool:
         return bool(self.queued or self.prefilling or self.decoding)
 
@@ -204,7 +209,7 @@ class Executor:
             if len(group) != len(action.uids):
                 uids = [r.uid for r in group]
                 raise RuntimeError(f"out of step: a group of {action.uids}, prefilling {uids}")
-            self._prefill_group(group)
+            self._prefill_group(group, action.width)
         elif isinstance(action, Decode):
             self._decode()
         else:
@@ -280,12 +285,12 @@ class Executor:
             self.prefilling.popleft()
             self._join(r)
 
-    def _prefill_group(self, group: list[Request]) -> None:
+    def _prefill_group(self, group: list[Request], width: int) -> None:
         if self.decoding:
             mx.synchronize(generation_stream)  # the decode step in flight first
-        padded = len(group) * max(r.prefill.rest for r in group)
+        padded = len(group) * width
         t0 = self.clock()
-        tokens = prefill_group([r.prefill for r in group])
+        tokens = prefill_group([r.prefill for r in group], width)
         self.cost.add(padded, self.clock() - t0)
         self.peak_group = max(self.peak_group, len(group))
         if self.cache is not None:

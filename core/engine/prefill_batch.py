@@ -43,15 +43,16 @@ from .forward import logprobs_of
 from .prefill_steps import Prefill
 
 
-def prefill_group(prefills: list[Prefill]) -> int:
+def prefill_group(prefills: list[Prefill], width: int = 0) -> int:
     """Prefill the rest of every request of ``prefills`` (each ``groupable``) in one
-    forward of shape ``(len(prefills), longest rest)``; each ends finished, with its own
+    forward of shape ``(len(prefills), width)`` (at least the longest rest; the columns
+    past a row's rest are padding, hidden by the causal mask); each ends finished, with its own
     caches, captures and (folded) first-token logprobs as if prefilled alone, up to float
     rounding. Returns the real tokens computed (padding not counted)."""
     runtime = prefills[0].runtime
     rows = [p.prompt[p.pos : p.ends[-1]] for p in prefills]
     lengths = [len(r) for r in rows]
-    width = max(lengths)
+    width = max(width, *lengths)
     tokens = mx.array([r + [0] * (width - len(r)) for r in rows])
     sizes = [next((c.size() for c in p.caches if type(c) is KVCache), 0) for p in prefills]
     left = [max(sizes) - s for s in sizes]  # the merge's left padding of each row

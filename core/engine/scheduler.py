@@ -38,6 +38,33 @@ BUSY_PIECE_S = 0.25  # the most prefill work between two decode steps while othe
 # prompt into many small forwards (each reads every weight again)
 LONE_PIECE_S = 0.5
 MAX_STARTS = 8  # the most requests started in one round (each restore: ~10 ms on a GPU)
+# a Stop acts within about this much prefill work: the floor on a piece never passes it
+STOP_S = 1.0
+
+
+def sizes_up_to(block: int, limit: int) -> list[int]:
+    """The few sizes (tokens) a budgeted piece or a group's width takes, ascending: a
+    block times 1, 2, 3, 4, 6, 8, 12, 16... (two a doubling), up to ``limit``. MLX
+    builds kernels per shape, so a server that cuts pieces at any size pays a build per
+    request; a set this small costs a few builds once (docs/DESIGN.md §20)."""
+    top = max(limit, block)
+    out, size = [], block
+    while size <= top:
+        out.append(size)
+        if size >= 2 * block and size * 3 // 2 <= top:
+            out.append(size * 3 // 2)
+        size *= 2
+    return out
+
+
+def size_at_most(tokens: int, block: int) -> int:
+    """The largest size of :func:`sizes_up_to` within ``tokens`` (one block at least)."""
+    return sizes_up_to(block, tokens)[-1]
+
+
+def size_at_least(tokens: int, block: int) -> int:
+    """The smallest size of :func:`sizes_up_to` that holds ``tokens``."""
+    return next(x for x in sizes_up_to(block, 2 * max(tokens, block)) if x >= tokens)
 
 
 class PrefillView(Protocol):
@@ -83,6 +110,7 @@ class View(Protocol):
     decoding: Mapping[int, Any]
     cache: CacheView | None
     prefill_step: int  # tokens (0: chunks are not cut)
+    block_size: int  # tokens: the cache's block (the settings' with the cache off)
 
 
 class Scheduler:
@@ -132,9 +160,9 @@ class Scheduler:
             # arrivals would see its group cut in two by the time its restores took
             left_s = BUSY_PIECE_S - spent
             t0 = self.clock()
-            group = self.group(view, left_s)
+            group, width = self.group(view, left_s)
             if group:
-                yield Group(tuple(r.uid for r in group))
+                yield Group(tuple(r.uid for r in group), width)
             else:
                 head = view.prefilling[0]
                 yield Piece(head.uid, self.piece_end(view, head, left_s))
@@ -183,14 +211,31 @@ class Scheduler:
 
     def piece_end(self, view: View, r: Any, left_s: float) -> int:
         """Where the next prefill piece of ``r`` ends: the next cut, or sooner where
-        others wait and the measured cost says ``left_s`` seconds do less."""
+        others wait and the measured cost says ``left_s`` seconds do less. A budget is
+        one of few sizes (:func:`size_at_most`), never under :meth:`min_piece`."""
         budget, lone = None, False
         if view.decoding or len(view.prefilling) > 1 or view.queued:
             budget = self.cost.tokens_in(max(left_s, 0.05))  # what fits the step's time left
         elif view.prefill_step and not self.bitwise:
             budget = self._lone_budget(view)
             lone = budget is not None
+        if budget is not None:
+            budget = size_at_most(max(budget, self.min_piece(view)), view.block_size)
         return r.prefill.next_end(budget, lone=lone)
+
+    def min_piece(self, view: View) -> int:
+        """The floor on a budgeted piece (tokens): the tokens whose marginal cost equals a
+        forward's fixed cost (smaller pieces spend most of their time on the fixed part,
+        so the rate they measure falls, and the budgets with it: a spiral), as a size of
+        :func:`sizes_up_to`, but never more than :data:`STOP_S` of work allows; a block
+        while nothing is measured."""
+        block = view.block_size
+        fixed, per_token = self.cost.fit()
+        if per_token <= 0:
+            return block
+        even = size_at_least(int(fixed / per_token), block)
+        stop = self.cost.tokens_in(STOP_S) or block
+        return even if even <= stop else size_at_most(stop, block)
 
     def _lone_budget(self, view: View) -> int | None:
         """Tokens of about :data:`LONE_PIECE_S` of work: by the forwards measured, or a
@@ -198,12 +243,14 @@ class Scheduler:
         fitted = self.cost.tokens_in(LONE_PIECE_S) or 0
         return max(fitted, _kept_tokens(view, LONE_PIECE_S)) or None
 
-    def group(self, view: View, left_s: float) -> list[Any]:
-        """The requests whose rests go through the model together next (:mod:`.prefill_batch`):
-        in order, the groupable ones while the padded batch (rows x the longest rest) fits
-        a prefill chunk and, at the measured cost (:class:`.ForwardCost`), the step's time
-        left while others wait or decode, else :data:`LONE_PIECE_S` (on a CPU, where a row
-        costs as much in a group as alone, rests rarely group). Fewer than two: none."""
+    def group(self, view: View, left_s: float) -> tuple[list[Any], int]:
+        """The requests whose rests go through the model together next (:mod:`.prefill_batch`)
+        and the forward's width: in order, the groupable ones while the padded batch (rows
+        x the longest rest, padded to a size of :func:`sizes_up_to`, so groups run few
+        shapes) fits a prefill chunk and, at the measured cost (:class:`.ForwardCost`), the
+        step's time left while others wait or decode, else :data:`LONE_PIECE_S` (on a CPU,
+        where a row costs as much in a group as alone, rests rarely group). Fewer than
+        two: none (``[], 0``)."""
         limit = self.prefill_chunk
         # a group is one forward: at most a piece's time, so Stop waits no longer
         if view.decoding or view.queued:
@@ -220,13 +267,13 @@ class Scheduler:
             p = r.prefill
             if not p.groupable:
                 continue
-            w = max(width, p.rest)
+            w = size_at_least(max(width, p.rest), view.block_size)
             cap = min(limit, p.chunk)  # no row's planned chunk (its memory plan) exceeded
             if (len(group) + 1) * w > cap:
                 continue
             group.append(r)
             width, limit = w, cap
-        return group if len(group) > 1 else []
+        return (group, width) if len(group) > 1 else ([], 0)
 
 
 def _kept_tokens(view: View, seconds: float) -> int:

@@ -20,6 +20,7 @@ from tierchat.core.engine.forward_cost import ForwardCost
 from tierchat.core.engine.scheduler import BUSY_PIECE_S, MAX_STARTS, Scheduler
 
 BLOCK = 16
+SIZES = {BLOCK * m << k for m in (1, 3) for k in range(10)}  # 16, 32, 48, 64, 96...
 SYSTEM = tuple(range(1000, 1100))  # a 100-token system prompt
 
 
@@ -73,6 +74,7 @@ class FakeExecutor:
         self.decoding: dict[int, FakeRequest] = {}
         self.cache: FakeCache | None = FakeCache()
         self.prefill_step = 0
+        self.block_size = BLOCK
         self.now = 0.0
         self.rate, self.floor, self.restore_s = rate, floor, restore_s
         self.ran: list = []
@@ -115,7 +117,7 @@ class FakeExecutor:
                 self._joined(self.prefilling.popleft())
         elif isinstance(action, Group):
             rows = [r for r in self.prefilling if r.uid in action.uids]
-            self._forward(len(rows) * max(r.prefill.rest for r in rows))
+            self._forward(len(rows) * action.width)
             for r in rows:
                 r.prefill.pos = len(r.prefill.prompt)
                 self.prefilling.remove(r)
@@ -174,7 +176,7 @@ def test_requests_sharing_a_new_system_prompt_wait_then_their_rests_go_in_one_gr
     assert actions[0] == Start(uids[0])
     assert actions[1] == Piece(uids[0], len(SYSTEM) + 16)
     assert actions[2:6] == [Start(u) for u in uids[1:]]
-    assert actions[6] == Group(tuple(uids[1:]))
+    assert actions[6] == Group(tuple(uids[1:]), 48)  # rests of 20 to 41 tokens, padded
     assert actions[7:] == [Decode()]
     for uid in uids[1:]:
         assert ex.decoding[uid].prefill.start == len(SYSTEM) // BLOCK * BLOCK
@@ -212,8 +214,8 @@ def test_starts_per_round_are_bounded():
 
 def test_the_group_is_cut_to_what_the_measured_cost_fits_in_the_steps_time():
     """While others decode, a group is one forward of at most the step's time left: at
-    1000 tokens/s measured, 0.25 s fits 250 tokens, so of four 80-token rests three go
-    together (3 x 80 = 240) and the fourth alone."""
+    1000 tokens/s measured, 0.25 s fits 250 tokens, so of four 80-token rests, padded to
+    96, two go together (2 x 96 = 192; three would be 288)."""
     cost = ForwardCost()
     for n in (100, 400, 100, 400):
         cost.add(n, n / 1000.0)
@@ -222,7 +224,7 @@ def test_the_group_is_cut_to_what_the_measured_cost_fits_in_the_steps_time():
     uids = [ex.add(_rest(80, k + 1)) for k in range(4)]
     actions = ex.step(_scheduler(ex, cost))
     groups = [a for a in actions if isinstance(a, Group)]
-    assert groups[0] == Group(tuple(uids[:3]))
+    assert groups[0] == Group(tuple(uids[:2]), 96)
     assert actions[-1] == Decode()
 
 
@@ -239,7 +241,7 @@ def test_prefill_pieces_stop_at_the_steps_budget_while_others_decode():
     actions = ex.step(_scheduler(ex, cost))
     pieces = [a for a in actions if isinstance(a, Piece)]
     assert actions[0] == Start(uid) and actions[-1] == Decode()
-    assert pieces[0] == Piece(uid, 240)  # 0.25 s at 1000 tokens/s, aligned to blocks
+    assert pieces[0] == Piece(uid, 192)  # 0.25 s at 1000 tokens/s: the size below 250
     done = pieces[-1].end
     assert BUSY_PIECE_S * 1000 <= done <= BUSY_PIECE_S * 1000 + 64
     assert ex.prefilling[0].prefill.pos == done < 2000
@@ -283,7 +285,8 @@ def test_requests_arriving_during_a_start_join_that_steps_group():
 
     actions = ex.step(_scheduler(ex, arrivals=arrivals))
     assert calls[:2] == [0, 1]
-    assert actions[:3] == [Start(first), Start(late[0]), Group((first, late[0]))]
+    # rests of 24 and 25 tokens: one forward 32 wide
+    assert actions[:3] == [Start(first), Start(late[0]), Group((first, late[0]), 32)]
 
 
 def test_a_lone_prefill_takes_pieces_of_the_kept_rate_or_the_fit():
@@ -301,7 +304,7 @@ def test_a_lone_prefill_takes_pieces_of_the_kept_rate_or_the_fit():
     ex.cache.prefill_rate = 1000.0
     ex.add(_rest(5000, 1))
     ex.step(scheduler)
-    assert ex.prefilling[0].prefill.budgets[-1] == (500, True)
+    assert ex.prefilling[0].prefill.budgets[-1] == (384, True)  # 500 tokens: the size below
 
 
 @pytest.mark.parametrize("bitwise", [True, False])
@@ -314,3 +317,98 @@ def test_a_bitwise_schedule_never_takes_budgeted_lone_pieces(bitwise):
     ex.step(scheduler)
     budget, lone = (ex.prefilling or [ex.decoding[1]])[0].prefill.budgets[-1]
     assert lone is not bitwise and (budget is None) is bitwise
+
+
+# ---------------------------------------------------------------- few shapes
+
+
+def _sizes_of(actions, ex_before: dict[int, int]) -> list[int]:
+    """The lengths of the pieces in ``actions`` (from each request's position before)."""
+    out, pos = [], dict(ex_before)
+    for a in actions:
+        if isinstance(a, Piece):
+            out.append(a.end - pos[a.uid])
+            pos[a.uid] = a.end
+    return out
+
+
+def test_budgeted_pieces_take_a_few_sizes_whatever_the_measured_rate():
+    """While others decode, a long prompt's pieces take sizes from a fixed set (a block
+    times 1, 2, 3, 4, 6, 8...), whatever the measured rate: before, any rate and any time
+    left gave a size of its own, and each new size built its kernels on a GPU."""
+    sizes = set()
+    for rate in range(700, 1700, 100):
+        cost = ForwardCost()
+        for n in (50, 200, 50, 200):
+            cost.add(n, 0.002 + n / rate)
+        ex = FakeExecutor(rate=rate, floor=0.002)
+        ex.decoding[999] = FakeRequest(999, GenerateRequest(prompt_ids=(1,)))
+        uid = ex.add(_rest(4000, 1))
+        actions = ex.step(_scheduler(ex, cost))
+        sizes.update(_sizes_of(actions, {uid: 0}))
+    assert sizes <= SIZES
+
+
+def test_lone_pieces_take_a_few_sizes():
+    """Alone, 0.5 s of 900 to 1,300 tokens/s (450 to 650 tokens) is cut to the size at or
+    below it: 384 or 512 tokens, two shapes for four rates."""
+    budgets = set()
+    for rate in (900.0, 1000.0, 1100.0, 1300.0):
+        ex = FakeExecutor()
+        ex.prefill_step = 16
+        ex.cache.prefill_rate = rate
+        ex.add(_rest(5000, 1))
+        ex.step(_scheduler(ex))
+        budget, lone = ex.prefilling[0].prefill.budgets[-1]
+        assert lone and budget <= rate * 0.5
+        budgets.add(budget)
+    assert budgets == {384, 512}
+
+
+def test_pieces_never_spiral_down_under_a_slow_device():
+    """A device whose every forward costs a large fixed part (a loaded CPU: 0.2 s a
+    forward, 50 tokens/s beyond it) and a step with little time left: the piece is not
+    cut below what a forward's fixed cost is worth (the tokens whose marginal cost equals
+    it), so the rate measured from the pieces does not fall with their size."""
+    cost = ForwardCost()
+    for n in (16, 64, 16, 64, 32):
+        cost.add(n, 0.2 + n / 50.0)
+    ex = FakeExecutor(rate=50.0, floor=0.2)
+    ex.decoding[999] = FakeRequest(999, GenerateRequest(prompt_ids=(1,)))
+    uid = ex.add(_rest(3000, 1))
+    actions = ex.step(_scheduler(ex, cost))
+    sizes = _sizes_of(actions, {uid: 0})
+    assert sizes and min(sizes) >= 0.2 * 50  # >= 10 tokens: the floor's worth
+    assert sizes[0] == BLOCK  # 16 tokens: within 1 s of work (Stop acts in time)
+
+
+def test_the_floor_never_makes_a_piece_longer_than_stop_allows():
+    """Where a forward's fixed cost is worth more than a second of tokens, the floor is
+    what one second allows: a Stop still acts within about a second."""
+    cost = ForwardCost()
+    for n in (64, 256, 64, 256):
+        cost.add(n, 0.8 + n / 1000.0)
+    sched = Scheduler(prefill_chunk=4096, bitwise=False, cost=cost)
+    view = FakeExecutor()
+    assert sched.min_piece(view) <= 256  # tokens_in(1 s) = 200: the size at or below it
+
+
+def test_a_groups_width_is_padded_to_one_of_few_sizes():
+    """Rests of 20 to 36 tokens group at a padded width of 48 (three blocks: the sizes are
+    a block times 1, 2, 3, 4, 6, 8, 12...), so groups of other rests of that range run
+    one shape."""
+    ex = FakeExecutor()
+    uids = [ex.add(_rest(20 + 4 * k, k + 1)) for k in range(5)]
+    actions = ex.step(_scheduler(ex))
+    [group] = [a for a in actions if isinstance(a, Group)]
+    assert group.uids == tuple(uids) and group.width == 48
+
+
+def test_a_padded_group_still_fits_the_chunk():
+    """The padded width counts against the chunk: five 60-token rests pad to 64, and a
+    256-token chunk takes four rows of them."""
+    ex = FakeExecutor()
+    uids = [ex.add(_rest(60, k + 1)) for k in range(5)]
+    actions = ex.step(_scheduler(ex))
+    group = next(a for a in actions if isinstance(a, Group))
+    assert group.uids == tuple(uids[:4]) and group.width == 64
