@@ -140,6 +140,21 @@ class FakeExecutor:
         return self.ran[first:]
 
 
+def _measured(rate: float, fixed: float = 0.0, sizes=(50, 200, 50, 200)) -> ForwardCost:
+    """A cost model that measured forwards of ``sizes`` at ``fixed + n / rate`` seconds."""
+    cost = ForwardCost()
+    for n in sizes:
+        cost.add(n, fixed + n / rate)
+    return cost
+
+
+def _beside_a_decode(rate: float, fixed: float = 0.0) -> FakeExecutor:
+    """A fake executor whose forwards cost ``fixed + n / rate``, one request decoding."""
+    ex = FakeExecutor(rate=rate, floor=fixed)
+    ex.decoding[999] = FakeRequest(999, GenerateRequest(prompt_ids=(1,)))
+    return ex
+
+
 def _scheduler(ex: FakeExecutor, cost: ForwardCost | None = None, **kw) -> Scheduler:
     return Scheduler(prefill_chunk=256, bitwise=False, cost=cost, clock=ex.clock, **kw)
 
@@ -216,11 +231,7 @@ def test_the_group_is_cut_to_what_the_measured_cost_fits_in_the_steps_time():
     """While others decode, a group is one forward of at most the step's time left: at
     1000 tokens/s measured, 0.25 s fits 250 tokens, so of four 80-token rests, padded to
     96, two go together (2 x 96 = 192; three would be 288)."""
-    cost = ForwardCost()
-    for n in (100, 400, 100, 400):
-        cost.add(n, n / 1000.0)
-    ex = FakeExecutor(rate=1000.0)
-    ex.decoding[999] = FakeRequest(999, GenerateRequest(prompt_ids=(1,)))
+    cost, ex = _measured(1000.0, sizes=(100, 400, 100, 400)), _beside_a_decode(1000.0)
     uids = [ex.add(_rest(80, k + 1)) for k in range(4)]
     actions = ex.step(_scheduler(ex, cost))
     groups = [a for a in actions if isinstance(a, Group)]
@@ -232,11 +243,7 @@ def test_prefill_pieces_stop_at_the_steps_budget_while_others_decode():
     """A 2,000-token prompt while another request decodes: pieces of what the fitted cost
     allows in the time left, until the step has spent BUSY_PIECE_S of prefill work, then
     the decode step; the rest waits for later steps."""
-    cost = ForwardCost()
-    for n in (50, 200, 50, 200):
-        cost.add(n, n / 1000.0)
-    ex = FakeExecutor(rate=1000.0)
-    ex.decoding[999] = FakeRequest(999, GenerateRequest(prompt_ids=(1,)))
+    cost, ex = _measured(1000.0), _beside_a_decode(1000.0)
     uid = ex.add(_rest(2000, 1))
     actions = ex.step(_scheduler(ex, cost))
     pieces = [a for a in actions if isinstance(a, Piece)]
@@ -251,11 +258,7 @@ def test_a_cancel_during_prefill_ends_the_steps_pieces_and_the_next_step_reaps_i
     """A request cancelled between two pieces: the step runs no further piece of it (a
     Stop waits one piece at most), decodes the others, and the next step's first action
     cancels it."""
-    cost = ForwardCost()
-    for n in (50, 200, 50, 200):
-        cost.add(n, n / 1000.0)
-    ex = FakeExecutor(rate=1000.0)
-    ex.decoding[999] = FakeRequest(999, GenerateRequest(prompt_ids=(1,)))
+    cost, ex = _measured(1000.0), _beside_a_decode(1000.0)
     uid = ex.add(_rest(2000, 1))
     scheduler = _scheduler(ex, cost)
     steps = scheduler.step(ex)
@@ -338,11 +341,7 @@ def test_budgeted_pieces_take_a_few_sizes_whatever_the_measured_rate():
     left gave a size of its own, and each new size built its kernels on a GPU."""
     sizes = set()
     for rate in range(700, 1700, 100):
-        cost = ForwardCost()
-        for n in (50, 200, 50, 200):
-            cost.add(n, 0.002 + n / rate)
-        ex = FakeExecutor(rate=rate, floor=0.002)
-        ex.decoding[999] = FakeRequest(999, GenerateRequest(prompt_ids=(1,)))
+        cost, ex = _measured(rate, 0.002), _beside_a_decode(rate, 0.002)
         uid = ex.add(_rest(4000, 1))
         actions = ex.step(_scheduler(ex, cost))
         sizes.update(_sizes_of(actions, {uid: 0}))
@@ -370,11 +369,7 @@ def test_pieces_never_spiral_down_under_a_slow_device():
     forward, 50 tokens/s beyond it) and a step with little time left: the piece is not
     cut below what a forward's fixed cost is worth (the tokens whose marginal cost equals
     it), so the rate measured from the pieces does not fall with their size."""
-    cost = ForwardCost()
-    for n in (16, 64, 16, 64, 32):
-        cost.add(n, 0.2 + n / 50.0)
-    ex = FakeExecutor(rate=50.0, floor=0.2)
-    ex.decoding[999] = FakeRequest(999, GenerateRequest(prompt_ids=(1,)))
+    cost, ex = _measured(50.0, 0.2, sizes=(16, 64, 16, 64, 32)), _beside_a_decode(50.0, 0.2)
     uid = ex.add(_rest(3000, 1))
     actions = ex.step(_scheduler(ex, cost))
     sizes = _sizes_of(actions, {uid: 0})
@@ -385,9 +380,7 @@ def test_pieces_never_spiral_down_under_a_slow_device():
 def test_the_floor_never_makes_a_piece_longer_than_stop_allows():
     """Where a forward's fixed cost is worth more than a second of tokens, the floor is
     what one second allows: a Stop still acts within about a second."""
-    cost = ForwardCost()
-    for n in (64, 256, 64, 256):
-        cost.add(n, 0.8 + n / 1000.0)
+    cost = _measured(1000.0, 0.8, sizes=(64, 256, 64, 256))
     sched = Scheduler(prefill_chunk=4096, bitwise=False, cost=cost)
     view = FakeExecutor()
     assert sched.min_piece(view) <= 256  # tokens_in(1 s) = 200: the size at or below it
