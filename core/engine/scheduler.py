@@ -247,7 +247,7 @@ class Scheduler:
         """The requests whose rests go through the model together next (:mod:`.prefill_batch`)
         and the forward's width: in order, the groupable ones while the padded batch (rows
         x the longest rest, padded to a size of :func:`sizes_up_to`, so groups run few
-        shapes) fits a prefill chunk and, at the measured cost (:class:`.ForwardCost`), the
+        shapes; unpadded where two rows fit only so) fits a prefill chunk and, at the measured cost (:class:`.ForwardCost`), the
         step's time left while others wait or decode, else :data:`LONE_PIECE_S` (on a CPU,
         where a row costs as much in a group as alone, rests rarely group). Fewer than
         two: none (``[], 0``)."""
@@ -262,17 +262,22 @@ class Scheduler:
         if fits is not None:
             limit = min(limit, fits)
         group: list[Any] = []
-        width = 0
+        longest = width = 0
+        pad = True  # off where two rows fit only unpadded: a group beats a known shape
         for r in view.prefilling:
             p = r.prefill
             if not p.groupable:
                 continue
-            w = size_at_least(max(width, p.rest), view.block_size)
+            rest = max(longest, p.rest)
             cap = min(limit, p.chunk)  # no row's planned chunk (its memory plan) exceeded
-            if (len(group) + 1) * w > cap:
+            w = size_at_least(rest, view.block_size) if pad else rest
+            rows = len(group) + 1
+            if rows <= 2 and rows * w > cap >= rows * rest:
+                pad, w = False, rest
+            if rows * w > cap:
                 continue
             group.append(r)
-            width, limit = w, cap
+            longest, width, limit = rest, w, cap
         return (group, width) if len(group) > 1 else ([], 0)
 
 

@@ -405,3 +405,13 @@ def test_a_padded_group_still_fits_the_chunk():
     actions = ex.step(_scheduler(ex))
     group = next(a for a in actions if isinstance(a, Group))
     assert group.uids == tuple(uids[:4]) and group.width == 64
+
+
+def test_rests_group_unpadded_where_only_that_fits_the_chunk():
+    """With 16-token chunks, rests of 3 and 5 tokens padded to a block would not fit two
+    rows (32 > 16): they go together unpadded, 5 wide (a group beats a known shape)."""
+    ex = FakeExecutor()
+    uids = [ex.add(_rest(3, 1)), ex.add(_rest(5, 2))]
+    scheduler = Scheduler(prefill_chunk=16, bitwise=False, clock=ex.clock)
+    actions = ex.step(scheduler)
+    assert Group(tuple(uids), 5) in actions
