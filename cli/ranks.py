@@ -146,8 +146,8 @@ def rank_settings(settings: Any, rank: int, size: int) -> Any:
 def run_worker(settings: Any) -> int:
     """A rank > 0: an engine with no UI, running rank 0's messages until rank 0 ends.
     Exit code 0 when rank 0 ended cleanly, 1 when it was lost or this rank failed."""
-    from tierchat.core.engine.distributed import serve_worker
     from tierchat.core.engine.engine import Engine
+    from tierchat.core.engine.worker import serve_worker
 
     def log(text: str) -> None:
         print(text, file=sys.stderr, flush=True)

@@ -110,10 +110,24 @@ class TurnMetrics:
 
 
 @dataclass(frozen=True)
+class RequestTrace:
+    """What a request's run leaves to inspect (docs/DESIGN.md §20), declared here rather
+    than attached to the handle: ``chunk_ends`` (the prefill's forwards, token positions
+    after the restore), ``restored_position`` (prompt tokens the cache gave) and
+    ``logprobs`` (the first ``Engine.record_logprobs`` steps' log-probability vectors,
+    numpy arrays of shape ``(vocab,)``; every step's with ``teacher_ids``)."""
+
+    chunk_ends: tuple[int, ...] = ()
+    restored_position: int = 0
+    logprobs: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
 class Finished:
     token_ids: tuple[int, ...]
     text: str
     metrics: TurnMetrics
+    trace: RequestTrace = RequestTrace()
 
 
 @dataclass(frozen=True)
@@ -204,6 +218,12 @@ class RequestHandle:
     @property
     def done(self) -> bool:
         return self._done.is_set()
+
+    @property
+    def trace(self) -> RequestTrace:
+        """The finished request's :class:`RequestTrace` (empty until it finished)."""
+        result = self.result
+        return result.trace if isinstance(result, Finished) else RequestTrace()
 
     def events(self) -> Iterator[Event]:
         while True:

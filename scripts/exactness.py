@@ -78,8 +78,8 @@ def run_ours(args, tmp: Path) -> list[dict]:
         rows.append(
             dict(
                 op=name, prompt=turn.prompt.token_ids, boundaries=turn.prompt.boundaries,
-                reply=reply, cold=ref.logprobs, cached=res.metrics.cached_tokens,
-                ours=compare(ref.logprobs, turn.request_handle.logprobs),
+                reply=reply, cold=ref.trace.logprobs, cached=res.metrics.cached_tokens,
+                ours=compare(ref.trace.logprobs, turn.request_handle.trace.logprobs),
             )
         )  # fmt: skip
     session.engine.close()

@@ -46,7 +46,7 @@ def _kv_bytes_per_token(model: str) -> int:
 def _per_token(engine) -> int:
     import mlx.core as mx
 
-    caches = engine._make_cache()
+    caches = engine.runtime.make_cache()
     engine.loaded.model(mx.array([[0, 0]]), cache=caches)
     mx.eval([c.state for c in caches])
     # K/V buffers are allocated in steps of tokens: count the 2 tokens held

@@ -57,8 +57,8 @@ def main() -> None:
         print(
             f"{args.model}: {args.tokens}-token prompt cancelled {t_cancel - t0:.1f} s in: "
             f"next request started {freed_s:.2f} s after the cancel; kept {kept} tokens; "
-            f"the retry restored {retry.restored_position} of {args.tokens} "
-            f"(prefill_step {engine._prefill_step}, {engine.stats().last_turn.prefill_tps:.0f} tok/s)",
+            f"the retry restored {retry.trace.restored_position} of {args.tokens} "
+            f"(prefill_step {engine.runtime.plan.step}, {engine.stats().last_turn.prefill_tps:.0f} tok/s)",
             flush=True,
         )
     finally:

@@ -17,9 +17,13 @@ from tierchat.core.engine.engine import Engine
 LOGPROB_TOL = 1e-4  # float32: cached vs cold logprobs of the first tokens
 
 
-def make_engine(model: str, tmp: Path, models_dir: Path, **overrides) -> Engine:
+def make_engine(
+    model: str, tmp: Path, models_dir: Path, clock: Callable[[], float] | None = None, **overrides
+) -> Engine:
     """A loaded engine on ``model`` with small blocks and its cache under ``tmp``, on the
-    bitwise schedule unless ``bitwise=False`` is given (tests of the folded schedule)."""
+    bitwise schedule unless ``bitwise=False`` is given (tests of the folded schedule);
+    ``clock``: the scheduler's clock (:func:`still_clock`: pieces and groups sized by the
+    settings alone, whatever the machine's load)."""
     values = dict(
         bitwise=True,  # the CPU's default too; explicit, so a GPU runs the same tests
         block_size=16,
@@ -33,11 +37,18 @@ def make_engine(model: str, tmp: Path, models_dir: Path, **overrides) -> Engine:
         ssd_flush_idle_s=3600.0,
     )
     values.update(overrides)
-    engine = Engine(Settings(**values))
+    engine = Engine(Settings(**values), clock=clock) if clock else Engine(Settings(**values))
     engine.record_logprobs = 3
     loaded = engine.load_model(model).wait(120)
     assert not hasattr(loaded, "message"), loaded
     return engine
+
+
+def still_clock() -> float:
+    """A scheduler clock that never moves: no forward is measured (the cost model knows
+    nothing) and no step's prefill budget runs out, so what the scheduler decides depends
+    on the requests and the settings only (with ``choose_recompute=False``: no kept rate)."""
+    return 0.0
 
 
 @contextmanager
@@ -77,8 +88,8 @@ def generate(engine: Engine, prompt, max_tokens: int = 8, **kw):
 def assert_same(cold, cold_handle, hot, hot_handle) -> None:
     """Greedy tokens equal and the first logprob vectors within LOGPROB_TOL."""
     assert hot.token_ids == cold.token_ids
-    assert len(hot_handle.logprobs) == len(cold_handle.logprobs) > 0
-    for a, b in zip(cold_handle.logprobs, hot_handle.logprobs, strict=True):
+    assert len(hot_handle.trace.logprobs) == len(cold_handle.trace.logprobs) > 0
+    for a, b in zip(cold_handle.trace.logprobs, hot_handle.trace.logprobs, strict=True):
         assert float(np.abs(a - b).max()) < LOGPROB_TOL
     m = hot.metrics
     assert m.cached_tokens + m.prefill_tokens == m.prompt_tokens

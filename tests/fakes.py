@@ -38,6 +38,7 @@ from tierchat.core.api import (
     ModelLoading,
     PrefillProgress,
     RequestHandle,
+    RequestTrace,
     ResidentStats,
     TailStats,
     TierStats,
@@ -575,8 +576,9 @@ class FakeEngine:
             if caching:
                 self._store(prompt, prompt + tuple(out))
             self._last_turn = metrics
+        trace = RequestTrace()
         if request.teacher_ids:  # as the real engine: a teacher-forced run keeps logprobs
             vocab = max((*request.teacher_ids, *out)) + 1  # enough to index every id
-            handle.logprobs = [np.full(vocab, -1.0, np.float32) for _ in out]
+            trace = RequestTrace(logprobs=tuple(np.full(vocab, -1.0, np.float32) for _ in out))
         shown = [i for i in out if i != self._eos]
-        handle.emit(Finished(tuple(out), self._tokenizer.decode(shown), metrics))
+        handle.emit(Finished(tuple(out), self._tokenizer.decode(shown), metrics, trace))

@@ -199,7 +199,7 @@ def _forced(engine: Any, prompt, reply, boundaries, use_cache: bool, timeout: fl
         raise VerifyError(f"the {what} run failed: {event.message}")
     runs.base += runs.n + runs.r
     runs.tell(0)
-    return event, list(handle.logprobs)
+    return event, list(handle.trace.logprobs)
 
 
 def verify_turn(

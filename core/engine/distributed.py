@@ -4,14 +4,15 @@ agreement between ranks and a watchdog (docs/DESIGN.md §19).
 Processes are started by ``mlx.launch`` (ring, MPI, JACCL or NCCL backends), which sets
 ``MLX_RANK`` and the backend's variables; :func:`current` then joins the group with
 ``mx.distributed.init()``. Rank 0 runs the UI (chat, serve, replay, cache commands); every
-other rank runs a worker (:class:`Worker`) with no UI. All ranks run the same forward on
+other rank runs a worker (:func:`.worker.serve_worker`) with no UI. All ranks run the same forward on
 their own shard of the model, so every collective (the model's own ``all_sum`` calls and
 the ones here) is made by every rank in the same order, on its engine thread.
 
 The protocol, all over ``mx.distributed`` collectives:
 
-- **Messages** (:meth:`Ranks.broadcast`): rank 0 sends a JSON object (``load``,
-  ``generate``, ``clear``, ``close``, ``exit``) as its byte length, then its bytes as a
+- **Messages** (:meth:`Ranks.broadcast`): rank 0 sends a JSON object (the wire form of
+  a typed message, :func:`.actions.encode`: ``load``, ``admit``, a scheduler action,
+  ``clear``, ``close``, ``exit``) as its byte length, then its bytes as a
   ``uint8`` array; every other rank contributes zeros to the same two ``all_sum`` calls
   (as mlx-lm's server shares requests, ``mlx_lm/server.py`` ``_share_object``). Workers
   wait for the next message as long as rank 0 is idle, blocked on a doorbell socket
@@ -37,9 +38,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import generation_stream
 
 from ..api import RankStats
+from .actions import Exit, encode
 from .doorbell import CONNECT_TIMEOUT_S, Doorbell, rank0_host
 
 # variables a launcher sets for every rank (mlx.launch: MLX_RANK; mpirun: OMPI_*, PMI_*);
@@ -221,7 +222,7 @@ class Ranks:
 
         def job() -> None:
             try:
-                self.broadcast({"op": "exit"})
+                self.broadcast(encode(Exit()))
                 sent.append(True)
             except RankError:
                 pass
@@ -355,90 +356,3 @@ def current(timeout_s: float | None = None) -> Ranks | None:
         if timeout_s is not None:
             _current.timeout_s = float(timeout_s)
         return _current if _current.size > 1 else None
-
-
-class _QuietHandle:
-    """A worker's request handle: the same engine code runs, nobody listens."""
-
-    def __init__(self) -> None:
-        self.result = None
-        self.chunk_ends: tuple[int, ...] = ()
-        self.logprobs: list = []
-        self.restored_position = 0
-
-    def emit(self, event: Any) -> None:
-        from ..api import TERMINAL
-
-        if isinstance(event, TERMINAL):
-            self.result = event
-
-    cancelled = False
-
-    @property
-    def done(self) -> bool:
-        return self.result is not None
-
-
-def _tuples(value: Any) -> Any:
-    """JSON lists back to the tuples a request holds (ids, ``(offset, role)`` pairs)."""
-    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
-
-
-def serve_worker(engine: Any, log: Callable[[str], None] = print) -> bool:
-    """The loop of a rank > 0, on its engine thread (``engine.call(...)``): take each of
-    rank 0's messages and run it on this rank's engine (load, clear, close, exit; a
-    request's ``admit`` and each action of rank 0's scheduler, ``step``).
-
-    Returns True when rank 0 said exit, or ended after closing its engine (a clean end);
-    False when it was lost with a model loaded or a message failed here (reported
-    through ``log``).
-
-    Raises:
-        RankError: this process is not a worker of a group.
-    """
-    from ..api import Failed, GenerateRequest
-
-    peers = engine._join_peers()
-    if peers.is_main:
-        raise RankError("serve_worker runs on ranks > 0 of a launched group")
-    ranks = peers.ranks
-    while True:
-        try:
-            # the last step's graph (computed ahead) is done before the next message: its
-            # collectives and the message's meet rank 0's in one order
-            mx.synchronize(generation_stream)
-            msg = ranks.broadcast()
-        except RankError as exc:
-            if engine.loaded is None:
-                return True
-            log(f"rank {ranks.rank}: rank 0 was lost ({exc})")
-            return False
-        op = msg.get("op")
-        handle = _QuietHandle()
-        try:
-            if op == "load":
-                engine._load(msg["spec"], handle)
-            elif op == "admit":  # the scheduler's queue, as on rank 0 (docs/DESIGN.md §20)
-                fields = {k: _tuples(v) for k, v in msg["request"].items()}
-                engine._sched.admit(GenerateRequest(**fields), handle, uid=msg["uid"])
-                continue
-            elif op == "step":
-                engine._sched.follow(msg)
-                continue
-            elif op == "clear":
-                engine._clear_tier(msg["tier"])
-            elif op == "close":
-                engine._close_model()
-            elif op == "exit":
-                return True
-            else:
-                log(f"rank {ranks.rank}: unknown message {op!r} from rank 0")
-                return False
-        except RankError as exc:
-            log(f"rank {ranks.rank}: {op}: {exc}")
-            return False
-        except Exception as exc:  # noqa: BLE001 -- this rank is out of step: stop it
-            log(f"rank {ranks.rank}: {op} failed: {type(exc).__name__}: {exc}")
-            return False
-        if isinstance(handle.result, Failed) and handle.result.kind not in ("cancelled",):
-            log(f"rank {ranks.rank}: {op}: {handle.result.message}")

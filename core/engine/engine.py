@@ -23,9 +23,7 @@ so its TTFT has no forward at all (:meth:`~.cache.prefix.PrefixCache.restore_rep
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import gc
-import hashlib
 import queue
 import threading
 import time
@@ -37,7 +35,6 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
 from ...config.settings import Settings
 from ..api import (
@@ -48,29 +45,19 @@ from ..api import (
     ModelLoaded,
     ModelLoading,
     RequestHandle,
-    TurnMetrics,
 )
-from ..cache import layers as L
-from ..cache.blocks import LOGPROBS
-from ..cache.layers import probe_specs
 from ..cache.prefix import PrefixCache
-from ..cache.rates import Rates
-from ..memory import prefill as prefill_mod
 from ..memory import pressure as memory_mod
 from . import distributed as dist
 from . import ranks as ranks_mod
-from .attention import OFF, mlx_softmax, plan_attention, pow_softmax
+from .actions import ClearTier, Close, Load
+from .attention import plan_attention
 from .device import device_info, use_cuda_graphs, use_deterministic_kernels
-from .forward import last_logits_fn, verify_last_logits
-from .prefill_steps import auto_prefill_step
-from .scheduler import Scheduler
+from .executor import Executor
+from .runtime import Runtime, build_runtime
 
 _STOP = object()
 _BUSY_HOLD = "requests held"  # the engine's key among the SSD writer's holders
-# the CPU's limit on a folded last chunk, per layer (docs/DESIGN.md §7): a 1-token forward of
-# demo (24 layers, float32) costs about what 20 tokens' share of a prefill does, and the
-# folded chunk's extra work is one layer of its tokens
-FOLD_TOKENS_PER_LAYER = 20
 _live_engines: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -95,35 +82,22 @@ class Engine:
     through its :attr:`peers` (:mod:`.ranks`: one process alone, or a group of ranks).
     """
 
-    def __init__(self, settings: Settings, on_log: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        on_log: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.settings = settings
         if settings.bitwise:  # reproducible decode on CUDA too (core/engine/device.py)
             use_deterministic_kernels()
         use_cuda_graphs(settings.cuda_graphs)
-        self.model_name = ""
-        self.loaded = None
-        self.cache: PrefixCache | None = None
-        self.supported: bool | None = None
-        self.reason = ""
-        self.layer_kinds: tuple[str, ...] = ()
-        self.record_logprobs = 0  # tests: keep the first N logprob vectors on the handle
         self._on_log = on_log or (lambda text: None)
         self._jobs: queue.Queue = queue.Queue()
         self._control: queue.Queue = queue.Queue()
-        self._last = TurnMetrics()
-        self._kv_profile = None
         self._release_queued = threading.Event()
-        # several ranks (docs/DESIGN.md §19): joined on the engine thread by the first load
-        self.peers: ranks_mod.Peers = ranks_mod.OneProcess()
         # the load or request being sent to the ranks (the rank watchdog fails it)
         self._handle: RequestHandle | None = None
-        self._attention = OFF  # which attentions run in plain MLX ops (core/engine/attention.py)
-        self._last_logits = None  # set when this model's prompts use the folded schedule
-        self._fold_limit: int | None = None  # longest folded last chunk (None: any)
-        self._prefill_step = 0  # chunks are cut at its multiples (tokens; 0: not cut)
-        # the requests held (docs/DESIGN.md §20); those that arrive while a step runs
-        # can start within it (:meth:`_admit_arrived`)
-        self._sched = Scheduler(self, arrivals=self._admit_arrived)
         self._backlog: deque = deque()  # jobs taken from the queue, not yet run
         busy_writes = settings.ssd_write_while_busy
         if busy_writes is None:
@@ -138,18 +112,80 @@ class Engine:
             soft_fraction=settings.memory_soft_fraction,
             hard_fraction=settings.memory_hard_fraction,
         )
+        # the requests held and the actions that move them (docs/DESIGN.md §20); those
+        # that arrive while a step runs can start within it (:meth:`_admit_arrived`);
+        # ``clock`` times forwards for the scheduler's budget (tests pass a still one)
+        self.executor = Executor(
+            settings, self.monitor, self.release_host_buffers, self._admit_arrived, clock
+        )
         self._thread = threading.Thread(target=self._run, name="tierchat-engine", daemon=True)
         self._thread.start()
         _live_engines.add(self)
 
     # ------------------------------------------------------------------ public API
     @property
+    def runtime(self) -> Runtime | None:
+        """The loaded model and what was built from it (None: none loaded), swapped as
+        one reference by a load (docs/DESIGN.md §2)."""
+        return self.executor.runtime
+
+    @runtime.setter
+    def runtime(self, runtime: Runtime | None) -> None:
+        self.executor.runtime = runtime
+
+    @property
+    def peers(self) -> ranks_mod.Peers:
+        """This engine's ranks (docs/DESIGN.md §19): one process alone until the first
+        load joins a group it was launched in."""
+        return self.executor.peers
+
+    @peers.setter
+    def peers(self, peers: ranks_mod.Peers) -> None:
+        self.executor.peers = peers
+
+    @property
+    def record_logprobs(self) -> int:
+        """Tests: keep the first N steps' logprob vectors in each request's trace."""
+        return self.executor.record_logprobs
+
+    @record_logprobs.setter
+    def record_logprobs(self, n: int) -> None:
+        self.executor.record_logprobs = n
+
+    @property
+    def loaded(self) -> Any:
+        """The loaded model (:class:`~.models.loading.LoadedModel`), or None."""
+        return self.runtime.loaded if self.runtime is not None else None
+
+    @property
+    def cache(self) -> PrefixCache | None:
+        """The prefix cache of the loaded model, or None (none loaded, or caching off)."""
+        return self.runtime.cache if self.runtime is not None else None
+
+    @property
+    def model_name(self) -> str:
+        return self.runtime.spec if self.runtime is not None else ""
+
+    @property
+    def supported(self) -> bool | None:
+        """Whether the loaded model's caches can be cached (None: no model loaded)."""
+        return self.runtime.supported if self.runtime is not None else None
+
+    @property
+    def reason(self) -> str:
+        return self.runtime.reason if self.runtime is not None else ""
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        return self.runtime.layer_kinds if self.runtime is not None else ()
+
+    @property
     def tokenizer(self):
-        return self.loaded.tokenizer if self.loaded else None
+        return self.loaded.tokenizer if self.loaded is not None else None
 
     @property
     def eos_token_ids(self) -> set[int]:
-        return set(self.loaded.eos_token_ids) if self.loaded else set()
+        return set(self.loaded.eos_token_ids) if self.loaded is not None else set()
 
     def submit(
         self, request: GenerateRequest, on_event: EventCallback | None = None
@@ -163,7 +199,7 @@ class Engine:
 
     def load_model(self, model: str, on_event: EventCallback | None = None) -> RequestHandle:
         handle = RequestHandle(on_event)
-        self._jobs.put((self._load, model, handle))
+        self._jobs.put((self.load_here, model, handle))
         return handle
 
     def clear(self, tier: str) -> None:
@@ -233,9 +269,9 @@ class Engine:
                 reason=self.reason,
                 layer_kinds=self.layer_kinds,
                 memory=mem,
-                last_turn=self._last,
+                last_turn=self.executor.last,
                 ranks=self.peers.stats,
-                requests=self._sched.states(),
+                requests=self.executor.states(),
             )
         hot, ssd, tails, snaps, resident = cache.tier_stats()
         return CacheStats(
@@ -253,10 +289,10 @@ class Engine:
             resident=resident,
             lookups=cache.lookup_stats(),
             memory=mem,
-            last_turn=self._last,
+            last_turn=self.executor.last,
             events=tuple(cache.events),
             ranks=self.peers.stats,
-            requests=self._sched.states(),
+            requests=self.executor.states(),
         )
 
     # ------------------------------------------------------------------ thread
@@ -266,7 +302,7 @@ class Engine:
         the jobs behind them wait too (docs/DESIGN.md §20)."""
         backlog = self._backlog
         while True:
-            sched = self._sched
+            sched = self.executor
             self._take_jobs(block=not backlog and not sched.busy)
             while backlog:
                 job = backlog[0]
@@ -361,17 +397,17 @@ class Engine:
         if self.peers.failed:
             handle.emit(Failed(self.peers.failed, kind="error"))
             return
-        uid, self._handle = self._sched.next_uid, handle  # the watchdog fails it if need be
+        uid, self._handle = self.executor.next_uid, handle  # the watchdog fails it if need be
         try:  # across ranks the workers queue it too, with the same uid
             self.peers.share_request(req, uid)
         except dist.RankError as exc:
             handle.emit(Failed(str(exc), kind="error"))
             return
-        self._sched.admit(req, handle, uid)
+        self.executor.admit(req, handle, uid)
 
     def _stop(self) -> None:
         try:
-            self.peers.send({"op": "close"})
+            self.peers.send(Close())
         except dist.RankError as exc:
             self._on_log(str(exc))
         if self.cache is not None:
@@ -380,7 +416,8 @@ class Engine:
         # free the weights now, and MLX's buffer cache with them, so a restart in
         # the same process (replay, the bench) never holds two models' memory at
         # once (the folded schedule's head closure holds the trunk's weights too)
-        self.loaded, self._last_logits = None, None
+        if self.runtime is not None:
+            self.runtime = self.runtime.unloaded()
         gc.collect()
         mx.clear_cache()
         # MLX wants each thread to destroy its own streams before it ends, or the
@@ -428,16 +465,16 @@ class Engine:
             try:
                 if tier not in ("hot", "ssd", "tails", "all", "resident"):
                     raise ValueError(f"unknown tier {tier!r}")
-                self.peers.send({"op": "clear", "tier": tier})
+                self.peers.send(ClearTier(tier))
                 if self.cache is not None or self.peers.size > 1:
-                    box.append(self._clear_tier(tier))
+                    box.append(self.clear_here(tier))
             except Exception as exc:
                 box.append(exc)
             finally:
                 done.set()
 
     # ------------------------------------------------------------------ ranks
-    def _join_peers(self) -> ranks_mod.Peers:
+    def join_peers(self) -> ranks_mod.Peers:
         """This process's peers: its ranks, joined on the first load when it was launched
         as one of several (docs/DESIGN.md §19), else one process alone.
 
@@ -453,33 +490,29 @@ class Engine:
     def _rank_timeout(self, message: str) -> None:
         # the watchdog thread: the engine thread is blocked in a collective
         self._on_log(message)
-        for handle in [self._handle, *self._sched.handles()]:
+        for handle in [self._handle, *self.executor.handles()]:
             if handle is not None and not handle.done:
                 handle.emit(Failed(message, kind="error"))
 
-    def _agreed_chunk(self, n: int) -> int:
-        """The prefill chunk for an ``n``-token prompt (:meth:`_plan_chunk`) on every rank.
-
-        Raises:
-            prefill_mod.PrefillRefused: a rank has no chunk that fits its memory.
-        """
-        return self.peers.agree_chunk(lambda: self._plan_chunk(n), n)
-
-    def _clear_tier(self, tier: str) -> str:
-        """Clear ``tier`` of this rank's cache (rank 0 sent the same to every worker)."""
+    def clear_here(self, tier: str) -> str:
+        """Clear ``tier`` of this rank's cache (rank 0 sent the same to every worker); on
+        the engine thread. Returns the report."""
         msg = self.cache.clear(tier) if self.cache is not None else f"cleared {tier}: no cache"
         self.peers.gather_stats(self.cache, self.monitor.stats)
         return self.peers.on_every_rank(msg)
 
-    def _close_model(self) -> None:
-        """A worker's side of rank 0's engine closing: flush and drop the model."""
+    def close_model(self) -> None:
+        """A worker's side of rank 0's engine closing: flush and drop the model; on the
+        engine thread."""
         if self.cache is not None:
             self.cache.close()
-        self.cache, self.loaded, self.model_name, self.supported = None, None, "", None
+        self.runtime = None
         self.peers.forget_restore()
 
     # ------------------------------------------------------------------ load
-    def _load(self, spec: str, handle: RequestHandle) -> None:
+    def load_here(self, spec: str, handle: RequestHandle) -> None:
+        """Load ``spec`` now, on the engine thread (a worker rank's loop; others queue it
+        with :meth:`load_model`): its events go to ``handle``."""
         from ..models.loading import load_model
 
         def progress(done: int, total: int, message: str = "") -> None:
@@ -489,10 +522,10 @@ class Engine:
         self._handle = handle
         # the softmax keys the cache's entries: its first probe is kept with the cache
         choice = None if s.no_cache else Path(s.cache_dir) / "softmax.json"
-        self._attention = plan_attention(s.chunk_attention, choice_file=choice)
+        attention = plan_attention(s.chunk_attention, choice_file=choice)
         try:
-            peers = self._join_peers()
-            peers.send({"op": "load", "spec": spec})
+            peers = self.join_peers()
+            peers.send(Load(spec))
             loaded = peers.agree_loaded(
                 lambda: load_model(
                     spec, models_dir=Path(s.models_dir), progress=progress, group=peers.group
@@ -501,199 +534,20 @@ class Engine:
         except Exception as exc:  # the current model and its cache stay as they were
             handle.emit(Failed(str(exc), kind="load"))
             return
-        if self.cache is not None:
-            self.cache.close()
-        self.cache, self.supported = None, None
-        self.loaded, self.model_name = loaded, spec
-        step = s.prefill_step or auto_prefill_step(loaded.model, s.prefill_chunk)
-        self._prefill_step = self.peers.all_min([step])[0]  # one on every rank (its shard's)
-        self._last_logits = None
-        warning = None
-        self._kv_profile = prefill_mod.kv_profile(loaded.model, lambda m: self._make_cache())
-        caches = self._make_cache()
-        try:
-            leaves = L.classify(caches)
-        except L.UnsupportedCache as exc:
-            self.supported, self.reason = False, f"caching off for {spec}: {exc}"
-            self.layer_kinds = ()
-            handle.emit(ModelLoaded(spec, warning=self.reason))
-            return
-        self.supported, self.reason = True, ""
-        self.layer_kinds = tuple(f"{lf.name}:{lf.kind}" for lf in leaves)
-        # on the CPU the folded chunk's last layer computes its output for the last token
-        # only (core/engine/forward.py); not across ranks, whose pipeline stages pass whole chunks
-        cpu = device_info().kind == "cpu"
-        splits = False  # the folded chunk's last layer runs the last token only
-        if not s.bitwise and not any(lf.snapshots for lf in leaves):
-            # models without recurrent state: the last chunk gives the first token (with
-            # its last layer split where that checks out, else whole)
-            for split in (True, False) if cpu and self.peers.size == 1 else (False,):
-                fn = last_logits_fn(loaded.model, split_last_layer=split)
-                if fn is not None and verify_last_logits(loaded.model, fn, self._make_cache):
-                    self._last_logits, splits = fn, split and fn.splits() > 0
-                    break
-        # a folded chunk that computes its last layer for every token (a prefill that ends
-        # before N skips that layer's output lazily) costs more than it saves on the CPU,
-        # where a forward has no fixed floor: there, unless the last layer splits, fold only
-        # chunks of at most FOLD_TOKENS_PER_LAYER tokens per layer (a GPU folds every one)
-        self._fold_limit = FOLD_TOKENS_PER_LAYER * len(leaves) if cpu and not splits else None
-        # one schedule and one softmax on every rank (pow_is_faster is timed per process)
-        pow_ = self._attention.softmax is pow_softmax
-        fold, pow_ = self.peers.all_min([int(self._last_logits is not None), int(pow_)])
-        if not fold:
-            self._last_logits = None
-        if not pow_:
-            self._attention = dataclasses.replace(self._attention, softmax=mlx_softmax)
-        # probe: two tokens through a throwaway cache give every cached array's shape
-        logits = loaded.model(mx.array([[0, 0]]), cache=caches)
-        mx.eval([c.state for c in caches])
-        spec_shapes = probe_specs(leaves, caches)
-        # and the first-token logprobs a prompt tail keeps (folded schedule)
-        spec_shapes[LOGPROBS] = ((logits.shape[-1],), logits.dtype)
-        if not s.no_cache:
-            kv = f"{loaded.fingerprint}/kv{s.kv_bits}g{s.kv_group_size}"
-            if self._attention.softmax is pow_softmax:  # entries of one softmax only
-                kv += "/pow-softmax"
-            fingerprint = hashlib.sha256(kv.encode()).hexdigest()
-            self.cache = PrefixCache(
-                fingerprint=fingerprint,
-                leaves=leaves,
-                spec=spec_shapes,
-                block_size=s.block_size,
-                hot_bytes=s.hot_bytes,
-                ssd_dir=Path(s.cache_dir),
-                ssd_bytes=s.ssd_bytes,
-                max_tails=s.tail_entries,
-                max_checkpoints=s.checkpoint_entries,
-                writer_queue=s.writer_queue,
-                pin_system=s.pin_system,
-                exact_prefix=self._last_logits is not None,
-                # across ranks every rank restores: a per-rank choice would split them
-                rates=Rates(Path(s.cache_dir) / f"rates-{fingerprint[:16]}.json")
-                if s.choose_recompute and self.peers.size == 1
-                else None,
-                write_budget=s.ssd_write_budget,
-                admission=s.ssd_admission,
-                flush_idle_s=s.ssd_flush_idle_s,
-                model=spec,
-            )
-            warning = self.cache.ssd_warning()
-            self.cache.on_ssd_idle(self.release_host_buffers)
-            if self.cache.needs_prefill_rate and device_info().backend == "cuda":
-                self._calibrate_prefill()
-        self.peers.gather_stats(self.cache, self.monitor.stats)
+        old, self.runtime = self.runtime, None
+        if old is not None and old.cache is not None:
+            old.cache.close()
+        del old
+        runtime, warning = build_runtime(
+            spec, loaded, s, attention, self.peers, self.release_host_buffers
+        )
+        self.runtime = runtime
+        if runtime.supported:
+            self.peers.gather_stats(runtime.cache, self.monitor.stats)
         handle.emit(ModelLoaded(spec, warning=warning))
 
-    def _calibrate_prefill(self, tokens: int = 1536) -> None:
-        """Measure the prefill rate once, at load, for the restore-or-recompute choice
-        (:mod:`.cache.rates`): after a warm-up prefill of ``tokens`` tokens (the first
-        use of each kernel compiles it), a prefill of a length no request has had yet, so
-        it pays the per-shape graph builds a recompute pays. On CUDA only, where computing
-        can beat reading the disk and the two prefills cost well under a second (8B
-        shapes on an H100); elsewhere the rates come from requests."""
-        model = self.loaded.model
-        with mx.stream(generation_stream):
-            for n in (tokens, tokens + 67):
-                ids = mx.arange(n)[None] % 2  # ids 0 and 1 exist in every vocabulary
-                t0 = time.perf_counter()
-                model(ids, cache=(caches := self._make_cache()))
-                mx.eval([c.state for c in caches])
-                dt = time.perf_counter() - t0
-        self.cache.observe_prefill(tokens + 67, dt)
-
-    def _make_cache(self) -> list[Any]:
-        model = self.loaded.model
-        caches = (
-            model.make_cache()
-            if hasattr(model, "make_cache")
-            else [KVCache() for _ in model.layers]
-        )
-        bits = self.settings.kv_bits
-        if not bits:
-            return caches
-
-        def quantize(c):
-            if type(c) is KVCache:
-                return QuantizedKVCache(group_size=self.settings.kv_group_size, bits=bits)
-            if isinstance(c, CacheList):
-                c.caches = tuple(quantize(x) for x in c.caches)
-            return c
-
-        return [quantize(c) for c in caches]
-
     # ------------------------------------------------------------------ generate
-    def _cap_tokens(self, max_tokens: int, n: int) -> int:
-        """``max_tokens`` capped so prompt + reply stays within the model's context length
-        (``max_position_embeddings`` of its config, when known); logged when it bites."""
-        ctx = self.context_length
-        if ctx is None:
-            return max_tokens
-        room = max(1, ctx - n)
-        if max_tokens > room and self.cache is not None:
-            self.cache.log(f"max tokens {max_tokens} capped at {room}: context length {ctx}")
-        return min(max_tokens, room)
-
     @property
     def context_length(self) -> int | None:
         """The model's context length in tokens, from its config, or None if unknown."""
-        if self.loaded is None:
-            return None
-        args = getattr(self.loaded.model, "args", None)
-        for key in ("max_position_embeddings", "max_seq_len", "n_ctx"):
-            value = getattr(args, key, None)
-            if isinstance(value, int) and value > 0:
-                return value
-        return None
-
-    # ------------------------------------------------------------------ memory
-    def _apply_memory_pressure(self) -> None:
-        """Shrink the hot tier's budget at soft/hard pressure, restore it at ok. Under
-        pressure MLX's pool of freed buffers goes back first (``mx.clear_cache()``): it
-        counts as in use, and on a GPU it grows to tens of GB under many requests (35 GiB
-        beside 17 GiB of live arrays with 16 clients of an 8B model on an H100), which
-        would otherwise empty the hot tier of what the next turns restore."""
-        cache = self.cache
-        if cache is None:
-            return
-        if memory_mod.should_clear_mlx_cache(self.monitor.level()):
-            mx.clear_cache()
-        configured = self.settings.hot_bytes
-        fitted = cache.fit_hot_budget(lambda held: self.monitor.budget(configured, held_bytes=held))
-        if fitted is not None:
-            budget, evicted = fitted
-            level = self.monitor.level()
-            cache.log(f"memory {level}: hot budget {budget:,} bytes ({evicted} evicted)")
-
-    def _plan_chunk(self, n: int) -> int:
-        """The prefill chunk (tokens): ``prefill_chunk``, or the largest smaller one whose
-        estimated peak fits the hard limit. A function of the prompt length and the memory
-        in use, never of what the cache holds, so cached and cold runs use one schedule
-        unless memory is short.
-
-        Raises:
-            prefill_mod.PrefillRefused: no chunk down to 16 tokens fits.
-        """
-        chunk = max(1, self.settings.prefill_chunk)
-        if n <= 1 or self._kv_profile is None:
-            return chunk
-        model = self.loaded.model
-        active = int(mx.get_active_memory())
-
-        def estimate(c: int) -> int:
-            return prefill_mod.estimate_for_model(
-                model,
-                self._kv_profile,
-                active_bytes=active,
-                new_tokens=n - 1,
-                context_tokens=n,
-                chunk_tokens=min(c, n - 1),
-            )
-
-        chunk, _ = prefill_mod.plan_prefill(
-            estimate,
-            self.monitor.hard_line(),
-            chunk,
-            min_chunk=min(16, chunk),
-            new_tokens=n - 1,
-        )
-        return chunk
+        return self.runtime.info.context_length if self.loaded is not None else None

@@ -43,33 +43,16 @@ from .forward import logprobs_of
 from .prefill_steps import Prefill
 
 
-def groupable(p: Prefill) -> bool:
-    """Whether the rest of ``p``'s prompt can be prefilled in a group: every layer cache a
-    plain ``KVCache`` or a state cache (``ArraysCache`` and its kinds), not ``bitwise``,
-    something left to compute, and with state layers one schedule end left (their
-    checkpoints are taken at chunk ends, which a group does not stop at)."""
-    if p.finished or p.engine.settings.bitwise:
-        return False
-    if not all(type(c) is KVCache or isinstance(c, ArraysCache) for c in p.caches):
-        return False
-    state = any(isinstance(c, ArraysCache) for c in p.caches)
-    return not state or [x for x in p.ends if x > p.pos] == [p.ends[-1]]
-
-
-def rest(p: Prefill) -> int:
-    """The tokens ``p`` still prefills (to its last schedule end)."""
-    return p.ends[-1] - p.pos
-
-
-def prefill_group(prefills: list[Prefill]) -> int:
-    """Prefill the rest of every request of ``prefills`` (each :func:`groupable`) in one
-    forward of shape ``(len(prefills), longest rest)``; each ends finished, with its own
+def prefill_group(prefills: list[Prefill], width: int = 0) -> int:
+    """Prefill the rest of every request of ``prefills`` (each ``groupable``) in one
+    forward of shape ``(len(prefills), width)`` (at least the longest rest; the columns
+    past a row's rest are padding, hidden by the causal mask); each ends finished, with its own
     caches, captures and (folded) first-token logprobs as if prefilled alone, up to float
     rounding. Returns the real tokens computed (padding not counted)."""
-    e = prefills[0].engine
+    runtime = prefills[0].runtime
     rows = [p.prompt[p.pos : p.ends[-1]] for p in prefills]
     lengths = [len(r) for r in rows]
-    width = max(lengths)
+    width = max(width, *lengths)
     tokens = mx.array([r + [0] * (width - len(r)) for r in rows])
     sizes = [next((c.size() for c in p.caches if type(c) is KVCache), 0) for p in prefills]
     left = [max(sizes) - s for s in sizes]  # the merge's left padding of each row
@@ -81,9 +64,9 @@ def prefill_group(prefills: list[Prefill]) -> int:
     folded = [p.ends[-1] == p.n for p in prefills]
     logits = None
     if any(folded):
-        logits = e._last_logits(tokens, merged, mx.array([n - 1 for n in lengths]))
+        logits = runtime.plan.last_logits(tokens, merged, mx.array([n - 1 for n in lengths]))
     else:
-        e.loaded.model(tokens, cache=merged)
+        runtime.model(tokens, cache=merged)
     computed: list[Any] = []
     for i, p in enumerate(prefills):
         pos, end = p.pos, p.ends[-1]
@@ -96,14 +79,14 @@ def prefill_group(prefills: list[Prefill]) -> int:
                 p.first_sample = p.sampling.first_logprobs(row, p.prompt)
                 computed.append(p.first_sample)
         computed += [c.state for c in p.caches]
-        computed += p.turn.chunk(
+        computed += p.cache_request.chunk(
             p.caches, pos, end, p.first_logprobs, checkpoint=end in p.checkpoints
         )
     mx.eval(computed)
     for p in prefills:
         p.pos = p.ends[-1]
         dt = time.perf_counter() - p.t0
-        p.handle.emit(PrefillProgress(p.done, p.total, p.done / dt if dt > 0 else 0.0))
+        p.emit(PrefillProgress(p.done, p.total, p.done / dt if dt > 0 else 0.0))
     return sum(lengths)
 
 

@@ -23,17 +23,22 @@ between pieces keeps everything computed so far (:meth:`CacheRequest.cancel`).
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache
 
-from ..api import GenerateRequest, PrefillProgress, RequestHandle, TurnMetrics
+from ..api import Event, GenerateRequest, PrefillProgress, TurnMetrics
 from ..cache.plans import Restored
 from ..cache.request import CacheRequest, ColdRequest
 from ..cache.schedule import chunk_ends, schedule_points
 from .device import device_info
 from .forward import logprobs_of
 from .sampling import RequestSampling, make_request_sampler
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
 
 # the CPU's prefill step when the settings leave it to the engine (docs/DESIGN.md §20):
 # chunks are cut at multiples of CPU_STEP_WEIGHT_BYTES / (the weights' bytes) tokens, a
@@ -58,13 +63,13 @@ def auto_prefill_step(model: Any, prefill_chunk: int) -> int:
     return 0 if step >= chunk else step
 
 
-def open_turn(
-    engine: Any, req: GenerateRequest, points: list[int], sampling: RequestSampling
+def open_cache_request(
+    runtime: Runtime, req: GenerateRequest, points: list[int], sampling: RequestSampling
 ) -> CacheRequest | ColdRequest:
     """The request's cache object (docs/DESIGN.md §9): a :class:`CacheRequest` over the
-    engine's prefix cache for the schedule ``points``, or a :class:`ColdRequest` with the
+    runtime's prefix cache for the schedule ``points``, or a :class:`ColdRequest` with the
     cache off (for this request or the engine)."""
-    cache, fresh = engine.cache, engine._make_cache
+    cache, fresh = runtime.cache, runtime.make_cache
     if cache is None:
         return ColdRequest(fresh)
     if not req.use_cache:
@@ -83,20 +88,25 @@ class Prefill:
     ``first_logprobs`` (shape ``(vocab,)``) once a folded last chunk or a kept tail gave
     them, and ``first_sample`` (the same with the request's logits processors applied,
     or None: sample from ``first_logprobs``). ``sampling``: the request's sampler,
-    processors and stop strings. Made by :meth:`begin`; advanced by :meth:`piece`."""
+    processors and stop strings; ``cache_request``: its cache object (docs/DESIGN.md §9);
+    ``emit``: sends its progress events. Made by :meth:`begin`; advanced by :meth:`piece`."""
 
     def __init__(
         self,
-        engine: Any,
+        runtime: Runtime,
         req: GenerateRequest,
-        handle: RequestHandle,
-        turn: CacheRequest | ColdRequest,
+        emit: Callable[[Event], None],
+        cache_request: CacheRequest | ColdRequest,
         restored: Restored,
         ends: list[int],
         t0: float,
         sampling: RequestSampling,
+        bitwise: bool,
+        block: int,
     ) -> None:
-        self.engine, self.req, self.handle, self.turn = engine, req, handle, turn
+        self.runtime, self.req, self.emit = runtime, req, emit
+        self.cache_request = cache_request
+        self.bitwise, self.block = bitwise, block
         self.sampling = sampling
         self.first_sample: mx.array | None = None
         self.restored = restored
@@ -110,44 +120,51 @@ class Prefill:
         self.first_logprobs = restored.first_logprobs if self.start == self.n else None
         self.total = self.n - self.start
         self.checkpoints: set[int] = set()  # the schedule points that take state checkpoints
-        self.chunk = engine.settings.prefill_chunk  # the planned chunk (tokens; memory)
+        self.chunk = 0  # the planned chunk (tokens; memory)
 
     @classmethod
-    def begin(cls, engine: Any, req: GenerateRequest, handle: RequestHandle) -> Prefill:
-        """Plan the schedule, open the request's cache object and restore.
-
-        Raises:
-            memory.prefill.PrefillRefused: no prefill chunk fits the memory limit.
-        """
-        e = engine
+    def begin(
+        cls,
+        runtime: Runtime,
+        req: GenerateRequest,
+        chunk: int,
+        restore: Callable[[CacheRequest | ColdRequest], Restored],
+        emit: Callable[[Event], None],
+        bitwise: bool,
+        block: int,
+    ) -> Prefill:
+        """Plan the schedule of ``chunk``-token chunks (agreed on every rank, from the
+        memory plan), open the request's cache object and restore through ``restore`` (the
+        peers': one position on every rank, docs/DESIGN.md §19). ``bitwise``: the schedule
+        promises bit-identical results (pieces cut at its points only); ``block``: the
+        cache's block size (tokens; budgeted pieces end at its multiples)."""
         n = len(req.prompt_ids)
-        chunk = e._agreed_chunk(n)
-        fold = e._last_logits is not None
+        plan = runtime.plan
+        fold = plan.folds
         points = schedule_points(n, chunk, req.boundaries, fold=fold)
         checkpoints = set(points)
-        step = e._prefill_step
+        step = plan.step
         if step and not fold:  # the step's multiples are schedule points too (no checkpoint)
             points = sorted(checkpoints | set(range(step, n - 1, step)))
         sampling = make_request_sampler(req)  # the one place sampling is built (§2)
-        turn = open_turn(e, req, points, sampling)
+        cache_request = open_cache_request(runtime, req, points, sampling)
         t0 = time.perf_counter()
         mx.reset_peak_memory()
         try:
-            restored = e.peers.restore(turn)  # one position on every rank (§19)
+            restored = restore(cache_request)
         except BaseException:
-            turn.close()
+            cache_request.close()
             raise
         start = restored.position
         ends = chunk_ends(start, points, chunk if fold else 0)
-        limit = e._fold_limit
+        limit = plan.fold_limit
         if fold and limit is not None and ends and ends[-1] - max([start, *ends[:-1]]) > limit:
             ends[-1] = n - 1  # too long to fold here: the last token goes to decode
-        handle.chunk_ends = tuple(ends)
-        p = cls(e, req, handle, turn, restored, ends, t0, sampling)
+        p = cls(runtime, req, emit, cache_request, restored, ends, t0, sampling, bitwise, block)
         p.checkpoints = checkpoints
         p.chunk = chunk
         if ends:  # the prefill starts: its first piece may take long (a CPU, a long prompt)
-            handle.emit(PrefillProgress(0, p.total, 0.0))
+            emit(PrefillProgress(0, p.total, 0.0))
         return p
 
     @property
@@ -159,22 +176,39 @@ class Prefill:
     def done(self) -> int:
         return self.pos - self.start
 
+    @property
+    def rest(self) -> int:
+        """The tokens still to prefill (to the last schedule end)."""
+        return self.ends[-1] - self.pos if self.ends else 0
+
+    @property
+    def groupable(self) -> bool:
+        """Whether the rest can be prefilled in a group (docs/DESIGN.md §20): every layer
+        cache a plain ``KVCache`` or a state cache (``ArraysCache`` and its kinds), not
+        ``bitwise``, something left to compute, and with state layers one schedule end
+        left (their checkpoints are taken at chunk ends, which a group does not stop at)."""
+        if self.finished or self.bitwise:
+            return False
+        if not all(type(c) is KVCache or isinstance(c, ArraysCache) for c in self.caches):
+            return False
+        state = any(isinstance(c, ArraysCache) for c in self.caches)
+        return not state or [x for x in self.ends if x > self.pos] == [self.ends[-1]]
+
     def next_end(self, budget: int | None = None, lone: bool = False) -> int:
         """Where the next piece ends: the next cut of the schedule, or sooner, after at most
         ``budget`` tokens, where the schedule allows cuts anywhere (None: the next cut).
         ``lone`` (a request prefilling alone, folded schedule): ``budget`` replaces the
         ``prefill_step`` cuts, which would split a short prompt into many forwards."""
-        e = self.engine
         pos = self.pos
         end = next(x for x in self.ends if x > pos)
-        step = e._prefill_step
-        if lone and budget is not None and not e.settings.bitwise:
+        step = self.runtime.plan.step
+        if lone and budget is not None and not self.bitwise:
             return min(end, pos + max(budget, step, 1))
         if step:
             end = min(end, (pos // step + 1) * step)
-        if budget is not None and not e.settings.bitwise and pos + budget < end:
+        if budget is not None and not self.bitwise and pos + budget < end:
             # cut at a block end within the budget (none when the rest of the chunk fits)
-            block = e.cache.block_size if e.cache is not None else e.settings.block_size
+            block = self.block
             cut = (pos + budget) // block * block
             end = min(end, max(cut, (pos // block + 1) * block))
         return end
@@ -182,13 +216,12 @@ class Prefill:
     def piece(self, end: int | None = None) -> int:
         """Prefill the next piece, to ``end`` (from :meth:`next_end`; None: the next cut).
         Returns the tokens computed."""
-        e = self.engine
         pos, n = self.pos, self.n
         end = self.next_end() if end is None else end
         tokens_in = mx.array(self.prompt[pos:end])[None]
         computed = []
         if end == n:  # folded: this piece gives the first token's logits
-            logits = e._last_logits(tokens_in, self.caches)
+            logits = self.runtime.plan.last_logits(tokens_in, self.caches)
             self.first_logprobs = logprobs_of(logits).squeeze(0)  # kept: pre-processor
             computed.append(self.first_logprobs)
             if self.sampling.needs_logits:
@@ -196,25 +229,25 @@ class Prefill:
                 self.first_sample = first
                 computed.append(first)
         else:
-            e.loaded.model(tokens_in, cache=self.caches)
+            self.runtime.model(tokens_in, cache=self.caches)
         computed += [c.state for c in self.caches]
-        computed += self.turn.chunk(
+        computed += self.cache_request.chunk(
             self.caches, pos, end, self.first_logprobs, checkpoint=end in self.checkpoints
         )
         mx.eval(computed)
         self.pos = end
         dt = time.perf_counter() - self.t0
-        self.handle.emit(PrefillProgress(self.done, self.total, self.done / dt if dt > 0 else 0.0))
+        self.emit(PrefillProgress(self.done, self.total, self.done / dt if dt > 0 else 0.0))
         return end - pos
 
     def cancel(self) -> int:
         """Stop here, keeping what the finished pieces computed; returns the tokens kept."""
-        return self.turn.cancel(self.caches, self.pos)
+        return self.cache_request.cancel(self.caches, self.pos)
 
     def first_token(self) -> None:
         """The sequence leaves prefill: complete the captured entries (KV slices) while
         its own cache list still holds them, and let the SSD writer run."""
-        self.turn.first_token(self.caches)
+        self.cache_request.first_token(self.caches)
 
     def metrics(self, ttft: float) -> TurnMetrics:
         """What the request reused and its TTFT (seconds), known at its first token."""

@@ -17,7 +17,6 @@ cache object, the cache and memory figures); neither holds the engine.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -29,6 +28,7 @@ from ..cache.plans import Restored
 from ..cache.request import CacheRequest, ColdRequest
 from ..memory import prefill as prefill_mod
 from . import distributed as dist
+from .actions import Admit, Message, encode, op_name
 
 Turn = CacheRequest | ColdRequest
 Sampler = Callable[[Any], Any]  # logprobs (..., vocab) -> tokens (...)
@@ -43,7 +43,7 @@ class Peers(Protocol):
     failed: str  # why the ranks are out of service ("": they are not)
     stats: tuple[RankStats, ...]  # every rank's figures, as last gathered (() alone)
 
-    def send(self, message: dict) -> None: ...
+    def send(self, message: Message) -> None: ...
     def watched(self, stage: str) -> contextlib.AbstractContextManager: ...
     def out_of_step(self, exc: BaseException) -> None: ...
     def all_min(self, values: list[int]) -> list[int]: ...
@@ -66,7 +66,7 @@ class OneProcess:
     failed = ""
     stats: tuple[RankStats, ...] = ()
 
-    def send(self, message: dict) -> None:
+    def send(self, message: Message) -> None:
         pass
 
     def watched(self, stage: str) -> contextlib.AbstractContextManager:
@@ -138,15 +138,15 @@ class RankGroup:
     def failed(self) -> str:
         return self.ranks.failed
 
-    def send(self, message: dict) -> None:
-        """Rank 0: send ``message`` to every worker (a no-op elsewhere, or once the ranks
-        failed)."""
+    def send(self, message: Message) -> None:
+        """Rank 0: send ``message`` (a typed record, :mod:`.actions`, in its wire form) to
+        every worker (a no-op elsewhere, or once the ranks failed)."""
         r = self.ranks
         if not r.is_main or r.failed:
             return
         _settle()
-        with r.section(f"sending {message['op']}"):
-            r.broadcast(message)
+        with r.section(f"sending {op_name(message)}"):
+            r.broadcast(encode(message))
 
     def watched(self, stage: str) -> contextlib.AbstractContextManager:
         """Rank 0's watchdog over ``stage`` (:meth:`dist.Ranks.section`)."""
@@ -180,7 +180,7 @@ class RankGroup:
     def share_request(self, req: GenerateRequest, uid: int) -> None:
         """Rank 0: queue ``req`` in the workers' schedulers too, as its own request ``uid``
         (docs/DESIGN.md §20)."""
-        self.send({"op": "admit", "uid": uid, "request": dataclasses.asdict(req)})
+        self.send(Admit(uid, req))
 
     def agree_chunk(self, plan: Callable[[], int], n: int) -> int:
         """``plan()`` (this rank's chunk for an ``n``-token prompt), the smallest over the

@@ -169,7 +169,7 @@ def test_restart_regenerate_is_bitwise_hot_regenerate_and_cold(tmp_path, models_
         b, h_ssd = generate(hot, prompt, max_tokens=4, boundaries=bounds)
         assert b.metrics.cached_by["ssd"] == len(prompt) - 1
         assert ref.token_ids == a.token_ids == b.token_ids
-        for x, y, z in zip(h_cold.logprobs, h_hot.logprobs, h_ssd.logprobs, strict=True):
+        for x, y, z in zip(h_cold.trace.logprobs, h_hot.trace.logprobs, h_ssd.trace.logprobs, strict=True):
             assert np.array_equal(y, z)  # SSD restore == hot restore, bit for bit
             assert np.array_equal(x, y)  # == cold: the prompt holds no decode K/V
     finally:

@@ -35,7 +35,7 @@ def test_continue_prefills_nothing_and_equals_one_longer_generation(
         assert m.cached_kind["resident"] == len(PROMPT) + 4 == m.cached_by["hot"], m
         assert part.token_ids + more.token_ids == whole.token_ids
         # the continuation's first token came from the logprobs kept after the reply
-        for a, b in zip(handle.logprobs, whole_handle.logprobs[4:], strict=False):
+        for a, b in zip(handle.trace.logprobs, whole_handle.trace.logprobs[4:], strict=False):
             assert float(np.abs(a - b).max()) < LOGPROB_TOL
         assert any("whole (a continue)" in text for _, text in e.stats().events)
     finally:

@@ -43,11 +43,11 @@ def test_cold_chunk_ends_equal_with_cache_on_and_off(tmp_path, models_dir):
         bounds = ((7, "system"), (45, "user"), (70, "assistant"), (90, "user"))
         _, h_on = generate(on, prompt, max_tokens=2, boundaries=bounds)
         _, h_off = generate(off, prompt, max_tokens=2, boundaries=bounds)
-        assert h_on.restored_position == 0
-        assert h_on.chunk_ends == h_off.chunk_ends == (7, 32, 45, 64, 70, 90, 96, 99)
+        assert h_on.trace.restored_position == 0
+        assert h_on.trace.chunk_ends == h_off.trace.chunk_ends == (7, 32, 45, 64, 70, 90, 96, 99)
         # a restore at a schedule point computes the rest in the cold run's chunks
         _, again = generate(on, prompt[:95] + (1, 2, 3), max_tokens=2, boundaries=bounds)
-        assert again.restored_position == 90 and again.chunk_ends == (96, 97)
+        assert again.trace.restored_position == 90 and again.trace.chunk_ends == (96, 97)
     finally:
         on.close()
         off.close()
@@ -250,7 +250,7 @@ def test_closing_an_engine_frees_the_model(tmp_path, models_dir):
 
     engine = make_engine("tiny:llama", tmp_path, models_dir, bitwise=False)
     trunk = weakref.ref(engine.loaded.model.model)
-    assert engine._last_logits is not None
+    assert engine.runtime.plan.folds
     engine.close()
     gc.collect()
     assert trunk() is None
@@ -274,7 +274,8 @@ def test_a_hold_clears_host_buffers_only_for_files_written_while_idle(monkeypatc
         ssd_files_written=0, hold_writes=lambda holder: True, release_writes=lambda holder: None
     )
     eng = engine_mod.Engine.__new__(engine_mod.Engine)  # the hold's state only: no thread
-    eng.cache, eng._write_while_busy, eng._writes_held = cache, False, False
+    eng.executor = types.SimpleNamespace(runtime=types.SimpleNamespace(cache=cache))
+    eng._write_while_busy, eng._writes_held = False, False
     eng._saves_at_clear = eng._saves_at_release = 0
     eng._clear_when_idle, eng._release_queued = False, threading.Event()
     eng._hold_writes(True)

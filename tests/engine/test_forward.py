@@ -48,9 +48,9 @@ def test_last_chunk_gives_the_first_token_on_models_without_state(tmp_path, mode
         b, hb = generate(engine, prompt, max_tokens=4, boundaries=bounds)
         assert_same(a, ha, b, hb)
         if arch in STATE_ARCHS:
-            assert hb.chunk_ends == (9, 32, 40, 64, 74)
+            assert hb.trace.chunk_ends == (9, 32, 40, 64, 74)
         else:  # message ends are no chunk ends; the last chunk ends at N
-            assert hb.chunk_ends == (32, 64, 75)
+            assert hb.trace.chunk_ends == (32, 64, 75)
         # a next turn: one chunk after the restored prompt + reply on KV models (chunks
         # count from the restore point)
         longer = prompt + b.token_ids + random_prompt(20, seed=8)
@@ -59,7 +59,7 @@ def test_last_chunk_gives_the_first_token_on_models_without_state(tmp_path, mode
         assert_same(c, hc, d, hd)
         assert d.metrics.cached_tokens >= len(prompt)
         if arch not in STATE_ARCHS:
-            assert len(hd.chunk_ends) == 1 and hd.chunk_ends[-1] == len(longer)
+            assert len(hd.trace.chunk_ends) == 1 and hd.trace.chunk_ends[-1] == len(longer)
     finally:
         engine.close()
         cold.close()
@@ -70,12 +70,12 @@ def test_a_head_that_differs_is_not_folded(tmp_path, models_dir):
     try:
         model = engine.loaded.model
         fn = last_logits_fn(model)
-        assert fn is not None and verify_last_logits(model, fn, engine._make_cache)
+        assert fn is not None and verify_last_logits(model, fn, engine.runtime.make_cache)
 
         def soft_capped(tokens, cache):  # what a model with logit soft-capping would differ by
             return mx.tanh(fn(tokens, cache) / 30.0) * 30.0 + 1.0
 
-        assert not verify_last_logits(model, soft_capped, engine._make_cache)
+        assert not verify_last_logits(model, soft_capped, engine.runtime.make_cache)
     finally:
         engine.close()
 
@@ -95,7 +95,7 @@ def test_split_last_layer_equals_the_models_own_forward(tmp_path, models_dir, ar
         assert split is not None
         tokens = mx.array([random_prompt(40, seed=3)])
         for prefix in (0, 17):
-            want_cache, got_cache = engine._make_cache(), engine._make_cache()
+            want_cache, got_cache = engine.runtime.make_cache(), engine.runtime.make_cache()
             if prefix:
                 for c in (want_cache, got_cache):
                     model(tokens[:, :prefix], cache=c)
@@ -114,7 +114,7 @@ def test_split_last_layer_equals_the_models_own_forward(tmp_path, models_dir, ar
                 assert arrays
                 for x, y in arrays:
                     assert x.shape == y.shape and float(mx.abs(x - y).max()) < 1e-5
-        windowed = type(engine._make_cache()[-1]).__name__ == "RotatingKVCache"
+        windowed = type(engine.runtime.make_cache()[-1]).__name__ == "RotatingKVCache"
         assert split.splits() == (0 if windowed else 2)
     finally:
         engine.close()
@@ -177,7 +177,7 @@ def test_a_split_last_layer_folds_long_last_chunks_on_the_cpu(tmp_path, models_d
             a, ha = generate(cold, prompt, max_tokens=4)
             b, hb = generate(engine, prompt, max_tokens=4)
             assert_same(a, ha, b, hb)
-            assert hb.chunk_ends == ends
+            assert hb.trace.chunk_ends == ends
         finally:
             engine.close()
             cold.close()
@@ -198,10 +198,10 @@ def test_folded_schedule_with_quantized_kv(tmp_path, models_dir):
             a, ha = generate(cold, prompt, max_tokens=4)
             b, hb = generate(engine, prompt, max_tokens=4)
             assert a.token_ids == b.token_ids
-            for x, y in zip(ha.logprobs, hb.logprobs, strict=True):
+            for x, y in zip(ha.trace.logprobs, hb.trace.logprobs, strict=True):
                 assert float(np.abs(x - y).max()) < 1e-3
             reply = b.token_ids
-        assert b.metrics.cached_tokens >= 90 and hb.chunk_ends == (len(prompt),)
+        assert b.metrics.cached_tokens >= 90 and hb.trace.chunk_ends == (len(prompt),)
     finally:
         engine.close()
         cold.close()
@@ -222,9 +222,9 @@ def test_explicit_attention_with_a_value_head_size_of_its_own(softmax):
 def test_a_model_whose_split_fails_still_folds_whole(tmp_path, models_dir, monkeypatch):
     """Where the split last layer does not check out at load, the engine folds with the
     layer whole, and on the CPU only short last chunks (the length limit is back)."""
-    import tierchat.core.engine.engine as engine_mod
+    import tierchat.core.engine.runtime as runtime_mod
 
-    real = engine_mod.last_logits_fn
+    real = runtime_mod.last_logits_fn
 
     def split_breaks(model, split_last_layer=False):
         fn = real(model, split_last_layer=split_last_layer)
@@ -236,14 +236,14 @@ def test_a_model_whose_split_fails_still_folds_whole(tmp_path, models_dir, monke
 
         return broken
 
-    monkeypatch.setattr(engine_mod, "last_logits_fn", split_breaks)
+    monkeypatch.setattr(runtime_mod, "last_logits_fn", split_breaks)
     engine = make_engine("tiny:qwen2", tmp_path, models_dir, bitwise=False)
     try:
-        assert engine._last_logits is not None and engine._fold_limit == 40  # 2 layers
+        assert engine.runtime.plan.folds and engine.runtime.plan.fold_limit == 40  # 2 layers
         b, hb = generate(engine, random_prompt(90, seed=5), max_tokens=2)
-        assert hb.chunk_ends == (89,)
+        assert hb.trace.chunk_ends == (89,)
         c, hc = generate(engine, random_prompt(90, seed=5) + b.token_ids + (7, 8, 9), 2)
-        assert hc.chunk_ends[-1] == 95  # a short last chunk folds
+        assert hc.trace.chunk_ends[-1] == 95  # a short last chunk folds
     finally:
         engine.close()
 

@@ -7,7 +7,7 @@ import types
 
 import pytest
 from tierchat.core.engine.forward_cost import DECAY, ForwardCost
-from tierchat.core.engine.scheduler import LONE_PIECE_S, Scheduler, Sequence
+from tierchat.core.engine.scheduler import LONE_PIECE_S, Scheduler
 
 FLOOR, RATE = 0.035, 30_000.0  # an 8B model on a GPU, roughly: 35 ms + 30K tokens/s
 
@@ -73,41 +73,50 @@ class _Prefill:
         return self.pos + min(self.n, budget or self.n)
 
 
-def _scheduler(prefill_step: int = 0) -> Scheduler:
-    engine = types.SimpleNamespace(
-        cache=types.SimpleNamespace(prefill_rate=0.0),
-        settings=types.SimpleNamespace(bitwise=False, prefill_chunk=2048),
-        _prefill_step=prefill_step,
+def _view(prefill_step: int = 0) -> types.SimpleNamespace:
+    return types.SimpleNamespace(
+        queued=[],
+        prefilling=[],
+        decoding={},
+        cache=types.SimpleNamespace(prefill_rate=0.0, block_size=16, state=False),
+        prefill_step=prefill_step,
+        block_size=16,
     )
-    return Scheduler(engine)
+
+
+def _request(p: _Prefill) -> types.SimpleNamespace:
+    return types.SimpleNamespace(uid=1, params=None, prefill=p, cancelled=False)
 
 
 def test_a_piece_while_others_decode_gets_what_fits_by_the_fitted_line():
     """With seven requests decoding, a 300-token second turn's piece: after tiny rests and
     block pieces were measured, the fitted line fits the whole turn in the step's time
     (the mean tokens/s of those pieces would have cut it into blocks)."""
-    sched = _scheduler()
-    sched.cost = _measured(25, 256, 25, 2048, 25, 256)
-    sched.decoding = {k: object() for k in range(7)}
+    sched = Scheduler(prefill_chunk=2048, bitwise=False, cost=_measured(25, 256, 25, 2048, 25, 256))
+    view = _view()
+    view.decoding = {k: object() for k in range(7)}
     p = _Prefill(300)
-    seq = Sequence(uid=1, req=None, handle=None, prefill=p)
-    assert sched._piece_end(seq, 0.25) == 300
+    assert sched.piece_end(view, _request(p), 0.25) == 300
     [(budget, lone)] = p.budgets
-    assert budget == pytest.approx((0.25 - FLOOR) * RATE, abs=1) and not lone
-    sched._piece_end(seq, 0.0)  # the step's time spent: still 50 ms of work
-    assert p.budgets[-1][0] == pytest.approx((0.05 - FLOOR) * RATE, abs=1)
+    # (0.25 - FLOOR) * RATE = 6,450 tokens: the size at or below it (384 blocks)
+    assert budget == 6144 and not lone
+    sched.piece_end(view, _request(p), 0.0)  # the step's time spent: still 50 ms of work
+    # (0.05 - FLOOR) * RATE = 450 tokens, under the floor: a forward's fixed 35 ms is
+    # worth 1,050 tokens, and the size that holds them is 1,536
+    assert p.budgets[-1][0] == 1536
 
 
 def test_a_lone_piece_takes_the_larger_of_the_fit_and_the_kept_rate():
-    sched = _scheduler(prefill_step=64)
+    sched = Scheduler(prefill_chunk=2048, bitwise=False)
+    view = _view(prefill_step=64)
     p = _Prefill(100_000)
-    seq = Sequence(uid=1, req=None, handle=None, prefill=p)
-    sched._piece_end(seq, 0.25)
+    sched.piece_end(view, _request(p), 0.25)
     assert p.budgets[-1] == (None, False)  # nothing known: the schedule's next cut
-    sched.engine.cache.prefill_rate = 10_000.0
-    sched._piece_end(seq, 0.25)
-    assert p.budgets[-1] == (int(10_000 * LONE_PIECE_S), True)
+    view.cache.prefill_rate = 10_000.0
+    sched.piece_end(view, _request(p), 0.25)
+    assert p.budgets[-1] == (4096, True)  # 5,000 tokens of the kept rate: the size below
+    assert 4096 <= 10_000 * LONE_PIECE_S
     sched.cost = _measured(25, 256, 2048)
-    sched._piece_end(seq, 0.25)
+    sched.piece_end(view, _request(p), 0.25)
     budget, lone = p.budgets[-1]
-    assert budget == pytest.approx((LONE_PIECE_S - FLOOR) * RATE, abs=1) and lone
+    assert budget == 12288 and lone  # (LONE_PIECE_S - FLOOR) * RATE = 13,950: the size below

@@ -7,7 +7,7 @@ is held while the requests queue, so they are admitted together."""
 from __future__ import annotations
 
 import pytest
-from engine_kit import generate, make_engine, random_prompt
+from engine_kit import generate, make_engine, random_prompt, still_clock
 from test_scheduler import Hold, _assert_close
 from tierchat.core.api import Finished, GenerateRequest
 from tierchat.core.models.tiny import TINY_ARCHS
@@ -45,10 +45,20 @@ def test_requests_arriving_together_equal_each_alone(arch, tmp_path, models_dir)
     """Five requests with one new system prompt arrive together: the first computes it,
     the others wait and restore it (with state layers: at its boundary checkpoint); on
     attention and state models their rests (lengths 16 to 37) go through one forward. Each
-    reply equals the request alone on a cold engine, and what they stored restores."""
+    reply equals the request alone on a cold engine, and what they stored restores. The
+    scheduler's clock stands still (no measured cost, no kept rate): the group's size
+    follows from the requests and the chunk alone, however loaded the machine is (the
+    sizing by measured cost is tests/unit/test_schedule_policy.py's)."""
     kw = dict(prefill_chunk=256, bitwise=False)
     cold = make_engine(f"tiny:{arch}", tmp_path / "cold", models_dir, no_cache=True, **kw)
-    hot = make_engine(f"tiny:{arch}", tmp_path / "hot", models_dir, **kw)
+    hot = make_engine(
+        f"tiny:{arch}",
+        tmp_path / "hot",
+        models_dir,
+        clock=still_clock,
+        choose_recompute=False,
+        **kw,
+    )
     try:
         cold.record_logprobs = hot.record_logprobs = 6
         reqs = _requests()
@@ -59,13 +69,13 @@ def test_requests_arriving_together_equal_each_alone(arch, tmp_path, models_dir)
         for r in results[1:]:  # they waited for the first and restored its system prompt
             assert r.metrics.cached_tokens >= SYSTEM - hot.cache.block_size, r.metrics
         if arch in GROUPED:
-            assert hot._sched.peak_group >= 3  # the rests went through one forward
+            assert hot.executor.peak_group == len(reqs) - 1  # the rests in one forward
         for (a, ha), b, hb in zip(alone, results, handles, strict=True):
             _assert_close(a, ha, b, hb)
         for r, o, (a, _) in zip(reqs, opts, alone, strict=True):
             again, h = generate(hot, r["prompt_ids"], **o)
             assert again.token_ids == a.token_ids
-            assert h.restored_position > SYSTEM
+            assert h.trace.restored_position > SYSTEM
     finally:
         cold.close()
         hot.close()
@@ -82,15 +92,15 @@ def test_a_group_of_folded_and_unfolded_rests_equals_each_alone(arch, tmp_path, 
     try:
         for e in (cold, hot):
             e.record_logprobs = 6
-            e._fold_limit = 20  # the CPU's limit on a folded chunk, made small
+            e.runtime = e.runtime.with_plan(fold_limit=20)  # the CPU's limit on a folded chunk, made small
         reqs = _requests()
         for r in reqs:
             r.pop("repetition_penalty", None)
         alone = [generate(cold, r["prompt_ids"], max_tokens=6) for r in reqs]
         generate(hot, reqs[0]["prompt_ids"][:SYSTEM] + (5, 5), max_tokens=1)  # cached
         results, handles = _run_together(hot, reqs)
-        assert hot._sched.peak_group == len(reqs)
-        ends = {h.chunk_ends[-1] - len(r["prompt_ids"]) for h, r in zip(handles, reqs, strict=True)}
+        assert hot.executor.peak_group == len(reqs)
+        ends = {h.trace.chunk_ends[-1] - len(r["prompt_ids"]) for h, r in zip(handles, reqs, strict=True)}
         assert ends == {0, -1}  # folded rests and rests ending at N - 1, in one group
         for (a, ha), b, hb in zip(alone, results, handles, strict=True):
             _assert_close(a, ha, b, hb)
@@ -143,20 +153,20 @@ def test_a_request_arriving_during_a_restore_joins_that_steps_group(tmp_path, mo
         first, second = (system + random_prompt(20 + k, seed=2 + k, vocab=250) for k in (0, 1))
         late: list = []
         calls: list[int] = []
-        admit_arrived = hot._sched._arrivals
+        admit_arrived = hot.executor.scheduler.arrivals
 
         def arrivals() -> None:
-            calls.append(len(hot._sched.prefilling))
+            calls.append(len(hot.executor.prefilling))
             if len(calls) == 2:  # after the step's first start: it arrived during it
                 late.append(hot.submit(GenerateRequest(prompt_ids=second, max_tokens=4)))
             admit_arrived()
 
-        hot._sched._arrivals = arrivals
+        hot.executor.scheduler.arrivals = arrivals
         (a,), (ha,) = _run_together(hot, [dict(prompt_ids=first, max_tokens=4)])
         b = late[0].wait(300)
         assert isinstance(b, Finished), b
         assert calls[:2] == [0, 1]  # before the first start, then after it
-        assert hot._sched.peak_group == 2
+        assert hot.executor.peak_group == 2
         for r in (a, b):
             assert r.metrics.cached_tokens >= SYSTEM - hot.cache.block_size, r.metrics
         alone = [generate(cold, p, max_tokens=4) for p in (first, second)]

@@ -11,12 +11,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 
 import pytest
 from engine_kit import assert_same, generate, make_engine, random_prompt
 from tierchat.config.settings import Settings
 from tierchat.core.cache.plans import Restored
+from tierchat.core.engine import actions
 from tierchat.core.engine.engine import Engine
 from tierchat.core.engine.ranks import OneProcess, RankGroup
 
@@ -184,7 +186,10 @@ class OneRankTransport:
         pass
 
     def broadcast(self, message=None):
-        self.sent.append(message["op"])
+        wire = json.loads(json.dumps(message))  # as the ranks send it: JSON bytes
+        again = json.loads(json.dumps(actions.encode(actions.decode(wire))))
+        assert again == wire  # the typed record round-trips
+        self.sent.append(wire["op"])
         return message
 
     def all_min(self, values):
@@ -233,7 +238,7 @@ def test_the_ranks_path_on_one_rank_equals_a_cold_run(arch, tmp_path, models_dir
                 assert b.metrics.cached_tokens > 0  # the shared prefix was restored
         assert b.metrics.cached_tokens >= len(prompts[2]) - 1  # the same prompt again
         assert hot.stats().ranks[0].cached_hot == b.metrics.cached_by["hot"]
-        assert transport.sent.count("admit") == 3 and "step" in transport.sent
+        assert transport.sent.count("admit") == 3 and "decode" in transport.sent
         assert transport.shared > 0  # the batch's tokens went through the shared sampler
         assert "on each of 1 ranks" in hot.peers.on_every_rank("cleared")
     finally:

@@ -53,8 +53,8 @@ def _prompts(vocab: int = 250) -> list[tuple[int, ...]]:
 
 def _assert_close(a, ha, b, hb) -> None:
     assert a.token_ids == b.token_ids
-    assert len(ha.logprobs) == len(hb.logprobs) > 0
-    for x, y in zip(ha.logprobs, hb.logprobs, strict=True):
+    assert len(ha.trace.logprobs) == len(hb.trace.logprobs) > 0
+    for x, y in zip(ha.trace.logprobs, hb.trace.logprobs, strict=True):
         assert float(np.abs(x - y).max()) < LOGPROB_TOL
 
 
@@ -81,8 +81,8 @@ def test_batched_replies_equal_each_request_alone(arch, bitwise, tmp_path, model
         hold.release()
         results = [h.wait(300) for h in handles]
         assert all(isinstance(r, Finished) for r in results), results
-        assert hot._sched.batch.peak_merged >= 2  # they decoded in one batch
-        assert handles[0].restored_position > 0
+        assert hot.executor.batch.peak_merged >= 2  # they decoded in one batch
+        assert handles[0].trace.restored_position > 0
         for (a, ha), b, hb in zip(alone, results, handles, strict=True):
             n = len(a.token_ids)
             assert b.token_ids[:n] == a.token_ids
@@ -91,7 +91,7 @@ def test_batched_replies_equal_each_request_alone(arch, bitwise, tmp_path, model
         for p, (a, _) in zip(prompts, alone, strict=True):
             again, h = generate(hot, p, max_tokens=6)
             assert again.token_ids == a.token_ids
-            assert h.restored_position > 0
+            assert h.trace.restored_position > 0
     finally:
         cold.close()
         hot.close()
@@ -143,7 +143,7 @@ def test_cancel_during_prefill_stops_at_the_next_piece_and_keeps_it(engine):
     assert any(isinstance(e, Stopping) for e in seen)
     _next_request_runs(engine)
     _, again = generate(engine, prompt, max_tokens=3)
-    assert again.restored_position >= 16
+    assert again.trace.restored_position >= 16
 
 
 def test_cancel_during_decode_leaves_the_batch_at_the_next_step(engine):
@@ -264,7 +264,7 @@ def test_nothing_lost_under_load_and_after_a_restart(arch, tmp_path, models_dir)
         for t in threads:
             t.join(600)
         assert len(lasts) == 6 and len(runs) == 6 * 5
-        assert hot._sched.batch.peak_merged >= 2
+        assert hot.executor.batch.peak_merged >= 2
     finally:
         hot.close()
     # the restart: every conversation goes on, together, from what the tiers kept
@@ -327,7 +327,7 @@ def test_seeded_sampling_while_batched_equals_the_request_alone(arch, tmp_path, 
         result = handle.wait(300)
         assert isinstance(result, Finished) and isinstance(other.wait(300), Finished)
         assert len(later) == 2 and all(isinstance(h.wait(300), Finished) for h in later)
-        assert hot._sched.batch.peak_merged >= 3  # they decoded in one batch
+        assert hot.executor.batch.peak_merged >= 3  # they decoded in one batch
         assert result.token_ids == alone[0]
         assert [h.result.token_ids for h in later] == alone[1:]
     finally:
@@ -407,8 +407,8 @@ def test_quantized_kv_requests_decode_alone_beside_each_other(tmp_path, models_d
         hold.release()
         for (a, ha), h in zip(alone, handles, strict=True):
             _assert_close(a, ha, h.wait(300), h)
-        assert hot._sched.batch.peak == 3  # three sequences in the same steps
-        assert hot._sched.batch.peak_merged == 0  # each in its own one-row batch
+        assert hot.executor.batch.peak == 3  # three sequences in the same steps
+        assert hot.executor.batch.peak_merged == 0  # each in its own one-row batch
     finally:
         cold.close()
         hot.close()
@@ -454,8 +454,8 @@ def test_4bit_weights_batch_and_equal_each_request_alone(arch, tmp_path, models_
         hold.release()
         results = [h.wait(300) for h in handles]
         assert all(isinstance(r, Finished) for r in results), results
-        assert hot._sched.batch.peak_merged == 4  # all four in one merged batch
-        assert handles[0].restored_position > 0
+        assert hot.executor.batch.peak_merged == 4  # all four in one merged batch
+        assert handles[0].trace.restored_position > 0
         for (a, ha), b, hb in zip(alone, results, handles, strict=True):
             _assert_close(a, ha, b, hb)
     finally:
@@ -481,7 +481,7 @@ def test_a_retry_after_another_request_restores_the_cancelled_pieces(tmp_path, m
         _next_request_runs(engine)
         assert engine.stats().resident.tokens != 40  # the other request's now
         _, again = generate(engine, prompt, max_tokens=3)
-        assert again.restored_position == 40
+        assert again.trace.restored_position == 40
     finally:
         engine.close()
 
@@ -524,7 +524,7 @@ def test_batched_penalties_stop_strings_and_continue_equal_each_request_alone(tm
         hold.release()
         results = [h.wait(300) for h in handles]
         assert all(isinstance(r, Finished) for r in results), results
-        assert hot._sched.batch.peak_merged >= 2  # they decoded in one batch
+        assert hot.executor.batch.peak_merged >= 2  # they decoded in one batch
         for (a, ha), b, hb in zip(alone, results, handles, strict=True):
             _assert_close(a, ha, b, hb)
             assert b.text == a.text
@@ -536,8 +536,8 @@ def test_batched_penalties_stop_strings_and_continue_equal_each_request_alone(tm
         more, more_h = generate(hot, prompts[3] + results[3].token_ids, max_tokens=4)
         assert more.metrics.prefill_tokens == 0, more.metrics
         assert results[3].token_ids + more.token_ids == whole.token_ids
-        assert len(more_h.logprobs) == 4
-        for x, y in zip(more_h.logprobs, whole_h.logprobs[14:], strict=True):
+        assert len(more_h.trace.logprobs) == 4
+        for x, y in zip(more_h.trace.logprobs, whole_h.trace.logprobs[14:], strict=True):
             assert float(np.abs(x - y).max()) < LOGPROB_TOL
     finally:
         cold.close()

@@ -460,8 +460,8 @@ out = {
     "batched": [list(getattr(r, "token_ids", ())) for r in batched],
     "types": [type(r).__name__ for r in alone + batched],
     "cached": [r.metrics.cached_tokens for r in batched if hasattr(r, "metrics")],
-    "peak_merged": e._sched.batch.peak_merged if e._sched.batch is not None else 0,
-    "peak_group": e._sched.peak_group,
+    "peak_merged": e.executor.batch.peak_merged if e.executor.batch is not None else 0,
+    "peak_group": e.executor.peak_group,
 }
 e.close()
 dist.current().broadcast({"op": "exit"})

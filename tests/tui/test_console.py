@@ -12,7 +12,7 @@ from tierchat.tui.screens.conversation_settings import ConversationSettingsScree
 from tierchat.tui.widgets.cache_panels import CacheSummary, cache_summary
 from tierchat.tui.widgets.chat_input import ChatInput
 from tierchat.tui.widgets.transcript import Transcript
-from tui_kit import SIZE, WIDE, FlakyEngine, chat_screen, send, settle
+from tui_kit import SIZE, WIDE, FlakyEngine, chat_screen, send, settle, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -200,13 +200,12 @@ async def test_cancel_during_prefill_is_said_in_words(make_app, engine):
         screen = chat_screen(app)
         screen.query_one(ChatInput).insert("never mind")
         await pilot.press("enter")
-        for _ in range(200):
-            await pilot.pause()
-            if screen.streaming:
-                break
+        # the prefill is held at the gate and the screen knows it streams: by events,
+        # not by a count of pauses (which a loaded machine outran)
+        await wait_for(pilot, lambda: engine.prefill_held.is_set() and screen.streaming, 60)
         await pilot.press("escape")
         engine.prefill_gate.set()
-        await settle(pilot)
+        await settle(pilot, timeout=60)
         assert any(n.startswith("Stopped: ") for n in notes(app))
         assert not any(n.severity == "error" for n in app._notifications)
         assert screen.query_one(ChatInput).text == "never mind"  # given back

@@ -47,6 +47,7 @@ class FlakyEngine(FakeEngine):
         self.fail_kind = ""  # the kind of the Failed that ``fail_next`` emits
         self.prefill_gate = threading.Event()
         self.prefill_gate.set()
+        self.prefill_held = threading.Event()  # a prefill waits at the closed gate
 
     def clear(self, tier: str) -> None:
         if self.clear_error is not None:
@@ -75,6 +76,8 @@ class FlakyEngine(FakeEngine):
                 event = Failed(event.message, self.fail_kind)
             on_event(event)
             if isinstance(event, PrefillProgress) and event.done < event.total:
+                if not self.prefill_gate.is_set():
+                    self.prefill_held.set()
                 self.prefill_gate.wait()
 
         return super().submit(request, held)

@@ -251,3 +251,45 @@ def test_the_engine_reaches_no_cache_tier():
             if isinstance(node, ast.Attribute) and node.attr in tiers:
                 reaches.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
     assert not reaches, "\n".join(reaches)
+
+
+def _private_reaches(folder: Path) -> list[str]:
+    """``path:line: expr`` for each ``x._name`` under ``folder`` whose ``x`` is not the
+    object's own (``self``, ``cls``, ``super()``): another object's or module's private
+    member, read, written or called (dunders apart)."""
+    reaches = []
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+                continue
+            if node.attr.startswith("__") and node.attr.endswith("__"):
+                continue
+            base = node.value
+            if isinstance(base, ast.Name) and base.id in ("self", "cls"):
+                continue
+            if isinstance(base, ast.Call) and ast.unparse(base.func) == "super":
+                continue
+            where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+            reaches.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    return reaches
+
+
+def test_the_engine_reaches_into_no_private_member_of_another_object():
+    """core/engine/'s modules meet through public seams: the executor, the runtime, the
+    request and the peers (docs/DESIGN.md §2, §20); no ``engine._load``,
+    ``self.engine._attention`` or ``mod._helper`` across modules."""
+    assert not _private_reaches(ROOT / "core" / "engine")
+
+
+def test_the_private_reach_check_can_fail(tmp_path):
+    (tmp_path / "m.py").write_text(
+        "def f(engine, mod):\n    engine._load()\n    return mod._x + self._ok\n",
+        encoding="utf-8",
+    )
+    found = [line.split(": ")[-1] for line in _private_reaches(tmp_path)]
+    assert found == ["engine._load", "mod._x"]
+
+
+def test_no_module_in_core_engine_is_over_600_lines():
+    """The engine room's modules stay short (docs/DESIGN.md §1): each one responsibility."""
+    assert not _longer_than(("core/engine",), 600)

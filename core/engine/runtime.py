@@ -1,0 +1,310 @@
+"""What a model load leaves the engine: one :class:`Runtime`, swapped as one reference on a
+model switch (docs/DESIGN.md §2).
+
+A load builds the model (``models.loading``), then the engine's view of it: a cache factory
+(``kv_bits`` applied), the prefill plan (the CPU's prefill step, the folded last chunk and
+its limit, docs/DESIGN.md §7), the attention plan, the :class:`~.cache.prefix.PrefixCache`
+or None, and a :class:`ModelInfo`. :func:`build_runtime` makes all of it at once on the
+engine thread; the engine holds the result and nothing else of the load, so a switch or a
+close drops every piece together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
+
+from ...config.settings import Settings
+from ..cache import layers as L
+from ..cache.blocks import LOGPROBS
+from ..cache.layers import probe_specs
+from ..cache.prefix import PrefixCache
+from ..cache.rates import Rates
+from ..memory import prefill as prefill_mod
+from .attention import AttentionPlan, mlx_softmax, pow_softmax
+from .device import device_info
+from .forward import last_logits_fn, verify_last_logits
+from .prefill_steps import auto_prefill_step
+
+# the CPU's limit on a folded last chunk, per layer (docs/DESIGN.md §7): a 1-token forward of
+# demo (24 layers, float32) costs about what 20 tokens' share of a prefill does, and the
+# folded chunk's extra work is one layer of its tokens
+FOLD_TOKENS_PER_LAYER = 20
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What callers may know of the loaded model: ``context_length`` (tokens, from its
+    config's ``max_position_embeddings``, ``max_seq_len`` or ``n_ctx``; None: unknown),
+    ``vocab_size`` (the logits' last dimension) and ``device`` (``"cpu"`` or ``"gpu"``)."""
+
+    context_length: int | None
+    vocab_size: int
+    device: str
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """How this model's prompts are prefilled (docs/DESIGN.md §7, §20): ``step`` (tokens;
+    chunks are cut at its multiples, 0: not cut), ``last_logits`` (the folded last chunk's
+    forward, :func:`~.forward.last_logits_fn`; None: the last token goes to decode) and
+    ``fold_limit`` (the longest folded last chunk in tokens; None: any)."""
+
+    step: int = 0
+    last_logits: Callable[..., Any] | None = None
+    fold_limit: int | None = None
+
+    @property
+    def folds(self) -> bool:
+        return self.last_logits is not None
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """One load's model and everything built from it (docs/DESIGN.md §2).
+
+    ``loaded``: the :class:`~.models.loading.LoadedModel`; ``make_cache()``: a fresh
+    per-layer cache list (quantized when ``kv_bits`` is set); ``cache``: the prefix cache,
+    or None (caching off, or the model's caches unsupported: ``supported`` False and
+    ``reason`` says why); ``kv_profile``: the KV bytes per token the memory plan reads."""
+
+    spec: str
+    loaded: Any
+    make_cache: Callable[[], list[Any]]
+    plan: PrefillPlan
+    attention: AttentionPlan
+    cache: PrefixCache | None
+    info: ModelInfo
+    supported: bool = True
+    reason: str = ""
+    layer_kinds: tuple[str, ...] = ()
+    kv_profile: Any = None
+
+    @property
+    def model(self) -> Any:
+        return self.loaded.model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.loaded.tokenizer
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return set(self.loaded.eos_token_ids)
+
+    def unloaded(self) -> Runtime:
+        """This runtime without its model (the engine closed): the weights and the folded
+        schedule's closure over them go; the cache, closed, stays readable for stats."""
+        return dataclasses.replace(self, loaded=None, make_cache=_no_model, plan=PrefillPlan())
+
+    def with_plan(self, **changes: Any) -> Runtime:
+        """This runtime with its prefill plan's ``changes`` (tests shrink ``fold_limit``)."""
+        return dataclasses.replace(self, plan=dataclasses.replace(self.plan, **changes))
+
+    def plan_chunk(self, settings: Settings, n: int, hard_line: int) -> int:
+        """The prefill chunk (tokens) for an ``n``-token prompt: ``prefill_chunk``, or the
+        largest smaller one whose estimated peak stays under ``hard_line`` bytes. A
+        function of the prompt length and the memory in use, never of what the cache
+        holds, so cached and cold runs use one schedule unless memory is short.
+
+        Raises:
+            prefill_mod.PrefillRefused: no chunk down to 16 tokens fits.
+        """
+        chunk = max(1, settings.prefill_chunk)
+        if n <= 1 or self.kv_profile is None:
+            return chunk
+        model, profile = self.loaded.model, self.kv_profile
+        active = int(mx.get_active_memory())
+
+        def estimate(c: int) -> int:
+            return prefill_mod.estimate_for_model(
+                model,
+                profile,
+                active_bytes=active,
+                new_tokens=n - 1,
+                context_tokens=n,
+                chunk_tokens=min(c, n - 1),
+            )
+
+        chunk, _ = prefill_mod.plan_prefill(
+            estimate, hard_line, chunk, min_chunk=min(16, chunk), new_tokens=n - 1
+        )
+        return chunk
+
+
+def _no_model() -> list[Any]:
+    raise RuntimeError("no model loaded")
+
+
+def cache_factory(model: Any, settings: Settings) -> Callable[[], list[Any]]:
+    """``make_cache()`` for ``model``: its own ``make_cache`` (else one ``KVCache`` a
+    layer), with plain KV caches quantized when ``settings.kv_bits`` is set."""
+    bits, group = settings.kv_bits, settings.kv_group_size
+
+    def quantize(c: Any) -> Any:
+        if type(c) is KVCache:
+            return QuantizedKVCache(group_size=group, bits=bits)
+        if isinstance(c, CacheList):
+            c.caches = tuple(quantize(x) for x in c.caches)
+        return c
+
+    def make() -> list[Any]:
+        caches = (
+            model.make_cache()
+            if hasattr(model, "make_cache")
+            else [KVCache() for _ in model.layers]
+        )
+        return [quantize(c) for c in caches] if bits else caches
+
+    return make
+
+
+def context_length(model: Any) -> int | None:
+    """The model's context length in tokens from its config (``args``), or None."""
+    args = getattr(model, "args", None)
+    for key in ("max_position_embeddings", "max_seq_len", "n_ctx"):
+        value = getattr(args, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def build_runtime(
+    spec: str,
+    loaded: Any,
+    settings: Settings,
+    attention: AttentionPlan,
+    peers: Any,
+    on_ssd_idle: Callable[[], None],
+) -> tuple[Runtime, str | None]:
+    """The runtime of a model just loaded on every rank (``peers``: the engine's
+    :class:`~.ranks.Peers`, whose ``all_min`` makes the plan one on every rank), and the
+    load's warning (the SSD tier's, or why caching is off), or None.
+
+    The prefill step comes from the settings or the weights' size; the folded schedule is
+    kept where its forward checks out against the plain one; a probe of two tokens gives
+    the cached arrays' shapes; the prefix cache is built unless ``no_cache``, and on CUDA
+    its prefill rate is measured once (:func:`calibrate_prefill`).
+    """
+    s = settings
+    model = loaded.model
+    make_cache = cache_factory(model, s)
+    step = s.prefill_step or auto_prefill_step(model, s.prefill_chunk)
+    step = peers.all_min([step])[0]  # one on every rank (its shard's)
+    kv_profile = prefill_mod.kv_profile(model, lambda m: make_cache())
+    caches = make_cache()
+    cpu = device_info().kind == "cpu"
+
+    def runtime(plan: PrefillPlan, cache: PrefixCache | None, vocab: int, **kw: Any) -> Runtime:
+        info = ModelInfo(context_length(model), vocab, "cpu" if cpu else "gpu")
+        return Runtime(spec, loaded, make_cache, plan, attention, cache, info, **kw)
+
+    try:
+        leaves = L.classify(caches)
+    except L.UnsupportedCache as exc:
+        reason = f"caching off for {spec}: {exc}"
+        vocab = int(getattr(getattr(model, "args", None), "vocab_size", 0) or 0)
+        rt = runtime(
+            PrefillPlan(step), None, vocab, supported=False, reason=reason, kv_profile=kv_profile
+        )
+        return rt, reason
+    layer_kinds = tuple(f"{lf.name}:{lf.kind}" for lf in leaves)
+    # on the CPU the folded chunk's last layer computes its output for the last token
+    # only (core/engine/forward.py); not across ranks, whose pipeline stages pass whole chunks
+    last_logits, splits = None, False
+    if not s.bitwise and not any(lf.snapshots for lf in leaves):
+        # models without recurrent state: the last chunk gives the first token (with
+        # its last layer split where that checks out, else whole)
+        for split in (True, False) if cpu and peers.size == 1 else (False,):
+            fn = last_logits_fn(model, split_last_layer=split)
+            if fn is not None and verify_last_logits(model, fn, make_cache):
+                last_logits, splits = fn, split and fn.splits() > 0
+                break
+    # a folded chunk that computes its last layer for every token (a prefill that ends
+    # before N skips that layer's output lazily) costs more than it saves on the CPU,
+    # where a forward has no fixed floor: there, unless the last layer splits, fold only
+    # chunks of at most FOLD_TOKENS_PER_LAYER tokens per layer (a GPU folds every one)
+    fold_limit = FOLD_TOKENS_PER_LAYER * len(leaves) if cpu and not splits else None
+    # one schedule and one softmax on every rank (pow_is_faster is timed per process)
+    fold, pow_ = peers.all_min(
+        [int(last_logits is not None), int(attention.softmax is pow_softmax)]
+    )
+    if not fold:
+        last_logits = None
+    if not pow_:
+        attention = dataclasses.replace(attention, softmax=mlx_softmax)
+    plan = PrefillPlan(step, last_logits, fold_limit)
+    # probe: two tokens through a throwaway cache give every cached array's shape
+    logits = model(mx.array([[0, 0]]), cache=caches)
+    mx.eval([c.state for c in caches])
+    spec_shapes = probe_specs(leaves, caches)
+    # and the first-token logprobs a prompt tail keeps (folded schedule)
+    spec_shapes[LOGPROBS] = ((logits.shape[-1],), logits.dtype)
+    cache, warning = None, None
+    if not s.no_cache:
+        kv = f"{loaded.fingerprint}/kv{s.kv_bits}g{s.kv_group_size}"
+        if attention.softmax is pow_softmax:  # entries of one softmax only
+            kv += "/pow-softmax"
+        fingerprint = hashlib.sha256(kv.encode()).hexdigest()
+        cache = PrefixCache(
+            fingerprint=fingerprint,
+            leaves=leaves,
+            spec=spec_shapes,
+            block_size=s.block_size,
+            hot_bytes=s.hot_bytes,
+            ssd_dir=Path(s.cache_dir),
+            ssd_bytes=s.ssd_bytes,
+            max_tails=s.tail_entries,
+            max_checkpoints=s.checkpoint_entries,
+            writer_queue=s.writer_queue,
+            pin_system=s.pin_system,
+            exact_prefix=last_logits is not None,
+            # across ranks every rank restores: a per-rank choice would split them
+            rates=Rates(Path(s.cache_dir) / f"rates-{fingerprint[:16]}.json")
+            if s.choose_recompute and peers.size == 1
+            else None,
+            write_budget=s.ssd_write_budget,
+            admission=s.ssd_admission,
+            flush_idle_s=s.ssd_flush_idle_s,
+            model=spec,
+        )
+        warning = cache.ssd_warning()
+        cache.on_ssd_idle(on_ssd_idle)
+        if cache.needs_prefill_rate and device_info().backend == "cuda":
+            calibrate_prefill(model, make_cache, cache)
+    rt = runtime(
+        plan,
+        cache,
+        int(logits.shape[-1]),
+        layer_kinds=layer_kinds,
+        kv_profile=kv_profile,
+    )
+    return rt, warning
+
+
+def calibrate_prefill(
+    model: Any, make_cache: Callable[[], list[Any]], cache: PrefixCache, tokens: int = 1536
+) -> None:
+    """Measure the prefill rate once, at load, for the restore-or-recompute choice
+    (:mod:`.cache.rates`): after a warm-up prefill of ``tokens`` tokens (the first use of
+    each kernel compiles it), a prefill of a length no request has had yet, so it pays the
+    per-shape graph builds a recompute pays. On CUDA only, where computing can beat
+    reading the disk and the two prefills cost well under a second (8B shapes on an
+    H100); elsewhere the rates come from requests."""
+    with mx.stream(generation_stream):
+        for n in (tokens, tokens + 67):
+            ids = mx.arange(n)[None] % 2  # ids 0 and 1 exist in every vocabulary
+            t0 = time.perf_counter()
+            model(ids, cache=(caches := make_cache()))
+            mx.eval([c.state for c in caches])
+            dt = time.perf_counter() - t0
+    cache.observe_prefill(tokens + 67, dt)
