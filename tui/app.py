@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
+from textual import events, on
 from textual.app import App
 from textual.binding import Binding, BindingType
 from textual.clock import Clock
@@ -17,6 +18,7 @@ from textual.driver import Driver
 from textual.screen import Screen
 from tierchat.core.api import EngineLike
 from tierchat.core.chat.trash import Trash
+from tierchat.tui.messages import KeyHandled
 from tierchat.tui.screens.chat import ChatScreen
 from tierchat.tui.screens.code_blocks import CodeBlocksScreen
 from tierchat.tui.screens.confirm import ConfirmScreen
@@ -27,7 +29,7 @@ from tierchat.tui.screens.prompt import EditMessageScreen, PromptScreen
 from tierchat.tui.screens.raw_message import RawMessageScreen
 from tierchat.tui.screens.search import SearchScreen
 from tierchat.tui.services.background import BackgroundWriter
-from tierchat.tui.terminal import driver_class
+from tierchat.tui.terminal import KeyOrder, driver_class
 from tierchat.tui.widgets.chat_input import ChatInput
 from tierchat.tui.widgets.conversation_list import ConversationList
 from tierchat.tui.widgets.transcript import Transcript
@@ -70,6 +72,7 @@ class TierchatApp(App[None]):
         device: str = "",
     ) -> None:
         super().__init__()
+        self.key_order = KeyOrder(self, lambda event: App.on_event(self, event))
         self.device = device
         self.engine = engine
         self.store = store
@@ -87,6 +90,18 @@ class TierchatApp(App[None]):
         from tierchat.core.chat.session import ChatSession
 
         return ChatSession.from_settings(self.engine, self.store, self.settings)
+
+    async def on_event(self, event: events.Event) -> None:
+        # the terminal's keys go to the widgets one at a time, in order (tui/terminal.py)
+        if isinstance(event, events.Key) and not event.is_forwarded:
+            await self.key_order.arrived(event)
+            return
+        await super().on_event(event)
+
+    @on(KeyHandled)
+    async def _key_handled(self, event: KeyHandled) -> None:
+        event.stop()
+        await self.key_order.handled(event.seq)
 
     def get_driver_class(self) -> type[Driver]:
         """Textual's driver, reading ESC-prefixed Alt keys as Alt keys (tui/terminal.py)."""
