@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+from textual import events, on
 from textual.app import App
 from textual.binding import Binding, BindingType
 from textual.clock import Clock
@@ -20,6 +21,7 @@ from textual.screen import Screen
 from tierchat.core.api import CacheStats, EngineLike
 from tierchat.core.chat.trash import Trash
 from tierchat.core.live_status import StatusWriter
+from tierchat.tui.messages import KeyHandled
 from tierchat.tui.screens.chat import ChatScreen
 from tierchat.tui.screens.chat.pane import MessagePane
 from tierchat.tui.screens.code_blocks import CodeBlocksScreen
@@ -33,7 +35,7 @@ from tierchat.tui.screens.search import SearchScreen
 from tierchat.tui.services.background import BackgroundWriter
 from tierchat.tui.services.clear_requests import ClearRequests
 from tierchat.tui.services.stats_poll import STATS_POLL_S, StatsPoller
-from tierchat.tui.terminal import driver_class
+from tierchat.tui.terminal import KeyOrder, driver_class
 from tierchat.tui.widgets.chat_input import ChatInput
 from tierchat.tui.widgets.conversation_list import ConversationList
 
@@ -76,6 +78,7 @@ class TierchatApp(App[None]):
         device: str = "",
     ) -> None:
         super().__init__()
+        self.key_order = KeyOrder(self, lambda event: App.on_event(self, event))
         self.device = device
         self.engine = engine
         self.store = store
@@ -100,6 +103,18 @@ class TierchatApp(App[None]):
         from tierchat.core.chat.session import ChatSession
 
         return ChatSession.from_settings(self.engine, self.store, self.settings)
+
+    async def on_event(self, event: events.Event) -> None:
+        # the terminal's keys go to the widgets one at a time, in order (tui/terminal.py)
+        if isinstance(event, events.Key) and not event.is_forwarded:
+            await self.key_order.arrived(event)
+            return
+        await super().on_event(event)
+
+    @on(KeyHandled)
+    async def _key_handled(self, event: KeyHandled) -> None:
+        event.stop()
+        await self.key_order.handled(event.seq)
 
     def get_driver_class(self) -> type[Driver]:
         """Textual's driver, reading ESC-prefixed Alt keys as Alt keys (tui/terminal.py)."""

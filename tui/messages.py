@@ -155,3 +155,11 @@ class PathShown(Message):
     edit, a reply stored, another conversation opened)."""
 
     node_ids: tuple[int | None, ...]
+
+
+@dataclass
+class KeyHandled(Message):
+    """Key number ``seq`` went through the widgets: it was handled, or came back up to
+    the app and ran its binding (``tui/terminal.py``, ``KeyOrder``)."""
+
+    seq: int

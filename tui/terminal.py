@@ -23,7 +23,9 @@ because its delay ran out (a real Esc key press) is never combined with what fol
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Generator, Iterable
+from collections import deque
+from collections.abc import Awaitable, Callable, Generator, Iterable
+from typing import Any
 
 from textual import events
 from textual._parser import Peek1, Read1, TokenCallback
@@ -115,3 +117,59 @@ def driver_class(default: type[Driver]) -> type[Driver]:
     if default is linux_driver.LinuxDriver and builds_by_name:
         return TierchatDriver
     return default
+
+
+class KeyOrder:
+    """The terminal's keys reach the widgets one at a time, in the order typed.
+
+    Textual forwards a key to the focused widget's queue and runs a non-priority binding
+    (Backspace in an ``Input``, a screen's ↓) only when the key comes back up to the app
+    unhandled; a text key is handled on the way down. Keys that reach the app together
+    (typed while it was busy: a reply ending re-lists the conversations) were applied out
+    of order: "⌫⌫⌫⌫400" typed into an F9 field saved "00" or "0", each Backspace running
+    after the digits. Here the app holds each key until the one before it has gone
+    through: after forwarding a key it posts :class:`~tierchat.tui.messages.KeyHandled`
+    behind it to the same widget, which bubbles up the path the key takes, so it reaches
+    the app after the key's own binding ran. A key whose widget goes away meanwhile (the
+    message is dropped) is released after :attr:`RELEASE_S`.
+    """
+
+    RELEASE_S = 0.25
+
+    def __init__(self, app: Any, dispatch: Callable[[Any], Awaitable[None]]) -> None:
+        self.app = app
+        self.dispatch = dispatch  # Textual's own key handling (App.on_event)
+        self.held: deque = deque()
+        self.seq = 0  # the key in flight (0: none)
+        self._count = 0
+        self._timer: Any = None
+
+    async def arrived(self, event: events.Key) -> None:
+        """A key from the terminal: handled now, or after the keys before it."""
+        if self.seq:
+            self.held.append(event)
+            return
+        await self._send(event)
+
+    async def handled(self, seq: int) -> None:
+        """Key ``seq`` went through (stale numbers are ignored): send the next one held."""
+        if seq != self.seq:
+            return
+        if self._timer is not None:
+            self._timer.stop()
+            self._timer = None
+        self.seq = 0
+        while self.held and not self.seq:
+            await self._send(self.held.popleft())
+
+    async def _send(self, event: events.Key) -> None:
+        from tierchat.tui.messages import KeyHandled  # messages imports nothing of ours
+
+        self._count += 1
+        seq = self.seq = self._count
+        target = self.app.focused or self.app.screen
+        await self.dispatch(event)
+        if self.seq != seq:
+            return
+        target.post_message(KeyHandled(seq))
+        self._timer = self.app.set_timer(self.RELEASE_S, lambda: self.handled(seq))

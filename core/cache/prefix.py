@@ -62,7 +62,7 @@ from .layers import Spec
 from .planner import Planner
 from .plans import Held, Plan, Resident, Restored
 from .rates import Rates
-from .request import CacheRequest, ColdRequest, MeasureRequest
+from .request import CacheRequest, ColdRequest
 from .ssd.tier import SSDTier
 from .wear import WriteLedger
 
@@ -141,8 +141,7 @@ class PrefixCache:
         # which committed entries the SSD tier writes, and when (.admission)
         self.writes = WritePolicy(self.children, enabled=admission, idle_s=flush_idle_s)
         self.resident: Resident | None = None
-        # a measurement's restore runs (.request.MeasureRequest): reads admit nothing
-        self.measuring = False
+        self.measuring = False  # a .request.MeasureRequest restores: reads admit nothing
         self._unsaved: list[Entry] = []
         # counters
         self.hot_hits = self.hot_misses = 0
@@ -610,14 +609,6 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ the engine's calls
     # what the engine asks of the tiers, so that it never reaches into them (§2, §11)
-    def begin_measure(
-        self, prompt, points, boundaries, fresh, whole, max_position=None
-    ) -> MeasureRequest:
-        """A measurement through this cache (:class:`~.request.MeasureRequest`): restored as
-        a turn, counted nowhere, storing nothing; ``whole``: the prompt and the reply it is
-        teacher-forced on (the resident cache is used only when it holds exactly that)."""
-        return MeasureRequest(self, prompt, points, boundaries, fresh, whole, max_position)
-
     def begin_cold(self, fresh) -> ColdRequest:
         """A request with the cache off (:class:`~.request.ColdRequest`): it keeps nothing,
         and holds the SSD writer to its first token as a cached one does."""

@@ -301,6 +301,16 @@ class MeasureRequest(CacheRequest):
     def offer_repeat(self) -> bool:
         return False  # ranks: a measurement restores through the plain path
 
+    def plan_position(self, limit: int) -> int:
+        """As :meth:`CacheRequest.plan_position`, over the resident cache only when the
+        restore will use it (it holds ``whole``), so ranks agree on what it lands on."""
+        if limit <= 0:
+            return 0
+        r = self.cache.resident
+        resident = r if r is not None and r.tokens == self.whole else None
+        plan = self.cache.plan(self.prompt, self.ids, self.points, resident, limit)
+        return plan.position if plan is not None else 0
+
     def chunk(self, caches, start, end, first_logprobs=None, checkpoint=True) -> list[mx.array]:
         return []  # nothing is captured
 

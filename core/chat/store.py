@@ -35,6 +35,7 @@ from .sqlite import (
     _transaction,
     store_error,
 )
+from .undo_rows import UndoRows
 
 if TYPE_CHECKING:
     from .importer import ImportedConversation, ImportedNode
@@ -120,6 +121,7 @@ class ConversationStore:
         except sqlite3.Error as e:
             raise store_error(e, self.path, "open the store") from None
         self._conn = _Conn(conn, self.path)
+        self.undo = UndoRows(self._conn, self._lock, clock)  # core/chat/trash.py's table
         try:
             self._setup()
         except StoreError:
@@ -187,10 +189,6 @@ class ConversationStore:
 
     def _tx(self) -> AbstractContextManager[None]:
         return _transaction(self._conn, self._lock)
-
-    def transaction(self) -> AbstractContextManager[None]:
-        """One transaction around several calls (each joins it): all of them or none."""
-        return self._tx()
 
     def _one(self, sql: str, args: Iterable = ()) -> tuple | None:
         return self._conn.execute(sql, tuple(args)).fetchone()
@@ -307,26 +305,6 @@ class ConversationStore:
         if row is None:
             raise ConversationError(f"no node with id {node_id}")
         return _node(row)
-
-    def replace_reply(
-        self, node_id: int, content: str, token_ids: Iterable[int] | None, meta: dict[str, Any]
-    ) -> Node:
-        """Replace a node's content, generated ids and meta in place (a reply continued,
-        docs/DESIGN.md §12; an undo puts the old ones back). Raises
-        :class:`ConversationError` for an unknown id."""
-        ids = _ids(token_ids)
-        ids_json = json.dumps(list(ids)) if ids is not None else None
-        with self._tx():
-            node = self.get_node(node_id)
-            self._conn.execute(
-                "UPDATE nodes SET content = ?, token_ids = ?, meta = ? WHERE id = ?",
-                (content, ids_json, json.dumps(meta), node_id),
-            )
-            self._touch(node.conversation_id)
-        return Node(
-            node.id, node.conversation_id, node.parent_id, node.role, content, ids,
-            node.created_at, dict(meta),
-        )  # fmt: skip
 
     def update_meta(self, node_id: int, key: str, value: Any) -> None:
         """Set ``meta[key] = value`` (JSON-serializable) on a node, keeping its other
@@ -715,41 +693,3 @@ _SIBLING_COUNT_SQL = """CASE WHEN n.parent_id IS NULL THEN
 
 def _ids(token_ids: Iterable[int] | None) -> tuple[int, ...] | None:
     return tuple(int(i) for i in token_ids) if token_ids is not None else None
-
-
-class TrashRows:
-    """The ``trash`` table of a :class:`ConversationStore` (core/chat/trash.py keeps its
-    undo history there): rows of ``(id, kind, conversation_id, label, item)``, ``item``
-    a JSON snapshot, newest last; at most ``keep`` rows, the oldest dropped."""
-
-    def __init__(self, store: ConversationStore, keep: int) -> None:
-        self.store, self.keep = store, keep
-
-    def __len__(self) -> int:
-        with self.store._lock:
-            return self.store._one("SELECT COUNT(*) FROM trash")[0]
-
-    def push(self, kind: str, conversation_id: int, label: str, item: str) -> None:
-        """Add a row (joining the caller's :meth:`~ConversationStore.transaction`)."""
-        st = self.store
-        with st._tx():
-            st._conn.execute(
-                "INSERT INTO trash (kind, conversation_id, label, created_at, item) "
-                "VALUES (?, ?, ?, ?, ?)",
-                (kind, conversation_id, label, st.clock(), item),
-            )
-            st._conn.execute(
-                "DELETE FROM trash WHERE id NOT IN (SELECT id FROM trash ORDER BY id DESC LIMIT ?)",
-                (self.keep,),
-            )
-
-    def newest(self) -> tuple[int, str, int, str, str] | None:
-        """The newest row, or None when the table is empty."""
-        with self.store._lock:
-            return self.store._one(
-                "SELECT id, kind, conversation_id, label, item FROM trash ORDER BY id DESC LIMIT 1"
-            )
-
-    def remove(self, row_id: int) -> None:
-        with self.store._tx():
-            self.store._conn.execute("DELETE FROM trash WHERE id = ?", (row_id,))

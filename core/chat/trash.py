@@ -5,7 +5,7 @@ A :class:`Trash` holds the last :data:`TRASH_ITEMS` deletions of a store (a conv
 a branch, or one message) and replies grown in place by a continue, each as a snapshot
 taken before the change: the messages with their content, generated token ids, meta and
 times, and which branch was selected. The snapshots live in the store's ``trash`` table
-(:class:`~.store.TrashRows`, written in the change's own transaction), so an undo works
+(:class:`~.undo_rows.UndoRows`, written in the change's own transaction), so an undo works
 after a restart, and in any process that opens the store.
 :meth:`Trash.restore` puts the newest one back: a conversation is imported again (a new
 id, as :meth:`~.store.ConversationStore.import_conversation` does), a branch is added
@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from .importer import FORMAT, ImportedConversation, ImportedNode, parse_export
-from .store import ConversationStore, Node, TrashRows
+from .store import ConversationStore, Node
 
 TRASH_ITEMS = 20
 """Changes kept for undo per store (across its conversations), newest first out."""
@@ -112,23 +112,24 @@ class Trash:
 
     def __init__(self, store: ConversationStore, size: int = TRASH_ITEMS) -> None:
         self.store = store
-        self.rows = TrashRows(store, size)
+        self.rows = store.undo
+        self.size = size
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return self.rows.count()
 
     def _keep(self, item: Deleted) -> None:
-        self.rows.push(item.kind, item.conversation_id, item.label, item.to_json())
+        self.rows.push(item.kind, item.conversation_id, item.label, item.to_json(), self.size)
 
     def delete_conversation(self, conversation_id: int) -> None:
-        with self.store.transaction():
+        with self.rows.transaction():
             snap = snapshot_conversation(self.store, conversation_id)
             self.store.delete_conversation(conversation_id)
             label = f"“{snap.title}”" if snap.title else f"conversation {conversation_id}"
             self._keep(Deleted("conversation", conversation_id, None, None, snap, None, label))
 
     def delete_branch(self, node_id: int) -> None:
-        with self.store.transaction():
+        with self.rows.transaction():
             node = self.store.get_node(node_id)
             snap = snapshot_node(self.store, node)
             n = self.store.subtree_size(node_id)
@@ -140,7 +141,7 @@ class Trash:
 
     def delete_message(self, node_id: int) -> Node | None:
         """As :meth:`~.store.ConversationStore.delete_message`; returns the moved child."""
-        with self.store.transaction():
+        with self.rows.transaction():
             node = self.store.get_node(node_id)
             moved = self.store.delete_message(node_id)
             leaf = ImportedNode(
@@ -157,13 +158,14 @@ class Trash:
 
     def replace_reply(self, reply: Node, content: str, token_ids, meta: dict[str, Any]) -> Node:
         """Grow ``reply`` in place to ``content``/``token_ids``/``meta`` (a continue,
-        :meth:`~.store.ConversationStore.replace_reply`), keeping the cut version for
+        :meth:`~.undo_rows.UndoRows.replace_reply`), keeping the cut version for
         undo, in one transaction. Returns the node as stored."""
-        with self.store.transaction():
+        with self.rows.transaction():
             old = ImportedNode(
                 reply.role, reply.content, reply.token_ids, reply.created_at, dict(reply.meta or {}), True
             )  # fmt: skip
-            new = self.store.replace_reply(reply.id, content, token_ids, meta)
+            self.rows.replace_reply(reply.id, content, token_ids, meta)
+            new = self.store.get_node(reply.id)
             self._keep(
                 Deleted("reply", reply.conversation_id, reply.id, old, None, None, "the continue")
             )
@@ -174,7 +176,7 @@ class Trash:
         for a conversation). Raises ``IndexError`` when the trash is empty and
         ``ConversationError`` when the place it hung from is gone too (it stays kept)."""
         store = self.store
-        with store.transaction():
+        with self.rows.transaction():
             row = self.rows.newest()
             if row is None:
                 raise IndexError("nothing to undo")
@@ -184,7 +186,7 @@ class Trash:
                 restored = item, store.import_conversation(item.conversation), None
             elif item.kind == "reply":
                 r = item.root
-                store.replace_reply(item.parent_id, r.content, r.token_ids, r.meta)
+                self.rows.replace_reply(item.parent_id, r.content, r.token_ids, r.meta)
                 restored = item, cid, item.parent_id
             else:
                 top = self._add(cid, item.parent_id, item.root)

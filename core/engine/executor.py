@@ -351,8 +351,11 @@ class Executor:
         self.decoding[r.uid] = r
 
     def _batch(self) -> DecodeBatch:
-        if self.batch is None:
-            self.batch = DecodeBatch(self.runtime.model, self.peers.share_tokens)
+        model = self.runtime.model
+        if self.batch is None or self.batch.model is not model:
+            # a batch decodes with the model it was made for: after a load, the first
+            # reply ran the old model on the new model's caches (a concatenate error)
+            self.batch = DecodeBatch(model, self.peers.share_tokens)
         return self.batch
 
     def _decode(self) -> None:

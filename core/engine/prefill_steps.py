@@ -31,7 +31,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 
 from ..api import Event, GenerateRequest, PrefillProgress, TurnMetrics
 from ..cache.plans import Restored
-from ..cache.request import CacheRequest, ColdRequest
+from ..cache.request import CacheRequest, ColdRequest, MeasureRequest
 from ..cache.schedule import chunk_ends, schedule_points
 from .device import device_info
 from .forward import logprobs_of
@@ -79,7 +79,7 @@ def open_cache_request(
     limit = len(req.prompt_ids) - 1 if sampling.needs_logits else None
     if req.measure:  # a verify's cached run: counted nowhere, stores nothing (§18)
         whole = req.prompt_ids + req.teacher_ids
-        return cache.begin_measure(req.prompt_ids, points, req.boundaries, fresh, whole, limit)
+        return MeasureRequest(cache, req.prompt_ids, points, req.boundaries, fresh, whole, limit)
     return cache.begin(req.prompt_ids, points, req.boundaries, fresh, limit)
 
 
