@@ -58,12 +58,18 @@ def tools_app(qwen_tokenizer, store, settings):
     made = []
     settings = dataclasses.replace(settings, max_tokens=512)  # a call takes ~60 tiny tokens
 
-    def make(replies: list[str]):
+    def make(replies: list[str], **overrides):
         engine = NotingEngine(
             "demo", tokenizer=qwen_tokenizer, replies=list(replies), context_length=32768
         )
         host = McpHost([stdio_config()])
-        app = TierchatApp(engine, store, settings, clock=MockClock(0.0), mcp_host=host)
+        app = TierchatApp(
+            engine,
+            store,
+            dataclasses.replace(settings, **overrides),
+            clock=MockClock(0.0),
+            mcp_host=host,
+        )
         app.animation_level = "none"
         made.append((engine, host))
         return app, engine
@@ -233,3 +239,62 @@ async def test_tools_command_and_settings_field(tools_app):
         await pilot.press("ctrl+s")
         await settle(pilot)
         assert app.session.settings().tools == ("kit",)
+
+
+async def test_a_crash_a_timeout_and_bad_json_are_error_results(tools_app, settings):
+    reply = "\n".join(
+        [call_text("hang", "{}"), call_text("echo", '{"text": '), call_text("crash", "{}")]
+    )
+    app, _engine = tools_app([reply, "All three failed."], tool_timeout_s=1.0)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "Break things.")
+        for _ in range(2):  # hang, crash (the unreadable call is not asked about)
+            await approval(pilot)
+            await pilot.press("y")
+        await roles_become(pilot, ["user", "assistant", "tool", "tool", "tool", "assistant"])
+        hang, crash, bad = tool_metas(app)  # an unreadable call is answered last
+        assert hang["timed_out"] and hang["is_error"]
+        assert bad["is_error"] and bad["server"] is None
+        assert crash["is_error"] and crash["server"] == "kit"
+        assert "not valid JSON" in path(app)[4][1] or "could not be read" in path(app)[4][1]
+        states = [b.state for b in chat_screen(app).pane.query(ToolResultBlock)]
+        assert states == ["error", "error", "error"]
+        assert path(app)[-1] == ("assistant", "All three failed.")
+
+
+async def test_regenerate_the_step_after_a_result_keeps_the_round(tools_app):
+    app, engine = tools_app([call_text("echo", '{"text": "hi"}'), "First answer.", "Second."])
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "Say hi through echo.")
+        await approval(pilot)
+        await pilot.press("y")
+        await roles_become(pilot, ["user", "assistant", "tool", "assistant"])
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: path(app)[-1] == ("assistant", "Second."))
+        await settle(pilot)
+        assert [r for r, _ in path(app)] == ["user", "assistant", "tool", "assistant"]
+        # the same prompt as the step it replaces: the path to the result
+        assert engine.requests[2].prompt_ids == engine.requests[1].prompt_ids
+
+
+async def test_a_server_that_fails_to_start_is_said(qwen_tokenizer, store, settings):
+    from tierchat.core.tools.config import ServerConfig
+    from tierchat.tui.app import TierchatApp
+
+    engine = NotingEngine("demo", tokenizer=qwen_tokenizer)
+    broken = ServerConfig(
+        "broken", "stdio", command=sys.executable, args=("-c", "import sys; sys.exit('no way')")
+    )
+    host = McpHost([broken])
+    app = TierchatApp(engine, store, settings, clock=MockClock(0.0), mcp_host=host)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            errors = [n for n in app._notifications if n.severity == "error"]
+            assert any("broken" in n.message for n in errors), errors
+            assert any("MCP server broken failed" in n for n in engine.notes)
+    finally:
+        host.close()
+        engine.close()
