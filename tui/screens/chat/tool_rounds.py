@@ -132,9 +132,18 @@ class ToolRoundRunner:
         live = self.live[cid]
         try:
             next_step = await self._answer(cid, reply, live)
-        finally:
+        except asyncio.CancelledError:  # the pane goes away (quit): no widget to update
             del self.live[cid]
-            self.host.rounds_changed(ended=True)
+            if live.handle is not None:
+                live.handle.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 - the UI boundary: report, never crash
+            next_step = None
+            self.host.notify(
+                str(e) or type(e).__name__, title="Tool round failed", severity="error"
+            )
+        del self.live[cid]
+        self.host.rounds_changed(ended=True)
         if next_step is not None and not live.stopped:
             await self.host.start_round(cid, next_step)
 
