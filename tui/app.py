@@ -30,6 +30,7 @@ from tierchat.tui.screens.model_picker import ModelPickerScreen
 from tierchat.tui.screens.prompt import EditMessageScreen, PromptScreen
 from tierchat.tui.screens.raw_message import RawMessageScreen
 from tierchat.tui.screens.search import SearchScreen
+from tierchat.tui.screens.tool_approval import ToolApprovalScreen
 from tierchat.tui.services.background import BackgroundWriter
 from tierchat.tui.services.clear_requests import ClearRequests
 from tierchat.tui.services.stats_poll import STATS_POLL_S, StatsPoller
@@ -213,6 +214,7 @@ BINDING_OWNERS: tuple[tuple[str, type], ...] = (
     ("search", SearchScreen),
     ("raw text", RawMessageScreen),
     ("code blocks", CodeBlocksScreen),
+    ("tool approval", ToolApprovalScreen),
 )
 
 
