@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from textual.clock import MockClock
-from textual.widgets import Input
+from textual.widgets import Input, TextArea
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for the kits
 
@@ -22,6 +22,7 @@ from mcp_kit import stdio_config
 from tierchat.core.models.tiny import load_tiny_tokenizer, materialize_tiny
 from tierchat.core.tools.mcp_host import McpHost
 from tierchat.tui.screens.conversation_settings import ConversationSettingsScreen
+from tierchat.tui.screens.raw_message import RawMessageScreen
 from tierchat.tui.screens.tool_approval import ToolApprovalScreen
 from tierchat.tui.widgets.chat_input import ChatInput
 from tierchat.tui.widgets.tool_block import ToolCallBlock, ToolResultBlock
@@ -140,6 +141,12 @@ async def test_approve_once_runs_the_call_and_the_next_step(tools_app):
         assert list(second.prompt_ids[: len(first.prompt_ids)]) == list(first.prompt_ids)
         # not allowed for the chat: "once" asks again next time
         assert app.session.settings().allowed_tools == ()
+        # v on the result shows the whole result
+        await pilot.press("escape", "up")  # the message cursor: the result
+        assert pane.target().info.role == "tool"
+        await pilot.press("v")
+        await wait_for(pilot, lambda: isinstance(app.screen, RawMessageScreen))
+        assert app.screen.query_one(TextArea).text == "echo: hi"
 
 
 async def test_deny_with_a_reason_goes_to_the_model(tools_app):

@@ -162,8 +162,8 @@ class MessagePane(MessageTools, Vertical):
 
     @property
     def streaming(self) -> bool:
-        """A reply of the conversation shown is in flight."""
-        return self.turns.streaming(self.conversation_id)
+        """A reply of the conversation shown is in flight, or its tool round runs."""
+        return self.replying(self.conversation_id)
 
     def replying(self, conversation_id: int | None) -> bool:
         """A reply of ``conversation_id`` is in flight, or its tool round runs."""
@@ -171,7 +171,7 @@ class MessagePane(MessageTools, Vertical):
 
     @property
     def busy(self) -> bool:
-        return self.replying(self.conversation_id) or bool(self.host.loading_model)
+        return self.streaming or bool(self.host.loading_model)
 
     def stop(self) -> None:
         """Esc: stop the reply of the conversation shown, or the tool call it runs."""
