@@ -1,6 +1,6 @@
-"""Blocks of a tool round in the transcript (DESIGN §12.2): a call (server, tool, arguments)
-under the reply that made it, and a result (folded like a long paste, collapsible, errors
-and cancelled calls marked).
+"""Blocks of a tool round in the transcript (docs/DESIGN.md §12.1, §16): a call (server,
+tool, arguments) under the reply that made it, and a result (folded like a long paste,
+collapsible, errors and cancelled calls marked).
 """
 
 from __future__ import annotations

@@ -143,9 +143,12 @@ class ToolRoundRunner:
                 str(e) or type(e).__name__, title="Tool round failed", severity="error"
             )
         del self.live[cid]
-        self.host.rounds_changed(ended=True)
         if next_step is not None and not live.stopped:
+            # the turn is registered before start_round's first await: the conversation
+            # stays busy (no send slips in between the round and its next step)
             await self.host.start_round(cid, next_step)
+        else:
+            self.host.rounds_changed(ended=True)
 
     async def _answer(self, cid: int, reply: Any, live: LiveRound) -> SessionCall | None:
         """Answer every call of ``reply``; the next step's session call, or None."""
