@@ -305,3 +305,18 @@ async def test_a_server_that_fails_to_start_is_said(qwen_tokenizer, store, setti
     finally:
         host.close()
         engine.close()
+
+
+async def test_the_round_limit_answers_not_run_and_stops(tools_app):
+    calls = [call_text("echo", '{"text": "one"}'), call_text("echo", '{"text": "two"}')]
+    app, engine = tools_app([*calls, "never asked for"], tool_rounds=1)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "Echo twice.")
+        await approval(pilot)
+        await pilot.press("a")
+        await roles_become(pilot, ["user", "assistant", "tool", "assistant", "tool"])
+        first, second = [c for r, c in path(app) if r == "tool"]
+        assert first == "echo: one" and "limit of 1 tool rounds" in second
+        assert len(engine.requests) == 2  # no step after the limit
+        assert any("limit of 1 tool rounds" in n.message for n in app._notifications)
