@@ -441,14 +441,29 @@ def run_tui(settings: Any) -> int:
         raise CLIError(f"the TUI is not available ({e}); try `tierchat chat`") from None
     from tierchat.core.engine.engine import Engine
 
+    host = mcp_host(settings)
     store = open_store(settings.db_path, settings.store_busy_s)
     engine = Engine(settings)
     try:
-        run_app(engine, store, settings)
+        run_app(engine, store, settings, mcp_host=host)
     finally:
         engine.close()
         store.close()
     return EXIT_OK
+
+
+def mcp_host(settings: Any) -> Any:
+    """The TUI's MCP host (not started: the app starts it) for the servers of
+    ``settings.mcp_path``; None when there are none. Raises :class:`CLIError` (exit 2)
+    for a malformed file (docs/DESIGN.md §12.1)."""
+    from tierchat.core.tools.config import McpConfigError, load_servers
+    from tierchat.core.tools.mcp_host import McpHost
+
+    try:
+        servers = load_servers(settings.mcp_path, explicit=settings.mcp_config is not None)
+    except McpConfigError as e:
+        raise CLIError(str(e), EXIT_USAGE) from None
+    return McpHost(servers) if servers else None
 
 
 def run_models(settings: Any) -> int:

@@ -15,7 +15,10 @@ States: the empty app; a three-way swipe; the panels after cache hits; an edited
 with its branches under the message cursor; the conversation settings; the clear-confirm
 modal; the command palette; the panels of a model the cache cannot handle (always the
 fake engine with ``supported=False``: every real model family is supported); an error
-notification (a failed model load).
+notification (a failed model load); a tool round: the approval dialog, then the call and its
+result in the transcript (always the fake engine speaking ``tiny:qwen2``'s tokenizer with a
+recorded call, on the MCP test server of ``tests/mcp_kit.py``: a real model calls tools
+when it likes).
 """
 
 from __future__ import annotations
@@ -146,6 +149,58 @@ async def unsupported_model(pilot, t):
     await send(pilot, "Hello", t)
 
 
+CALL = '<tool_call>\n{"name": "echo", "arguments": {"text": "hello from the tool"}}\n</tool_call>'
+TOOL_REPLIES = [CALL, "The tool answered: echo: hello from the tool."]
+
+
+async def tool_approval(pilot, t):
+    from tierchat.tui.screens.tool_approval import ToolApprovalScreen
+    from tierchat.tui.widgets.chat_input import ChatInput
+
+    app = pilot.app
+    deadline = time.monotonic() + t
+    while not app.tools.ready.is_set() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    box = app.screen_stack[0].query_one(ChatInput)
+    box.focus()
+    box.insert("Say hello through the echo tool.")
+    await pilot.press("enter")
+    while not isinstance(app.screen, ToolApprovalScreen):
+        if time.monotonic() > deadline:
+            raise TimeoutError("no approval dialog")
+        await asyncio.sleep(0.05)
+        await pilot.pause()
+    await pilot.pause(0.2)
+
+
+async def tool_round(pilot, t):
+    await tool_approval(pilot, t)
+    await pilot.press("y")
+    screen = pilot.app.screen_stack[0]
+    deadline = time.monotonic() + t
+    while [n.role for n in pilot.app.session.active_path()][-2:] != ["tool", "assistant"]:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the round did not finish")
+        await asyncio.sleep(0.05)
+        await pilot.pause()
+    await settle(pilot, t)
+    screen.pane.query_one("#transcript").scroll_end(animate=False)
+
+
+def tool_setup(settings):
+    """(engine, MCP host) of a tool round: the fake engine with ``tiny:qwen2``'s tokenizer
+    and a recorded call; the MCP test server of tests/mcp_kit.py."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from fakes import FakeEngine
+    from mcp_kit import stdio_config
+    from tierchat.core.models.tiny import load_tiny_tokenizer, materialize_tiny
+    from tierchat.core.tools.mcp_host import McpHost
+
+    tokenizer = load_tiny_tokenizer(materialize_tiny("qwen2", settings.models_dir))
+    engine = FakeEngine("demo", tokenizer=tokenizer, replies=list(TOOL_REPLIES))
+    return engine, McpHost([stdio_config()])
+
+
 async def error_notification(pilot, t):
     await send(pilot, "Hello", t)
     pilot.app.clear_notifications()
@@ -166,6 +221,7 @@ class State:
     supported: bool = True
     modal: bool = False
     toasts: bool = False
+    tools: bool = False
     sizes: tuple[str, ...] = tuple(SIZES)
 
 
@@ -180,6 +236,8 @@ STATES: tuple[State, ...] = (
     State("command-palette", command_palette, modal=True),
     State("unsupported-model", unsupported_model, supported=False),
     State("error-notification", error_notification, toasts=True),
+    State("tool-approval", tool_approval, modal=True, tools=True),
+    State("tool-round", tool_round, tools=True),
 )
 
 
@@ -189,9 +247,14 @@ async def shoot(state: State, args, out: Path, suffix: str) -> Path:
 
     with tempfile.TemporaryDirectory(prefix="tierchat-shots-") as tmp:
         settings = make_settings(args.model, Path(tmp))
-        engine = make_engine(args, settings, supported=state.supported)
+        host = None
+        if state.tools:
+            settings.max_tokens = 256  # a call in tiny tokens
+            engine, host = tool_setup(settings)
+        else:
+            engine = make_engine(args, settings, supported=state.supported)
         store = ConversationStore(Path(tmp) / "chat.sqlite", clock=lambda: FIXED_EPOCH)
-        app = TierchatApp(engine, store, settings, clock=lambda: 0.0)
+        app = TierchatApp(engine, store, settings, clock=lambda: 0.0, mcp_host=host)
         app.animation_level = "none"
         try:
             async with app.run_test(size=SIZES[suffix], notifications=True) as pilot:
@@ -207,6 +270,8 @@ async def shoot(state: State, args, out: Path, suffix: str) -> Path:
         finally:
             engine.close()
             store.close()
+            if host is not None:
+                host.close()
     path = out / f"{state.name}{suffix}.svg"
     path.write_text(svg, encoding="utf-8")
     return path

@@ -32,9 +32,11 @@ from tierchat.tui.screens.model_picker import ModelPickerScreen
 from tierchat.tui.screens.prompt import EditMessageScreen, PromptScreen
 from tierchat.tui.screens.raw_message import RawMessageScreen
 from tierchat.tui.screens.search import SearchScreen
+from tierchat.tui.screens.tool_approval import ToolApprovalScreen
 from tierchat.tui.services.background import BackgroundWriter
 from tierchat.tui.services.clear_requests import ClearRequests
 from tierchat.tui.services.stats_poll import STATS_POLL_S, StatsPoller
+from tierchat.tui.services.tools import ToolService
 from tierchat.tui.terminal import KeyOrder, driver_class
 from tierchat.tui.widgets.chat_input import ChatInput
 from tierchat.tui.widgets.conversation_list import ConversationList
@@ -55,6 +57,8 @@ class TierchatApp(App[None]):
         session: a ready ``ChatSession``; by default one is built from the settings.
         device: the device and compute dtype for the header ("gpu (…, metal), bfloat16");
             the CLI passes ``core.device.describe_device()`` (the TUI never imports MLX).
+        mcp_host: an ``McpHost`` of the configured MCP servers, not started (None: no
+            tools); the app starts it and closes it at quit (``tui/services/tools.py``).
     """
 
     # The default screen's CSS_PATH is not read for a screen from get_default_screen()
@@ -76,6 +80,7 @@ class TierchatApp(App[None]):
         *,
         session: Any = None,
         device: str = "",
+        mcp_host: Any = None,
     ) -> None:
         super().__init__()
         self.key_order = KeyOrder(self, lambda event: App.on_event(self, event))
@@ -98,6 +103,8 @@ class TierchatApp(App[None]):
         """F5-F8 and ``tierchat cache clear`` from another shell (docs/DESIGN.md §10)."""
         self.stats_poll = StatsPoller(engine_now, self.notify, self.clears, status)
         """The one stats poll; the chat screen's panels subscribe (docs/DESIGN.md §16)."""
+        self.tools = ToolService(mcp_host, self.notify, self.note_event)
+        """The MCP servers and the tool rounds (docs/DESIGN.md §12.1)."""
 
     def _make_session(self) -> Any:
         from tierchat.core.chat.session import ChatSession
@@ -159,6 +166,13 @@ class TierchatApp(App[None]):
             self.notify(str(e) or type(e).__name__, title=title, severity="error", timeout=8)
             return False, None
 
+    def note_event(self, text: str) -> None:
+        """Add ``text`` to the Events log (the engine's cache events, ``Engine.note``);
+        nothing for an engine without events. Any thread."""
+        note = getattr(self.engine, "note", None)
+        if note is not None:
+            note(text)
+
     def poll_stats(self) -> CacheStats | None:
         """One stats poll now (``tui/services/stats_poll.py``). Never raises."""
         return self.stats_poll.poll()
@@ -169,6 +183,7 @@ class TierchatApp(App[None]):
 
     def on_mount(self) -> None:
         self.set_interval(STATS_POLL_S, self.poll_stats, pause=False)
+        self.run_worker(self.tools.start(self.session, self.settings), group="mcp")
         unknown = sorted(set(self.keymap) - set(binding_ids()))
         if unknown:
             self.notify(
@@ -180,6 +195,7 @@ class TierchatApp(App[None]):
     def on_unmount(self) -> None:
         self.stats_poll.close()  # the status file goes
         self.writer.close()  # the writes already asked for are stored
+        self.tools.close()  # on a thread: run_app waits for it, bounded
 
     def binding_rows(self) -> list[tuple[str, str, str, str]]:
         """``(where, key, action, id)`` for every binding, with the keymap applied."""
@@ -213,6 +229,7 @@ BINDING_OWNERS: tuple[tuple[str, type], ...] = (
     ("search", SearchScreen),
     ("raw text", RawMessageScreen),
     ("code blocks", CodeBlocksScreen),
+    ("tool approval", ToolApprovalScreen),
 )
 
 
@@ -225,10 +242,18 @@ def binding_ids() -> list[str]:
     return [b.id for _, owner in BINDING_OWNERS for b in _bindings(owner) if b.id]
 
 
-def run_app(engine: EngineLike, store: Any, settings: Any, *, device: str = "") -> None:
+def run_app(
+    engine: EngineLike, store: Any, settings: Any, *, device: str = "", mcp_host: Any = None
+) -> None:
     """Run the TUI until the user quits. The caller owns (and closes) engine and store.
 
     When ``engine.model_name`` is empty the app loads ``settings.model`` itself, showing
     the engine's ``ModelLoading`` progress. ``device`` is shown in the header.
+    ``mcp_host`` (the MCP servers, not started) is started by the app and closed at quit;
+    the exit waits for it at most ``tui.services.tools.CLOSE_WAIT_S`` seconds.
     """
-    TierchatApp(engine, store, settings, device=device).run()
+    app = TierchatApp(engine, store, settings, device=device, mcp_host=mcp_host)
+    try:
+        app.run()
+    finally:
+        app.tools.join()

@@ -273,11 +273,12 @@ class TurnRunner:
         if first:  # the engine's last-turn record is this turn's from its first token on
             self.host.turns_changed(ended=False, first_token=True)
 
-    async def finished(self, event: ReplyFinished) -> None:
-        """The session has stored (and selected) the reply: show it as stored."""
+    async def finished(self, event: ReplyFinished) -> Turn | None:
+        """The session has stored (and selected) the reply: show it as stored. Returns
+        the turn (None for one no longer in flight)."""
         turn = await self._turn(event.turn_key)
         if turn is None:
-            return
+            return None
         self._drop(turn)
         view = self._shown_view(turn)
         if view is not None:
@@ -293,6 +294,7 @@ class TurnRunner:
                 self.host.notify("Generation stopped; the partial reply is kept.", timeout=3)
         self._restore_unsent(turn)
         self.host.turns_changed(ended=True)
+        return turn
 
     async def failed(self, event: ReplyFailed) -> None:
         """Nothing half is kept (the session dropped the turn): show the path as stored,

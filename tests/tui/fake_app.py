@@ -8,6 +8,11 @@ action a key runs is appended to ``--trace`` as a JSON line ``{"action", "ok", "
 "focused"}``, every focus change as ``{"focus", "screen"}``, the chat screen's
 ``{"streaming": bool}`` and ``{"ready": true}`` once it is up, so a test that types bytes
 into the pty can see which binding they reached (and wait until a dialog can take text).
+
+``--tool-replies FILE`` (a JSON list of reply texts) runs tool rounds: the fake engine
+speaks ``tiny:qwen2``'s tokenizer (``--models-dir``) and replies with those texts first, the
+MCP test server of ``tests/mcp_kit.py`` gives the tools, and ``{"tools_ready": true}`` is
+traced once it is up.
 """
 
 from __future__ import annotations
@@ -60,6 +65,13 @@ class TracingApp(TierchatApp):
 
         self.watch(self.screen, "streaming", streaming, init=False)
         self._write({"ready": True})
+        if self.tools.enabled:
+
+            async def tools_ready() -> None:
+                await self.tools.ready.wait()
+                self._write({"tools_ready": True})
+
+            self.run_worker(tools_ready())
 
 
 def main() -> None:
@@ -69,6 +81,8 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, required=True)
     parser.add_argument("--token-delay", type=float, default=0.0)
     parser.add_argument("--reasoning", default=None, help="replies start with <think>…</think>")
+    parser.add_argument("--tool-replies", type=Path, default=None, help="JSON list: tool rounds")
+    parser.add_argument("--models-dir", type=Path, default=None)
     args = parser.parse_args()
     settings = Settings(
         model="demo",
@@ -77,10 +91,22 @@ def main() -> None:
         models_dir=args.data_dir / "models",
         max_tokens=64,
     )
-    engine = FakeEngine("demo", token_delay_s=args.token_delay, reasoning=args.reasoning)
+    host = None
+    if args.tool_replies is not None:
+        from mcp_kit import stdio_config
+        from tierchat.core.models.tiny import load_tiny_tokenizer, materialize_tiny
+        from tierchat.core.tools.mcp_host import McpHost
+
+        tokenizer = load_tiny_tokenizer(materialize_tiny("qwen2", args.models_dir))
+        replies = json.loads(args.tool_replies.read_text())
+        engine = FakeEngine("demo", tokenizer=tokenizer, replies=replies, context_length=32768)
+        settings.max_tokens = 512  # a call is ~60 tiny tokens
+        host = McpHost([stdio_config()])
+    else:
+        engine = FakeEngine("demo", token_delay_s=args.token_delay, reasoning=args.reasoning)
     store = ConversationStore(settings.db_path)
     try:
-        TracingApp(engine, store, settings, trace=args.trace).run()
+        TracingApp(engine, store, settings, trace=args.trace, mcp_host=host).run()
     finally:
         engine.close()
         store.close()

@@ -65,6 +65,9 @@ class ConversationSettingsScreen(ModalScreen[ConversationSettings | None]):
     """Dismisses with the new settings (Ctrl+S), or None (Esc).
 
     ``reuse_note(system)`` returns the sentence about cache reuse for a system prompt.
+    ``servers``: the configured MCP servers; with any, a "Tools" field lists those
+    enabled in the conversation (names separated by spaces or commas; docs/DESIGN.md
+    §12.1).
     """
 
     CSS_PATH = "conversation_settings.tcss"
@@ -79,8 +82,10 @@ class ConversationSettingsScreen(ModalScreen[ConversationSettings | None]):
         title: str,
         reuse_note: Callable[[str], str] | None = None,
         default_temperature: float | None = None,
+        servers: tuple[str, ...] = (),
     ) -> None:
         super().__init__()
+        self.servers = servers
         self.settings = settings
         self.default_temperature = default_temperature
         self.title_text = title
@@ -116,6 +121,9 @@ class ConversationSettingsScreen(ModalScreen[ConversationSettings | None]):
                 yield Input("" if s.seed is None else str(s.seed), id="seed", type="integer")
             yield Label("Stop strings (separated by |, \\n for a line break)")
             yield Input(format_stops(s.stop), id="stop")
+            if self.servers:
+                yield Label(f"Tools: MCP servers enabled here (of {', '.join(self.servers)})")
+                yield Input(" ".join(s.tools), id="tools")
             yield Static("", id="error", markup=False)
             default = (
                 f" · new conversations start at temperature {self.default_temperature:g} "
@@ -180,6 +188,15 @@ class ConversationSettingsScreen(ModalScreen[ConversationSettings | None]):
         except ValueError:
             raise ValueError("the seed is an integer (or empty)") from None
         system = self.query_one("#system", TextArea).text.strip()
+        tools = self.settings.tools  # no servers configured: kept as they are
+        if self.servers:
+            names = value("tools").replace(",", " ").split()
+            unknown = [n for n in names if n not in self.servers]
+            if unknown:
+                raise ValueError(
+                    f"no MCP server {unknown[0]!r} (configured: {', '.join(self.servers)})"
+                )
+            tools = tuple(n for n in self.servers if n in names)
         return ConversationSettings(
             system,
             temperature,
@@ -193,7 +210,7 @@ class ConversationSettingsScreen(ModalScreen[ConversationSettings | None]):
             swipe_temperature=swipe,
             presence_penalty=presence,
             frequency_penalty=frequency,
-            tools=self.settings.tools,  # not on this form: kept as they are
+            tools=tools,
             allowed_tools=self.settings.allowed_tools,
         ).checked()
 

@@ -21,7 +21,12 @@ from tierchat.tui.widgets.conversation_list import fmt_when
 
 SearchScope = Literal["here", "all"]
 
-ROLE_NAMES = {"user": "you", "assistant": "assistant", "system": "system prompt"}
+ROLE_NAMES = {
+    "user": "you",
+    "assistant": "assistant",
+    "system": "system prompt",
+    "tool": "tool result",
+}
 
 
 def hit_place(hit: SearchHit) -> str:

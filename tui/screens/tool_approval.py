@@ -1,6 +1,6 @@
-"""The approval asked before a tool call runs (docs/DESIGN.md §12.1): allow once, allow this tool for
-the rest of the conversation, or deny with a reason that is sent to the model as the call's
-result. Esc denies with no reason.
+"""The approval asked before a tool call runs (docs/DESIGN.md §12.1, §16): allow once,
+allow this tool for the rest of the conversation, or deny with a reason that is sent to the
+model as the call's result. Esc denies with no reason.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""Blocks of a tool round in the transcript (docs/DESIGN.md §12.1): a call (server, tool, arguments)
-under the reply that made it, and a result (folded like a long paste, collapsible, errors
-and cancelled calls marked).
+"""Blocks of a tool round in the transcript (docs/DESIGN.md §12.1, §16): a call (server,
+tool, arguments) under the reply that made it, and a result (folded like a long paste,
+collapsible, errors and cancelled calls marked).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Any, Literal
 
 from textual.app import ComposeResult
 from textual.containers import Vertical
@@ -111,3 +111,40 @@ class ToolResultBlock(Vertical):
         box = self.query_one(Collapsible)
         box.title = result_title(state, text)
         box.query_one(".tool-result", Static).update(folded(text))
+
+
+def result_state(meta: dict[str, Any] | None) -> ResultState:
+    """A stored tool result's state from its node's ``meta`` (core/chat/tool_rounds.py):
+    cancelled, denied, error (``is_error``: the tool said so, or the call failed) or ok."""
+    meta = meta or {}
+    if meta.get("cancelled"):
+        return "cancelled"
+    if meta.get("denied"):
+        return "denied"
+    return "error" if meta.get("is_error") else "ok"
+
+
+def result_name(meta: dict[str, Any] | None) -> str:
+    """``server.tool`` of a stored result, or the function the model named."""
+    meta = meta or {}
+    if meta.get("server") and meta.get("tool"):
+        return f"{meta['server']}.{meta['tool']}"
+    return str(meta.get("name") or "tool")
+
+
+CallRow = tuple[str, str, str]
+"""One call of an assistant step as its block shows it: ``(server, tool, arguments)``."""
+
+
+def call_rows(meta: dict[str, Any] | None, servers: dict[str, CallRow]) -> tuple[CallRow, ...]:
+    """The calls of an assistant step (``meta["tool_calls"]``, OpenAI form) as
+    ``(server, tool, arguments)``; ``servers`` maps a call id to the row its stored
+    result names (server and tool), else the server is "" and the tool the function."""
+    rows = []
+    for call in (meta or {}).get("tool_calls") or ():
+        fn = call.get("function") or {}
+        args = fn.get("arguments")
+        args = args if isinstance(args, str) else json.dumps(args or {})
+        known = servers.get(str(call.get("id", "")))
+        rows.append((known[0], known[1], args) if known else ("", str(fn.get("name", "")), args))
+    return tuple(rows)

@@ -26,12 +26,22 @@ from tierchat.core.api import TurnMetrics
 from tierchat.tui.format import fmt_metrics, metrics_from_meta, split_think, verify_line
 from tierchat.tui.messages import BranchRequested, MessageClicked, PathShown, TypedInTranscript
 from tierchat.tui.widgets.conversation_list import fmt_when
+from tierchat.tui.widgets.tool_block import (
+    CallRow,
+    ToolCallBlock,
+    ToolResultBlock,
+    call_rows,
+    result_name,
+    result_state,
+)
 
 
 @dataclass(frozen=True)
 class MessageInfo:
     """What one message shows. ``turn`` is the 0-based user turn on the active path;
-    for a reply, ``index`` / ``count`` place it among its siblings (the swipe position)."""
+    for a reply, ``index`` / ``count`` place it among its siblings (the swipe position).
+    A reply's ``calls`` are its tool calls; a ``tool`` message (a call's result) names
+    its ``tool`` (``server.tool``) and ``tool_state`` (``tui/widgets/tool_block.py``)."""
 
     node_id: int | None
     role: str
@@ -43,6 +53,9 @@ class MessageInfo:
     model: str = ""
     verify: str = ""  # the reply verified against cold (core/chat/verify.py), one line
     created_at: float = 0.0  # epoch seconds; 0: not stored yet (a streaming reply)
+    calls: tuple[CallRow, ...] = ()
+    tool: str = ""
+    tool_state: str = ""
 
 
 FOLD_LINES = 16
@@ -63,9 +76,16 @@ def fold_long(text: str) -> str:
 def message_infos(entries: Sequence[Any], system: str | None = None) -> list[MessageInfo]:
     """The rows of a transcript from the store's ``active_path_entries`` (``node``,
     ``index``, ``count`` per message), O(n). ``system`` (the conversation's effective
-    system prompt) replaces a system root, or is shown first when the tree has none."""
+    system prompt) replaces a system root, or is shown first when the tree has none.
+    A ``tool`` node (a call's result) is a row of its own; the step that made the call
+    shows it as a call block (docs/DESIGN.md §12.1)."""
     infos: list[MessageInfo] = []
     turn = -1
+    named: dict[str, CallRow] = {}  # call id -> (server, tool, "") from its stored result
+    for entry in entries:
+        meta = entry.node.meta or {}
+        if entry.node.role == "tool" and meta.get("server") and meta.get("tool"):
+            named[str(meta.get("tool_call_id", ""))] = (meta["server"], meta["tool"], "")
     if system and not (entries and entries[0].node.role == "system"):
         infos.append(MessageInfo(0, "system", system, -1))
     for entry in entries:
@@ -92,8 +112,18 @@ def message_infos(entries: Sequence[Any], system: str | None = None) -> list[Mes
                     model=str(meta.get("model", "")),
                     verify=verify_line(meta),
                     created_at=node.created_at,
+                    calls=call_rows(meta, named),
                 )
             )
+        elif node.role == "tool":
+            meta = node.meta or {}
+            infos.append(
+                MessageInfo(
+                    node.id, "tool", node.content, turn, entry.index, entry.count,
+                    created_at=node.created_at, tool=result_name(meta),
+                    tool_state=result_state(meta),
+                )
+            )  # fmt: skip
         elif system != "":
             content = node.content if system is None else system
             infos.append(MessageInfo(node.id, "system", content, -1, entry.index, entry.count))
@@ -162,6 +192,7 @@ class MessageView(Vertical):
     MessageView.-user { border-left: outer $primary; background: $boost; }
     MessageView.-assistant { border-left: outer $success; }
     MessageView.-system { border-left: outer $warning; color: $text-muted; }
+    MessageView.-tool { border-left: outer $warning 60%; margin: 0 0 1 2; }
     MessageView.-selected { background: $primary 15%; }
     Transcript:focus-within MessageView.-selected {
         background: $primary 30%;
@@ -205,6 +236,11 @@ class MessageView(Vertical):
             yield Markdown(
                 answer or ("…" if self.has_class("-streaming") else ""), classes="message-body"
             )
+            for row in self.info.calls:
+                yield ToolCallBlock(*row, classes="tool-call")
+        elif self.info.role == "tool":
+            state = self.info.tool_state or "ok"
+            yield ToolResultBlock(answer, state, classes="message-body")  # type: ignore[arg-type]
         else:
             yield Static(fold_long(answer), classes="message-body", markup=False)
         if self.info.role in ("user", "assistant"):
@@ -262,6 +298,8 @@ class MessageView(Vertical):
             return f"you{when}"
         if self.info.role == "system":
             return "system prompt"
+        if self.info.role == "tool":
+            return f"tool result · {self.info.tool}{when}"
         who = f"assistant · {self.info.model}" if self.info.model else "assistant"
         return who + when
 
@@ -281,11 +319,11 @@ class MessageView(Vertical):
         return self.query_one(Markdown)
 
     @property
-    def body(self) -> Markdown | Static:
-        """The widget showing the content: Markdown for a reply, literal text otherwise."""
-        return self.query_one(
-            ".message-body", Markdown if self.info.role == "assistant" else Static
-        )
+    def body(self) -> Markdown | Static | ToolResultBlock:
+        """The widget showing the content: Markdown for a reply, a result block for a
+        tool result, literal text otherwise."""
+        kind = {"assistant": Markdown, "tool": ToolResultBlock}.get(self.info.role, Static)
+        return self.query_one(".message-body", kind)
 
     @property
     def text(self) -> str:
@@ -294,6 +332,9 @@ class MessageView(Vertical):
 
     async def _show_content(self, content: str) -> None:
         reasoning, answer, closed = self._parts(content)
+        if self.info.role == "tool":
+            self.query_one(ToolResultBlock).show(answer, self.info.tool_state or "ok")  # type: ignore[arg-type]
+            return
         if self.info.role != "assistant":
             self.body.update(fold_long(answer))
             return
@@ -304,11 +345,17 @@ class MessageView(Vertical):
         """Show ``info`` (same node, or a stored reply replacing a streamed one)."""
         if info == self.info and last_turn == self._last_turn:
             return
-        changed = info.content != self.info.content
+        changed = info.content != self.info.content or info.tool_state != self.info.tool_state
+        calls_changed = info.calls != self.info.calls
         self.info = info
         self.query_one(".role", Static).update(self._role_line())
         if changed:
             await self._show_content(info.content)
+        if calls_changed:
+            await self.query_children(ToolCallBlock).remove()
+            blocks = [ToolCallBlock(*row, classes="tool-call") for row in info.calls]
+            if blocks:
+                await self.mount_all(blocks, after=self.markdown)
         self._refresh_bars(last_turn=last_turn)
 
     def set_last_turn(self, last_turn: bool) -> None:
@@ -355,6 +402,9 @@ class MessageView(Vertical):
         self._shown_answer = ""
         self.query_one(".role", Static).update(self._role_line())
         await self._show_content(info.content)
+        if info.calls:
+            calls = [ToolCallBlock(*row, classes="tool-call") for row in info.calls]
+            await self.mount_all(calls, after=self.markdown)
         self._refresh_bars(last_turn=True)
 
 

@@ -158,6 +158,7 @@ class ConversationActions:
             title,
             reuse_note=lambda system: reuse_note(session, system, current),
             default_temperature=session.defaults.temperature,
+            servers=app.tools.server_names(),
         )
         app.push_screen(screen, done)
 

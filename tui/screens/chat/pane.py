@@ -41,6 +41,7 @@ from tierchat.tui.messages import (
 )
 from tierchat.tui.screens.chat.conversations import untitle_withdrawn
 from tierchat.tui.screens.chat.message_actions import MESSAGE_TOOL_BINDINGS, MessageTools
+from tierchat.tui.screens.chat.tool_rounds import ToolRoundRunner
 from tierchat.tui.screens.prompt import EditMessageScreen
 from tierchat.tui.turns import SessionCall, TurnRunner
 from tierchat.tui.widgets.activity import ActivityBar
@@ -142,6 +143,8 @@ class MessagePane(MessageTools, Vertical):
         self.turns = TurnRunner(self)
         """The replies in flight, one per conversation; it shows the one of the
         conversation shown (``tui/turns.py``)."""
+        self.tool_rounds = ToolRoundRunner(self)
+        """The tool rounds after a reply with calls (``tool_rounds.py``)."""
         self._draft_meter: DraftMeter | None = None
         self._last_sync: Worker | None = None
 
@@ -159,8 +162,12 @@ class MessagePane(MessageTools, Vertical):
 
     @property
     def streaming(self) -> bool:
-        """A reply of the conversation shown is in flight."""
-        return self.turns.streaming(self.conversation_id)
+        """A reply of the conversation shown is in flight, or its tool round runs."""
+        return self.replying(self.conversation_id)
+
+    def replying(self, conversation_id: int | None) -> bool:
+        """A reply of ``conversation_id`` is in flight, or its tool round runs."""
+        return self.turns.streaming(conversation_id) or self.tool_rounds.active(conversation_id)
 
     @property
     def busy(self) -> bool:
@@ -416,7 +423,11 @@ class MessagePane(MessageTools, Vertical):
 
     @on(MessageSubmitted)
     async def _message_submitted(self, event: MessageSubmitted) -> None:
-        if self.streaming:
+        if event.text.strip().split(" ")[0] == "/tools":
+            await self.tool_rounds.command(event.text.strip()[len("/tools") :].strip())
+            self.query_one(ChatInput).clear()
+            return
+        if self.busy and not self.host.loading_model:
             self.notify("A reply is still streaming; Esc stops it.", severity="warning")
             return
         if self.host.loading_model:
@@ -442,9 +453,17 @@ class MessagePane(MessageTools, Vertical):
     async def action_regenerate(self) -> None:
         """A new reply to the user turn of the message under the cursor (from the input:
         the last one), a sibling of the reply shown there; its prompt ends at that user
-        message."""
+        message. A step after a tool result is regenerated after that result."""
         target = cursor.regenerate_target(self.views(), self.selected)
         if target is None or target.info.turn < 0:
+            return
+        views = self.views()
+        at = views.index(target)
+        if target.info.role == "assistant" and at > 0 and views[at - 1].info.role == "tool":
+            cid, node_id = self.conversation_id, target.info.node_id
+            assert cid is not None and node_id is not None
+            await self.turns.start(cid, self.tool_rounds.regenerate_call(node_id))
+            self.focus_input()
             return
         turn = target.info.turn
         note = cursor.regenerate_note(self.tierchat.session.settings(), target.info.role)
@@ -503,9 +522,11 @@ class MessagePane(MessageTools, Vertical):
             await self.resync(selected)
 
     def stop(self) -> None:
-        """Esc: stop the reply of the conversation shown, else the verify that runs."""
-        if self.streaming:
+        """Esc: stop the reply of the conversation shown (and the tool call its round
+        runs), else the verify that runs."""
+        if self.streaming:  # a reply, or a tool round (a call running, an approval)
             self.turns.stop()
+            self.tool_rounds.stop(self.conversation_id)
         else:
             self.stop_verify()
 
@@ -519,7 +540,20 @@ class MessagePane(MessageTools, Vertical):
 
     @on(ReplyFinished)
     async def _reply_finished(self, event: ReplyFinished) -> None:
-        await self.turns.finished(event)
+        turn = await self.turns.finished(event)
+        if turn is not None:  # its calls, if any, run now
+            reason = event.metrics.finish_reason
+            self.tool_rounds.after_turn(turn.conversation_id, turn.handle, reason)
+
+    def start_round(self, conversation_id: int, call: SessionCall) -> Awaitable[bool]:
+        """The next step of a tool round (``tool_rounds.py``)."""
+        return self.turns.start(conversation_id, call)
+
+    def rounds_changed(self, *, ended: bool) -> None:
+        self.turns_changed(ended=ended)
+
+    def ensure_conversation(self) -> Awaitable[bool]:
+        return self.host.ensure_conversation(None)
 
     @on(ReplyFailed)
     async def _reply_failed(self, event: ReplyFailed) -> None:

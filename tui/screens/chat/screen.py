@@ -245,8 +245,8 @@ class ChatScreen(Screen):
         self.streaming = self.replying(self.conversation_id)
 
     def replying(self, conversation_id: int | None) -> bool:
-        """A reply of ``conversation_id`` is in flight."""
-        return self.pane.turns.streaming(conversation_id)
+        """A reply of ``conversation_id`` is in flight, or its tool round runs."""
+        return self.pane.replying(conversation_id)
 
     def action_open_conversation(self, conversation_id: int) -> None:
         self.open_conversation(conversation_id)
@@ -330,8 +330,8 @@ class ChatScreen(Screen):
             self.tierchat.poll_stats()
 
     def action_stop(self) -> None:
-        """Esc, whatever has the focus: stop the reply of the conversation shown, else a
-        verify that runs."""
+        """Esc, whatever has the focus: stop the reply of the conversation shown (or the
+        tool call its round runs), else a verify that runs."""
         self.pane.stop()
 
     # ------------------------------------------------------------------ model
