@@ -566,3 +566,13 @@ class Transcript(VerticalScroll):
         self.set_class(bool(infos) or reply is not None, "-has-messages")
         self.anchor()
         return reply
+
+    async def add_streaming_reply(self, info: MessageInfo) -> MessageView:
+        """Mount a row that is not stored yet after the messages (a tool call running:
+        tui/screens/chat/tool_rounds.py); it streams like a reply."""
+        view = MessageView(info, streaming=True)
+        async with self._lock:
+            await self.mount(view)
+        self.set_class(True, "-has-messages")
+        self.anchor()
+        return view
