@@ -5,7 +5,7 @@ A :class:`Trash` holds the last :data:`TRASH_ITEMS` deletions of a store (a conv
 a branch, or one message) and replies grown in place by a continue, each as a snapshot
 taken before the change: the messages with their content, generated token ids, meta and
 times, and which branch was selected. The snapshots live in the store's ``trash`` table
-(:class:`~.store.TrashRows`, written in the change's own transaction), so an undo works
+(:class:`TrashRows`, written in the change's own transaction), so an undo works
 after a restart, and in any process that opens the store.
 :meth:`Trash.restore` puts the newest one back: a conversation is imported again (a new
 id, as :meth:`~.store.ConversationStore.import_conversation` does), a branch is added
@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from .importer import FORMAT, ImportedConversation, ImportedNode, parse_export
-from .store import ConversationStore, Node, TrashRows
+from .sqlite import Database
+from .store import ConversationStore, Node
 
 TRASH_ITEMS = 20
 """Changes kept for undo per store (across its conversations), newest first out."""
@@ -105,6 +106,43 @@ def snapshot_conversation(store: ConversationStore, conversation_id: int) -> Imp
     return ImportedConversation(info.title, info.created_at, info.updated_at, settings, roots)
 
 
+class TrashRows:
+    """The ``trash`` table of a store's database ``db`` (a :class:`Trash` keeps its undo
+    history there): rows of ``(id, kind, conversation_id, label, item)``, ``item`` a JSON
+    snapshot, newest last; at most ``keep`` rows, the oldest dropped."""
+
+    def __init__(self, db: Database, keep: int) -> None:
+        self.db, self.keep = db, keep
+
+    def __len__(self) -> int:
+        with self.db.lock:
+            return self.db.one("SELECT COUNT(*) FROM trash")[0]
+
+    def push(self, kind: str, conversation_id: int, label: str, item: str) -> None:
+        """Add a row (joining the caller's :meth:`~.store.ConversationStore.transaction`)."""
+        with self.db.transaction():
+            self.db.conn.execute(
+                "INSERT INTO trash (kind, conversation_id, label, created_at, item) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (kind, conversation_id, label, self.db.clock(), item),
+            )
+            self.db.conn.execute(
+                "DELETE FROM trash WHERE id NOT IN (SELECT id FROM trash ORDER BY id DESC LIMIT ?)",
+                (self.keep,),
+            )
+
+    def newest(self) -> tuple[int, str, int, str, str] | None:
+        """The newest row, or None when the table is empty."""
+        with self.db.lock:
+            return self.db.one(
+                "SELECT id, kind, conversation_id, label, item FROM trash ORDER BY id DESC LIMIT 1"
+            )
+
+    def remove(self, row_id: int) -> None:
+        with self.db.transaction():
+            self.db.conn.execute("DELETE FROM trash WHERE id = ?", (row_id,))
+
+
 class Trash:
     """The last changes of a store, newest first out. Each ``delete_*`` snapshots,
     deletes through the store and keeps the snapshot in one transaction; errors of the
@@ -112,7 +150,7 @@ class Trash:
 
     def __init__(self, store: ConversationStore, size: int = TRASH_ITEMS) -> None:
         self.store = store
-        self.rows = TrashRows(store, size)
+        self.rows = TrashRows(store.db, size)
 
     def __len__(self) -> int:
         return len(self.rows)
