@@ -169,7 +169,7 @@ class Restorer:
             if self.ssd is not None:  # start the disk reads of every entry needed at once
                 wanted = [ids[i] for i in plan.blocks if ids[i] not in self.hot]
                 wanted += [i for i in plan.entry_ids() if i not in self.hot]
-                self.ssd.read_ahead(wanted)
+                self.ssd.reader.read_ahead(wanted)
             for i in plan.blocks:
                 got = self._fetch(ids[i])
                 if got is None:
@@ -197,7 +197,7 @@ class Restorer:
                     self.ssd.remove(bad)
                 continue
             if self.ssd is not None:
-                self.ssd.drop_reads()
+                self.ssd.reader.drop_reads()
             out = self._fill(plan, loaded, tail, resident, fresh, kept_from)
             out.choice, out.ssd_bytes = choice, self.ssd_read
             if kept is not None:
@@ -206,7 +206,7 @@ class Restorer:
                 self.log(f"first token of {plan.position} from the {where}'s kept logprobs")
             return out
         if self.ssd is not None:
-            self.ssd.drop_reads()
+            self.ssd.reader.drop_reads()
         self.counts.tail_misses += 1
         if self.counts.hot_misses == hot_misses:
             # a cold lookup is a hot miss even when the prompt has no full block
