@@ -104,7 +104,7 @@ def main() -> None:
             drop_page_cache(paths)
             fresh = _Tier(cache, FP, 1 << 40)
             t0 = time.perf_counter()
-            fresh.prefetch(ids)
+            fresh.reader.prefetch(ids)
             for i in ids:
                 assert fresh.load(i) is not None, "entry failed to load"
             dt_pre = time.perf_counter() - t0
@@ -113,7 +113,7 @@ def main() -> None:
             drop_page_cache(paths)
             fresh = _Tier(cache, FP, 1 << 40)
             t0 = time.perf_counter()
-            fresh.read_ahead(ids)
+            fresh.reader.read_ahead(ids)
             for i in ids:
                 assert fresh.load(i) is not None, "entry failed to load"
             dt_ahead = time.perf_counter() - t0

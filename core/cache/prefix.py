@@ -22,7 +22,8 @@ the prompt's tail entry that kept them (:meth:`PrefixCache.plan`):
 The furthest allowed, restorable ``P`` wins. Entries are loaded (hot first, else SSD,
 promoted to hot; SSD loads are verified there), and only then is the cache filled, with one
 concatenate per layer. A bad entry is evicted from both tiers and the lookup repeats: a
-shorter prefix or a cold start, never a wrong restore.
+shorter prefix or a cold start, never a wrong restore. The restore itself is
+:class:`~.restore.Restorer`'s, a collaborator given the tiers, the planner and the counters.
 
 Everything here runs on the engine thread.
 """
@@ -34,8 +35,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
-
-import mlx.core as mx
 
 from ..api import (
     LookupStats,
@@ -50,7 +49,6 @@ from . import stats
 from .admission import WritePolicy
 from .blocks import (
     KIND_BLOCK,
-    KIND_TAIL,
     LOGPROBS,
     ChainHasher,
     Entry,
@@ -63,6 +61,7 @@ from .planner import Planner
 from .plans import Held, Plan, Resident, Restored
 from .rates import Rates
 from .request import CacheRequest, ColdRequest
+from .restore import Restorer, snapshot_nbytes
 from .ssd.tier import SSDTier
 from .wear import WriteLedger
 
@@ -110,16 +109,6 @@ class PrefixCache:
         self.window = [lf for lf in leaves if lf.kind == L.KIND_WINDOW]
         self.state = [lf for lf in leaves if lf.snapshots]
         self.max_window = max((lf.max_size for lf in self.window), default=0)
-        self._expected_by_flags = {
-            (w, s): {
-                k: v
-                for lf in self.kv + (self.window if w else []) + (self.state if s else [])
-                for k, v in spec.items()
-                if k.startswith(lf.name + ".")
-            }
-            for w in (False, True)
-            for s in (False, True)
-        }
         self.events: deque[tuple[int, str]] = deque(maxlen=200)
         self._seq = itertools.count(1)
         self.hot = HotTier(hot_bytes, max_tails, max_checkpoints, on_evict=self._evicted)
@@ -143,17 +132,22 @@ class PrefixCache:
         self.resident: Resident | None = None
         self.measuring = False  # a .request.MeasureRequest restores: reads admit nothing
         self._unsaved: list[Entry] = []
-        # counters
-        self.hot_hits = self.hot_misses = 0
-        self.resident_hits = 0
-        self.tail_stashes = self.tail_hits = self.tail_misses = self.tail_tokens_saved = 0
-        self.checkpoint_hits = 0
+        self.counts = stats.HitCounters()
         self.lookups: dict[str, int] = dict.fromkeys(("resident", "hot", "ssd", "cold", "tail"), 0)
-        self.restore_errors = 0
-        self._ssd_read = 0  # bytes of SSD files the current restore read
-        # ids the current restore read from SSD files (promoted to hot as they came: a
-        # retry after a bad entry finds them there, and they still count as SSD tokens)
-        self._ssd_loaded: set[str] = set()
+        self.restorer = Restorer(
+            leaves=self.leaves,
+            spec=spec,
+            block_size=block_size,
+            hot=self.hot,
+            ssd=self.ssd,
+            writes=self.writes,
+            rates=rates,
+            counts=self.counts,
+            plan=self.planner.plan,
+            reused=self._persist,
+            on_filled=self._flush_evictions,
+            log=self.log,
+        )
         self._evicted_batch = [0, 0]  # [tails and checkpoints, blocks]
 
     # ------------------------------------------------------------------ events
@@ -238,65 +232,13 @@ class PrefixCache:
         """The restore plan for a prompt (:meth:`.planner.Planner.plan`)."""
         return self.planner.plan(*args, **kwargs)
 
-    def _fetch(self, entry_id: str) -> tuple[Entry, str] | None:
-        """An entry and the tier its arrays came from in this restore: "ssd" for one
-        read from its file by an earlier attempt of the same restore (then promoted)."""
-        e = self.hot.get(entry_id)
-        if e is not None:
-            self._persist(e)
-            return e, "ssd" if entry_id in self._ssd_loaded else "hot"
-        if self.ssd is None or self.ssd.meta(entry_id) is None:
-            return None
-        meta = self.ssd.meta(entry_id)
-        expected = self._expected_by_flags[meta.window, meta.snapshot]
-        if meta.logprobs and self.logprobs_spec is not None:
-            expected = {**expected, LOGPROBS: self.logprobs_spec}
-        e = self.ssd.load(entry_id, expected=expected)
-        if e is None:
-            return None
-        self._ssd_read += meta.nbytes
-        self._ssd_loaded.add(entry_id)
-        e.snapshot_nbytes = self._snapshot_nbytes(e.arrays)
-        self.hot.put(e)  # promote
-        return e, "ssd"
-
-    def _snapshot_nbytes(self, arrays) -> int:
-        names = tuple(f"{lf.name}." for lf in self.state)
-        return sum(a.nbytes for k, a in arrays.items() if names and k.startswith(names))
-
     def restore_repeat(self, prompt: Sequence[int]) -> Restored | None:
-        """The resident cache cut back to the whole ``prompt``, with the logprobs of its
-        first token, when ``prompt`` is the prompt the resident's request answered (a
-        regenerate, or the same question again): the first token then needs no forward,
-        and the logprobs are the very ones a cold run samples it from. None (the resident
-        stays) when the prompt differs, no logprobs were kept, or a leaf cannot be cut
-        there in place (a state layer, a window that rotated).
-
-        A prompt that is all of the resident's tokens (a continue of the reply it ended
-        with) takes it whole, with the logprobs kept after its last token."""
-        r, n = self.resident, len(prompt)
-        if r is not None and r.end_logprobs is not None and r.tokens == tuple(prompt):
+        """The resident cache cut back to the whole ``prompt``, with its first token's kept
+        logprobs, or None (:meth:`.restore.Restorer.repeat`); the resident cache is taken
+        when it serves."""
+        out = self.restorer.repeat(prompt, self.resident)
+        if out is not None:
             self.take_resident()
-            self.resident_hits += 1
-            out = Restored(n, caches=r.caches, first_logprobs=r.end_logprobs)
-            out.cached_kind["resident"] = out.cached_by["hot"] = n
-            self.log(f"hit {n} tokens: resident, whole (a continue), first token from its end")
-            return out
-        if r is None or r.first_logprobs is None or r.prompt_tokens != n:
-            return None
-        if r.tokens[:n] != tuple(prompt):
-            return None
-        live = L.leaf_map(r.caches)
-        if not all(lf.can_cut(live[lf.name], len(r.tokens), n) for lf in self.leaves):
-            return None
-        self.take_resident()
-        for lf in self.leaves:
-            lf.cut(live[lf.name], len(r.tokens), n)
-        self.resident_hits += 1
-        out = Restored(n, caches=r.caches, first_logprobs=r.first_logprobs)
-        out.cached_kind["resident"] = n
-        out.cached_by["hot"] = n
-        self.log(f"hit {n} tokens: resident, first token from its kept logprobs")
         return out
 
     def begin(
@@ -321,173 +263,12 @@ class PrefixCache:
         max_position: int | None = None,
     ) -> Restored:
         """Restore the furthest allowed prefix of ``prompt`` (see the module doc), at most
-        ``max_position`` tokens when given.
-
-        ``ids``: the prompt's chain ids (:meth:`ids`); ``points``: its schedule; ``fresh``:
-        makes a new cache list (``model.make_cache``). Takes the resident cache: the
-        returned ``caches`` is it (cut back in place) when it served, else a fresh list.
-        Entries that fail validation are evicted and counted.
-        """
+        ``max_position`` tokens when given (:meth:`.restore.Restorer.restore`). ``ids``: the
+        prompt's chain ids (:meth:`ids`); ``points``: its schedule; ``fresh``: makes a new
+        cache list (``model.make_cache``). Takes the resident cache: the returned
+        ``caches`` is it (cut back in place) when it served, else a fresh list."""
         resident = self.take_resident()
-        self._ssd_read = 0
-        self._ssd_loaded = set()
-        limit = len(prompt) - 1
-        # misses: the prompt's full blocks that a tier does not hold at lookup time
-        hot_misses = self.hot_misses
-        for i in ids[: max(limit, 0) // self.block_size]:
-            if i not in self.hot:
-                self.hot_misses += 1
-                if self.ssd is not None and self.ssd.meta(i) is None:
-                    self.ssd.misses += 1
-        choice, use_ssd = None, True
-        for _ in range(4):
-            plan = self.plan(prompt, ids, points, resident, max_position, use_ssd)
-            if plan is not None and choice is None:
-                plan, choice = self._choose(plan, prompt, ids, points, resident, max_position)
-                use_ssd = choice is None or choice.taken == "ssd"
-            if plan is None:
-                break
-            loaded: list[tuple[int, Entry, str]] = []
-            bad = None
-            if self.ssd is not None:  # start the disk reads of every entry needed at once
-                wanted = [ids[i] for i in plan.blocks if ids[i] not in self.hot]
-                wanted += [i for i in plan.entry_ids() if i not in self.hot]
-                self.ssd.read_ahead(wanted)
-            for i in plan.blocks:
-                got = self._fetch(ids[i])
-                if got is None:
-                    bad = ids[i]
-                    break
-                loaded.append((i, *got))
-            tail = None
-            if bad is None and plan.tail is not None:
-                tail = self._fetch(plan.tail.id)
-                if tail is None:
-                    bad = plan.tail.id
-            kept = kept_from = None
-            if bad is None and plan.kept is not None:
-                got = tail if plan.kept is plan.tail else self._fetch(plan.kept.id)
-                kept = got[0].arrays.get(LOGPROBS) if got is not None else None
-                kept_from = got[1] if got is not None and got is not tail else None
-                if kept is None:
-                    bad = plan.kept.id
-            if bad is not None:
-                self.restore_errors += 1
-                self.log(f"entry {bad[:12]} could not be loaded: evicted")
-                self.hot.remove(bad)
-                self.writes.forget(bad)
-                if self.ssd is not None:
-                    self.ssd.remove(bad)
-                continue
-            if self.ssd is not None:
-                self.ssd.drop_reads()
-            out = self._fill(plan, loaded, tail, resident, fresh, kept_from)
-            out.choice, out.ssd_bytes = choice, self._ssd_read
-            if kept is not None:
-                out.first_logprobs = kept
-                where = f"{kept_from} tail" if kept_from else "tail"
-                self.log(f"first token of {plan.position} from the {where}'s kept logprobs")
-            return out
-        if self.ssd is not None:
-            self.ssd.drop_reads()
-        self.tail_misses += 1
-        if self.hot_misses == hot_misses:
-            # a cold lookup is a hot miss even when the prompt has no full block
-            self.hot_misses += 1
-        return Restored(caches=fresh(), choice=choice)
-
-    def _choose(self, plan: Plan, prompt, ids, points, resident, max_position):
-        """``plan``, or the furthest plan from RAM only when computing the tokens that only
-        the SSD tier holds is estimated faster than reading them (:mod:`.rates`); with the
-        :class:`~.rates.Choice` made, None when the plan reads nothing from SSD or a rate
-        is still unknown."""
-        if self.ssd is None or self.rates is None:
-            return plan, None
-        on_ssd = [ids[i] for i in plan.blocks if ids[i] not in self.hot]
-        on_ssd += [i for i in plan.entry_ids() if i not in self.hot]
-        nbytes = sum(m.nbytes for m in map(self.ssd.meta, on_ssd) if m is not None)
-        if not nbytes:
-            return plan, None
-        ram = self.plan(prompt, ids, points, resident, max_position, use_ssd=False)
-        tokens = plan.position - (ram.position if ram is not None else 0)
-        choice = self.rates.choose(tokens, nbytes)
-        if choice is None:
-            return plan, None
-        self.log(choice.describe())
-        return (ram if choice.taken == "recompute" else plan), choice
-
-    def _fill(
-        self, plan: Plan, loaded, tail, resident: Resident | None, fresh, kept_from=None
-    ) -> Restored:
-        """Fill the cache as ``plan`` says from the ``loaded`` blocks and ``tail`` (entry,
-        source); ``kept_from``: the source of a kept-logprobs tail loaded only for them
-        (every leaf cut from the resident cache), which counts as a source too."""
-        P, bs = plan.position, self.block_size
-        caches = resident.caches if plan.cut else fresh()
-        live = L.leaf_map(caches)
-        t_entry = tail[0] if tail else None
-        copied = 0
-        for leaf in self.leaves:
-            c = live[leaf.name]
-            if leaf.name in plan.cut:
-                leaf.cut(c, len(resident.tokens), P)
-                continue
-            if leaf.snapshots:
-                src = t_entry if t_entry is not None else loaded[-1][1]
-                parts = [self._leaf_arrays(src, leaf.name)]
-            else:
-                lo = leaf.first_needed(P) // bs
-                parts = [self._leaf_arrays(e, leaf.name) for i, e, _ in loaded if i >= lo]
-                if t_entry is not None:
-                    parts.append(
-                        {
-                            k: a[..., : plan.tail_tokens, :]
-                            for k, a in self._leaf_arrays(t_entry, leaf.name).items()
-                        }
-                    )
-            leaf.restore(c, parts, P)
-            copied += sum(a.nbytes for part in parts for a in part.values())
-        mx.eval([c.state for c in caches])
-
-        out = Restored(P, nbytes=copied, caches=caches)
-        sources = [src for _, _, src in loaded] + ([tail[1]] if tail else [])
-        self.hot_hits += (sources + ([kept_from] if kept_from else [])).count("hot")
-        if plan.cut:
-            # The resident cache is RAM: its tokens count for the hot tier unless a leaf
-            # that could not be cut was filled from SSD entries. A tail read only for its
-            # kept logprobs moves no K/V (its read shows in ``ssd_bytes`` and the log).
-            self.resident_hits += 1
-            out.cached_kind["resident"] = P
-            out.cached_by["ssd" if "ssd" in sources else "hot"] = P
-        else:
-            j = P // bs
-            # a block's tokens count for the tier of the nearest loaded entry at or after it
-            by_block = {i: src for i, _, src in loaded}
-            nearest = tail[1] if tail else None
-            for i in range(j - 1, -1, -1):
-                nearest = by_block.get(i, nearest)
-                out.cached_by[nearest or "hot"] += bs
-            out.cached_kind["block"] = j * bs
-            if tail:
-                out.cached_by[tail[1]] += plan.tail_tokens
-        if t_entry is not None and not plan.cut:
-            if t_entry.kind == KIND_BLOCK:  # the first tokens of a block (an edit)
-                out.cached_kind["block"] += plan.tail_tokens
-                self.tail_misses += 1
-            else:
-                kind = "tail" if t_entry.kind == KIND_TAIL else "checkpoint"
-                out.cached_kind[kind] += plan.tail_tokens
-                self.tail_hits += 1
-                self.tail_tokens_saved += plan.tail_tokens
-                self.checkpoint_hits += kind == "checkpoint"
-        by = {**out.cached_by, **out.cached_kind}
-        self.log(f"hit {P} tokens: " + ", ".join(f"{k} {v}" for k, v in by.items() if v))
-        self._flush_evictions()
-        return out
-
-    def _leaf_arrays(self, e: Entry, leaf_name: str) -> dict:
-        prefix = f"{leaf_name}."
-        return {k[len(prefix) :]: a for k, a in e.arrays.items() if k.startswith(prefix)}
+        return self.restorer.restore(prompt, ids, points, resident, fresh, max_position)
 
     # ------------------------------------------------------------------ store
     def capture(self, *args, **kwargs) -> list[Entry]:
@@ -503,12 +284,12 @@ class PrefixCache:
         :meth:`persist` (the engine calls it once the request's first token is out)."""
         for e in entries:
             e.nbytes = sum(a.nbytes for a in e.arrays.values())
-            e.snapshot_nbytes = self._snapshot_nbytes(e.arrays)
+            e.snapshot_nbytes = snapshot_nbytes(e.arrays, self.state)
             self.hot.put(e, pin=self.pin_system and e.kind == KIND_BLOCK and e.role == "system")
             if self.ssd is not None and self.writes.offer(e):
                 self._unsaved.append(e)
             if e.kind != KIND_BLOCK and e.id in self.hot:
-                self.tail_stashes += 1
+                self.counts.tail_stashes += 1
         self._flush_evictions()
 
     def persist(self, max_due: int | None = None) -> int:

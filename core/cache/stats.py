@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..api import ResidentStats, SnapshotStats, TailStats, TierStats, WearStats
@@ -13,20 +14,37 @@ if TYPE_CHECKING:
     from .prefix import PrefixCache
 
 
+@dataclass
+class HitCounters:
+    """The prefix cache's hit, miss and error counters since start, moved by its restores
+    (:class:`~.restore.Restorer`) and its commits (``tail_stashes``), read into the
+    figures below."""
+
+    hot_hits: int = 0
+    hot_misses: int = 0
+    resident_hits: int = 0
+    tail_stashes: int = 0
+    tail_hits: int = 0
+    tail_misses: int = 0
+    tail_tokens_saved: int = 0
+    checkpoint_hits: int = 0
+    restore_errors: int = 0
+
+
 def tier_stats(
     cache: PrefixCache,
 ) -> tuple[TierStats, TierStats, TailStats, SnapshotStats, ResidentStats]:
     """The hot tier, the SSD tier (``enabled=False`` without one), the tails and
     checkpoints, the state snapshots and the resident cache of ``cache``."""
-    hot = cache.hot
+    hot, counts = cache.hot, cache.counts
     hot_stats = TierStats(
         entries=len(hot),
         nbytes=hot.nbytes,
         max_bytes=hot.max_bytes,
-        hits=cache.hot_hits,
-        misses=cache.hot_misses,
+        hits=counts.hot_hits,
+        misses=counts.hot_misses,
         evictions=hot.evictions,
-        errors=cache.restore_errors,
+        errors=counts.restore_errors,
     )
     s = cache.ssd
     if s is None:
@@ -54,20 +72,20 @@ def tier_stats(
         entries=hot.n_tails,
         max_entries=hot.max_tails,
         nbytes=hot.tail_nbytes,
-        stashes=cache.tail_stashes,
-        hits=cache.tail_hits,
-        misses=cache.tail_misses,
+        stashes=counts.tail_stashes,
+        hits=counts.tail_hits,
+        misses=counts.tail_misses,
         evictions=hot.tail_evictions,
-        tokens_saved=cache.tail_tokens_saved,
+        tokens_saved=counts.tail_tokens_saved,
         # sequence ends and boundaries: what a turn's "checkpoint" tokens came from
         checkpoints=hot.n_checkpoints + hot.n_seq,
-        checkpoint_hits=cache.checkpoint_hits,
+        checkpoint_hits=counts.checkpoint_hits,
         supported=True,
     )
     snaps = SnapshotStats(count=hot.snapshot_count, nbytes=hot.snapshot_nbytes)
     r = cache.resident
     resident = ResidentStats(
-        tokens=len(r.tokens) if r else 0, nbytes=r.nbytes if r else 0, hits=cache.resident_hits
+        tokens=len(r.tokens) if r else 0, nbytes=r.nbytes if r else 0, hits=counts.resident_hits
     )
     return hot_stats, ssd_stats, tails, snaps, resident
 
@@ -90,14 +108,15 @@ def uncounted(cache: PrefixCache) -> Iterator[None]:
     were before the block: a measurement's restore (:class:`~.request.MeasureRequest`)
     counts nowhere. A snapshot taken meanwhile on another thread may see them moved for
     the time of that restore."""
-    saved = {k: getattr(cache, k) for k in _COUNTERS}
+    counts = cache.counts
+    saved = {k: getattr(counts, k) for k in _COUNTERS}
     ssd = cache.ssd
     ssd_saved = (ssd.hits, ssd.misses) if ssd is not None else (0, 0)
     try:
         yield
     finally:
         for k, v in saved.items():
-            setattr(cache, k, v)
+            setattr(counts, k, v)
         if ssd is not None:
             ssd.hits, ssd.misses = ssd_saved
 

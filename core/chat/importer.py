@@ -5,7 +5,8 @@ Both scopes are read: ``"path"`` (a ``messages`` list: a chain, every message ac
 ``"tree"`` (``roots``, each node with its ``children``; ``active`` marks the selected
 branch). :func:`parse_export` checks every field and raises :class:`ImportFormatError`
 naming the first bad one (``roots[0].children[1].role``); ``ConversationStore.
-import_conversation`` stores the result in one transaction, so a bad file stores nothing.
+import_conversation`` stores the result in one transaction (:func:`insert_conversation`),
+so a bad file stores nothing.
 Pure Python, stdlib only.
 """
 
@@ -15,7 +16,10 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .sqlite import Database
 
 FORMAT = "tierchat-conversation"
 VERSIONS = (1,)
@@ -194,3 +198,48 @@ def read_export(path: str | Path) -> ImportedConversation:
         return parse_export(text)
     except ImportFormatError as e:
         raise ImportFormatError(f"{path}: {e}") from None
+
+
+def insert_conversation(db: Database, conversation: ImportedConversation) -> int:
+    """Store ``conversation`` (read by :func:`parse_export`) in the store's database ``db``
+    as a new one (new ids; contents, token ids, meta, times, settings and the selected
+    branch as exported), in one transaction: on any error nothing is stored. Returns the
+    new id (``ConversationStore.import_conversation``)."""
+    with db.transaction():
+        cur = db.conn.execute(
+            "INSERT INTO conversations (title, created_at, updated_at, settings) "
+            "VALUES (?, ?, ?, ?)",
+            (
+                conversation.title,
+                conversation.created_at,
+                conversation.updated_at,
+                json.dumps(conversation.settings, sort_keys=True),
+            ),
+        )
+        cid = cur.lastrowid
+        stack: list[tuple[int | None, tuple[ImportedNode, ...]]] = [(None, conversation.roots)]
+        while stack:
+            parent, siblings = stack.pop()
+            chosen = None
+            for node in siblings:
+                ids = node.token_ids
+                cur = db.conn.execute(
+                    "INSERT INTO nodes (conversation_id, parent_id, role, content, "
+                    "token_ids, created_at, meta) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        cid,
+                        parent,
+                        node.role,
+                        node.content,
+                        json.dumps(list(ids)) if ids is not None else None,
+                        node.created_at,
+                        json.dumps(node.meta),
+                    ),
+                )
+                if node.active:
+                    chosen = cur.lastrowid
+                if node.children:
+                    stack.append((cur.lastrowid, node.children))
+            if chosen is not None:
+                db.set_selected(cid, parent, chosen)
+    return cid

@@ -17,7 +17,7 @@ How (works with any chat template that renders messages in order):
 2. Cut ``T`` at every content start/end and message end, and tokenize piece by piece with
    ``add_special_tokens=False`` (the template text already holds BOS/special tokens).
    Template markup is tokenized with its special tokens; a message's content as text
-   (:func:`encode_text`): a special token's spelling inside content (``<|im_end|>``)
+   (:func:`~.token_text.encode_text`): a special token's spelling inside content (``<|im_end|>``)
    becomes ordinary tokens, so no message can open or close a role. A message without a
    content span whose content spells a special token is found in ``T`` by search and cut
    out as text the same way.
@@ -29,7 +29,8 @@ How (works with any chat template that renders messages in order):
    own, turn k's ids are a prefix of turn k+1's.
 3. For an assistant message with ``token_ids``: when ``decode(ids)`` (EOS included) equals
    the text at the content start, those ids replace the piece; else the longest prefix of
-   the ids whose decoding is a prefix of the content is spliced and the rest re-tokenized.
+   the ids whose decoding is a prefix of the content is spliced and the rest re-tokenized
+   (:func:`~.token_text.splice_len`).
    A reply the template renders without content (tool calls only) is spliced from where
    the generation prompt ends, when its ids decode to the text there.
 
@@ -73,6 +74,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..api import Tokenizer
+from .token_text import decode_ids, encode_markup, encode_text, special_spellings, splice_len
 from .tool_fields import (
     field_strings,
     fields_key,
@@ -164,53 +166,6 @@ def _render(
     if not isinstance(text, str):
         raise TypeError("apply_chat_template(tokenize=False) must return a str")
     return text
-
-
-def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
-
-
-def encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
-    """Token ids of ``text`` as plain text: the spelling of a special token
-    (``<|im_end|>``, ``<|user|>``) becomes ordinary tokens, as llama.cpp and the OpenAI API
-    treat message content (Hugging Face ``split_special_tokens``; a tokenizer without that
-    option has no special tokens to split). ``add_special_tokens``: the tokenizer's own
-    BOS/EOS around it, for a raw completion prompt (docs/DESIGN.md §4)."""
-    if not text:
-        return []
-    try:
-        ids = tokenizer.encode(
-            text, add_special_tokens=add_special_tokens, split_special_tokens=True
-        )
-    except TypeError:  # tokenizers without that option (the test fake)
-        ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    return list(ids)
-
-
-def special_spellings(tokenizer: Tokenizer) -> tuple[str, ...]:
-    """The text of every special (control) token of ``tokenizer``: added tokens marked
-    special, else ``all_special_tokens``; () when it names none."""
-    out: set[str] = set()
-    try:
-        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-        out.update(str(t) for t in added.values() if getattr(t, "special", False))
-    except Exception:  # noqa: BLE001 -- a tokenizer without that table
-        pass
-    try:
-        out.update(str(t) for t in getattr(tokenizer, "all_special_tokens", None) or ())
-    except Exception:  # noqa: BLE001
-        pass
-    return tuple(sorted(t for t in out if t))
-
-
-def decode_ids(tokenizer: Tokenizer, ids: Sequence[int], *, skip_special: bool = False) -> str:
-    """``ids`` as text, without the tokenizer's clean-up of spaces (the text must be the
-    one the ids stand for); ``skip_special`` drops special tokens (a reply's end token)."""
-    special = {"skip_special_tokens": True} if skip_special else {}
-    try:
-        return tokenizer.decode(list(ids), clean_up_tokenization_spaces=False, **special)
-    except TypeError:  # tokenizers without the clean-up option (the test fake)
-        return tokenizer.decode(list(ids), **special)
 
 
 @dataclass(frozen=True)
@@ -305,7 +260,11 @@ class PromptBuilder:
         ``as_text``: message content, special tokens' spellings as plain text."""
         ids = self._pieces.get((text, as_text))
         if ids is None:
-            ids = encode_text(self.tokenizer, text) if as_text else _encode(self.tokenizer, text)
+            ids = (
+                encode_text(self.tokenizer, text)
+                if as_text
+                else encode_markup(self.tokenizer, text)
+            )
             self._remember(self._pieces, (text, as_text), ids)
         return ids
 
@@ -322,7 +281,9 @@ class PromptBuilder:
         key = (full[span.content_start : span.end], span.content_end - span.content_start, ids)
         hit = self._splices.get(key)
         if hit is None:
-            n = _splice_len(self.tokenizer, ids, full, span)
+            n = splice_len(
+                self.tokenizer, ids, full, span.content_start, span.content_end, span.end
+            )
             hit = (n, len(decode_ids(self.tokenizer, ids[:n])) if n else 0)
             self._remember(self._splices, key, hit)
         return hit
@@ -403,28 +364,6 @@ def _options(
 
 def _options_key(options: Mapping[str, Any]) -> bytes:
     return json.dumps(options, sort_keys=True, ensure_ascii=True, default=str).encode()
-
-
-def _splice_len(tokenizer: Tokenizer, ids: tuple[int, ...], full: str, span: _Span) -> int:
-    """How many of ``ids`` to splice at ``span.content_start`` (0: none)."""
-    start, end = span.content_start, span.end
-    # whole reply, or without a trailing EOS/extra special the template does not show
-    for j in range(len(ids), max(len(ids) - 3, 0), -1):
-        text = decode_ids(tokenizer, ids[:j])
-        if start + len(text) <= end and full.startswith(text, start):
-            if start + len(text) >= span.content_end:
-                return j
-            break
-    # partial: the longest prefix whose text is a prefix of the content
-    content = full[start : span.content_end]
-    lo, hi = 0, len(ids)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if content.startswith(decode_ids(tokenizer, ids[:mid])):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def build_prompt(
@@ -622,13 +561,15 @@ def _encode_whole(builder, full: str, content: dict[int, int]) -> list[int]:
         (a, b) for a, b in content.items() if any(t in full[a:b] for t in builder.specials)
     )
     if not risky:
-        return _encode(builder.tokenizer, full)
+        return encode_markup(builder.tokenizer, full)
     out: list[int] = []
     pos = 0
     for a, b in risky:
-        out += _encode(builder.tokenizer, full[pos:a]) + encode_text(builder.tokenizer, full[a:b])
+        out += encode_markup(builder.tokenizer, full[pos:a]) + encode_text(
+            builder.tokenizer, full[a:b]
+        )
         pos = b
-    return out + _encode(builder.tokenizer, full[pos:])
+    return out + encode_markup(builder.tokenizer, full[pos:])
 
 
 def _fallback_boundaries(tokenizer, msgs, spans, full, whole) -> tuple[tuple[int, str], ...]:
@@ -636,7 +577,7 @@ def _fallback_boundaries(tokenizer, msgs, spans, full, whole) -> tuple[tuple[int
     for m, span in zip(msgs, spans, strict=True):
         if span is None:
             continue
-        head = _encode(tokenizer, full[: span.end])
+        head = encode_markup(tokenizer, full[: span.end])
         if whole[: len(head)] == head and (not out or len(head) > out[-1][0]):
             out.append((len(head), m.role))
     return tuple(out)

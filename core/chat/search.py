@@ -13,6 +13,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .sqlite import SIBLING_COUNT_SQL, SIBLING_INDEX_SQL
+
+if TYPE_CHECKING:
+    from .sqlite import Database
 
 MARK_START = "\x02"
 """Marks the start of a matched term in the snippet SQLite returns (never in stored text
@@ -75,3 +81,45 @@ class SearchHit:
     """Token ids stored with it (a reply's generated tokens); None when none were kept."""
     n_chars: int = 0
     """Characters of its content."""
+
+
+def search_nodes(
+    db: Database, text: str, *, conversation_id: int | None = None, limit: int = 50
+) -> list[SearchHit]:
+    """The hits of ``ConversationStore.search`` in the store's database ``db``: messages
+    whose content holds every word of ``text`` (:func:`fts_query`), best match first (FTS5
+    ``bm25``), newest first among equals, at most ``limit``; in one conversation or, when
+    ``conversation_id`` is None, in all. ``[]`` for text without a word. Raises
+    ``ConversationError`` for an unknown conversation."""
+    query = fts_query(text)
+    if query is None:
+        return []
+    where = "nodes_fts MATCH ?"
+    args: list[Any] = [query]
+    if conversation_id is not None:
+        where += " AND n.conversation_id = ?"
+        args.append(conversation_id)
+    sql = (
+        "SELECT n.id, n.conversation_id, c.title, n.role, n.created_at, "
+        f"snippet(nodes_fts, 0, '{MARK_START}', '{MARK_END}', '…', 16), "
+        f"{SIBLING_INDEX_SQL}, {SIBLING_COUNT_SQL}, "
+        "json_array_length(n.token_ids), length(n.content) "
+        "FROM nodes_fts JOIN nodes n ON n.id = nodes_fts.rowid "
+        "JOIN conversations c ON c.id = n.conversation_id "
+        f"WHERE {where} ORDER BY bm25(nodes_fts), n.created_at DESC, n.id DESC LIMIT ?"
+    )
+    args.append(int(limit))
+    with db.lock:
+        if conversation_id is not None:
+            db.check_conversation(conversation_id)
+        rows = db.conn.execute(sql, tuple(args)).fetchall()
+    hits = []
+    for nid, cid, title, role, created_at, snippet, index, count, n_tokens, n_chars in rows:
+        clean, marks = split_marks(" ".join(snippet.split()))
+        name = title or f"conversation {cid}"
+        hits.append(
+            SearchHit(
+                nid, cid, name, role, clean, marks, created_at, index, count, n_tokens, n_chars
+            )
+        )
+    return hits

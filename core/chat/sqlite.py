@@ -1,8 +1,9 @@
 """The conversation store's SQLite plumbing (docs/DESIGN.md §12): the schema as
 migrations, one connection shared by every thread and serialized by a lock, errors named
 by what failed (a locked file is a "busy" :class:`StoreError`), the file created owner-only,
-and one transaction as one context manager whose failed ``BEGIN`` releases the lock.
-Pure Python: stdlib ``sqlite3`` only.
+one transaction as one context manager whose failed ``BEGIN`` releases the lock, and the
+open file as one :class:`Database` that the store and its search, import and trash
+modules share. Pure Python: stdlib ``sqlite3`` only.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -280,3 +282,135 @@ def _transaction(conn: _Conn, lock: threading.RLock) -> Iterator[None]:
                     except StoreError:
                         pass
                 raise
+
+
+class ConversationError(StoreError, KeyError):
+    """An unknown conversation or node id, or an operation the tree does not allow."""
+
+    def __str__(self) -> str:  # KeyError would repr-quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+# A node ``n``'s place among its siblings of the same role, and their number (the
+# transcript's ‹ n/m ›); roots are the siblings of a conversation's first message.
+SIBLING_INDEX_SQL = """CASE WHEN n.parent_id IS NULL THEN
+        (SELECT count(*) FROM nodes s WHERE s.conversation_id = n.conversation_id
+           AND s.parent_id IS NULL AND s.role = n.role AND s.id < n.id)
+    ELSE
+        (SELECT count(*) FROM nodes s
+         WHERE s.parent_id = n.parent_id AND s.role = n.role AND s.id < n.id)
+    END"""
+SIBLING_COUNT_SQL = """CASE WHEN n.parent_id IS NULL THEN
+        (SELECT count(*) FROM nodes s WHERE s.conversation_id = n.conversation_id
+           AND s.parent_id IS NULL AND s.role = n.role)
+    ELSE
+        (SELECT count(*) FROM nodes s WHERE s.parent_id = n.parent_id AND s.role = n.role)
+    END"""
+
+
+class Database:
+    """One store file, open: its connection ``conn`` (raising :class:`StoreError`), the
+    re-entrant ``lock`` every thread holds around it, and the ``clock`` that stamps rows
+    (epoch seconds). The store (core/chat/store.py) and the modules that read or write its
+    tables for it (search, import, trash) share one (docs/DESIGN.md §12).
+
+    Opening creates the file owner-only, sets WAL and applies the missing steps of
+    :data:`MIGRATIONS`, retrying while another process holds the file busy for up to
+    ``busy_timeout_s`` seconds. Raises :class:`StoreError` when the file is not a SQLite
+    database, or (kind "schema") was written by a newer tierchat."""
+
+    def __init__(self, path: str, clock: Callable[[], float], busy_timeout_s: float) -> None:
+        self.path, self.clock, self.busy_timeout_s = path, clock, busy_timeout_s
+        if path != ":memory:":
+            _private_file(Path(path))
+        self.lock = threading.RLock()
+        try:
+            conn = sqlite3.connect(
+                path, check_same_thread=False, isolation_level=None, timeout=busy_timeout_s
+            )
+        except sqlite3.Error as e:
+            raise store_error(e, path, "open the store") from None
+        self.conn = _Conn(conn, path)
+        try:
+            self._setup()
+        except StoreError:
+            self.conn.close()
+            raise
+
+    def _setup(self) -> None:
+        """Set WAL and migrate, retrying while another process holds the file busy: the
+        first switch to WAL can answer SQLITE_BUSY without calling the busy handler."""
+        deadline = time.monotonic() + self.busy_timeout_s
+        while True:
+            try:
+                return self._migrate()
+            except StoreError as e:
+                if e.kind != "busy" or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+
+    def _migrate(self) -> None:
+        conn = self.conn
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                f"{self.path}: conversation store schema version {version} is newer than this "
+                f"tierchat supports ({SCHEMA_VERSION}); upgrade tierchat or use another data dir",
+                "schema",
+            )
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA foreign_keys=ON")
+        if version == SCHEMA_VERSION:
+            return
+        # one writer migrates: BEGIN IMMEDIATE takes the write lock (waiting up to the busy
+        # timeout), and the version is read again under it, so a process that lost the race
+        # finds the schema already there and applies nothing
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            for step in MIGRATIONS[version:SCHEMA_VERSION]:
+                # statement by statement: executescript would commit the open transaction
+                for sql in _statements(step):
+                    conn.execute(sql)
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    def close(self) -> None:
+        with self.lock:
+            self.conn.close()
+
+    def transaction(self) -> AbstractContextManager[None]:
+        """The lock and one SQLite transaction; nested use joins the outer one."""
+        return _transaction(self.conn, self.lock)
+
+    def one(self, sql: str, args: Iterable = ()) -> tuple | None:
+        """The first row of ``sql`` (the caller holds :attr:`lock`), or None."""
+        return self.conn.execute(sql, tuple(args)).fetchone()
+
+    def check_conversation(self, conversation_id: int) -> None:
+        """Raises :class:`ConversationError` when no conversation has this id."""
+        if self.one("SELECT 1 FROM conversations WHERE id = ?", (conversation_id,)) is None:
+            raise ConversationError(f"no conversation with id {conversation_id}")
+
+    def touch(self, conversation_id: int) -> None:
+        """Stamp the conversation's ``updated_at`` with :attr:`clock`."""
+        self.conn.execute(
+            "UPDATE conversations SET updated_at = ? WHERE id = ?", (self.clock(), conversation_id)
+        )
+
+    def set_selected(self, conversation_id: int, parent_id: int | None, child_id: int | None):
+        """Record ``child_id`` as the selected child of ``parent_id`` (None: the
+        conversation's selected root)."""
+        if parent_id is None:
+            self.conn.execute(
+                "UPDATE conversations SET selected_root = ? WHERE id = ?",
+                (child_id, conversation_id),
+            )
+        else:
+            self.conn.execute(
+                "UPDATE nodes SET selected_child = ? WHERE id = ?", (child_id, parent_id)
+            )

@@ -7,47 +7,43 @@ selected children. Regenerate adds an assistant sibling, edit adds a user siblin
 changes a selection; nothing is ever overwritten.
 
 The file uses WAL and carries its schema version in ``PRAGMA user_version``; opening it
-applies the missing steps of :data:`MIGRATIONS`. One connection is shared by every thread
-that uses the store, serialized by a lock.
+applies the missing steps of the migrations. One connection is shared by every thread
+that uses the store, serialized by a lock: the store's :class:`~.sqlite.Database`, which
+the modules that read and write its other parts share (full-text search in
+``core/chat/search.py``, imports in ``core/chat/importer.py``, the undo rows in
+``core/chat/trash.py``).
 """
 
 from __future__ import annotations
 
 import json
-import sqlite3
-import threading
 import time
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self
+from typing import Any, Self
 
-from .search import MARK_END, MARK_START, SearchHit, fts_query, split_marks
+from .importer import ImportedConversation, insert_conversation
+from .search import SearchHit, search_nodes
 from .sqlite import (
     BUSY_TIMEOUT_S,
-    MIGRATIONS,
-    SCHEMA_VERSION,
-    StoreError,
-    _Conn,
-    _private_file,
-    _statements,
-    _transaction,
-    store_error,
+    SIBLING_COUNT_SQL,
+    SIBLING_INDEX_SQL,
+    ConversationError,
+    Database,
 )
-from .undo_rows import UndoRows
 
-if TYPE_CHECKING:
-    from .importer import ImportedConversation, ImportedNode
+__all__ = [
+    "ROLES",
+    "ConversationError",
+    "ConversationInfo",
+    "ConversationStore",
+    "Node",
+    "PathEntry",
+]
 
 ROLES = ("system", "user", "assistant", "tool")
-
-
-class ConversationError(StoreError, KeyError):
-    """An unknown conversation or node id, or an operation the tree does not allow."""
-
-    def __str__(self) -> str:  # KeyError would repr-quote the message
-        return str(self.args[0]) if self.args else ""
 
 
 @dataclass(frozen=True)
@@ -111,68 +107,12 @@ class ConversationStore:
         self.path = str(path)
         self.clock = clock
         self.busy_timeout_s = busy_timeout_s
-        if self.path != ":memory:":
-            _private_file(Path(self.path))
-        self._lock = threading.RLock()
-        try:
-            conn = sqlite3.connect(
-                self.path, check_same_thread=False, isolation_level=None, timeout=busy_timeout_s
-            )
-        except sqlite3.Error as e:
-            raise store_error(e, self.path, "open the store") from None
-        self._conn = _Conn(conn, self.path)
-        self.undo = UndoRows(self._conn, self._lock, clock)  # core/chat/trash.py's table
-        try:
-            self._setup()
-        except StoreError:
-            self._conn.close()
-            raise
-
-    def _setup(self) -> None:
-        """Set WAL and migrate, retrying while another process holds the file busy: the
-        first switch to WAL can answer SQLITE_BUSY without calling the busy handler."""
-        deadline = time.monotonic() + self.busy_timeout_s
-        while True:
-            try:
-                return self._migrate()
-            except StoreError as e:
-                if e.kind != "busy" or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.01)
-
-    def _migrate(self) -> None:
-        conn = self._conn
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
-        if version > SCHEMA_VERSION:
-            raise StoreError(
-                f"{self.path}: conversation store schema version {version} is newer than this "
-                f"tierchat supports ({SCHEMA_VERSION}); upgrade tierchat or use another data dir",
-                "schema",
-            )
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA foreign_keys=ON")
-        if version == SCHEMA_VERSION:
-            return
-        # one writer migrates: BEGIN IMMEDIATE takes the write lock (waiting up to the busy
-        # timeout), and the version is read again under it, so a process that lost the race
-        # finds the schema already there and applies nothing
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            for step in MIGRATIONS[version:SCHEMA_VERSION]:
-                # statement by statement: executescript would commit the open transaction
-                for sql in _statements(step):
-                    conn.execute(sql)
-            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
+        self.db = Database(self.path, clock, busy_timeout_s)
+        """The open file, shared with the modules that read and write its tables."""
+        self._conn, self._lock = self.db.conn, self.db.lock
 
     def close(self) -> None:
-        with self._lock:
-            self._conn.close()
+        self.db.close()
 
     def __enter__(self) -> Self:
         return self
@@ -188,19 +128,20 @@ class ConversationStore:
     # ------------------------------------------------------------------ helpers
 
     def _tx(self) -> AbstractContextManager[None]:
-        return _transaction(self._conn, self._lock)
+        return self.db.transaction()
+
+    def transaction(self) -> AbstractContextManager[None]:
+        """One transaction around several calls (each joins it): all of them or none."""
+        return self._tx()
 
     def _one(self, sql: str, args: Iterable = ()) -> tuple | None:
-        return self._conn.execute(sql, tuple(args)).fetchone()
+        return self.db.one(sql, args)
 
     def _check_conversation(self, conversation_id: int) -> None:
-        if self._one("SELECT 1 FROM conversations WHERE id = ?", (conversation_id,)) is None:
-            raise ConversationError(f"no conversation with id {conversation_id}")
+        self.db.check_conversation(conversation_id)
 
     def _touch(self, conversation_id: int) -> None:
-        self._conn.execute(
-            "UPDATE conversations SET updated_at = ? WHERE id = ?", (self.clock(), conversation_id)
-        )
+        self.db.touch(conversation_id)
 
     # ------------------------------------------------------------------ conversations
 
@@ -306,6 +247,26 @@ class ConversationStore:
             raise ConversationError(f"no node with id {node_id}")
         return _node(row)
 
+    def replace_reply(
+        self, node_id: int, content: str, token_ids: Iterable[int] | None, meta: dict[str, Any]
+    ) -> Node:
+        """Replace a node's content, generated ids and meta in place (a reply continued,
+        docs/DESIGN.md §12; an undo puts the old ones back). Raises
+        :class:`ConversationError` for an unknown id."""
+        ids = _ids(token_ids)
+        ids_json = json.dumps(list(ids)) if ids is not None else None
+        with self._tx():
+            node = self.get_node(node_id)
+            self._conn.execute(
+                "UPDATE nodes SET content = ?, token_ids = ?, meta = ? WHERE id = ?",
+                (content, ids_json, json.dumps(meta), node_id),
+            )
+            self._touch(node.conversation_id)
+        return Node(
+            node.id, node.conversation_id, node.parent_id, node.role, content, ids,
+            node.created_at, dict(meta),
+        )  # fmt: skip
+
     def update_meta(self, node_id: int, key: str, value: Any) -> None:
         """Set ``meta[key] = value`` (JSON-serializable) on a node, keeping its other
         keys (a verify report next to the turn's metrics). Raises
@@ -348,15 +309,7 @@ class ConversationStore:
             return self.children(node.parent_id)
 
     def _set_selected(self, conversation_id: int, parent_id: int | None, child_id: int | None):
-        if parent_id is None:
-            self._conn.execute(
-                "UPDATE conversations SET selected_root = ? WHERE id = ?",
-                (child_id, conversation_id),
-            )
-        else:
-            self._conn.execute(
-                "UPDATE nodes SET selected_child = ? WHERE id = ?", (child_id, parent_id)
-            )
+        self.db.set_selected(conversation_id, parent_id, child_id)
 
     def select_child(self, parent_id: int | None, child_id: int) -> None:
         """Make ``child_id`` the selected child of ``parent_id`` (None: the selected root of
@@ -539,38 +492,7 @@ class ConversationStore:
         first among equals; in one conversation or, when ``conversation_id`` is None, in
         all. Every branch is searched, not only the active path. ``[]`` for text without a
         word. Raises :class:`ConversationError` for an unknown conversation."""
-        query = fts_query(text)
-        if query is None:
-            return []
-        where = "nodes_fts MATCH ?"
-        args: list[Any] = [query]
-        if conversation_id is not None:
-            where += " AND n.conversation_id = ?"
-            args.append(conversation_id)
-        sql = (
-            "SELECT n.id, n.conversation_id, c.title, n.role, n.created_at, "
-            f"snippet(nodes_fts, 0, '{MARK_START}', '{MARK_END}', '…', 16), "
-            f"{_SIBLING_INDEX_SQL}, {_SIBLING_COUNT_SQL}, "
-            "json_array_length(n.token_ids), length(n.content) "
-            "FROM nodes_fts JOIN nodes n ON n.id = nodes_fts.rowid "
-            "JOIN conversations c ON c.id = n.conversation_id "
-            f"WHERE {where} ORDER BY bm25(nodes_fts), n.created_at DESC, n.id DESC LIMIT ?"
-        )
-        args.append(int(limit))
-        with self._lock:
-            if conversation_id is not None:
-                self._check_conversation(conversation_id)
-            rows = self._conn.execute(sql, tuple(args)).fetchall()
-        hits = []
-        for nid, cid, title, role, created_at, snippet, index, count, n_tokens, n_chars in rows:
-            clean, marks = split_marks(" ".join(snippet.split()))
-            name = title or f"conversation {cid}"
-            hits.append(
-                SearchHit(
-                    nid, cid, name, role, clean, marks, created_at, index, count, n_tokens, n_chars
-                )
-            )
-        return hits
+        return search_nodes(self.db, text, conversation_id=conversation_id, limit=limit)
 
     # ------------------------------------------------------------------ import
 
@@ -579,44 +501,7 @@ class ConversationStore:
         new one (new ids; contents, token ids, meta, times, settings and the selected
         branch as exported), in one transaction: on any error nothing is stored. Returns
         the new id."""
-        with self._tx():
-            cur = self._conn.execute(
-                "INSERT INTO conversations (title, created_at, updated_at, settings) "
-                "VALUES (?, ?, ?, ?)",
-                (
-                    conversation.title,
-                    conversation.created_at,
-                    conversation.updated_at,
-                    json.dumps(conversation.settings, sort_keys=True),
-                ),
-            )
-            cid = cur.lastrowid
-            stack: list[tuple[int | None, tuple[ImportedNode, ...]]] = [(None, conversation.roots)]
-            while stack:
-                parent, siblings = stack.pop()
-                chosen = None
-                for node in siblings:
-                    ids = node.token_ids
-                    cur = self._conn.execute(
-                        "INSERT INTO nodes (conversation_id, parent_id, role, content, "
-                        "token_ids, created_at, meta) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                        (
-                            cid,
-                            parent,
-                            node.role,
-                            node.content,
-                            json.dumps(list(ids)) if ids is not None else None,
-                            node.created_at,
-                            json.dumps(node.meta),
-                        ),
-                    )
-                    if node.active:
-                        chosen = cur.lastrowid
-                    if node.children:
-                        stack.append((cur.lastrowid, node.children))
-                if chosen is not None:
-                    self._set_selected(cid, parent, chosen)
-        return cid
+        return insert_conversation(self.db, conversation)
 
     # ------------------------------------------------------------------ one-query reads
 
@@ -642,7 +527,7 @@ class ConversationStore:
             FROM path WHERE path.id IS NOT NULL
         )
         SELECT {", ".join("n." + c.strip() for c in _NODE_COLUMNS.split(","))},
-            {_SIBLING_INDEX_SQL}, {_SIBLING_COUNT_SQL}
+            {SIBLING_INDEX_SQL}, {SIBLING_COUNT_SQL}
         FROM path JOIN nodes n ON n.id = path.id
         ORDER BY path.depth
         """
@@ -672,23 +557,6 @@ class ConversationStore:
                 "UPDATE conversations SET settings = ? WHERE id = ?", (text, conversation_id)
             )
             self._touch(conversation_id)
-
-
-# A node ``n``'s place among its siblings of the same role, and their number (the
-# transcript's ‹ n/m ›); roots are the siblings of a conversation's first message.
-_SIBLING_INDEX_SQL = """CASE WHEN n.parent_id IS NULL THEN
-        (SELECT count(*) FROM nodes s WHERE s.conversation_id = n.conversation_id
-           AND s.parent_id IS NULL AND s.role = n.role AND s.id < n.id)
-    ELSE
-        (SELECT count(*) FROM nodes s
-         WHERE s.parent_id = n.parent_id AND s.role = n.role AND s.id < n.id)
-    END"""
-_SIBLING_COUNT_SQL = """CASE WHEN n.parent_id IS NULL THEN
-        (SELECT count(*) FROM nodes s WHERE s.conversation_id = n.conversation_id
-           AND s.parent_id IS NULL AND s.role = n.role)
-    ELSE
-        (SELECT count(*) FROM nodes s WHERE s.parent_id = n.parent_id AND s.role = n.role)
-    END"""
 
 
 def _ids(token_ids: Iterable[int] | None) -> tuple[int, ...] | None:

@@ -5,7 +5,7 @@ A :class:`Trash` holds the last :data:`TRASH_ITEMS` deletions of a store (a conv
 a branch, or one message) and replies grown in place by a continue, each as a snapshot
 taken before the change: the messages with their content, generated token ids, meta and
 times, and which branch was selected. The snapshots live in the store's ``trash`` table
-(:class:`~.undo_rows.UndoRows`, written in the change's own transaction), so an undo works
+(:class:`TrashRows`, written in the change's own transaction), so an undo works
 after a restart, and in any process that opens the store.
 :meth:`Trash.restore` puts the newest one back: a conversation is imported again (a new
 id, as :meth:`~.store.ConversationStore.import_conversation` does), a branch is added
@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from .importer import FORMAT, ImportedConversation, ImportedNode, parse_export
+from .sqlite import Database
 from .store import ConversationStore, Node
 
 TRASH_ITEMS = 20
@@ -105,6 +106,43 @@ def snapshot_conversation(store: ConversationStore, conversation_id: int) -> Imp
     return ImportedConversation(info.title, info.created_at, info.updated_at, settings, roots)
 
 
+class TrashRows:
+    """The ``trash`` table of a store's database ``db`` (a :class:`Trash` keeps its undo
+    history there): rows of ``(id, kind, conversation_id, label, item)``, ``item`` a JSON
+    snapshot, newest last; at most ``keep`` rows, the oldest dropped."""
+
+    def __init__(self, db: Database, keep: int) -> None:
+        self.db, self.keep = db, keep
+
+    def __len__(self) -> int:
+        with self.db.lock:
+            return self.db.one("SELECT COUNT(*) FROM trash")[0]
+
+    def push(self, kind: str, conversation_id: int, label: str, item: str) -> None:
+        """Add a row (joining the caller's :meth:`~.store.ConversationStore.transaction`)."""
+        with self.db.transaction():
+            self.db.conn.execute(
+                "INSERT INTO trash (kind, conversation_id, label, created_at, item) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (kind, conversation_id, label, self.db.clock(), item),
+            )
+            self.db.conn.execute(
+                "DELETE FROM trash WHERE id NOT IN (SELECT id FROM trash ORDER BY id DESC LIMIT ?)",
+                (self.keep,),
+            )
+
+    def newest(self) -> tuple[int, str, int, str, str] | None:
+        """The newest row, or None when the table is empty."""
+        with self.db.lock:
+            return self.db.one(
+                "SELECT id, kind, conversation_id, label, item FROM trash ORDER BY id DESC LIMIT 1"
+            )
+
+    def remove(self, row_id: int) -> None:
+        with self.db.transaction():
+            self.db.conn.execute("DELETE FROM trash WHERE id = ?", (row_id,))
+
+
 class Trash:
     """The last changes of a store, newest first out. Each ``delete_*`` snapshots,
     deletes through the store and keeps the snapshot in one transaction; errors of the
@@ -112,24 +150,23 @@ class Trash:
 
     def __init__(self, store: ConversationStore, size: int = TRASH_ITEMS) -> None:
         self.store = store
-        self.rows = store.undo
-        self.size = size
+        self.rows = TrashRows(store.db, size)
 
     def __len__(self) -> int:
-        return self.rows.count()
+        return len(self.rows)
 
     def _keep(self, item: Deleted) -> None:
-        self.rows.push(item.kind, item.conversation_id, item.label, item.to_json(), self.size)
+        self.rows.push(item.kind, item.conversation_id, item.label, item.to_json())
 
     def delete_conversation(self, conversation_id: int) -> None:
-        with self.rows.transaction():
+        with self.store.transaction():
             snap = snapshot_conversation(self.store, conversation_id)
             self.store.delete_conversation(conversation_id)
             label = f"“{snap.title}”" if snap.title else f"conversation {conversation_id}"
             self._keep(Deleted("conversation", conversation_id, None, None, snap, None, label))
 
     def delete_branch(self, node_id: int) -> None:
-        with self.rows.transaction():
+        with self.store.transaction():
             node = self.store.get_node(node_id)
             snap = snapshot_node(self.store, node)
             n = self.store.subtree_size(node_id)
@@ -141,7 +178,7 @@ class Trash:
 
     def delete_message(self, node_id: int) -> Node | None:
         """As :meth:`~.store.ConversationStore.delete_message`; returns the moved child."""
-        with self.rows.transaction():
+        with self.store.transaction():
             node = self.store.get_node(node_id)
             moved = self.store.delete_message(node_id)
             leaf = ImportedNode(
@@ -158,14 +195,13 @@ class Trash:
 
     def replace_reply(self, reply: Node, content: str, token_ids, meta: dict[str, Any]) -> Node:
         """Grow ``reply`` in place to ``content``/``token_ids``/``meta`` (a continue,
-        :meth:`~.undo_rows.UndoRows.replace_reply`), keeping the cut version for
+        :meth:`~.store.ConversationStore.replace_reply`), keeping the cut version for
         undo, in one transaction. Returns the node as stored."""
-        with self.rows.transaction():
+        with self.store.transaction():
             old = ImportedNode(
                 reply.role, reply.content, reply.token_ids, reply.created_at, dict(reply.meta or {}), True
             )  # fmt: skip
-            self.rows.replace_reply(reply.id, content, token_ids, meta)
-            new = self.store.get_node(reply.id)
+            new = self.store.replace_reply(reply.id, content, token_ids, meta)
             self._keep(
                 Deleted("reply", reply.conversation_id, reply.id, old, None, None, "the continue")
             )
@@ -176,7 +212,7 @@ class Trash:
         for a conversation). Raises ``IndexError`` when the trash is empty and
         ``ConversationError`` when the place it hung from is gone too (it stays kept)."""
         store = self.store
-        with self.rows.transaction():
+        with store.transaction():
             row = self.rows.newest()
             if row is None:
                 raise IndexError("nothing to undo")
@@ -186,7 +222,7 @@ class Trash:
                 restored = item, store.import_conversation(item.conversation), None
             elif item.kind == "reply":
                 r = item.root
-                self.rows.replace_reply(item.parent_id, r.content, r.token_ids, r.meta)
+                store.replace_reply(item.parent_id, r.content, r.token_ids, r.meta)
                 restored = item, cid, item.parent_id
             else:
                 top = self._add(cid, item.parent_id, item.root)

@@ -23,6 +23,7 @@ from tierchat.config.settings import SettingsError, load_settings
 from tierchat.core.api import Finished, TokenBatch, TurnMetrics
 from tierchat.core.cache.blocks import chain_ids
 from tierchat.core.cache.ssd import format as ssd_format
+from tierchat.core.cache.ssd import reader as ssd_reader
 from tierchat.core.cache.ssd import tier as ssd_mod
 from tierchat.core.cache.ssd.tier import SSDTier
 from tierchat.core.cache.ssd.verifier import STALE_TMP_S
@@ -109,7 +110,7 @@ def test_1_tokens_that_do_not_hash_to_the_id_are_refused(tmp_path):
     """Even with valid CRCs (a forger recomputed them): tokens must hash to the id."""
     ssd, es = stored(tmp_path)
     path = ssd._path(es[0].id)
-    layout, _, _ = ssd_mod.read_file(path)
+    layout, _, _ = ssd_reader.read_file(path)
     meta = dict(layout.meta)
     meta["tokens"] = json.dumps([t + 1 for t in es[0].tokens], separators=(",", ":"))
     write_file(path.parent, path.name, {k: v for k, v in meta.items() if "crc" not in k})
@@ -163,7 +164,7 @@ def test_2_any_load_failure_is_a_counted_miss(tmp_path, monkeypatch):
         raise RuntimeError("cannot map")
 
     with monkeypatch.context() as m:
-        m.setattr(ssd_mod, "arrays_in", boom)
+        m.setattr(ssd_reader, "arrays_in", boom)
         assert again.load(es[0].id) is None
     assert again.errors == 1 and again.corrupt == 0
     assert es[0].id in again and again._path(es[0].id).exists()
@@ -192,7 +193,7 @@ def test_3_scan_survives_every_kind_of_bad_path(tmp_path, monkeypatch):
     ssd, es = stored(tmp_path)
     shard = ssd._path(es[0].id).parent
     base = {
-        k: v for k, v in ssd_mod.read_file(ssd._path(es[0].id))[0].meta.items() if "crc" not in k
+        k: v for k, v in ssd_reader.read_file(ssd._path(es[0].id))[0].meta.items() if "crc" not in k
     }
     write_file(shard, "a" * 64 + ".safetensors", [1, 2, 3])  # metadata not an object
     write_file(shard, "b" * 64 + ".safetensors", {k: v for k, v in base.items() if k != "id"})

@@ -151,7 +151,7 @@ def test_a_failure_inside_the_insert_rolls_back(store, monkeypatch):
     conv = parse_export(export_conversation(store, cid, "json", "tree"))
     before = store.list_conversations()
     count = store._conn.execute("SELECT count(*) FROM nodes").fetchone()[0]
-    real = store._set_selected
+    real = store.db.set_selected
     calls = []
 
     def failing(*args):
@@ -160,7 +160,7 @@ def test_a_failure_inside_the_insert_rolls_back(store, monkeypatch):
             raise RuntimeError("disk went away")
         return real(*args)
 
-    monkeypatch.setattr(store, "_set_selected", failing)
+    monkeypatch.setattr(store.db, "set_selected", failing)
     with pytest.raises(RuntimeError):
         store.import_conversation(conv)
     assert store.list_conversations() == before

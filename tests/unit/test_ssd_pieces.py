@@ -104,7 +104,7 @@ def test_an_entry_over_the_bound_round_trips_in_many_pieces(bound, tmp_path):
         fresh = Tier(tmp_path, FP, 1 << 30)
         try:
             if ahead:
-                fresh.read_ahead([e.id])
+                fresh.reader.read_ahead([e.id])
             got = fresh.load(e.id)
             assert got is not None and fresh.corrupt == 0 and fresh.errors == 0
             assert set(got.arrays) == set(e.arrays)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
-from ..blocks import KIND_BLOCK
+from ..blocks import KIND_BLOCK, EntryMeta
 from .format import FileMeta
 
 
@@ -39,6 +39,17 @@ class EntryIndex(Mapping[str, FileMeta]):
 
     def get(self, entry_id: str, default: FileMeta | None = None) -> FileMeta | None:
         return self._by_id.get(entry_id, default)
+
+    def holds(self, e: EntryMeta) -> bool:
+        """Whether ``e``'s id is held with at least the parts ``e`` carries (its window,
+        snapshot and logprobs), so that writing ``e`` would add nothing."""
+        old = self._by_id.get(e.id)
+        return (
+            old is not None
+            and (old.window or not e.window)
+            and (old.snapshot or not e.snapshot)
+            and (old.logprobs or not e.logprobs)
+        )
 
     def add(self, meta: FileMeta) -> None:
         """Hold ``meta`` as the most recently used entry (replacing one of its id)."""

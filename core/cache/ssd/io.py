@@ -14,6 +14,7 @@ so the bytes on disk are those of the whole tensors in row order either way.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import struct
@@ -26,6 +27,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
+from ...files import private_dirs
 from .format import DTYPES, HCRC_AT, MAX_HEADER, CorruptEntry, Layout, parse_header
 
 CHUNK = 1 << 20  # bytes read (and checksummed while in cache) at a time
@@ -357,3 +359,15 @@ def _real_dir(path: Path) -> None:
     if path.is_symlink():
         path.unlink()
     path.mkdir(exist_ok=True, mode=0o700)
+
+
+def writable_dir(path: Path) -> None:
+    """Make ``path`` (the tier's entry folder) a 0700 directory and prove it writable with
+    a probe file. Raises OSError: ``ELOOP`` when it is a symbolic link, or whatever making
+    it or the probe raised."""
+    if path.is_symlink():
+        raise OSError(errno.ELOOP, "is a symbolic link")
+    private_dirs(path)
+    probe = path / f".probe.{os.getpid()}"
+    probe.write_bytes(b"")
+    probe.unlink()

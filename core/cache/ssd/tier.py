@@ -4,13 +4,11 @@ Layout: ``<cache_dir>/<fingerprint[:16]>/<id[:2]>/<id>.safetensors``, directorie
 files 0600. The file format is :mod:`.format`'s (``tierchat-kv/2``, checksummed
 safetensors); files are read by :mod:`.io`, written by :mod:`.writer`'s thread, and
 checked at start by :mod:`.verifier` (the index rebuilt from headers, then every file read
-once in the background). A load checks both CRCs again. A checksum or format failure
-makes an entry *corrupt*: counted, logged with the reason, removed when possible, never
-loaded. A resource error (EMFILE, ENFILE, ENOMEM, EACCES, EIO...: an ``OSError`` other
-than a missing file) is not corruption: the load is a miss, counted in ``errors`` and
-logged, and the file stays for a later retry (docs/DESIGN.md §8.4). A file found missing
-leaves the index (someone removed it); so do files removed behind the tier's back that
-nothing reads: :meth:`SSDTier.reconcile` (called where stats are taken) lists the folder
+once in the background), loaded by :mod:`.reader` (both CRCs checked again). A checksum or
+format failure makes an entry *corrupt*: counted, logged with the reason, removed when
+possible, never loaded; a resource error is a miss, the file kept (docs/DESIGN.md §8.4). A
+file found missing leaves the index (someone removed it); so do files removed behind the
+tier's back that nothing reads: :meth:`SSDTier.reconcile` (called where stats are taken) lists the folder
 at most every :data:`RECONCILE_EVERY_S` seconds and forgets the written entries whose
 files are gone, so ``entries`` and ``nbytes`` follow the disk without reading a file.
 
@@ -33,9 +31,8 @@ writer's progress. Only a disk error (ENOSPC, EIO...) or a writer stuck for
 
 Threads: the engine thread calls ``put`` (already evaluated arrays), ``load`` and the
 queries; the writer and verifier threads handle numpy views and bytes only and never build
-an MLX graph; the reader threads of a restore write file bytes into the memory of staging
-arrays the engine made (:func:`staging`, :func:`read_file`). The index and the writer's
-pending entries are guarded by one lock.
+an MLX graph; the reader threads of a restore fill staging arrays (:mod:`.reader`). The
+index and the writer's pending entries are guarded by one lock.
 """
 
 from __future__ import annotations
@@ -52,24 +49,16 @@ from typing import Any
 import mlx.core as mx
 
 from ...files import private_dirs
-from ..blocks import Entry, EntryMeta
+from ..blocks import Entry
 from ..blocks import root_id as _root_id
 from ..dir_lock import LOCK_FILE, CacheDirBusy, acquire_dir, release_dir, relock_dir
 from ..wear import WriteLedger
-from .format import CorruptEntry, FileMeta, check_arrays, entry_header, entry_meta
+from .format import FileMeta, entry_header
 from .index import EntryIndex
-from .io import (
-    ReadAhead,
-    _real_dir,
-    advise_willneed,
-    arrays_in,
-    copy_pieces,
-    read_file,
-    staging,
-    views_of,
-)
+from .io import _real_dir, copy_pieces, writable_dir
 from .model_file import write_model_file
-from .verifier import StartupVerifier, scan_entries
+from .reader import SSDReader
+from .verifier import StartupVerifier, entry_file_names, scan_entries
 from .writer import Pending, SSDWriter
 
 RETRY_AFTER_S = 30.0  # after a full disk, writes at the configured cap are tried again
@@ -135,7 +124,17 @@ class SSDTier:
             queue_size=queue_size,
             max_pending_bytes=max_pending_bytes,
         )
-        self._ahead = ReadAhead()  # files read ahead of their load (pure I/O and CRC)
+        self.reader = SSDReader(
+            lock=self._lock,
+            index=self._index,
+            writer=self.writer,
+            path_of=self._path,
+            fingerprint=fingerprint,
+            counted=self._count_hit,
+            condemn=self.condemn,
+            forget=self.forget,
+            count_error=self.count_error,
+        )
         self.hits = self.misses = self.evictions = 0
         self.evicted_bytes = 0  # bytes of the entries evicted under the cap
         # entries not written because the cap cannot hold them beside their parent
@@ -152,12 +151,7 @@ class SSDTier:
             private_dirs(Path(cache_dir))
             acquire_dir(Path(cache_dir))
             self._locked = True
-            if self.dir.is_symlink():
-                raise OSError(errno.ELOOP, "is a symbolic link")
-            private_dirs(self.dir)
-            probe = self.dir / f".probe.{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
+            writable_dir(self.dir)
             for meta in scan_entries(self.dir, self.fingerprint, self):
                 self._index.add(meta)
         except (OSError, CacheDirBusy) as exc:
@@ -261,14 +255,24 @@ class SSDTier:
     def _forget_missing(self) -> int:
         """Drop every written entry whose file is gone (the dir was removed); returns how
         many. Writer thread, after recreating the dir."""
+        return self._forget_gone(entry_file_names(self.dir) or set())
+
+    def _forget_gone(self, names: set[str]) -> int:
+        """Drop the written entries whose files are not among ``names`` and, checked with
+        ``lstat`` under the lock, not on disk; returns how many."""
+        gone = 0
         with self._lock:
-            ids = [i for i in self._index if i not in self.writer.pending]
-        gone = [i for i in ids if not self._path(i).exists()]
-        with self._lock:
-            for entry_id in gone:
-                if entry_id not in self.writer.pending:
+            for entry_id in list(self._index):
+                if entry_id in self.writer.pending or f"{entry_id}.safetensors" in names:
+                    continue
+                try:
+                    os.lstat(self._path(entry_id))
+                except FileNotFoundError:
                     self._drop(entry_id)
-        return len(gone)
+                    gone += 1
+                except OSError:
+                    pass
+        return gone
 
     def reconcile(self) -> int:
         """Forget the written entries whose files are gone (removed by hand, by another
@@ -282,31 +286,10 @@ class SSDTier:
         if not self.enabled or now - self.reconciled_at < RECONCILE_EVERY_S:
             return 0
         self.reconciled_at = now
-        names: set[str] = set()
-        try:
-            with os.scandir(self.dir) as it:
-                shards = [d.path for d in it if d.is_dir(follow_symlinks=False)]
-            for shard in shards:
-                try:
-                    names.update(os.listdir(shard))
-                except FileNotFoundError:
-                    pass
-        except FileNotFoundError:
-            pass
-        except OSError:
+        names = entry_file_names(self.dir)
+        if names is None:
             return 0
-        gone = 0
-        with self._lock:
-            for entry_id in list(self._index):
-                if entry_id in self.writer.pending or f"{entry_id}.safetensors" in names:
-                    continue
-                try:
-                    os.lstat(self._path(entry_id))
-                except FileNotFoundError:
-                    self._drop(entry_id)
-                    gone += 1
-                except OSError:
-                    pass
+        gone = self._forget_gone(names)
         if gone:
             self._event(f"SSD: {gone} entries missing from disk; forgotten")
         return gone
@@ -396,13 +379,7 @@ class SSDTier:
         for i in sorted(best.values(), key=lambda i: entries[i].start):
             e = entries[i]
             with self._lock:
-                old = self._index.get(e.id)
-                if (
-                    old is not None
-                    and (old.window or not e.window)
-                    and (old.snapshot or not e.snapshot)
-                    and (old.logprobs or not e.logprobs)
-                ):
+                if self._index.holds(e):
                     continue
             try:
                 head, data = entry_header(e, self.fingerprint)
@@ -577,7 +554,7 @@ class SSDTier:
     def close(self) -> None:
         """Write what is queued (waiting at most ``close_timeout_s``; what is left then is
         dropped and reported), stop the threads, give back the cache dir's lock."""
-        self._ahead.close()
+        self.reader.close()
         if self.enabled:
             if not self.flush(self.close_timeout_s):
                 dropped = self.drop_pending()
@@ -594,87 +571,16 @@ class SSDTier:
 
     # ------------------------------------------------------------------ reads
     def load(self, entry_id: str, expected: dict[str, tuple] | None = None) -> Entry | None:
-        """One entry's arrays as MLX arrays (engine thread), or None.
+        """One entry's arrays as MLX arrays (engine thread), or None: a miss, a corrupt,
+        missing or unreadable file (:meth:`.reader.SSDReader.load`; reads ahead and
+        prefetches are :attr:`reader`'s too). ``expected`` maps names to ``(shape, dtype)``
+        with ``-1`` for the token axis (:func:`check_arrays`)."""
+        return self.reader.load(entry_id, expected)
 
-        A pending entry comes from memory (the arrays ``put`` was given); otherwise the
-        file is read whole into staging arrays (:func:`read_file`), both CRCs checked,
-        its header compared with the index, and its tensors viewed in place
-        (:func:`arrays_in`). ``expected`` maps names to ``(shape, dtype)`` with
-        ``-1`` for the token axis (:func:`check_arrays`). A checksum, format or shape
-        failure: counted corrupt, logged, removed, None. A missing file: forgotten, None.
-        Any other failure (EMFILE, ENOMEM, an MLX error): counted in ``errors``, logged,
-        the file kept for a later load, None.
-        """
-        with self._lock:
-            meta = self._index.get(entry_id)
-            if meta is None:
-                return None
-            item = self.writer.pending.get(entry_id)
-            meta = replace(meta, atime=time.time())
-            self._index.touch(meta)  # most recently used
-        ino = None
-        try:
-            if item is not None:
-                arrays = dict(item.entry.arrays)
-            else:
-                ahead = self._ahead.take(entry_id)
-                if ahead is None:
-                    stages = staging(meta.nbytes)
-                    layout, _, ino = read_file(self._path(entry_id), into=views_of(stages))
-                else:
-                    stages, read = ahead
-                    layout, _, ino = read.result()
-                if EntryMeta.meta(entry_meta(layout.meta, self.fingerprint)) != meta.meta():
-                    raise CorruptEntry("file changed since indexed")
-                arrays = arrays_in(layout, stages)
-            if expected is not None:
-                check_arrays(arrays, expected, len(meta.tokens))
-        except CorruptEntry as exc:
-            self.condemn(entry_id, str(exc))
-            return None
-        except FileNotFoundError:
-            self.forget(entry_id)
-            return None
-        except Exception as exc:  # EMFILE, ENOMEM, an MLX error...: a miss, file kept
-            text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            self.count_error(f"cannot read {entry_id[:12]} ({text or type(exc).__name__}); kept")
-            return None
-        if item is None:
-            try:
-                os.utime(self._path(entry_id), (meta.atime, meta.atime))
-            except OSError:
-                pass
+    def _count_hit(self, from_memory: bool) -> None:
         with self._lock:
             self.hits += 1
-            self.memory_hits += item is not None
-        entry = Entry(**EntryMeta.meta(meta), arrays=arrays)
-        entry.nbytes = sum(a.nbytes for a in arrays.values())
-        return entry
-
-    def read_ahead(self, entry_ids) -> None:
-        """Start reading and verifying these entries' files on worker threads (plain file
-        I/O and CRC-32, which release the GIL; no MLX), each straight into a
-        :func:`staging` array made here, one after the other, so the disk reads several
-        files at once while the next staging array is made (engine thread). ``load``
-        takes the result; a failed read raises there and is handled as any bad file."""
-        for entry_id in entry_ids:
-            with self._lock:
-                meta = self._index.get(entry_id)
-                if entry_id in self.writer.pending or meta is None or entry_id in self._ahead:
-                    continue
-            self._ahead.start(entry_id, self._path(entry_id), meta.nbytes)
-
-    def drop_reads(self) -> None:
-        """Forget reads ahead that no load took (the restore changed its plan)."""
-        self._ahead.drop()
-
-    def prefetch(self, entry_ids) -> None:
-        """Ask the kernel to start reading these entries' files now (``POSIX_FADV_WILLNEED``,
-        asynchronous; a no-op where unsupported or for pending entries), so the loads of a
-        long restore overlap their reads with each other's checks and copies."""
-        with self._lock:
-            ids = [i for i in entry_ids if i in self._index and i not in self.writer.pending]
-        advise_willneed(self._path(i) for i in ids)
+            self.memory_hits += from_memory
 
     # ------------------------------------------------------------------ admin
     def remove(self, entry_id: str) -> None:

@@ -9,6 +9,8 @@ never opens a FIFO or a device, and removes a ``.tmp`` file only when its writer
 failure makes an entry *corrupt*: counted, logged with the reason, removed when possible.
 A resource error (EMFILE, EACCES, EIO...) is not corruption: counted in ``errors``, the
 file kept for the next start. What the checks find goes to the tier's :class:`Findings`.
+Later, the tier compares its index with a listing of the folder (:func:`entry_file_names`,
+:meth:`.tier.SSDTier.reconcile`).
 """
 
 from __future__ import annotations
@@ -178,3 +180,23 @@ class StartupVerifier:
                 self._tier.condemn(entry_id, str(exc), ino)
         except OSError as exc:  # a resource error: the file stays, unverified
             self._tier.count_error(f"cannot verify {entry_id[:12]} ({exc.strerror or exc})")
+
+
+def entry_file_names(directory: Path) -> set[str] | None:
+    """The names of the files in ``directory``'s entry folders (one ``scandir`` of it and
+    one listing per folder, no file read or ``stat``): an empty set when it is missing,
+    None when it cannot be listed for another reason (the check is skipped)."""
+    names: set[str] = set()
+    try:
+        with os.scandir(directory) as it:
+            shards = [d.path for d in it if d.is_dir(follow_symlinks=False)]
+        for shard in shards:
+            try:
+                names.update(os.listdir(shard))
+            except FileNotFoundError:
+                pass
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return None
+    return names
