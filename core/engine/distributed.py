@@ -379,11 +379,6 @@ class _QuietHandle:
         return self.result is not None
 
 
-def _tuples(value: Any) -> Any:
-    """JSON lists back to the tuples a request holds (ids, ``(offset, role)`` pairs)."""
-    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
-
-
 def serve_worker(engine: Any, log: Callable[[str], None] = print) -> bool:
     """The loop of a rank > 0, on its engine thread (``engine.call(...)``): take each of
     rank 0's messages and run it on this rank's engine (load, clear, close, exit; a
@@ -419,8 +414,8 @@ def serve_worker(engine: Any, log: Callable[[str], None] = print) -> bool:
             if op == "load":
                 engine._load(msg["spec"], handle)
             elif op == "admit":  # the scheduler's queue, as on rank 0 (docs/DESIGN.md §20)
-                fields = {k: _tuples(v) for k, v in msg["request"].items()}
-                engine._sched.admit(GenerateRequest(**fields), handle, uid=msg["uid"])
+                request = GenerateRequest.from_plain(msg["request"])
+                engine._sched.admit(request, handle, uid=msg["uid"])
                 continue
             elif op == "step":
                 engine._sched.follow(msg)

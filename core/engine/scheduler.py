@@ -400,9 +400,10 @@ class Scheduler:
         sampling = p.sampling
         # greedy requests share one batched argmax (None); others their own sampler, a
         # seeded one on its own key stream (the draws of the request alone)
-        sampler = sampling.sampler if req.temperature > 0 else None
-        if sampler is not None and req.seed is not None:
-            sampler = SeededSampler(sampler, req.seed)
+        params = req.sampling
+        sampler = None if params.greedy else sampling.sampler
+        if sampler is not None and params.seed is not None:
+            sampler = SeededSampler(sampler, params.seed)
         # continue hook: the first processor remembers each step's raw logits, so the
         # logprobs after the reply's last token are kept with the resident cache
         keep_end, seq.end_logits = keep_last_logits()
@@ -410,7 +411,7 @@ class Scheduler:
         seq.stops = StopStrings(sampling.stops)
         seq.eos = e.eos_token_ids
         seq.record = e.record_logprobs
-        max_tokens = e._cap_tokens(req.max_tokens, n)
+        max_tokens = e._cap_tokens(params.max_tokens, n)
         stop = [[t] for t in sorted(seq.eos)]
         if req.teacher_ids:
             forced = iter(req.teacher_ids)
@@ -545,7 +546,8 @@ class Scheduler:
         e._last = metrics
         # before Finished: the caller's next stats() has every rank's figures
         e.peers.gather_stats(e.cache, e.monitor.stats)
-        seq.handle.emit(Finished(tuple(seq.tokens), text, metrics))
+        stop_sequence = seq.stops.matched if reason == "stop" else None
+        seq.handle.emit(Finished(tuple(seq.tokens), text, metrics, stop_sequence))
         self._after(p)
         e._apply_memory_pressure()
 

@@ -205,7 +205,7 @@ async def create(state: ServeState, http: Request) -> Response:
     store = body.get("store", True) is not False and state.responses is not None
     reply = Reply(state, body, store)
     gen = Generation(state, prep.request, client_label(http, body), "responses")
-    if chat.sampling.stream:
+    if chat.stream:
         return StreamingResponse(
             _stream(state, gen, prep, reply, items),
             media_type="text/event-stream",

@@ -11,6 +11,7 @@ from engine_kit import generate, make_engine, random_prompt
 from test_scheduler import Hold, _assert_close
 from tierchat.core.api import Finished, GenerateRequest
 from tierchat.core.models.tiny import TINY_ARCHS
+from tierchat.core.sampling_params import SamplingParams
 
 SYSTEM = 100  # the shared system prompt's tokens
 KV_ONLY = ("llama", "qwen2")  # every layer a plain KVCache
@@ -148,7 +149,11 @@ def test_a_request_arriving_during_a_restore_joins_that_steps_group(tmp_path, mo
         def arrivals() -> None:
             calls.append(len(hot._sched.prefilling))
             if len(calls) == 2:  # after the step's first start: it arrived during it
-                late.append(hot.submit(GenerateRequest(prompt_ids=second, max_tokens=4)))
+                late.append(
+                    hot.submit(
+                        GenerateRequest(sampling=SamplingParams(max_tokens=4), prompt_ids=second)
+                    )
+                )
             admit_arrived()
 
         hot._sched._arrivals = arrivals

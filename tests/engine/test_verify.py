@@ -14,9 +14,11 @@ import json
 import numpy as np
 import pytest
 from engine_kit import make_engine
+from tierchat.core.chat.conversation_settings import ConversationSettings
 from tierchat.core.chat.session import ChatSession
 from tierchat.core.chat.store import ConversationStore
 from tierchat.core.chat.verify import Agreement, VerifyError, VerifyReport, agreement, verify_reply
+from tierchat.core.sampling_params import SamplingParams
 
 
 def test_agreement_counts_top1_first_difference_and_largest_delta():
@@ -43,7 +45,9 @@ def test_a_cached_turn_verifies_bitwise_on_the_cpu(tmp_path, models_dir, bitwise
     engine = make_engine("tiny:llama", tmp_path, models_dir, bitwise=bitwise)
     store = ConversationStore(tmp_path / "c.sqlite")
     try:
-        session = ChatSession(engine, store, max_tokens=8)
+        session = ChatSession(
+            engine, store, ConversationSettings(sampling=SamplingParams(max_tokens=8))
+        )
         session.new_conversation(system="You are terse.")
         turn = session.send("Tell me about the tides and the moon, briefly please.")
         turn.wait(120)
