@@ -43,8 +43,8 @@ from tierchat.core.api import (
     TokenBatch,
     TurnMetrics,
 )
-from tierchat.core.stop_strings import StopStrings
 from tierchat.core.cache.blocks import common_prefix_len
+from tierchat.core.stop_strings import StopStrings
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 PAD_ID = 0
