@@ -66,12 +66,17 @@ def random_prompt(n: int, seed: int = 0, vocab: int = 250) -> tuple[int, ...]:
     return tuple(rnd.randrange(1, vocab) for _ in range(n))
 
 
-def generate(engine: Engine, prompt, max_tokens: int = 8, **kw):
-    """Submit ``prompt`` and wait for its reply; ``kw``: ``SamplingParams`` fields, and
-    ``GenerateRequest``'s own (``use_cache``, ``boundaries``, ``teacher_ids``)."""
+def request(prompt_ids, **kw) -> GenerateRequest:
+    """A request from flat keywords: ``SamplingParams`` fields (``max_tokens``,
+    ``temperature``...) and ``GenerateRequest``'s own (``use_cache``, ``boundaries``,
+    ``teacher_ids``)."""
     own = {k: kw.pop(k) for k in ("use_cache", "boundaries", "teacher_ids") if k in kw}
-    sampling = SamplingParams(max_tokens=max_tokens, **kw)
-    handle = engine.submit(GenerateRequest(tuple(prompt), sampling, **own))
+    return GenerateRequest(tuple(prompt_ids), SamplingParams(**kw), **own)
+
+
+def generate(engine: Engine, prompt, max_tokens: int = 8, **kw):
+    """Submit ``prompt`` and wait for its reply; ``kw`` as :func:`request` takes them."""
+    handle = engine.submit(request(prompt_ids=prompt, max_tokens=max_tokens, **kw))
     result = handle.wait(120)
     assert isinstance(result, Finished), result
     return result, handle

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 from engine_kit import generate, make_engine, random_prompt
+from engine_kit import request as make_request
 from test_scheduler import Hold, _assert_close
 from tierchat.core.api import Finished, GenerateRequest
 from tierchat.core.models.tiny import TINY_ARCHS
@@ -34,7 +35,7 @@ def _requests() -> list[dict]:
 
 def _run_together(engine, reqs: list[dict]):
     hold = Hold(engine)
-    handles = [engine.submit(GenerateRequest(**r)) for r in reqs]
+    handles = [engine.submit(make_request(**r)) for r in reqs]
     hold.release()
     results = [h.wait(300) for h in handles]
     assert all(isinstance(r, Finished) for r in results), results

@@ -9,7 +9,14 @@ import threading
 
 import numpy as np
 import pytest
-from engine_kit import LOGPROB_TOL, generate, make_engine, mlx_lm_tokens, random_prompt
+from engine_kit import (
+    LOGPROB_TOL,
+    generate,
+    make_engine,
+    mlx_lm_tokens,
+    random_prompt,
+)
+from engine_kit import request as make_request
 from tierchat.core.api import (
     Failed,
     Finished,
@@ -354,11 +361,11 @@ def test_seeded_sampling_while_batched_equals_the_request_alone(arch, tmp_path, 
             if isinstance(event, TokenBatch) and event.token_ids:
                 tokens.extend(event.token_ids)
                 if len(tokens) in (3, 6):
-                    later.append(hot.submit(GenerateRequest(**joining[len(tokens) // 3 - 1])))
+                    later.append(hot.submit(make_request(**joining[len(tokens) // 3 - 1])))
 
         hold = Hold(hot)
-        handle = hot.submit(GenerateRequest(**seeded), on_event)
-        other = hot.submit(GenerateRequest(**unseeded))
+        handle = hot.submit(make_request(**seeded), on_event)
+        other = hot.submit(make_request(**unseeded))
         hold.release()
         result = handle.wait(300)
         assert isinstance(result, Finished) and isinstance(other.wait(300), Finished)
@@ -372,7 +379,7 @@ def test_seeded_sampling_while_batched_equals_the_request_alone(arch, tmp_path, 
 
 
 def _alone(engine, request: dict) -> tuple[int, ...]:
-    handle = engine.submit(GenerateRequest(**request))
+    handle = engine.submit(make_request(**request))
     result = handle.wait(120)
     assert isinstance(result, Finished), result
     return result.token_ids
@@ -568,7 +575,7 @@ def test_batched_penalties_stop_strings_and_continue_equal_each_request_alone(tm
             assert a.token_ids != unpenalized.token_ids
         assert alone[2][0].text == text[: text.find(stop)]
         hold = Hold(hot)
-        handles = [hot.submit(GenerateRequest(**r)) for r in reqs]
+        handles = [hot.submit(make_request(**r)) for r in reqs]
         hold.release()
         results = [h.wait(300) for h in handles]
         assert all(isinstance(r, Finished) for r in results), results
