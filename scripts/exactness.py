@@ -72,7 +72,9 @@ def run_ours(args, tmp: Path) -> list[dict]:
     session = ChatSession(
         engine,
         ConversationStore(tmp / "chat.sqlite"),
-        ConversationSettings(sampling=SamplingParams(max_tokens=args.tokens)),
+        ConversationSettings(
+            sampling=SamplingParams(max_tokens=args.tokens), swipe_temperature=0.0
+        ),
     )
     session.new_conversation(SYSTEM)
     rows = []

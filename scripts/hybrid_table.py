@@ -60,7 +60,7 @@ def run_ours(model: str, tmp: Path, block_size: int, max_tokens: int, repeat: in
     session = ChatSession(
         start(),
         ConversationStore(tmp / "chat.sqlite"),
-        ConversationSettings(sampling=SamplingParams(max_tokens=max_tokens)),
+        ConversationSettings(sampling=SamplingParams(max_tokens=max_tokens), swipe_temperature=0.0),
     )
     session.new_conversation(SYSTEM)
     script = [tuple(x * repeat if x in USERS else x for x in op) for op in SCRIPT]

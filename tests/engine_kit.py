@@ -103,14 +103,18 @@ class Lockstep:
         self.cold = ChatSession(
             self.cold_engine,
             ConversationStore(tmp / "cold.sqlite"),
-            ConversationSettings(sampling=SamplingParams(max_tokens=max_tokens)),
+            ConversationSettings(
+                sampling=SamplingParams(max_tokens=max_tokens), swipe_temperature=0.0
+            ),
         )
         self.hot_engine = make_engine(model, tmp, models_dir, **overrides)
         self.store = ConversationStore(tmp / "hot.sqlite")
         self.hot = ChatSession(
             self.hot_engine,
             self.store,
-            ConversationSettings(sampling=SamplingParams(max_tokens=max_tokens)),
+            ConversationSettings(
+                sampling=SamplingParams(max_tokens=max_tokens), swipe_temperature=0.0
+            ),
         )
         self.last_sequence = ()  # prompt + reply token ids of the latest finished turn
         self.last_prompt = ()

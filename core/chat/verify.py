@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..api import Failed, Finished, GenerateRequest
+from ..sampling_params import SamplingParams
 from ..units import fmt_count
 
 
@@ -110,7 +111,7 @@ class VerifyReport:
 def _forced(engine: Any, prompt, reply, boundaries, use_cache: bool, timeout: float):
     req = GenerateRequest(
         prompt_ids=tuple(prompt),
-        max_tokens=len(reply),
+        sampling=SamplingParams(max_tokens=len(reply)),
         boundaries=tuple(boundaries),
         use_cache=use_cache,
         teacher_ids=tuple(reply),
