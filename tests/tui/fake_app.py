@@ -23,6 +23,7 @@ sys.path.insert(0, str(HERE.parent))  # tests/ for fakes
 from fakes import FakeEngine  # noqa: E402
 from tierchat.config.settings import Settings  # noqa: E402
 from tierchat.core.chat.store import ConversationStore  # noqa: E402
+from tierchat.core.sampling_params import SamplingParams  # noqa: E402
 from tierchat.tui.app import TierchatApp  # noqa: E402
 
 
@@ -71,11 +72,11 @@ def main() -> None:
     parser.add_argument("--reasoning", default=None, help="replies start with <think>…</think>")
     args = parser.parse_args()
     settings = Settings(
+        sampling=SamplingParams(max_tokens=64),
         model="demo",
         data_dir=args.data_dir,
         cache_dir=args.cache_dir,
         models_dir=args.data_dir / "models",
-        max_tokens=64,
     )
     engine = FakeEngine("demo", token_delay_s=args.token_delay, reasoning=args.reasoning)
     store = ConversationStore(settings.db_path)

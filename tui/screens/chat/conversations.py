@@ -157,7 +157,7 @@ class ConversationActions:
             current,
             title,
             reuse_note=lambda system: reuse_note(session, system, current),
-            default_temperature=session.defaults.temperature,
+            default_temperature=session.defaults.sampling.temperature,
         )
         app.push_screen(screen, done)
 
