@@ -9,8 +9,8 @@ Type a message and press Enter; the reply streams, then one line says what the t
     /continue            more of the last reply (one cut at --max-tokens): nothing prefilled
     /set [KEY VALUE]     this conversation's settings, or set one: temperature, top_p,
                          top_k, min_p, repetition_penalty, presence_penalty,
-                         frequency_penalty, stop (a|b), max_tokens, seed,
-                         swipe_temperature, system
+                         frequency_penalty, repetition_context_size, stop (a|b),
+                         max_tokens, seed, swipe_temperature, system
     /new [SYSTEM]        start a new conversation (optionally with a system prompt)
     /tools [on|off NAME] the MCP servers and their tools; enable or disable one here
     /stats               the cache tiers in one line each
@@ -226,8 +226,6 @@ class LineChat:
         """``/set``: show the conversation's settings; ``/set KEY VALUE``: change one.
         Raises ``ValueError`` with a message for the user (an unknown key, a value that
         is not a number or out of range) or :class:`SessionError` (no conversation)."""
-        import dataclasses
-
         settings = self.session.settings()
         if not rest:
             for key, value in settings.to_dict().items():
@@ -237,13 +235,13 @@ class LineChat:
         key, _, value = rest.partition(" ")
         if key in TOOL_SETTINGS:
             raise ValueError(f"{key} is set with /tools")
-        fields = {f.name: f for f in dataclasses.fields(settings)}
-        if key not in fields:
+        if key not in settings.to_dict():
             raise ValueError(f"unknown setting {key}; /set lists them")
         parsed = parse_setting(key, value.strip())
+        changed = settings.with_values({key: parsed})  # a SamplingError names the field
         if self.session.conversation_id is None:
             self.session.new_conversation()
-        self.session.save_settings(dataclasses.replace(settings, **{key: parsed}))
+        self.session.save_settings(changed)
         self.say(f"[{key} = {printable(plain_value(parsed))}]")
 
     def tools_command(self, rest: str) -> None:
@@ -315,7 +313,7 @@ class LineChat:
                 events = turn.events()
 
 
-INT_SETTINGS = ("top_k", "max_tokens")
+INT_SETTINGS = ("top_k", "max_tokens", "repetition_context_size")
 TOOL_SETTINGS = ("tools", "allowed_tools")  # /tools sets them, /set shows neither
 
 

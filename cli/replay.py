@@ -34,6 +34,7 @@ Conversations go to a throwaway SQLite file unless ``--data-dir`` is given.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import json
@@ -356,8 +357,10 @@ class Replay:
         from tierchat.core.api import Failed
 
         a, s = op.args, self.session
-        default_temperature = s.temperature
-        s.temperature = float(a.get("temperature", default_temperature))
+        defaults = s.defaults
+        if "temperature" in a:
+            sampling = dataclasses.replace(defaults.sampling, temperature=float(a["temperature"]))
+            s.defaults = dataclasses.replace(defaults, sampling=sampling)
         try:
             n = a.get("max_tokens")
             if op.op == "user":
@@ -367,7 +370,7 @@ class Replay:
             else:
                 turn = s.edit(a["turn"], a["text"], max_tokens=n)
         finally:
-            s.temperature = default_temperature
+            s.defaults = defaults
         try:
             event = turn.wait()
         except KeyboardInterrupt:

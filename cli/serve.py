@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from tierchat.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CLIError, start_engine
+from tierchat.core.sampling_params import SamplingParams
 from tierchat.core.serve.app import create_app
 from tierchat.core.serve.limits import is_loopback
 from tierchat.core.serve.log import LIVE_STATUSES, RequestLog, RequestRecord, TrackedEngine
@@ -105,8 +106,11 @@ def run_serve(settings: Any, args: Any) -> int:
     state = ServeState(
         tracked,
         api_key=api_key,
-        max_tokens=settings.max_tokens,
-        seed=settings.seed if "seed" in args else None,  # clients' own seeds otherwise
+        # the config's max_tokens; its seed only when --seed is given (clients' own otherwise)
+        sampling=SamplingParams(
+            max_tokens=settings.sampling.max_tokens,
+            seed=settings.sampling.seed if "seed" in args else None,
+        ),
         use_cache=not settings.no_cache,
         max_queue=args.max_queue,
         memory_path=reply_memory_path(settings, engine.model_name),

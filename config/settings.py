@@ -10,6 +10,7 @@ is validated; a bad one raises :class:`SettingsError` naming the key and where i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -20,6 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import platformdirs
+from tierchat.core.chat.conversation_settings import SWIPE_TEMPERATURE
+from tierchat.core.sampling_params import FIELDS as SAMPLING_KEYS
+from tierchat.core.sampling_params import SamplingError, SamplingParams
 
 APP_NAME = "tierchat"
 ENV_PREFIX = "TIERCHAT_"
@@ -114,16 +118,12 @@ class Settings:
     # by the hot tier; the writer also stops at 1 GiB pending)
     writer_queue: int = 4096
     no_cache: bool = False
-    max_tokens: int = 512
-    seed: int = 0
-    temperature: float = 0.0
-    top_p: float = 1.0
-    # more sampling defaults of a new conversation (core/engine/sampling.py; these values: off)
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    # the sampling defaults of a new conversation (and serve's max_tokens); the file's keys
+    # are its fields' names at top level (temperature = 0.7, max_tokens = 512), with their
+    # defaults and ranges (core/sampling_params.py)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     # a regenerate's temperature while the conversation's is 0 (a swipe that differs)
-    swipe_temperature: float = 0.8
+    swipe_temperature: float = SWIPE_TEMPERATURE
     kv_bits: int | None = None
     kv_group_size: int = 64
     memory_limit: int | None = None
@@ -321,8 +321,8 @@ def _path(v: Any) -> Path:
 
 def _temperature(v: Any) -> float:
     x = _to_float(v)
-    if not 0.0 <= x <= 100.0:
-        raise ValueError("must be a number >= 0")
+    if not 0.0 <= x <= 5.0:
+        raise ValueError("must be a number in 0..5")
     return x
 
 
@@ -347,18 +347,12 @@ def _fraction(v: Any) -> float:
     return x
 
 
-def _min_p(v: Any) -> float:
-    x = _to_float(v)
-    if not 0.0 <= x < 1.0:
-        raise ValueError("must be a number in [0, 1)")
-    return x
-
-
-def _penalty(v: Any) -> float:
-    x = _to_float(v)
-    if not 0.0 < x <= 10.0:
-        raise ValueError("must be a number in (0, 10] (1: off)")
-    return x
+def _stop_strings(v: Any) -> tuple[str, ...]:
+    if isinstance(v, str):  # env form: "a|b" (\\n: a line break)
+        return tuple(p.replace("\\n", "\n") for p in v.split("|") if p)
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise ValueError("must be a list of strings")
+    return tuple(v)
 
 
 def _keymap(v: Any) -> dict[str, str]:
@@ -417,13 +411,18 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "pin_system": _to_bool,
     "writer_queue": _positive_int,
     "no_cache": _to_bool,
-    "max_tokens": _positive_int,
-    "seed": _nonneg_int,
-    "temperature": _temperature,
-    "top_p": _fraction,
-    "top_k": _nonneg_int,
-    "min_p": _min_p,
-    "repetition_penalty": _penalty,
+    # the sampling keys: the type here, the range where SamplingParams is made
+    "temperature": _to_float,
+    "top_p": _to_float,
+    "top_k": _to_int,
+    "min_p": _to_float,
+    "repetition_penalty": _to_float,
+    "repetition_context_size": _to_int,
+    "presence_penalty": _to_float,
+    "frequency_penalty": _to_float,
+    "stop": _stop_strings,
+    "max_tokens": _to_int,
+    "seed": _optional(_to_int),
     "swipe_temperature": _temperature,
     "kv_bits": _optional(_kv_bits),
     "kv_group_size": _group_size,
@@ -437,8 +436,16 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "tools_auto_allow": _names,
     "keymap": _keymap,
 }
-KEYS: tuple[str, ...] = tuple(f.name for f in fields(Settings) if f.name != "sources")
+KEYS: tuple[str, ...] = (
+    *(f.name for f in fields(Settings) if f.name not in ("sources", "sampling")),
+    *SAMPLING_KEYS,
+)
 assert set(KEYS) == set(PARSERS)
+
+
+def value_of(settings: Settings, key: str) -> Any:
+    """The value of config key ``key`` (a sampling key's from ``settings.sampling``)."""
+    return getattr(settings.sampling if key in SAMPLING_KEYS else settings, key)
 
 
 def to_toml(settings: Settings) -> str:
@@ -447,10 +454,12 @@ def to_toml(settings: Settings) -> str:
     another process with exactly these settings (``TIERCHAT_CONFIG``)."""
     lines = []
     for key in KEYS:
-        value = getattr(settings, key)
+        value = value_of(settings, key)
         if key == "keymap" or value is None:
             continue
-        if isinstance(value, bool):
+        if isinstance(value, tuple):  # stop strings: a TOML array of basic strings
+            text = json.dumps(list(value))
+        elif isinstance(value, bool):
             text = "true" if value else "false"
         elif isinstance(value, list):
             text = json.dumps([str(v) for v in value])
@@ -475,6 +484,13 @@ def _apply(settings: Settings, key: str, raw: Any, source: str) -> None:
         settings.keymap.update(value)
         for bid in value:
             settings.sources[f"keymap.{bid}"] = source
+    elif key in SAMPLING_KEYS:
+        try:
+            settings.sampling = dataclasses.replace(settings.sampling, **{key: value})
+        except SamplingError as e:
+            shown = raw if isinstance(raw, str) and source.startswith("env") else repr(raw)
+            raise SettingsError(f"{key} = {shown} (from {source}): {e.problem}") from None
+        settings.sources[key] = source
     else:
         setattr(settings, key, value)
         settings.sources[key] = source
@@ -560,5 +576,5 @@ def explain(settings: Settings) -> list[tuple[str, Any, str]]:
             for bid, k in sorted(settings.keymap.items()):
                 rows.append((f"keymap.{bid}", k, settings.sources.get(f"keymap.{bid}", "default")))
         else:
-            rows.append((key, getattr(settings, key), settings.sources.get(key, "default")))
+            rows.append((key, value_of(settings, key), settings.sources.get(key, "default")))
     return rows

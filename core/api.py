@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any, Literal, Protocol
 
+from .sampling_params import SamplingParams
+
 Role = Literal["system", "user", "assistant"]
 CacheTier = Literal["hot", "ssd", "tails", "all"]
 CACHE_TIERS: tuple[str, ...] = ("hot", "ssd", "tails", "all")
@@ -26,36 +28,38 @@ FailureKind = Literal["error", "refused", "unsupported", "load", "cancelled"]
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """One generation: a full prompt as token ids, decoded greedily unless temperature > 0.
+    """One generation: a full prompt as token ids, sampled as ``sampling`` says
+    (:class:`~tierchat.core.sampling_params.SamplingParams`: greedy at its defaults).
 
     ``boundaries`` holds ``(end_offset, role)`` for each message of the prompt: the token
     offset just after the message's last token and the message's role. The cache tags
     blocks with the role they end in and takes checkpoints at system/user ends.
+    ``use_cache`` False: the prefix cache is neither read nor written. ``teacher_ids``
+    (exactness measurements): decode feeds exactly these tokens, through the same decode
+    loop, and the handle keeps every step's logprobs.
     """
 
     prompt_ids: tuple[int, ...]
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    # more sampling controls (core/engine/sampling.py; off at these values): top-k, min-p, and
-    # mlx-lm's repetition (multiplicative), presence and frequency (additive) penalties
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    # the reply ends before the first of these strings (finish reason "stop")
-    stop: tuple[str, ...] = ()
+    sampling: SamplingParams = SamplingParams()
     boundaries: tuple[tuple[int, str], ...] = ()
     use_cache: bool = True
-    # teacher forcing (exactness measurements): decode feeds exactly these tokens, through
-    # the same decode loop, and the handle keeps every step's logprobs
     teacher_ids: tuple[int, ...] = ()
     # a measurement, not a turn (verify against cold, docs/DESIGN.md §18): the cache serves
     # it as it would a turn, but its lookup and hits are not counted, it stores no entry,
     # the resident cache stays as it was, and the stats' last turn is not replaced
     measure: bool = False
+
+    @classmethod
+    def from_plain(cls, data: dict[str, Any]) -> GenerateRequest:
+        """The request that :func:`plain` (or ``dataclasses.asdict``) made ``data`` of,
+        lists back to tuples (the rank wire, docs/DESIGN.md §19)."""
+        sampling = SamplingParams(**{k: _tuples(v) for k, v in data["sampling"].items()})
+        rest = {k: _tuples(v) for k, v in data.items() if k != "sampling"}
+        return cls(sampling=sampling, **rest)
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(v) for v in value) if isinstance(value, list | tuple) else value
 
 
 @dataclass(frozen=True)
@@ -124,10 +128,16 @@ class RequestTrace:
 
 @dataclass(frozen=True)
 class Finished:
+    """A reply that ended: its generated ``token_ids`` (a stop string's tokens included),
+    its ``text`` (cut before a stop string), ``metrics`` and ``trace``
+    (:class:`RequestTrace`); ``stop_sequence``: the stop string that ended it
+    (``metrics.finish_reason`` "stop"), None otherwise."""
+
     token_ids: tuple[int, ...]
     text: str
     metrics: TurnMetrics
     trace: RequestTrace = RequestTrace()
+    stop_sequence: str | None = None
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from tierchat.cli.common import start_engine
 from tierchat.config.settings import load_settings
 from tierchat.core.api import GenerateRequest, TokenBatch
 from tierchat.core.engine import scheduler
+from tierchat.core.sampling_params import SamplingParams
 
 
 def main() -> None:
@@ -76,8 +77,8 @@ def main() -> None:
             for turn in range(2):
                 sent = time.perf_counter() - t0[0]
                 req = GenerateRequest(
+                    sampling=SamplingParams(max_tokens=args.max_tokens),
                     prompt_ids=prompt,
-                    max_tokens=args.max_tokens,
                     boundaries=((args.system, "system"),),
                 )
                 handle = engine.submit(req)

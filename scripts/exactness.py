@@ -38,6 +38,8 @@ from tierchat.core.engine.engine import Engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chat_script import SCRIPT, SYSTEM, mlx_lm_prefill, play  # noqa: E402  (one script dir)
+from tierchat.core.chat.conversation_settings import ConversationSettings
+from tierchat.core.sampling_params import SamplingParams
 
 
 def compare(ref: list[np.ndarray], got: list[np.ndarray]) -> dict:
@@ -67,7 +69,13 @@ def run_ours(args, tmp: Path) -> list[dict]:
         return e
 
     engine, cold = start(), start(no_cache=True, cache_dir=tmp / "cold")
-    session = ChatSession(engine, ConversationStore(tmp / "chat.sqlite"), max_tokens=args.tokens)
+    session = ChatSession(
+        engine,
+        ConversationStore(tmp / "chat.sqlite"),
+        ConversationSettings(
+            sampling=SamplingParams(max_tokens=args.tokens), swipe_temperature=0.0
+        ),
+    )
     session.new_conversation(SYSTEM)
     rows = []
     for name, turn, res in play(session, SCRIPT, start, timeout=900):

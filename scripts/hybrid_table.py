@@ -36,6 +36,8 @@ from tierchat.core.models.tiny import TINY_ARCHS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chat_script import SCRIPT, SYSTEM, USERS, mlx_lm_prefill, play  # noqa: E402  (one script dir)
+from tierchat.core.chat.conversation_settings import ConversationSettings
+from tierchat.core.sampling_params import SamplingParams
 
 
 def run_ours(model: str, tmp: Path, block_size: int, max_tokens: int, repeat: int = 1):
@@ -55,7 +57,11 @@ def run_ours(model: str, tmp: Path, block_size: int, max_tokens: int, repeat: in
             sys.exit(f"error: {loaded.message}")
         return e
 
-    session = ChatSession(start(), ConversationStore(tmp / "chat.sqlite"), max_tokens=max_tokens)
+    session = ChatSession(
+        start(),
+        ConversationStore(tmp / "chat.sqlite"),
+        ConversationSettings(sampling=SamplingParams(max_tokens=max_tokens), swipe_temperature=0.0),
+    )
     session.new_conversation(SYSTEM)
     script = [tuple(x * repeat if x in USERS else x for x in op) for op in SCRIPT]
     rows = []
@@ -73,7 +79,11 @@ def run_ours(model: str, tmp: Path, block_size: int, max_tokens: int, repeat: in
     engine = session.engine
     # cold TTFT of each prompt, same engine and chunking
     for row in rows:
-        h = engine.submit(GenerateRequest(prompt_ids=row["prompt"], max_tokens=1, use_cache=False))
+        h = engine.submit(
+            GenerateRequest(
+                sampling=SamplingParams(max_tokens=1), prompt_ids=row["prompt"], use_cache=False
+            )
+        )
         row["cold_ttft"] = h.wait(600).metrics.ttft_s
     model_dir = engine.loaded.model_dir
     engine.close()

@@ -16,6 +16,7 @@ import time
 from tierchat.cli.common import start_engine
 from tierchat.config.settings import load_settings
 from tierchat.core.api import Failed, GenerateRequest, PrefillProgress
+from tierchat.core.sampling_params import SamplingParams
 
 
 def main() -> None:
@@ -37,12 +38,14 @@ def main() -> None:
 
         engine.clear("all")
         t0 = time.perf_counter()
-        long = engine.submit(GenerateRequest(prompt_ids=prompt, max_tokens=4), on_event)
+        long = engine.submit(
+            GenerateRequest(sampling=SamplingParams(max_tokens=4), prompt_ids=prompt), on_event
+        )
         started.wait(600)
         time.sleep(args.after)
         next_started = threading.Event()
         short = engine.submit(
-            GenerateRequest(prompt_ids=(11, 12, 13), max_tokens=2),
+            GenerateRequest(sampling=SamplingParams(max_tokens=2), prompt_ids=(11, 12, 13)),
             lambda e: next_started.set(),
         )
         t_cancel = time.perf_counter()
@@ -52,7 +55,9 @@ def main() -> None:
         result = long.wait(600)
         short.wait(600)
         kept = result.kept_tokens if isinstance(result, Failed) else -1
-        retry = engine.submit(GenerateRequest(prompt_ids=prompt, max_tokens=2))
+        retry = engine.submit(
+            GenerateRequest(sampling=SamplingParams(max_tokens=2), prompt_ids=prompt)
+        )
         retry.wait(3600)
         print(
             f"{args.model}: {args.tokens}-token prompt cancelled {t_cancel - t0:.1f} s in: "

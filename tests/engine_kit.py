@@ -10,9 +10,11 @@ from pathlib import Path
 import numpy as np
 from tierchat.config.settings import Settings
 from tierchat.core.api import Finished, GenerateRequest
+from tierchat.core.chat.conversation_settings import ConversationSettings
 from tierchat.core.chat.session import ChatSession
 from tierchat.core.chat.store import ConversationStore
 from tierchat.core.engine.engine import Engine
+from tierchat.core.sampling_params import SamplingParams
 
 LOGPROB_TOL = 1e-4  # float32: cached vs cold logprobs of the first tokens
 
@@ -78,8 +80,17 @@ def random_prompt(n: int, seed: int = 0, vocab: int = 250) -> tuple[int, ...]:
     return tuple(rnd.randrange(1, vocab) for _ in range(n))
 
 
+def request(prompt_ids, **kw) -> GenerateRequest:
+    """A request from flat keywords: ``SamplingParams`` fields (``max_tokens``,
+    ``temperature``...) and ``GenerateRequest``'s own (``use_cache``, ``boundaries``,
+    ``teacher_ids``)."""
+    own = {k: kw.pop(k) for k in ("use_cache", "boundaries", "teacher_ids") if k in kw}
+    return GenerateRequest(tuple(prompt_ids), SamplingParams(**kw), **own)
+
+
 def generate(engine: Engine, prompt, max_tokens: int = 8, **kw):
-    handle = engine.submit(GenerateRequest(prompt_ids=tuple(prompt), max_tokens=max_tokens, **kw))
+    """Submit ``prompt`` and wait for its reply; ``kw`` as :func:`request` takes them."""
+    handle = engine.submit(request(prompt_ids=prompt, max_tokens=max_tokens, **kw))
     result = handle.wait(120)
     assert isinstance(result, Finished), result
     return result, handle
@@ -104,11 +115,21 @@ class Lockstep:
         self.model, self.tmp, self.models_dir, self.overrides = model, tmp, models_dir, overrides
         self.cold_engine = make_engine(model, tmp / "cold", models_dir, no_cache=True, **overrides)
         self.cold = ChatSession(
-            self.cold_engine, ConversationStore(tmp / "cold.sqlite"), max_tokens=max_tokens
+            self.cold_engine,
+            ConversationStore(tmp / "cold.sqlite"),
+            ConversationSettings(
+                sampling=SamplingParams(max_tokens=max_tokens), swipe_temperature=0.0
+            ),
         )
         self.hot_engine = make_engine(model, tmp, models_dir, **overrides)
         self.store = ConversationStore(tmp / "hot.sqlite")
-        self.hot = ChatSession(self.hot_engine, self.store, max_tokens=max_tokens)
+        self.hot = ChatSession(
+            self.hot_engine,
+            self.store,
+            ConversationSettings(
+                sampling=SamplingParams(max_tokens=max_tokens), swipe_temperature=0.0
+            ),
+        )
         self.last_sequence = ()  # prompt + reply token ids of the latest finished turn
         self.last_prompt = ()
 

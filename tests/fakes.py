@@ -46,6 +46,7 @@ from tierchat.core.api import (
     TurnMetrics,
 )
 from tierchat.core.cache.blocks import common_prefix_len
+from tierchat.core.stop_strings import StopStrings
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 PAD_ID = 0
@@ -530,19 +531,27 @@ class FakeEngine:
             else tok.encode(text, add_special_tokens=False)
         )
         planned = [*ids, self._eos]
-        budget = max(0, request.max_tokens)
+        budget = max(0, request.sampling.max_tokens)
         finish = "stop" if len(planned) <= budget else "length"
         planned = planned[:budget]
         out: list[int] = []
         first = True
+        # the engine's own stop-string matcher: the text before a stop string is sent, the
+        # stop string never is, and the reply ends there with finish reason "stop"
+        stops, sent, hit = StopStrings(request.sampling.stop), "", False
         while len(out) < len(planned):
             if handle.cancelled:
                 finish = "cancelled"
                 break
             batch = planned[len(out) : len(out) + self.batch_size]
             out.extend(batch)
-            shown = [i for i in batch if i != self._eos]
-            handle.emit(TokenBatch(tuple(batch), self._tokenizer.decode(shown)))
+            text = self._tokenizer.decode([i for i in out if i != self._eos])
+            safe, hit = stops.feed(text)
+            handle.emit(TokenBatch(tuple(batch), safe[len(sent) :]))
+            sent = safe
+            if hit:
+                finish = "stop"
+                break
             if first:
                 first = False
                 while not self.gate.wait(0.01) and not handle.cancelled:
@@ -581,4 +590,7 @@ class FakeEngine:
             vocab = max((*request.teacher_ids, *out)) + 1  # enough to index every id
             trace = RequestTrace(logprobs=tuple(np.full(vocab, -1.0, np.float32) for _ in out))
         shown = [i for i in out if i != self._eos]
-        handle.emit(Finished(tuple(out), self._tokenizer.decode(shown), metrics, trace))
+        text = sent if hit else self._tokenizer.decode(shown)
+        if not hit and len(text) > len(sent):
+            handle.emit(TokenBatch((), text[len(sent) :]))  # what was held back
+        handle.emit(Finished(tuple(out), text, metrics, trace, stops.matched if hit else None))

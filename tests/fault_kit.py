@@ -10,6 +10,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tierchat.core.sampling_params import SamplingParams
+
 
 def env_for(tmp: Path, **extra: str) -> dict[str, str]:
     """The environment of a subprocess: no TIERCHAT_* of ours (but the models dir), an
@@ -91,7 +93,7 @@ class ColdReference:
         from tierchat.core.serve.state import ServeState
 
         self.engine = TrackedEngine(make_engine(model, tmp, models_dir), RequestLog())
-        state = ServeState(self.engine, max_tokens=8, use_cache=False)
+        state = ServeState(self.engine, sampling=SamplingParams(max_tokens=8), use_cache=False)
         self.server = ServerThread(create_app(state)).start()
         self.url = self.server.url
 

@@ -88,7 +88,7 @@ def continue_target(
 def regenerate_note(settings: Any, role: str) -> str:
     """What a regenerate of a reply (``role`` "assistant") samples at when the
     conversation is greedy ("" otherwise): the swipe temperature, or the same reply."""
-    if settings.temperature != 0 or role != "assistant":
+    if not settings.sampling.greedy or role != "assistant":
         return ""
     swipe = settings.swipe_temperature
     if swipe > 0:

@@ -370,7 +370,7 @@ def run_clients_bench(settings: Any, args: Any) -> int:
         raise CLIError("--turn-tokens must be >= 1 and --system-tokens >= 2", EXIT_USAGE)
     if len(counts) >= WARMUP_SALT:  # + the warm-up round's system prompt
         raise CLIError(f"--clients: at most {WARMUP_SALT - 1} rounds", EXIT_USAGE)
-    max_tokens = settings.max_tokens if hasattr(args, "max_tokens") else 64
+    max_tokens = settings.sampling.max_tokens if hasattr(args, "max_tokens") else 64
 
     def log(text: str) -> None:
         print(f"bench: {text}", file=sys.stderr, flush=True)

@@ -64,6 +64,7 @@ from tierchat.cli.bench.mlx_baseline import LRUBaseline
 from tierchat.cli.common import EXIT_OK, EXIT_USAGE, CLIError, start_engine, table
 from tierchat.core.cache.ssd.io import ReadBandwidth, measure_read_bandwidth
 from tierchat.core.cache.ssd.io import drop_page_cache as _drop_files
+from tierchat.core.sampling_params import SamplingParams
 from tierchat.core.units import fmt_bytes
 
 SENTENCES = (
@@ -238,7 +239,9 @@ def bench_engine(
     def run(engine: Any, prompt: list[int], use_cache: bool = True) -> tuple[dict, tuple]:
         quiet(engine)
         result = engine.submit(
-            GenerateRequest(prompt_ids=tuple(prompt), max_tokens=1, use_cache=use_cache)
+            GenerateRequest(
+                sampling=SamplingParams(max_tokens=1), prompt_ids=tuple(prompt), use_cache=use_cache
+            )
         ).wait()
         if isinstance(result, Failed):
             raise CLIError(f"bench generation failed: {result.message}")

@@ -189,6 +189,7 @@ class Ours:
         self.settings = settings
 
     def start(self):
+        from tierchat.core.sampling_params import SamplingParams
         from tierchat.core.serve.app import create_app
         from tierchat.core.serve.log import RequestLog, TrackedEngine
         from tierchat.core.serve.server import ServerThread
@@ -198,7 +199,7 @@ class Ours:
         tracked = TrackedEngine(engine, RequestLog())
         state = ServeState(
             tracked,
-            seed=self.settings.seed,
+            sampling=SamplingParams(seed=self.settings.sampling.seed),
             memory_path=reply_memory_path(self.settings, engine.model_name),
         )
         server = ServerThread(create_app(state)).start()
@@ -407,7 +408,7 @@ def run_serve_bench(settings: Any, args: Any) -> int:
     """``tierchat bench --serve``: print the per-request table (and ``--json-out``)."""
     if args.turns < 1 or args.turn_tokens < 1:
         raise CLIError("--turns and --turn-tokens must be at least 1", 2)
-    max_tokens = settings.max_tokens if hasattr(args, "max_tokens") else 32
+    max_tokens = settings.sampling.max_tokens if hasattr(args, "max_tokens") else 32
 
     def log(text: str) -> None:
         print(text, file=sys.stderr, flush=True)

@@ -78,6 +78,7 @@ from tierchat.cli.replay import (
     read_script,
     token_ids_sha256,
 )
+from tierchat.core.sampling_params import SamplingParams
 
 WORKLOADS_DIR = Path(__file__).resolve().parents[1] / "workloads"
 NAMED: dict[str, str] = {"chat": "chat.jsonl.gz", "chat-ci": "chat-ci.jsonl"}
@@ -224,7 +225,9 @@ class WorkloadRun:
         for i, n in enumerate(lengths):
             prompt = make_prompt(engine.tokenizer, n, salt=WARMUP_SALT - i)
             got = engine.submit(
-                GenerateRequest(prompt_ids=tuple(prompt), max_tokens=2, use_cache=False)
+                GenerateRequest(
+                    sampling=SamplingParams(max_tokens=2), prompt_ids=tuple(prompt), use_cache=False
+                )
             ).wait()
             if isinstance(got, Failed):
                 raise CLIError(f"warm-up failed: {got.message}")
@@ -274,7 +277,7 @@ class WorkloadRun:
         session = self.replay.session
         prompt, messages = next_prompt(session, op)
         ids = tuple(prompt.token_ids)
-        max_tokens = op.args.get("max_tokens") or session.settings().max_tokens
+        max_tokens = op.args.get("max_tokens") or session.settings().sampling.max_tokens
         runs = {TIERCHAT: lambda: self._tierchat(op, ids)}
         if self.lru is not None:
             runs[MLX_LM] = lambda: self._mlx_lm(ids, max_tokens, messages)

@@ -8,6 +8,7 @@ with ``--baseline server`` through ``tierchat serve`` and ``mlx_lm.server`` over
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import tempfile
@@ -33,7 +34,8 @@ def run_workload_bench(settings: Any, args: Any) -> int:
         print(f"bench: {text}", file=sys.stderr, flush=True)
 
     over_http = getattr(args, "baseline", "lru") == "server"
-    settings.temperature = 0.0  # greedy, whatever the config file says
+    # greedy, whatever the config file says
+    settings.sampling = dataclasses.replace(settings.sampling, temperature=0.0)
     with _fresh_cache_dir(Path(settings.cache_dir), log) as tmp:
         settings.cache_dir = tmp
         log(f"workload {path}; model {settings.model}, block size {settings.block_size}")

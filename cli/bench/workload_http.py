@@ -249,9 +249,9 @@ def run_http_workload(
     log_file = tmp / "mlx_lm_server.log"
     if baseline:
         model_dir = mlx_model_dir(settings.model, settings.models_dir)
-        mlx = MlxLm(model_dir, settings.max_tokens, log_file)
+        mlx = MlxLm(model_dir, settings.sampling.max_tokens, log_file)
         servers.append(Server(MLX_LM_SERVER, mlx.start, mlx.stop, mlx.port))
-    run = HttpWorkloadRun(servers, settings.max_tokens, name, log)
+    run = HttpWorkloadRun(servers, settings.sampling.max_tokens, name, log)
     try:
         for server in servers:
             server.start()

@@ -1,6 +1,8 @@
-"""Per-conversation generation settings (docs/DESIGN.md §12), saved in the store with the
-conversation: the system prompt, sampling, the reply's token budget, and the MCP servers
-whose tools the conversation uses (docs/DESIGN.md §12.1)."""
+"""How a conversation generates: :class:`ConversationSettings`, saved with it in the store
+(docs/DESIGN.md §12): the system prompt, sampling, and the MCP servers whose tools the
+conversation uses (docs/DESIGN.md §12.1). Pure Python: the TUI's F9 dialog and ``chat``'s
+``/set`` build them.
+"""
 
 from __future__ import annotations
 
@@ -8,73 +10,92 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.sampling_checks import check_sampling
+from ..sampling_params import FIELDS, SamplingError, SamplingParams
+
+SWIPE_TEMPERATURE = 0.8
+"""A regenerate's temperature while the conversation's is 0, by default."""
+
+OWN_FIELDS: tuple[str, ...] = ("system", "swipe_temperature", "tools", "allowed_tools")
+"""The settings' own flat keys (the rest are :class:`SamplingParams` fields)."""
+
+_NAME_LISTS = ("tools", "allowed_tools")
 
 
 @dataclass(frozen=True)
 class ConversationSettings:
     """How a conversation generates. ``system``: the system prompt ("" for none; it
-    replaces a system message stored at the root of the tree). ``seed`` None: unseeded.
-    ``top_k`` 0, ``min_p`` 0, ``repetition_penalty`` 1 and the presence and frequency
-    penalties 0 are off; ``stop``: strings a reply ends before (core/engine/sampling.py). ``swipe_temperature``: the temperature of a
-    regenerate while ``temperature`` is 0 (0: regenerates stay greedy and repeat).
+    replaces a system message stored at the root of the tree). ``sampling``: its
+    :class:`~tierchat.core.sampling_params.SamplingParams` (their defaults and ranges).
+    ``swipe_temperature`` (0..5): the temperature of a regenerate while
+    ``sampling.temperature`` is 0 (0: regenerates stay greedy and repeat).
     ``tools``: the MCP servers whose tools the model gets (names of ``mcp.json``);
     ``allowed_tools``: tools (``server.tool``) that run without asking in this
-    conversation (docs/DESIGN.md §12.1)."""
+    conversation (docs/DESIGN.md §12.1).
+
+    Checked when made: raises :class:`~tierchat.core.sampling_params.SamplingError`
+    naming the field."""
 
     system: str = ""
-    temperature: float = 0.0
-    top_p: float = 1.0
-    max_tokens: int = 512
-    seed: int | None = None
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: tuple[str, ...] = ()
-    swipe_temperature: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    sampling: SamplingParams = SamplingParams()
+    swipe_temperature: float = SWIPE_TEMPERATURE
     tools: tuple[str, ...] = ()
     allowed_tools: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.system, str):
+            raise SamplingError("system", "must be text")
+        swipe = self.swipe_temperature
+        if isinstance(swipe, bool) or not isinstance(swipe, int | float) or not 0 <= swipe <= 5:
+            raise SamplingError("swipe_temperature", f"must be in 0..5, not {swipe}")
+        object.__setattr__(self, "swipe_temperature", float(swipe))
+        for key in _NAME_LISTS:
+            names = getattr(self, key)
+            if isinstance(names, str) or not isinstance(names, list | tuple):
+                raise SamplingError(key, "must be a list of strings")
+            if not all(isinstance(n, str) for n in names):
+                raise SamplingError(key, "must be a list of strings")
+            object.__setattr__(self, key, tuple(names))
+
+    @classmethod
+    def of(cls, **values: Any) -> ConversationSettings:
+        """Settings from flat keys (``temperature=0.7, system="..."``): the sampling
+        fields go to :attr:`sampling`. Raises ``TypeError`` for an unknown key,
+        :class:`~tierchat.core.sampling_params.SamplingError` for a bad value."""
+        return cls().with_values(values)
+
+    def with_values(self, values: dict[str, Any]) -> ConversationSettings:
+        """These settings with flat keys changed (``/set``, the F9 dialog). Raises
+        ``TypeError`` for an unknown key, ``SamplingError`` for a bad value."""
+        unknown = set(values) - set(FIELDS) - set(OWN_FIELDS)
+        if unknown:
+            raise TypeError(f"unknown setting {sorted(unknown)[0]}")
+        sampling = SamplingParams.from_dict(values, self.sampling)
+        own = {k: v for k, v in values.items() if k in OWN_FIELDS}
+        return dataclasses.replace(self, sampling=sampling, **own)
+
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        for key in ("stop", "tools", "allowed_tools"):
-            out[key] = list(getattr(self, key))
-        return out
+        """Flat keys, as the store keeps them: ``system``, each sampling field,
+        ``swipe_temperature``, ``tools`` and ``allowed_tools`` (lists)."""
+        return {
+            "system": self.system,
+            **self.sampling.to_dict(),
+            "swipe_temperature": self.swipe_temperature,
+            "tools": list(self.tools),
+            "allowed_tools": list(self.allowed_tools),
+        }
 
     @classmethod
     def from_dict(
         cls, data: dict[str, Any], defaults: ConversationSettings
     ) -> ConversationSettings:
-        """``data`` (as saved) over ``defaults``; unknown keys and bad values are ignored."""
-        values = defaults.to_dict()
-        for f in dataclasses.fields(cls):
-            if f.name in data:
-                values[f.name] = data[f.name]
+        """``data`` (as saved, flat keys) over ``defaults``; keys that are no setting are
+        ignored (rows saved by older versions load), and a row with a bad value gives
+        ``defaults``."""
+        known = {k: v for k, v in data.items() if k in (*FIELDS, *OWN_FIELDS)}
+        if known.get("system") is None:
+            known.pop("system", None)
         try:
-            for key in ("stop", "tools", "allowed_tools"):
-                v = values[key]
-                if isinstance(v, str) or not all(isinstance(x, str) for x in v):
-                    raise TypeError(f"{key} must be a list of strings")
-            stop = values["stop"]
-            out = cls(
-                system=str(values["system"] or ""),
-                temperature=float(values["temperature"]),
-                top_p=float(values["top_p"]),
-                top_k=int(values["top_k"]),
-                min_p=float(values["min_p"]),
-                repetition_penalty=float(values["repetition_penalty"]),
-                stop=tuple(stop),
-                max_tokens=int(values["max_tokens"]),
-                seed=None if values["seed"] is None else int(values["seed"]),
-                swipe_temperature=float(values["swipe_temperature"]),
-                presence_penalty=float(values["presence_penalty"]),
-                frequency_penalty=float(values["frequency_penalty"]),
-                tools=tuple(values["tools"]),
-                allowed_tools=tuple(values["allowed_tools"]),
-            )
-            return out.checked()
+            return defaults.with_values(known)
         except (TypeError, ValueError):
             return defaults
 
@@ -90,20 +111,5 @@ class ConversationSettings:
                 defaults = dataclasses.replace(defaults, system=root.content)
         return cls.from_dict(saved, defaults)
 
-    def checked(self) -> ConversationSettings:
-        """Raises ``ValueError`` naming the first value out of range."""
-        check_sampling(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            stop=self.stop,
-        )
-        if not 0.0 <= self.swipe_temperature <= 5.0:
-            raise ValueError(f"swipe temperature must be in 0..5, not {self.swipe_temperature}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max tokens must be at least 1, not {self.max_tokens}")
-        return self
+
+__all__ = ["OWN_FIELDS", "SWIPE_TEMPERATURE", "ConversationSettings"]

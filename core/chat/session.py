@@ -20,9 +20,9 @@ What is stored, and when (events arrive on the engine thread):
   before it is submitted (:class:`ContextLimitError`, with the numbers and what to do);
   the user node is removed as for a failure.
 
-Generation settings (system prompt, temperature, top-p, max tokens, seed) are per
-conversation (:class:`ConversationSettings`, saved in the store with it); the session's
-constructor arguments are the defaults of a conversation that saved none. With
+Generation settings (system prompt, sampling, swipe temperature) are per conversation
+(:class:`~tierchat.core.chat.conversation_settings.ConversationSettings`, saved in the
+store with it); the session's ``defaults`` are those of a conversation that saved none. With
 temperature > 0 and a seed, reply ``k`` to a user message is sampled with ``seed + k``, so
 regenerate gives a new reply and a replay gives the same ones.
 
@@ -51,6 +51,7 @@ from ..api import (
     GenerateRequest,
     Stopping,
 )
+from ..sampling_params import SEED_LIMIT
 from ..tools.rounds import reply_meta
 from .context_limit import ContextLimitExceeded, context_length, generation_room
 from .conversation_settings import ConversationSettings
@@ -95,8 +96,8 @@ class ContextLimitError(SessionError):
 class ChatSession:
     """The conversation being chatted in, over an engine and a store.
 
-    Generation parameters given here are the defaults of every call; ``max_tokens`` can
-    be overridden per call. Thread-safe; one turn in flight per conversation (a generating
+    ``defaults``: the settings of a conversation that saved none; ``max_tokens`` can be
+    overridden per call. Thread-safe; one turn in flight per conversation (a generating
     call for a conversation whose turn is still in flight raises :class:`SessionError`),
     so turns of different conversations run at once, batched by the engine
     (docs/DESIGN.md §20). Generating calls take ``conversation_id`` (default: the open one)
@@ -107,47 +108,28 @@ class ChatSession:
     def from_settings(
         cls, engine: EngineLike, store: ConversationStore, settings: Any, *, swipes: bool = True
     ) -> ChatSession:
-        """A session with ``settings``' generation options (a ``config.settings.Settings``
-        or any object with its fields); ``swipes`` False keeps regenerates at the
-        conversation's temperature (``replay``: a regenerate without "temperature" is
+        """A session with ``settings``' generation defaults (a ``config.settings.Settings``:
+        its ``sampling`` and ``swipe_temperature``); ``swipes`` False keeps regenerates at
+        the conversation's temperature (``replay``: a regenerate without "temperature" is
         greedy, as its format says)."""
-        return cls(
-            engine,
-            store,
-            max_tokens=settings.max_tokens,
-            temperature=settings.temperature,
-            top_p=settings.top_p,
-            seed=settings.seed,
-            use_cache=not settings.no_cache,
-            sampling=dict(
-                top_k=settings.top_k,
-                min_p=settings.min_p,
-                repetition_penalty=settings.repetition_penalty,
-                swipe_temperature=settings.swipe_temperature if swipes else 0.0,
-            ),
+        defaults = ConversationSettings(
+            sampling=settings.sampling,
+            swipe_temperature=settings.swipe_temperature if swipes else 0.0,
         )
+        return cls(engine, store, defaults, use_cache=not settings.no_cache)
 
     def __init__(
         self,
         engine: EngineLike,
         store: ConversationStore,
+        defaults: ConversationSettings | None = None,
         *,
-        max_tokens: int = 512,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
         use_cache: bool = True,
-        sampling: dict[str, Any] | None = None,
     ) -> None:
         self.engine = engine
         self.store = store
-        self.max_tokens = max_tokens
-        self.temperature = temperature
-        self.top_p = top_p
-        self.seed = seed
-        # more defaults of ConversationSettings (top_k, min_p, repetition_penalty, stop,
-        # swipe_temperature), checked there
-        self.sampling = dict(sampling or {})
+        # the settings of a conversation that saved none
+        self.defaults = defaults if defaults is not None else ConversationSettings()
         self.use_cache = use_cache
         self.conversation_id: int | None = None
         self.current: TurnHandle | None = None  # the turn submitted last
@@ -157,17 +139,6 @@ class ChatSession:
         self.tools: ToolCatalog | None = None  # the conversations' tools (docs/DESIGN.md §12.1)
 
     # ------------------------------------------------------------------ settings
-
-    @property
-    def defaults(self) -> ConversationSettings:
-        """The settings of a conversation that saved none (the constructor's values)."""
-        return ConversationSettings(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            max_tokens=self.max_tokens,
-            seed=self.seed,
-            **self.sampling,
-        ).checked()
 
     def settings(self, conversation_id: int | None = None) -> ConversationSettings:
         """The settings of ``conversation_id`` (default: the open one; the defaults when
@@ -179,9 +150,9 @@ class ChatSession:
         return ConversationSettings.saved(self.store, cid, self.defaults)
 
     def save_settings(self, settings: ConversationSettings) -> None:
-        """Save ``settings`` with the open conversation. Raises ``ValueError`` for a value
-        out of range, :class:`SessionError` when no conversation is open."""
-        self.store.set_conversation_settings(self._cid(), settings.checked().to_dict())
+        """Save ``settings`` (checked when they were made) with the open conversation.
+        Raises :class:`SessionError` when no conversation is open."""
+        self.store.set_conversation_settings(self._cid(), settings.to_dict())
 
     # ------------------------------------------------------------------ prompts
 
@@ -492,27 +463,14 @@ class ChatSession:
         turn = TurnHandle(kind, user, prompt, on_event)
         turn.continued = continued
         turn.tools = tools
-        temperature = settings.temperature
-        if kind == "regenerate" and temperature == 0:
-            temperature = settings.swipe_temperature  # a regenerate that differs
-        seed = settings.seed
-        if seed is not None and temperature > 0:
-            seed += n_replies  # reply k of this message: a new sample, reproducibly
-        request = GenerateRequest(
-            prompt_ids=ids,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=settings.top_p,
-            top_k=settings.top_k,
-            min_p=settings.min_p,
-            repetition_penalty=settings.repetition_penalty,
-            presence_penalty=settings.presence_penalty,
-            frequency_penalty=settings.frequency_penalty,
-            stop=settings.stop,
-            seed=seed,
-            boundaries=prompt.boundaries,
-            use_cache=self.use_cache,
-        )
+        params = settings.sampling
+        if kind == "regenerate" and params.greedy:
+            params = dataclasses.replace(params, temperature=settings.swipe_temperature)
+        if params.seed is not None and not params.greedy:
+            # reply k of this message: a new sample, reproducibly
+            params = dataclasses.replace(params, seed=(params.seed + n_replies) % SEED_LIMIT)
+        params = dataclasses.replace(params, max_tokens=max_tokens)
+        request = GenerateRequest(ids, params, prompt.boundaries, self.use_cache)
         turn.request = request
 
         def handle_event(event: Event) -> None:
@@ -541,7 +499,7 @@ class ChatSession:
         (both the user's choice, so neither is cut silently), which must fit beside the
         prompt in the model's context. Raises :class:`ContextLimitError` before anything is
         submitted (docs/DESIGN.md §12)."""
-        asked = max_tokens if max_tokens is not None else settings.max_tokens
+        asked = max_tokens if max_tokens is not None else settings.sampling.max_tokens
         try:
             return generation_room(prompt_tokens, asked, context_length(self.engine), explicit=True)
         except ContextLimitExceeded as e:

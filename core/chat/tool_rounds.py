@@ -103,7 +103,8 @@ class ToolRounds:
             timeout_s=settings.tool_timeout_s,
             auto_allow=settings.tools_auto_allow,
         )
-        session.sampling["tools"] = tuple(s.name for s in host.status() if s.state == "ready")
+        ready = tuple(s.name for s in host.status() if s.state == "ready")
+        session.defaults = dataclasses.replace(session.defaults, tools=ready)
         return rounds
 
     # ------------------------------------------------------------------ tools
@@ -133,7 +134,7 @@ class ToolRounds:
         cid = session.conversation_id if conversation_id is None else conversation_id
         ordered = tuple(name for name in known if name in servers)
         settings = dataclasses.replace(session.settings(cid), tools=ordered)
-        session.store.set_conversation_settings(cid, settings.checked().to_dict())
+        session.store.set_conversation_settings(cid, settings.to_dict())
         return settings
 
     # ------------------------------------------------------------------ a step's calls

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from ..api import Failed, Finished, GenerateRequest, PrefillProgress, TokenBatch
+from ..sampling_params import SamplingParams
 from ..units import fmt_count
 
 
@@ -153,7 +154,7 @@ def _forced(engine: Any, prompt, reply, boundaries, use_cache: bool, timeout: fl
         raise VerifyCancelled("verify stopped")
     req = GenerateRequest(
         prompt_ids=tuple(prompt),
-        max_tokens=len(reply),
+        sampling=SamplingParams(max_tokens=len(reply)),
         boundaries=tuple(boundaries),
         use_cache=use_cache,
         teacher_ids=tuple(reply),

@@ -143,16 +143,22 @@ def decode(data: dict[str, Any]) -> Message:
 
 def request_from_wire(fields: dict[str, Any]) -> GenerateRequest:
     """A :class:`~.api.GenerateRequest` from its ``dataclasses.asdict`` (JSON lists back to
-    the tuples it holds: ids, ``(offset, role)`` pairs, stop strings).
+    the tuples it holds: ids, ``(offset, role)`` pairs, and its nested
+    :class:`~.sampling_params.SamplingParams`, stop strings included), by
+    :meth:`~.api.GenerateRequest.from_plain`.
 
     Raises:
-        ValueError: a field the request does not have.
+        ValueError: a field the request (or its sampling) does not have, or a sampling
+            value out of range (a :class:`~.sampling_params.SamplingError`).
     """
     names = {f.name for f in dataclasses.fields(GenerateRequest)}
     unknown = set(fields) - names
     if unknown:
         raise ValueError(f"a request with unknown fields {sorted(unknown)}")
-    return GenerateRequest(**{k: _tuples(v) for k, v in fields.items()})
+    try:
+        return GenerateRequest.from_plain(fields)
+    except TypeError as exc:  # a sampling field SamplingParams does not have
+        raise ValueError(f"a request with bad sampling: {exc}") from exc
 
 
 def _tuples(value: Any) -> Any:

@@ -43,6 +43,7 @@ from ..api import (
 )
 from ..memory import prefill as prefill_mod
 from ..memory import pressure as memory_mod
+from ..stop_strings import StopStrings
 from .actions import Action, Cancel, Decode, Group, Piece, Start
 from .attention import OFF, chunk_attention
 from .decode_batch import DecodeBatch
@@ -53,7 +54,7 @@ from .prefill_steps import Prefill
 from .ranks import OneProcess, Peers
 from .request import Decoding, Request
 from .runtime import Runtime
-from .sampling import SeededSampler, StopStrings, keep_last_logits
+from .sampling import SeededSampler, keep_last_logits
 from .scheduler import Scheduler
 
 
@@ -308,15 +309,16 @@ class Executor:
         sampling = p.sampling
         # greedy requests share one batched argmax (None); others their own sampler, a
         # seeded one on its own key stream (the draws of the request alone)
-        sampler = sampling.sampler if req.temperature > 0 else None
-        if sampler is not None and req.seed is not None:
-            sampler = SeededSampler(sampler, req.seed)
+        params = req.sampling
+        sampler = None if params.greedy else sampling.sampler
+        if sampler is not None and params.seed is not None:
+            sampler = SeededSampler(sampler, params.seed)
         # continue hook: the first processor remembers each step's raw logits, so the
         # logprobs after the reply's last token are kept with the resident cache
         keep_end, end_logits = keep_last_logits()
         processors = [keep_end, *sampling.processors]
         eos, record = runtime.eos_token_ids, self.record_logprobs
-        max_tokens = self.cap_tokens(req.max_tokens, n)
+        max_tokens = self.cap_tokens(params.max_tokens, n)
         stop = [[t] for t in sorted(eos)]
         if req.teacher_ids:
             forced = iter(req.teacher_ids)
@@ -411,7 +413,8 @@ class Executor:
             self.last = metrics
         # before Finished: the caller's next stats() has every rank's figures
         self.peers.gather_stats(self.cache, self.monitor.stats)
-        r.emit(Finished(tuple(d.tokens), text, metrics, r.trace()))
+        stop_sequence = d.stops.matched if reason == "stop" else None
+        r.emit(Finished(tuple(d.tokens), text, metrics, r.trace(), stop_sequence))
         self._after(p)
         self.apply_memory_pressure()
 

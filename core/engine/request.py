@@ -19,8 +19,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..api import Event, GenerateRequest, RequestHandle, RequestStatus, RequestTrace, TokenBatch
+from ..stop_strings import StopStrings
 from .prefill_steps import Prefill
-from .sampling import StopStrings
 
 
 @dataclasses.dataclass(eq=False)

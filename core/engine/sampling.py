@@ -1,5 +1,5 @@
-"""Sampling for one request: its sampler, logits processors and stop strings, from the
-:class:`~.api.GenerateRequest` fields (docs/DESIGN.md §2 "Sampling").
+"""Sampling for one request: its sampler, logits processors and stop strings, from its
+:class:`~tierchat.core.sampling_params.SamplingParams` (docs/DESIGN.md §2 "Sampling").
 
 One home: the engine (and a batched scheduler) calls :func:`make_request_sampler` once per
 request. The sampler and the processors are mlx-lm's (``make_sampler``,
@@ -16,8 +16,9 @@ frequency penalties); this module adds only what a prefix cache needs around the
   from an earlier request. A request with processors therefore never starts from kept
   logprobs (:attr:`RequestSampling.needs_logits`), and what the cache keeps is always the
   model's own log-probs, before any processor.
-- **Stop strings** (:class:`StopStrings`): text is held back while it could still become a
-  stop string, so a streamed reply never shows part of one.
+- **Stop strings** (:class:`~tierchat.core.stop_strings.StopStrings`): text is held back while it could still become a
+  stop string, so a streamed reply never shows part of one. It is the one stop-string
+  matcher: the chat's requests and serve's carry their ``stop`` here.
 - **Seeds while batched** (:class:`SeededSampler`): a seeded request draws from its own key
   stream, the one ``mx.random.seed(seed)`` gives a request alone, whatever else samples
   beside it on the engine thread.
@@ -34,21 +35,17 @@ import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from ..api import GenerateRequest
-from .sampling_checks import check_sampling
+from ..stop_strings import StopStrings
 
 __all__ = [
     "RequestSampling",
     "SeededSampler",
     "StopStrings",
-    "check_sampling",
     "keep_last_logits",
     "make_request_sampler",
 ]
 
 Processor = Callable[[mx.array, mx.array], mx.array]
-
-PENALTY_CONTEXT_TOKENS = 20
-"""Tokens a penalty looks back over (mlx-lm's ``*_context_size`` default)."""
 
 
 @dataclass
@@ -62,6 +59,7 @@ class RequestSampling:
     sampler: Callable[[mx.array], mx.array]
     processors: list[Processor] = field(default_factory=list)
     stops: tuple[str, ...] = ()
+    context_size: int = 20  # tokens a penalty looks back over (SamplingParams)
 
     @property
     def needs_logits(self) -> bool:
@@ -74,7 +72,7 @@ class RequestSampling:
         ``generate_step`` is given) ahead of its own history; [] without processors."""
         if not self.processors:
             return []
-        return [ContextProcessors(self.processors, context[-PENALTY_CONTEXT_TOKENS:])]
+        return [ContextProcessors(self.processors, context[-self.context_size :])]
 
     def first_logprobs(self, logits: mx.array, context: Sequence[int]) -> mx.array:
         """Log-probs ``(vocab,)`` to sample the first token from, given the model's logits
@@ -100,21 +98,26 @@ class ContextProcessors:
 
 
 def make_request_sampler(req: GenerateRequest) -> RequestSampling:
-    """The sampler, processors and stop strings of ``req`` (greedy at temperature 0;
-    top-p 1, top-k 0, min-p 0 and penalties 1/0 are off). Values were range-checked
-    where the request was made (:func:`~.sampling_checks.check_sampling`)."""
+    """The sampler, processors and stop strings of ``req.sampling`` (greedy at temperature
+    0; top-p 1, top-k 0, min-p 0 and penalties 1/0 are off). The values were checked when
+    the :class:`~tierchat.core.sampling_params.SamplingParams` was made."""
+    params = req.sampling
     sampler = make_sampler(
-        temp=req.temperature,
-        top_p=req.top_p if req.top_p < 1.0 else 0.0,
-        min_p=req.min_p,
-        top_k=req.top_k,
+        temp=params.temperature,
+        top_p=params.top_p if params.top_p < 1.0 else 0.0,
+        min_p=params.min_p,
+        top_k=params.top_k,
     )
+    window = params.repetition_context_size
     processors = make_logits_processors(
-        repetition_penalty=req.repetition_penalty if req.repetition_penalty != 1.0 else None,
-        presence_penalty=req.presence_penalty or None,
-        frequency_penalty=req.frequency_penalty or None,
+        repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
+        repetition_context_size=window,
+        presence_penalty=params.presence_penalty or None,
+        presence_context_size=window,
+        frequency_penalty=params.frequency_penalty or None,
+        frequency_context_size=window,
     )
-    return RequestSampling(sampler, processors, tuple(s for s in req.stop if s))
+    return RequestSampling(sampler, processors, params.stop, window)
 
 
 class SeededSampler:
@@ -143,29 +146,6 @@ class SeededSampler:
         self.seed = (hi << 32) | lo
         mx.random.seed(randbits(64))
         return token
-
-
-class StopStrings:
-    """Finds the first stop string in a growing reply text. :meth:`feed` takes the whole
-    text so far and returns ``(text safe to show, stopped)``: on a stop, the text before
-    it; else the text minus a tail that could still begin a stop string."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = tuple(s for s in stops if s)
-        self._hold = max((len(s) for s in self.stops), default=1) - 1
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        if not self.stops:
-            return text, False
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            return text[: min(hits)], True
-        keep = len(text)
-        for k in range(min(self._hold, len(text)), 0, -1):
-            if any(s.startswith(text[-k:]) for s in self.stops):
-                keep = len(text) - k
-                break
-        return text[:keep], False
 
 
 def keep_last_logits() -> tuple[Processor, Callable[[], Any]]:

@@ -53,9 +53,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..chat.tool_calls import ReasoningDelta, TextDelta, ToolCall, ToolCallDelta
+from ..sampling_params import SamplingParams
 from ..text import log_safe
 from .generation import Generation, KeepAlive, off_loop
-from .prompts import APIError, Sampling, check_number
+from .prompts import APIError, sampling_params
 from .reply import ReplyEnd, read_reply
 from .request import (
     ChatRequest,
@@ -71,7 +72,6 @@ from .state import ServeState, client_label
 BLOCK_JOIN = "\n\n"  # between the text blocks of one system prompt, message or result
 ERROR_PREFIX = "Error: "  # a tool_result with is_error: true
 ARGUMENT_PIECE = 64  # characters of a call's input per input_json_delta
-MAX_STOP_SEQUENCES = 16
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -256,32 +256,22 @@ def _tool_choice(raw: Any) -> tuple[str, str | None, bool]:
     return TOOL_CHOICE[kind], name, raw.get("disable_parallel_tool_use") is not True
 
 
-def _sampling(body: Mapping[str, Any], state: ServeState, count_only: bool) -> Sampling:
+def _sampling(body: Mapping[str, Any], state: ServeState, count_only: bool) -> SamplingParams:
     if body.get("max_tokens") is None and not count_only:
         raise APIError("'max_tokens' is required", param="max_tokens")
     stops = body.get("stop_sequences") or []
-    if (
-        not isinstance(stops, list)
-        or len(stops) > MAX_STOP_SEQUENCES
-        or not all(isinstance(s, str) for s in stops)
-    ):
-        raise APIError(
-            f"'stop_sequences' must be a list of up to {MAX_STOP_SEQUENCES} strings",
-            param="stop_sequences",
-        )
+    if not isinstance(stops, list):
+        raise APIError("'stop_sequences' must be a list of strings", param="stop_sequences")
+    values = {k: body.get(k) for k in ("max_tokens", "temperature", "top_p", "top_k")}
+    names = {"stop": "stop_sequences"}
+    return sampling_params({**values, "stop": stops}, state.sampling, names)
+
+
+def _stream_flag(body: Mapping[str, Any]) -> bool:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise APIError("'stream' must be a boolean", param="stream")
-    return Sampling(
-        max_tokens=check_number(body, "max_tokens", 1, 1, 1 << 20, int),
-        temperature=check_number(body, "temperature", 0.0, 0.0, 1.0),
-        top_p=check_number(body, "top_p", 1.0, 0.0, 1.0),
-        seed=state.seed,
-        stop=tuple(s for s in stops if s),
-        stream=stream,
-        include_usage=False,
-        top_k=check_number(body, "top_k", 0, 0, 1 << 20, int),
-    )
+    return stream
 
 
 def chat_request(
@@ -299,6 +289,7 @@ def chat_request(
     return ChatRequest(
         messages=convert_messages(body.get("system"), body.get("messages")),
         sampling=params,
+        stream=_stream_flag(body),
         tools=tools,
         tool_choice=choice if tools else "none",  # type: ignore[arg-type]
         forced_tool=forced if tools else None,
@@ -376,14 +367,13 @@ async def messages(state: ServeState, http: Request) -> Response:
         "role": "assistant",
         "model": state.engine.model_name,
     }
-    stops = chat.sampling.stop
-    if chat.sampling.stream:
+    if chat.stream:
         return StreamingResponse(
-            _stream(state, gen, prep, stops, head),
+            _stream(state, gen, prep, head),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    async for part in read_reply(state, gen, prep, stops, http):
+    async for part in read_reply(state, gen, prep, http):
         if isinstance(part, APIError):
             return error_response(part)
         if isinstance(part, ReplyEnd):
@@ -406,7 +396,7 @@ async def messages(state: ServeState, http: Request) -> Response:
 
 
 async def _stream(
-    state: ServeState, gen: Generation, prep: Prepared, stops: tuple[str, ...], head: dict
+    state: ServeState, gen: Generation, prep: Prepared, head: dict
 ) -> AsyncIterator[str]:
     """The stream's events (module docstring). A block is opened by its first delta and
     closed when a part of another kind comes; a call is one whole block. A client's
@@ -445,7 +435,7 @@ async def _stream(
         out.append(event("content_block_delta", {"index": index, "delta": piece}))
         return out
 
-    async for part in read_reply(state, gen, prep, stops, keepalive=True):
+    async for part in read_reply(state, gen, prep, keepalive=True):
         if isinstance(part, KeepAlive):
             yield event("ping", {})
         elif isinstance(part, TextDelta):

@@ -25,7 +25,7 @@ from ..chat.prompts import Prompt
 from ..chat.tool_calls import ReasoningDelta, ReplyFormat, TextDelta, ToolCall, ToolCallDelta
 from .generation import ClientGone, Generation, KeepAlive, off_loop
 from .limits import check_prompt, context_length, vocab_size
-from .prompts import APIError, Sampling, completion_prompt, sampling
+from .prompts import APIError, completion_prompt, sampling, stream_options
 from .replies import error_response, sse, usage
 from .reply import ReplyEnd, read_reply
 from .request import (
@@ -133,7 +133,8 @@ def tool_choice(body: Mapping[str, Any]) -> tuple[str, str | None]:
 
 def chat_request(body: Mapping[str, Any], state: ServeState) -> ChatRequest:
     """The internal request of a ``/v1/chat/completions`` body. Raises :class:`APIError`."""
-    params = sampling(body, state.max_tokens, state.seed)
+    params = sampling(body, state.sampling)
+    stream, include_usage = stream_options(body)
     tools = check_tools(body.get("tools"))
     choice, forced = tool_choice(body) if tools else ("none", None)
     parallel = body.get("parallel_tool_calls", True)
@@ -142,6 +143,8 @@ def chat_request(body: Mapping[str, Any], state: ServeState) -> ChatRequest:
     return ChatRequest(
         messages=chat_messages(body.get("messages")),
         sampling=params,
+        stream=stream,
+        include_usage=include_usage,
         tools=tools,
         tool_choice=choice,  # type: ignore[arg-type]
         forced_tool=forced,
@@ -177,7 +180,7 @@ async def _prepare_completion(state: ServeState, http: Request, body: dict) -> P
         raise APIError("echo is not supported", param="echo")
     if body.get("suffix"):
         raise APIError("suffix is not supported", param="suffix")
-    params = sampling(body, state.max_tokens, state.seed)
+    params = sampling(body, state.sampling)
     builder = state.builder()
     ids = await off_loop(state, http, completion_prompt, builder.tokenizer, body)
     max_tokens = check_prompt(
@@ -198,40 +201,39 @@ async def _prepare_completion(state: ServeState, http: Request, body: dict) -> P
 
 
 async def _generate(state: ServeState, http: Request, chat: bool) -> Response:
-    async def work() -> tuple[dict, Sampling, Prepared]:
+    async def work() -> tuple[dict, tuple[bool, bool], Prepared]:
         body = await receive(state, http)
-        params = sampling(body, state.max_tokens, state.seed)
+        flags = stream_options(body)
         if chat:
-            return body, params, await prepare(state, http, chat_request(body, state))
-        return body, params, await _prepare_completion(state, http, body)
+            return body, flags, await prepare(state, http, chat_request(body, state))
+        return body, flags, await _prepare_completion(state, http, body)
 
     got = await admitted(state, http, work, error_response)
     if isinstance(got, Response):
         return got
-    body, params, prep = got
+    body, (stream, include_usage), prep = got
     endpoint = "chat" if chat else "completion"
     gen = Generation(state, prep.request, client_label(http, body), endpoint)
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     head = {"id": ident, "created": int(time.time()), "model": state.engine.model_name}
-    if params.stream:
+    if stream:
         return StreamingResponse(
-            _stream(state, gen, prep, params.stop, params.include_usage, chat, head),
+            _stream(state, gen, prep, include_usage, chat, head),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    return await _whole(state, gen, prep, params.stop, http, chat, head)
+    return await _whole(state, gen, prep, http, chat, head)
 
 
 async def _whole(
     state: ServeState,
     gen: Generation,
     prep: Prepared,
-    stops: tuple[str, ...],
     http: Request,
     chat: bool,
     head: dict,
 ) -> Response:
-    async for event in read_reply(state, gen, prep, stops, http):
+    async for event in read_reply(state, gen, prep, http):
         if isinstance(event, APIError):
             return error_response(event)
         if isinstance(event, ReplyEnd):
@@ -277,7 +279,6 @@ async def _stream(
     state: ServeState,
     gen: Generation,
     prep: Prepared,
-    stops: tuple[str, ...],
     include_usage: bool,
     chat: bool,
     head: dict,
@@ -298,7 +299,7 @@ async def _stream(
 
     if chat:
         yield chunk({"role": "assistant", "content": ""})
-    async for event in read_reply(state, gen, prep, stops, keepalive=True):
+    async for event in read_reply(state, gen, prep, keepalive=True):
         if isinstance(event, KeepAlive):
             yield KEEPALIVE
         elif isinstance(event, TextDelta):

@@ -21,13 +21,13 @@ import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..api import Tokenizer
 from ..chat.prompts import decode_ids, encode_text
 from ..files import private_dirs, private_open
+from ..sampling_params import SamplingError, SamplingParams
 
 THINK_END = "</think>"
 # the Retry-After of a 503 that names none (every 503 is worth retrying and says when)
@@ -251,25 +251,6 @@ def completion_prompt(tokenizer: Tokenizer, body: Mapping[str, Any]) -> tuple[in
     return tuple(int(i) for i in ids)
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """OpenAI sampling parameters, checked."""
-
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int | None
-    stop: tuple[str, ...]
-    stream: bool
-    include_usage: bool
-    # OpenAI's penalties, and mlx_lm.server's names for what OpenAI lacks (off at these)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-
-
 def check_number(body: Mapping[str, Any], name: str, default, lo: float, hi: float, kind=float):
     value = body.get(name)
     if value is None:
@@ -334,107 +315,71 @@ def returned_tokens(
     return lo
 
 
-def sampling(
-    body: Mapping[str, Any], default_max_tokens: int, default_seed: int | None
-) -> Sampling:
-    """Read ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``,
-    ``presence_penalty``, ``frequency_penalty``, ``seed``, ``stop``, ``n``, ``stream`` and
-    ``stream_options`` (OpenAI's names), and ``top_k``, ``min_p``, ``repetition_penalty``
-    (``mlx_lm.server``'s). Raises :class:`APIError` for a bad value or an unsupported
-    feature (``n`` > 1, ``logprobs``)."""
+def sampling(body: Mapping[str, Any], defaults: SamplingParams) -> SamplingParams:
+    """The sampling of an OpenAI body over ``defaults`` (the server's): ``max_tokens`` (or
+    ``max_completion_tokens``), ``temperature``, ``top_p``, ``presence_penalty``,
+    ``frequency_penalty``, ``seed``, ``stop`` (OpenAI's names), and ``top_k``, ``min_p``,
+    ``repetition_penalty``, ``repetition_context_size`` (``mlx_lm.server``'s). Raises
+    :class:`APIError` 400 for a bad value (the ranges are
+    :class:`~tierchat.core.sampling_params.SamplingParams`') or an unsupported feature
+    (``n`` > 1, ``logprobs``)."""
     if not isinstance(body, Mapping):
         raise APIError("the request body must be a JSON object")
     max_name = (
         "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     )
-    max_tokens = check_number(body, max_name, default_max_tokens, 1, 1 << 20, int)
-    temperature = check_number(body, "temperature", 0.0, 0.0, 2.0)
-    top_p = check_number(body, "top_p", 1.0, 0.0, 1.0)
-    seed = check_number(body, "seed", default_seed, -(1 << 63), (1 << 64) - 1, int)
-    presence = check_number(body, "presence_penalty", 0.0, -2.0, 2.0)
-    frequency = check_number(body, "frequency_penalty", 0.0, -2.0, 2.0)
-    top_k = check_number(body, "top_k", 0, 0, 1 << 20, int)
-    min_p = check_number(body, "min_p", 0.0, 0.0, 0.999)
-    repetition = check_number(body, "repetition_penalty", 1.0, 0.0, 10.0)
-    if repetition <= 0:
-        raise APIError("'repetition_penalty' must be above 0 (1: off)", param="repetition_penalty")
     if check_number(body, "n", 1, 1, 128, int) != 1:
         raise APIError("only n=1 is supported", param="n")
     if body.get("logprobs") or body.get("top_logprobs"):
         raise APIError("logprobs are not supported", param="logprobs")
     check_unsupported(body)
+    # OpenAI's seeds are any 64-bit integer, taken modulo 2**32 (as before the one record)
+    seed = check_number(body, "seed", None, -(1 << 63), (1 << 64) - 1, int)
     stop = body.get("stop")
-    if stop is None:
-        stops: tuple[str, ...] = ()
-    elif isinstance(stop, str):
-        stops = (stop,) if stop else ()
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 4:
-        stops = tuple(s for s in stop if s)
-    else:
-        raise APIError("'stop' must be a string or a list of up to 4 strings", param="stop")
+    values = {
+        **{k: body.get(k) for k in OPENAI_SAMPLING},
+        "max_tokens": body.get(max_name),
+        "stop": [stop] if isinstance(stop, str) else stop,
+        "seed": None if seed is None else seed % (1 << 32),
+    }
+    if values["top_p"] == 0:  # OpenAI's 0 (nothing kept) taken as off, as it always was
+        values["top_p"] = 1.0
+    return sampling_params(values, defaults, {"max_tokens": max_name})
+
+
+OPENAI_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "repetition_context_size",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+def sampling_params(
+    values: Mapping[str, Any], defaults: SamplingParams, names: Mapping[str, str] | None = None
+) -> SamplingParams:
+    """``values`` (a body's fields by :class:`SamplingParams`' names; None: not given) over
+    ``defaults``. Raises :class:`APIError` 400 naming the body's field (``names`` maps a
+    field to the body's name where they differ: ``max_output_tokens``)."""
+    given = {k: v for k, v in values.items() if v is not None}
+    try:
+        return SamplingParams.from_dict(given, defaults)
+    except SamplingError as e:
+        name = (names or {}).get(e.field, e.field)
+        raise APIError(f"'{name}' {e.problem}", param=name) from None
+
+
+def stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    """``(stream, include_usage)`` of a body (``stream``, ``stream_options``). Raises
+    :class:`APIError` 400."""
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise APIError("'stream' must be a boolean", param="stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, Mapping):
         raise APIError("'stream_options' must be an object", param="stream_options")
-    return Sampling(
-        max_tokens,
-        temperature,
-        top_p,
-        None if seed is None else seed % (1 << 32),
-        stops,
-        stream,
-        bool(options.get("include_usage")),
-        presence,
-        frequency,
-        top_k,
-        min_p,
-        repetition,
-    )
-
-
-class StopMatcher:
-    """Cuts streamed text at the first stop string. ``feed(delta)`` returns the text safe
-    to send now; an end of the text that could begin a stop string is held back until the
-    next delta shows it does not (or ``flush()`` at the end)."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = tuple(s for s in stops if s)
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.text = ""  # everything sent or held, up to a stop
-        self.sent = 0
-        self.stopped = False
-        self.matched: str | None = None  # the stop string that cut the text
-
-    def feed(self, delta: str) -> str:
-        if self.stopped or not delta:
-            return ""
-        if not self.stops:
-            self.text += delta
-            self.sent = len(self.text)
-            return delta
-        start = max(0, len(self.text) - self.hold)
-        self.text += delta
-        found = [(i, s) for s in self.stops if (i := self.text.find(s, start)) >= 0]
-        if found:
-            cut, self.matched = min(found)
-            self.text = self.text[:cut]
-            self.stopped = True
-            out, self.sent = self.text[self.sent :], len(self.text)
-            return out
-        safe = max(self.sent, len(self.text) - self._partial())
-        out, self.sent = self.text[self.sent : safe], safe
-        return out
-
-    def _partial(self) -> int:
-        """Length of the longest end of the text that begins some stop string."""
-        for n in range(min(self.hold, len(self.text)), 0, -1):
-            end = self.text[-n:]
-            if any(s.startswith(end) for s in self.stops):
-                return n
-        return 0
-
-    def flush(self) -> str:
-        out, self.sent = self.text[self.sent :], len(self.text)
-        return out
+    return stream, bool(options.get("include_usage"))

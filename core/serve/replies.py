@@ -4,8 +4,8 @@ and ``usage``, server-sent events, and a failure's status (docs/DESIGN.md §15).
 ``usage`` is OpenAI's (``prompt_tokens``, ``completion_tokens``, ``total_tokens``,
 ``prompt_tokens_details.cached_tokens``) plus ``usage.tierchat``: cached tokens by tier
 (``cached_by``) and by entry kind (``cached_kind``), ``prefill_tokens``, ``ttft_s``,
-``prefill_tps``, ``generation_tps``, ``ssd_write_bytes``. A reply cut at a ``stop`` string
-is cancelled on the engine and counts only the tokens returned.
+``prefill_tps``, ``generation_tps``, ``ssd_write_bytes``. A reply the engine ended at a
+``stop`` string counts only the tokens returned.
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ from starlette.responses import JSONResponse, Response
 
 from ..api import Failed, TurnMetrics
 from ..text import log_safe
-from .prompts import APIError, StopMatcher
+from .prompts import APIError
 
 if TYPE_CHECKING:
-    from .generation import ClientGone, Generation
-    from .state import ServeState
+    from .generation import ClientGone
 
 
 # ---------------------------------------------------------------- errors
@@ -99,13 +98,6 @@ def usage(m: TurnMetrics, completion_tokens: int | None = None) -> dict[str, Any
             "ssd_write_bytes": m.ssd_write_bytes,
         },
     }
-
-
-def stopped(state: ServeState, gen: Generation, matcher: StopMatcher) -> None:
-    """A reply cut at a stop string was cancelled on the engine; the log shows it done."""
-    seq = getattr(gen.handle, "log_seq", None)
-    if matcher.stopped and seq is not None:
-        state.log.update(seq, status="done", metrics_changes={"finish_reason": "stop"})
 
 
 # ---------------------------------------------------------------- server-sent events

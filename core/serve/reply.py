@@ -1,5 +1,5 @@
-"""One reply as every API reads it: the engine's events for a prepared request, cut at
-the client's stop strings, split by the model's reply format into reasoning, text and
+"""One reply as every API reads it: the engine's events for a prepared request (cut
+before the client's stop strings by the engine, which the request carries them to), split by the model's reply format into reasoning, text and
 tool calls (:class:`~tierchat.core.chat.tool_calls.ReplyParser`, mlx-lm's per-family
 parsers), with keep-alives while nothing comes and one :class:`ReplyEnd` at the end
 (docs/DESIGN.md §15). Each adapter writes these parts in its own wire format.
@@ -23,8 +23,8 @@ from ..api import Failed, Finished, TokenBatch, TurnMetrics
 from ..chat.tool_calls import ReplyParser, ReplyPart, ToolCall, ToolCallDelta, ToolCallFailed
 from ..text import log_safe
 from .generation import Generation, KeepAlive
-from .prompts import APIError, StopMatcher, returned_tokens
-from .replies import failure, stopped
+from .prompts import APIError, returned_tokens
+from .replies import failure
 from .request import Prepared
 from .state import ServeState
 
@@ -55,7 +55,6 @@ async def read_reply(
     state: ServeState,
     gen: Generation,
     prep: Prepared,
-    stops: tuple[str, ...],
     http: Request | None = None,
     keepalive: bool = False,
 ) -> AsyncIterator[ReplyEvent]:
@@ -65,7 +64,6 @@ async def read_reply(
     :class:`KeepAlive` once ``state.keepalive_s`` passed without anything yielded (streams):
     after a wait without an event, and on an event that yields nothing (a prefill's
     progress: a long prefill sends progress now and then, and the client nothing else)."""
-    matcher = StopMatcher(stops)
     parser = ReplyParser(
         prep.fmt,
         tools=list(prep.tools) or None,
@@ -85,34 +83,28 @@ async def read_reply(
             continue
         if isinstance(event, TokenBatch):
             last = time.monotonic()
-            for part in _first_calls(_parts(parser, matcher.feed(event.text)), prep.max_calls):
+            for part in _first_calls(_parts(parser, event.text), prep.max_calls):
                 yield part
-            if matcher.stopped:
-                gen.handle.cancel()
         elif isinstance(event, Failed):
             yield failure(event)
         elif isinstance(event, APIError):
             yield event
         elif isinstance(event, Finished):
-            stopped(state, gen, matcher)
-            for part in _first_calls(_parts(parser, matcher.flush()), prep.max_calls):
-                yield part
             for part in _first_calls(_log_failed(parser.finish()), prep.max_calls):
                 yield part
-            state.memory.remember(state.engine.tokenizer, matcher.text, event.token_ids)
-            n = returned_tokens(
-                state.engine.tokenizer, event.token_ids, matcher.text, matcher.stopped
-            )
+            cut = event.stop_sequence is not None
+            state.memory.remember(state.engine.tokenizer, event.text, event.token_ids)
+            n = returned_tokens(state.engine.tokenizer, event.token_ids, event.text, cut)
             calls = tuple(parser.calls[: prep.max_calls])
             if calls:
                 reason: FinishReason = "tool_calls"
-            elif not matcher.stopped and event.metrics.finish_reason == "length":
+            elif event.metrics.finish_reason == "length":
                 reason = "length"
             else:
                 reason = "stop"
             yield ReplyEnd(
                 reason,
-                matcher.matched,
+                event.stop_sequence,
                 event.metrics,
                 n,
                 parser.text,

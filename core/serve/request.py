@@ -17,6 +17,7 @@ family's tool-call start marker to the prompt, so the model's first tokens are a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -31,10 +32,11 @@ from starlette.responses import Response
 from ..api import GenerateRequest
 from ..chat.prompts import Prompt, template_supports_tools
 from ..chat.tool_calls import ReplyFormat
+from ..sampling_params import SamplingParams
 from .generation import ClientGone, off_loop
 from .guard import authorize
 from .limits import check_prompt, context_length, model_vocab, parse_body
-from .prompts import APIError, ReplyMemory, Sampling
+from .prompts import APIError, ReplyMemory
 from .replies import client_gone, internal_error, shutting_down
 from .state import ServeState
 
@@ -54,12 +56,15 @@ class ChatRequest:
     ``required``; ``forced_tool``: a named function (implies ``required``).
     ``max_tokens_explicit``: the client's own limit must fit beside the prompt (OpenAI:
     400 past the context); ``clamp_max_tokens``: it is cut to what fits (Anthropic's
-    clients send 32,000 whatever the model). ``enable_thinking``: the template's thinking
-    switch, None for its default.
+    clients send 32,000 whatever the model). ``stream``: the reply as server-sent events
+    (``include_usage``: with a last usage chunk). ``enable_thinking``: the template's
+    thinking switch, None for its default.
     """
 
     messages: tuple[dict[str, Any], ...]
-    sampling: Sampling
+    sampling: SamplingParams
+    stream: bool = False
+    include_usage: bool = False  # OpenAI's stream_options
     tools: tuple[dict[str, Any], ...] = ()
     tool_choice: ToolChoice = "auto"
     forced_tool: str | None = None
@@ -339,25 +344,15 @@ def check_queue(state: ServeState) -> None:
 def engine_request(
     state: ServeState,
     ids: tuple[int, ...],
-    params: Sampling,
+    params: SamplingParams,
     max_tokens: int,
     boundaries: tuple[tuple[int, str], ...] = (),
 ) -> GenerateRequest:
-    """The engine's request for checked prompt ``ids`` and ``params``."""
-    return GenerateRequest(
-        prompt_ids=ids,
-        max_tokens=max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p if params.top_p > 0 else 1.0,
-        top_k=params.top_k,
-        min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        seed=params.seed,
-        boundaries=boundaries,
-        use_cache=state.use_cache,
-    )
+    """The engine's request for checked prompt ``ids`` and ``params``, with the reply's
+    ``max_tokens`` as checked against the context; its ``stop`` strings go to the engine,
+    which ends the reply before them (docs/DESIGN.md §2 "Sampling")."""
+    sampling = dataclasses.replace(params, max_tokens=max_tokens)
+    return GenerateRequest(ids, sampling, boundaries, state.use_cache)
 
 
 async def admitted(

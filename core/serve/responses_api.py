@@ -205,13 +205,13 @@ async def create(state: ServeState, http: Request) -> Response:
     store = body.get("store", True) is not False and state.responses is not None
     reply = Reply(state, body, store)
     gen = Generation(state, prep.request, client_label(http, body), "responses")
-    if chat.sampling.stream:
+    if chat.stream:
         return StreamingResponse(
             _stream(state, gen, prep, reply, items),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    async for event in read_reply(state, gen, prep, (), http):
+    async for event in read_reply(state, gen, prep, http):
         if isinstance(event, APIError):
             return error_response(event)
         if isinstance(event, ReplyEnd):
@@ -311,7 +311,7 @@ async def _stream(
 
     yield emit("response.created", response=reply.obj("in_progress"))
     yield emit("response.in_progress", response=reply.obj("in_progress"))
-    async for event in read_reply(state, gen, prep, (), keepalive=True):
+    async for event in read_reply(state, gen, prep, keepalive=True):
         if isinstance(event, KeepAlive):
             yield KEEPALIVE
         elif isinstance(event, ReasoningDelta | TextDelta):

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .openai_api import ROLES, text_content
-from .prompts import APIError, sampling
+from .prompts import APIError, sampling_params, stream_options
 from .request import ChatRequest, check_tools
 from .state import ServeState
 
@@ -157,18 +157,10 @@ def chat_request(
             param="text.format",
             code="unsupported_parameter",
         )
-    knobs = {k: body[k] for k in ("temperature", "top_p", "stream") if k in body}
-    try:
-        params = sampling(
-            {**knobs, "max_tokens": body.get("max_output_tokens")}, state.max_tokens, state.seed
-        )
-    except APIError as e:
-        if e.param == "max_tokens":
-            e.param, e.message = (
-                "max_output_tokens",
-                e.message.replace("max_tokens", "max_output_tokens"),
-            )
-        raise
+    values = {k: body.get(k) for k in ("temperature", "top_p")}
+    values["max_tokens"] = body.get("max_output_tokens")
+    params = sampling_params(values, state.sampling, {"max_tokens": "max_output_tokens"})
+    stream, _ = stream_options({"stream": body.get("stream", False)})
     tools, skipped = function_tools(body.get("tools"))
     if skipped:
         print(
@@ -184,6 +176,7 @@ def chat_request(
     return ChatRequest(
         messages=to_messages(items, body.get("instructions")),
         sampling=params,
+        stream=stream,
         tools=tools,
         tool_choice=choice,  # type: ignore[arg-type]
         forced_tool=forced,

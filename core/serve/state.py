@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from starlette.requests import Request
 
 from ..chat.prompts import PromptBuilder
+from ..sampling_params import SamplingParams
 from ..text import log_safe
 from .limits import ServeLimits
 from .log import TrackedEngine
@@ -50,8 +51,7 @@ class ServeState:
         engine: TrackedEngine,
         *,
         api_key: str | None = None,
-        max_tokens: int = 512,
-        seed: int | None = None,
+        sampling: SamplingParams | None = None,
         use_cache: bool = True,
         max_queue: int = 64,
         memory_entries: int = 256,
@@ -72,8 +72,8 @@ class ServeState:
         self.generations: set[Abortable] = set()
         self.log = engine.log
         self.api_key = api_key
-        self.max_tokens = max_tokens
-        self.seed = seed
+        # a request's sampling where its body says nothing (max_tokens, seed: the flags)
+        self.sampling = sampling if sampling is not None else SamplingParams()
         self.use_cache = use_cache
         self.max_queue = max_queue
         self.memory = ReplyMemory(memory_entries, memory_path)

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 from engine_kit import engine_maker, generate, random_prompt
 from tierchat.core.api import CacheStats
+from tierchat.core.sampling_params import SamplingParams
 
 
 @pytest.fixture
@@ -125,7 +126,11 @@ def test_boundary_checkpoints_stored_for_state_models(engine):
     e = engine("tiny:mamba2")
     p = random_prompt(60, seed=9)
     h = e.submit(
-        GenerateRequest(prompt_ids=p, max_tokens=2, boundaries=((21, "system"), (45, "user")))
+        GenerateRequest(
+            sampling=SamplingParams(max_tokens=2),
+            prompt_ids=p,
+            boundaries=((21, "system"), (45, "user")),
+        )
     )
     h.wait(60)
     assert e.stats().tails.checkpoints == 3  # two boundaries and the sequence end

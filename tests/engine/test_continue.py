@@ -67,6 +67,7 @@ def test_a_session_continue_grows_the_reply_in_place_as_one_longer_generation(tm
     """Two continues of a reply cut at 4 tokens: one reply (one swipe) holding the 12
     tokens one cold generation of 12 makes, nothing prefilled by either continue; undo
     gives the cut versions back, newest first (core/chat/trash.py)."""
+    from tierchat.core.chat.conversation_settings import ConversationSettings
     from tierchat.core.chat.session import ChatSession
     from tierchat.core.chat.store import ConversationStore
     from tierchat.core.chat.trash import Trash
@@ -75,7 +76,7 @@ def test_a_session_continue_grows_the_reply_in_place_as_one_longer_generation(tm
     e = make_engine("tiny:llama", tmp_path, models_dir)
     store = ConversationStore(tmp_path / "c.sqlite")
     try:
-        session = ChatSession(e, store, max_tokens=4)
+        session = ChatSession(e, store, ConversationSettings.of(max_tokens=4))
         session.new_conversation(system="You are terse.")
         cut = session.send("Tell me about the tides and the moon, please.").wait(120)
         assert cut.metrics.finish_reason == "length"

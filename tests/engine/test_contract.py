@@ -22,8 +22,10 @@ from tierchat.core.api import (
     PrefillProgress,
     TokenBatch,
 )
+from tierchat.core.chat.conversation_settings import ConversationSettings
 from tierchat.core.chat.session import ChatSession
 from tierchat.core.chat.store import ConversationStore
+from tierchat.core.sampling_params import SamplingParams
 
 TIMEOUT = 120
 SYSTEM = "You answer in one short line."
@@ -45,7 +47,7 @@ def engine(request, tmp_path, models_dir):
 @pytest.fixture
 def session(engine):
     store = ConversationStore(":memory:")
-    s = ChatSession(engine, store, max_tokens=6)
+    s = ChatSession(engine, store, ConversationSettings(sampling=SamplingParams(max_tokens=6)))
     s.new_conversation(system=SYSTEM, title="contract")
     yield s
     store.close()

@@ -6,6 +6,7 @@ import pytest
 from engine_kit import assert_same, generate, make_engine, random_prompt
 from tierchat.core.api import Failed, Finished, GenerateRequest, PrefillProgress, TokenBatch
 from tierchat.core.cache.schedule import chunk_ends, schedule_points
+from tierchat.core.sampling_params import SamplingParams
 
 
 @pytest.fixture
@@ -54,7 +55,9 @@ def test_cold_chunk_ends_equal_with_cache_on_and_off(tmp_path, models_dir):
 
 
 def test_prefill_progress_counts_up_to_the_tokens_prefilled(engine):
-    handle = engine.submit(GenerateRequest(prompt_ids=random_prompt(100), max_tokens=3))
+    handle = engine.submit(
+        GenerateRequest(sampling=SamplingParams(max_tokens=3), prompt_ids=random_prompt(100))
+    )
     events = list(handle.events())
     progress = [e for e in events if isinstance(e, PrefillProgress)]
     # chunk by chunk, then the last prompt token with the first decode step: the count
@@ -76,7 +79,9 @@ def test_cancel_during_decode_stops_within_one_token(engine, cold):
             if len(seen) == 2:
                 handle.cancel()
 
-    handle = engine.submit(GenerateRequest(prompt_ids=prompt, max_tokens=50), on_event)
+    handle = engine.submit(
+        GenerateRequest(sampling=SamplingParams(max_tokens=50), prompt_ids=prompt), on_event
+    )
     res = handle.wait(60)
     assert isinstance(res, Finished) and res.metrics.finish_reason == "cancelled"
     assert len(res.token_ids) == 2
@@ -95,7 +100,9 @@ def test_cancel_during_prefill_keeps_finished_blocks(engine, cold):
         if isinstance(event, PrefillProgress) and event.done >= 48:
             handle.cancel()
 
-    handle = engine.submit(GenerateRequest(prompt_ids=prompt, max_tokens=4), on_event)
+    handle = engine.submit(
+        GenerateRequest(sampling=SamplingParams(max_tokens=4), prompt_ids=prompt), on_event
+    )
     res = handle.wait(60)
     assert isinstance(res, Failed) and res.kind == "cancelled"
     assert res.kept_tokens == 48 and "kept 48 of 200" in res.message
@@ -125,7 +132,9 @@ def test_cancel_during_prefill_keeps_every_finished_chunk(arch, tmp_path, models
                 if event.done >= 40:
                     handle.cancel()
 
-        handle = engine.submit(GenerateRequest(prompt_ids=prompt, max_tokens=4), on_event)
+        handle = engine.submit(
+            GenerateRequest(sampling=SamplingParams(max_tokens=4), prompt_ids=prompt), on_event
+        )
         res = handle.wait(60)
         assert isinstance(res, Failed) and res.kind == "cancelled"
         assert res.kept_tokens == seen[-1] == 48
@@ -178,7 +187,9 @@ def test_call_runs_on_the_engine_thread_after_queued_jobs(engine):
 
     import mlx.core as mx
 
-    handle = engine.submit(GenerateRequest(prompt_ids=tuple(random_prompt(40)), max_tokens=2))
+    handle = engine.submit(
+        GenerateRequest(sampling=SamplingParams(max_tokens=2), prompt_ids=tuple(random_prompt(40)))
+    )
     # queued behind the generation: by the time it runs, the generation has finished
     name, done = engine.call(lambda: (threading.current_thread().name, handle.done))
     assert name == "tierchat-engine" and done

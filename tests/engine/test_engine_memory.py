@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine_kit import assert_same, generate, make_engine, random_prompt
 from tierchat.core.api import Failed, GenerateRequest
 from tierchat.core.memory import prefill as prefill_mod
+from tierchat.core.sampling_params import SamplingParams
 
 
 def test_refusal_leaves_every_tier_usable(tmp_path, models_dir):
@@ -17,7 +18,9 @@ def test_refusal_leaves_every_tier_usable(tmp_path, models_dir):
     before = tight.stats().ssd.entries
     assert before > 0
     long_prompt = random_prompt(3000, seed=5)
-    res = tight.submit(GenerateRequest(prompt_ids=long_prompt, max_tokens=4)).wait(60)
+    res = tight.submit(
+        GenerateRequest(sampling=SamplingParams(max_tokens=4), prompt_ids=long_prompt)
+    ).wait(60)
     assert isinstance(res, Failed) and res.kind == "refused"
     for word in ("prompt refused", "memory limit", "--memory-limit"):
         assert word in res.message

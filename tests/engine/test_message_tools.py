@@ -11,10 +11,12 @@ import sys
 import pytest
 from fakes import FakeEngine
 from tierchat.core.chat.code_blocks import CodeBlock, fenced_blocks
+from tierchat.core.chat.conversation_settings import ConversationSettings
 from tierchat.core.chat.draft import count_draft
 from tierchat.core.chat.editor import EditorError, edit_text, editor_command
 from tierchat.core.chat.session import ChatSession
 from tierchat.core.chat.store import ConversationError, ConversationStore
+from tierchat.core.sampling_params import SamplingParams
 
 
 @pytest.fixture
@@ -164,7 +166,9 @@ def test_editor_command_from_the_environment():
 def test_count_draft_is_the_prompt_send_builds(store):
     engine = FakeEngine("fake", context_length=64)
     try:
-        session = ChatSession(engine, store, max_tokens=4)
+        session = ChatSession(
+            engine, store, ConversationSettings(sampling=SamplingParams(max_tokens=4))
+        )
         session.new_conversation(system="Be brief.")
         count = count_draft(session, "the cache")
         assert count.text_tokens == len(engine.tokenizer.encode("the cache"))

@@ -13,6 +13,7 @@ from tierchat.cli.bench.mlx_baseline import LRUBaseline, Segment, drop_cached, s
 from tierchat.cli.common import start_engine
 from tierchat.config.settings import Settings
 from tierchat.core.api import Finished, GenerateRequest
+from tierchat.core.sampling_params import SamplingParams
 
 SYSTEM = "You answer briefly. " * 6
 CHAT = [
@@ -136,7 +137,9 @@ def test_system_and_user_checkpoints_are_reused(tmp_path, models_dir, model):
         for name, prompt, messages in (("a", pa, a), ("b", pb, b), ("again", pb, b)):
             got[name] = lru.generate(prompt, 6, messages)
             cold = engine.submit(
-                GenerateRequest(prompt_ids=tuple(prompt), max_tokens=6, use_cache=False)
+                GenerateRequest(
+                    sampling=SamplingParams(max_tokens=6), prompt_ids=tuple(prompt), use_cache=False
+                )
             ).wait(300)
             assert isinstance(cold, Finished)
             assert got[name].tokens == list(cold.token_ids), name

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import pytest
 from engine_kit import generate, make_engine, random_prompt, still_clock
+from engine_kit import request as make_request
 from test_scheduler import Hold, _assert_close
 from tierchat.core.api import Finished, GenerateRequest
 from tierchat.core.models.tiny import TINY_ARCHS
+from tierchat.core.sampling_params import SamplingParams
 
 SYSTEM = 100  # the shared system prompt's tokens
 KV_ONLY = ("llama", "qwen2")  # every layer a plain KVCache
@@ -33,7 +35,7 @@ def _requests() -> list[dict]:
 
 def _run_together(engine, reqs: list[dict]):
     hold = Hold(engine)
-    handles = [engine.submit(GenerateRequest(**r)) for r in reqs]
+    handles = [engine.submit(make_request(**r)) for r in reqs]
     hold.release()
     results = [h.wait(300) for h in handles]
     assert all(isinstance(r, Finished) for r in results), results
@@ -158,7 +160,11 @@ def test_a_request_arriving_during_a_restore_joins_that_steps_group(tmp_path, mo
         def arrivals() -> None:
             calls.append(len(hot.executor.prefilling))
             if len(calls) == 2:  # after the step's first start: it arrived during it
-                late.append(hot.submit(GenerateRequest(prompt_ids=second, max_tokens=4)))
+                late.append(
+                    hot.submit(
+                        GenerateRequest(sampling=SamplingParams(max_tokens=4), prompt_ids=second)
+                    )
+                )
             admit_arrived()
 
         hot.executor.scheduler.arrivals = arrivals

@@ -8,6 +8,8 @@ to the greedy token; a stop string ends the reply before it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import pytest
 from engine_kit import generate, make_engine, mlx_lm_tokens, random_prompt
@@ -15,9 +17,9 @@ from tierchat.core.api import GenerateRequest, TokenBatch
 from tierchat.core.engine.sampling import (
     SeededSampler,
     StopStrings,
-    check_sampling,
     make_request_sampler,
 )
+from tierchat.core.sampling_params import SamplingError, SamplingParams
 
 PROMPT = random_prompt(40, seed=3)
 
@@ -32,7 +34,9 @@ def engine(tmp_path_factory, models_dir):
 def test_sampler_controls_narrow_a_crafted_distribution():
     logprobs = mx.log(mx.array([[0.5, 0.3, 0.15, 0.05]]))
     draws = lambda **kw: {  # noqa: E731
-        make_request_sampler(GenerateRequest((1,), temperature=1.0, **kw)).sampler(logprobs).item()
+        make_request_sampler(GenerateRequest((1,), sampling=SamplingParams(temperature=1.0, **kw)))
+        .sampler(logprobs)
+        .item()
         for _ in range(200)
     }
     mx.random.seed(0)
@@ -49,12 +53,16 @@ def test_a_seeded_sampler_draws_its_own_stream_between_other_draws(controls):
     its calls; and its stream's next key is the key the sampler itself leaves after as
     many calls from the seed (one split per call, what it computes on the CPU)."""
     logprobs = mx.log(mx.softmax(mx.random.normal((1, 64), key=mx.random.key(3))))
-    sampling = make_request_sampler(GenerateRequest((1,), temperature=0.8, **controls))
+    sampling = make_request_sampler(
+        GenerateRequest((1,), sampling=SamplingParams(temperature=0.8, **controls))
+    )
     mx.random.seed(2**64 - 5)  # a seed whose key uses both 32-bit halves
     alone = [sampling.sampler(logprobs).item() for _ in range(30)]
     assert len(set(alone)) >= 3  # it samples
     seeded = SeededSampler(sampling.sampler, 2**64 - 5)
-    other = make_request_sampler(GenerateRequest((1,), temperature=1.0)).sampler
+    other = make_request_sampler(
+        GenerateRequest((1,), sampling=SamplingParams(temperature=1.0))
+    ).sampler
     draws = []
     for _ in range(30):
         other(logprobs)  # an unseeded request's draw in between
@@ -105,7 +113,9 @@ def test_a_stop_string_ends_the_reply_before_it(engine):
     assert len(text) > 6
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     want = text[: text.find(stop)]
-    handle = engine.submit(GenerateRequest(PROMPT, max_tokens=16, stop=("\x00never", stop)))
+    handle = engine.submit(
+        GenerateRequest(PROMPT, sampling=SamplingParams(max_tokens=16, stop=("\x00never", stop)))
+    )
     out = handle.wait(120)
     assert out.text == want and out.metrics.finish_reason == "stop"
     streamed = "".join(e.text for e in handle.events() if isinstance(e, TokenBatch))
@@ -122,12 +132,35 @@ def test_stop_strings_hold_back_a_possible_start():
 
 
 def test_out_of_range_values_are_refused_by_name():
-    for kw, word in (
-        ({"top_k": -1}, "top-k"),
-        ({"min_p": 1.0}, "min-p"),
-        ({"repetition_penalty": 0}, "repetition penalty"),
-        ({"presence_penalty": 3}, "presence penalty"),
-        ({"stop": ["x"] * 5}, "stop"),
+    """One record, checked when made: a bad value raises ``SamplingError`` naming the
+    field (which serve, the TUI, ``chat`` and the config file each show)."""
+    for kw in (
+        {"top_k": -1},
+        {"min_p": 1.0},
+        {"repetition_penalty": 0},
+        {"presence_penalty": 3},
+        {"stop": ["x"] * 17},
+        {"top_p": 0},
+        {"temperature": 5.5},
+        {"max_tokens": 0},
+        {"seed": -1},
+        {"temperature": "warm"},
+        {"repetition_context_size": 0},
     ):
-        with pytest.raises(ValueError, match=word):
-            check_sampling(**kw)
+        (field,) = kw
+        with pytest.raises(SamplingError, match=f"^{field} ") as e:
+            SamplingParams(**kw)
+        assert e.value.field == field
+    with pytest.raises(SamplingError, match="^top_k"):
+        dataclasses.replace(SamplingParams(), top_k=-3)  # a replace is checked again
+    assert SamplingParams(temperature=1, stop=["", "END"]).temperature == 1.0
+    assert SamplingParams(stop=["", "END"]).stop == ("END",)
+
+
+def test_stop_strings_name_the_one_that_matched_and_scan_once():
+    s = StopStrings(["END", "STOP"])
+    text = ""
+    for piece in ["abc ", "ST", "O", "x and E", "N", "D more"]:
+        text += piece
+        safe, hit = s.feed(text)
+    assert (safe, hit, s.matched) == ("abcSTOx and ".replace("abc", "abc "), True, "END")

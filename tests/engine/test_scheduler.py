@@ -9,7 +9,14 @@ import threading
 
 import numpy as np
 import pytest
-from engine_kit import LOGPROB_TOL, generate, make_engine, mlx_lm_tokens, random_prompt
+from engine_kit import (
+    LOGPROB_TOL,
+    generate,
+    make_engine,
+    mlx_lm_tokens,
+    random_prompt,
+)
+from engine_kit import request as make_request
 from tierchat.core.api import (
     Failed,
     Finished,
@@ -18,7 +25,9 @@ from tierchat.core.api import (
     Stopping,
     TokenBatch,
 )
+from tierchat.core.chat.conversation_settings import ConversationSettings
 from tierchat.core.models.tiny import TINY_ARCHS
+from tierchat.core.sampling_params import SamplingParams
 
 
 class Hold:
@@ -75,7 +84,7 @@ def test_batched_replies_equal_each_request_alone(arch, bitwise, tmp_path, model
         generate(hot, prompts[0][:40] + (7, 7), max_tokens=2)  # the shared prefix, cached
         hold = Hold(hot)
         handles = [
-            hot.submit(GenerateRequest(prompt_ids=p, max_tokens=6 + i))
+            hot.submit(GenerateRequest(sampling=SamplingParams(max_tokens=6 + i), prompt_ids=p))
             for i, p in enumerate(prompts)
         ]
         hold.release()
@@ -111,8 +120,12 @@ def _next_request_runs(engine) -> None:
 
 def test_cancel_while_queued_fails_it_before_any_work(engine):
     hold = Hold(engine)
-    a = engine.submit(GenerateRequest(prompt_ids=random_prompt(30), max_tokens=3))
-    b = engine.submit(GenerateRequest(prompt_ids=random_prompt(30, seed=5), max_tokens=3))
+    a = engine.submit(
+        GenerateRequest(sampling=SamplingParams(max_tokens=3), prompt_ids=random_prompt(30))
+    )
+    b = engine.submit(
+        GenerateRequest(sampling=SamplingParams(max_tokens=3), prompt_ids=random_prompt(30, seed=5))
+    )
     b.cancel()
     hold.release()
     result = b.wait(120)
@@ -134,7 +147,9 @@ def test_cancel_during_prefill_stops_at_the_next_piece_and_keeps_it(engine):
         if isinstance(event, PrefillProgress) and event.done > 0:
             handle.cancel()
 
-    handle = engine.submit(GenerateRequest(prompt_ids=prompt, max_tokens=3), on_event)
+    handle = engine.submit(
+        GenerateRequest(sampling=SamplingParams(max_tokens=3), prompt_ids=prompt), on_event
+    )
     result = handle.wait(120)
     assert isinstance(result, Failed) and result.kind == "cancelled"
     assert result.kept_tokens == 16
@@ -150,14 +165,20 @@ def test_cancel_during_decode_leaves_the_batch_at_the_next_step(engine):
     """A reply cancelled at its first token ends with that token while another request
     keeps decoding; the cancelled one's cache is stored like a finished reply's."""
     hold = Hold(engine)
-    other = engine.submit(GenerateRequest(prompt_ids=random_prompt(20, seed=8), max_tokens=12))
+    other = engine.submit(
+        GenerateRequest(
+            sampling=SamplingParams(max_tokens=12), prompt_ids=random_prompt(20, seed=8)
+        )
+    )
 
     def on_event(event) -> None:
         if isinstance(event, TokenBatch) and event.token_ids:
             handle.cancel()
 
     prompt = random_prompt(20, seed=7)
-    handle = engine.submit(GenerateRequest(prompt_ids=prompt, max_tokens=50), on_event)
+    handle = engine.submit(
+        GenerateRequest(sampling=SamplingParams(max_tokens=50), prompt_ids=prompt), on_event
+    )
     hold.release()
     result = handle.wait(120)
     assert isinstance(result, Finished)
@@ -176,14 +197,20 @@ def test_a_reply_cancelled_at_its_first_token_stores_prompt_and_token(arch, tmp_
     equals a cold run (tokens, logprobs)."""
     e = make_engine(f"tiny:{arch}", tmp_path / "hot", models_dir, bitwise=False)
     hold = Hold(e)
-    other = e.submit(GenerateRequest(prompt_ids=random_prompt(20, seed=8), max_tokens=12))
+    other = e.submit(
+        GenerateRequest(
+            sampling=SamplingParams(max_tokens=12), prompt_ids=random_prompt(20, seed=8)
+        )
+    )
 
     def on_event(event) -> None:
         if isinstance(event, TokenBatch) and event.token_ids:
             handle.cancel()
 
     prompt = random_prompt(24, seed=7)
-    handle = e.submit(GenerateRequest(prompt_ids=prompt, max_tokens=50), on_event)
+    handle = e.submit(
+        GenerateRequest(sampling=SamplingParams(max_tokens=50), prompt_ids=prompt), on_event
+    )
     hold.release()
     result = handle.wait(120)
     assert isinstance(result, Finished) and result.metrics.finish_reason == "cancelled"
@@ -210,9 +237,14 @@ def test_stats_show_the_requests_held(engine):
         if isinstance(event, PrefillProgress) and event.done == 16:
             snapshots.append(engine.stats().requests)
 
-    a = engine.submit(GenerateRequest(prompt_ids=random_prompt(10), max_tokens=4))
+    a = engine.submit(
+        GenerateRequest(sampling=SamplingParams(max_tokens=4), prompt_ids=random_prompt(10))
+    )
     b = engine.submit(
-        GenerateRequest(prompt_ids=random_prompt(150, seed=2), max_tokens=2), on_event
+        GenerateRequest(
+            sampling=SamplingParams(max_tokens=2), prompt_ids=random_prompt(150, seed=2)
+        ),
+        on_event,
     )
     hold.release()
     assert isinstance(a.wait(120), Finished) and isinstance(b.wait(120), Finished)
@@ -234,7 +266,9 @@ def test_nothing_lost_under_load_and_after_a_restart(arch, tmp_path, models_dir)
     lock = threading.Lock()
 
     def submit(engine, prompt, max_tokens=5):
-        req = GenerateRequest(prompt_ids=tuple(prompt), max_tokens=max_tokens)
+        req = GenerateRequest(
+            sampling=SamplingParams(max_tokens=max_tokens), prompt_ids=tuple(prompt)
+        )
         handle = engine.submit(req)
         result = handle.wait(300)
         assert isinstance(result, Finished), result
@@ -272,12 +306,21 @@ def test_nothing_lost_under_load_and_after_a_restart(arch, tmp_path, models_dir)
     try:
         follow = {c: p + list(random_prompt(6, seed=7 + c)) for c, p in lasts.items()}
         handles = {
-            c: again.submit(GenerateRequest(prompt_ids=tuple(p), max_tokens=5))
+            c: again.submit(
+                GenerateRequest(sampling=SamplingParams(max_tokens=5), prompt_ids=tuple(p))
+            )
             for c, p in follow.items()
         }
         for c, h in handles.items():
             assert isinstance(h.wait(300), Finished)
-            runs.append((GenerateRequest(prompt_ids=tuple(follow[c]), max_tokens=5), h))
+            runs.append(
+                (
+                    GenerateRequest(
+                        sampling=SamplingParams(max_tokens=5), prompt_ids=tuple(follow[c])
+                    ),
+                    h,
+                )
+            )
         restored = [h.result.metrics for h in handles.values()]
         assert all(m.cached_tokens > 0 for m in restored)
         assert sum(m.cached_by.get("ssd", 0) for m in restored) > 0
@@ -286,7 +329,7 @@ def test_nothing_lost_under_load_and_after_a_restart(arch, tmp_path, models_dir)
     cold = make_engine(f"tiny:{arch}", tmp_path / "cold", models_dir, no_cache=True, **kw)
     try:
         for req, handle in runs:
-            alone, alone_handle = generate(cold, req.prompt_ids, max_tokens=req.max_tokens)
+            alone, alone_handle = generate(cold, req.prompt_ids, max_tokens=req.sampling.max_tokens)
             _assert_close(alone, alone_handle, handle.result, handle)
     finally:
         cold.close()
@@ -318,11 +361,11 @@ def test_seeded_sampling_while_batched_equals_the_request_alone(arch, tmp_path, 
             if isinstance(event, TokenBatch) and event.token_ids:
                 tokens.extend(event.token_ids)
                 if len(tokens) in (3, 6):
-                    later.append(hot.submit(GenerateRequest(**joining[len(tokens) // 3 - 1])))
+                    later.append(hot.submit(make_request(**joining[len(tokens) // 3 - 1])))
 
         hold = Hold(hot)
-        handle = hot.submit(GenerateRequest(**seeded), on_event)
-        other = hot.submit(GenerateRequest(**unseeded))
+        handle = hot.submit(make_request(**seeded), on_event)
+        other = hot.submit(make_request(**unseeded))
         hold.release()
         result = handle.wait(300)
         assert isinstance(result, Finished) and isinstance(other.wait(300), Finished)
@@ -336,7 +379,7 @@ def test_seeded_sampling_while_batched_equals_the_request_alone(arch, tmp_path, 
 
 
 def _alone(engine, request: dict) -> tuple[int, ...]:
-    handle = engine.submit(GenerateRequest(**request))
+    handle = engine.submit(make_request(**request))
     result = handle.wait(120)
     assert isinstance(result, Finished), result
     return result.token_ids
@@ -369,7 +412,11 @@ def test_ctrl_c_in_chat_stops_the_reply_at_the_next_step(engine, tmp_path):
     from tierchat.core.chat.session import ChatSession
     from tierchat.core.chat.store import ConversationStore
 
-    session = ChatSession(engine, ConversationStore(tmp_path / "c.sqlite"), max_tokens=200)
+    session = ChatSession(
+        engine,
+        ConversationStore(tmp_path / "c.sqlite"),
+        ConversationSettings(sampling=SamplingParams(max_tokens=200)),
+    )
     session.new_conversation()
     out = _InterruptingOut()
     chat = LineChat(session, io.StringIO(), out, io.StringIO())
@@ -403,7 +450,10 @@ def test_quantized_kv_requests_decode_alone_beside_each_other(tmp_path, models_d
         prompts = _prompts()[:3]
         alone = [generate(cold, p, max_tokens=6) for p in prompts]
         hold = Hold(hot)
-        handles = [hot.submit(GenerateRequest(prompt_ids=p, max_tokens=6)) for p in prompts]
+        handles = [
+            hot.submit(GenerateRequest(sampling=SamplingParams(max_tokens=6), prompt_ids=p))
+            for p in prompts
+        ]
         hold.release()
         for (a, ha), h in zip(alone, handles, strict=True):
             _assert_close(a, ha, h.wait(300), h)
@@ -450,7 +500,10 @@ def test_4bit_weights_batch_and_equal_each_request_alone(arch, tmp_path, models_
         alone = [generate(cold, p, max_tokens=6) for p in prompts]
         generate(hot, prompts[0][:40] + (7, 7), max_tokens=2)  # the shared prefix, cached
         hold = Hold(hot)
-        handles = [hot.submit(GenerateRequest(prompt_ids=p, max_tokens=6)) for p in prompts]
+        handles = [
+            hot.submit(GenerateRequest(sampling=SamplingParams(max_tokens=6), prompt_ids=p))
+            for p in prompts
+        ]
         hold.release()
         results = [h.wait(300) for h in handles]
         assert all(isinstance(r, Finished) for r in results), results
@@ -475,7 +528,9 @@ def test_a_retry_after_another_request_restores_the_cancelled_pieces(tmp_path, m
             if isinstance(event, PrefillProgress) and event.done >= 40:
                 handle.cancel()
 
-        handle = engine.submit(GenerateRequest(prompt_ids=prompt, max_tokens=3), on_event)
+        handle = engine.submit(
+            GenerateRequest(sampling=SamplingParams(max_tokens=3), prompt_ids=prompt), on_event
+        )
         result = handle.wait(120)
         assert isinstance(result, Failed) and result.kept_tokens == 40
         _next_request_runs(engine)
@@ -520,7 +575,7 @@ def test_batched_penalties_stop_strings_and_continue_equal_each_request_alone(tm
             assert a.token_ids != unpenalized.token_ids
         assert alone[2][0].text == text[: text.find(stop)]
         hold = Hold(hot)
-        handles = [hot.submit(GenerateRequest(**r)) for r in reqs]
+        handles = [hot.submit(make_request(**r)) for r in reqs]
         hold.release()
         results = [h.wait(300) for h in handles]
         assert all(isinstance(r, Finished) for r in results), results
@@ -562,7 +617,9 @@ def test_a_lone_prefill_on_the_folded_schedule_is_cut_by_time_not_by_step(
             pieces.append(event.done)
 
     prompt = random_prompt(100, seed=2)
-    result = e.submit(GenerateRequest(prompt_ids=prompt, max_tokens=2), on_event).wait(120)
+    result = e.submit(
+        GenerateRequest(sampling=SamplingParams(max_tokens=2), prompt_ids=prompt), on_event
+    ).wait(120)
     assert isinstance(result, Finished)
     e.close()
     if bitwise:

@@ -15,8 +15,10 @@ from tierchat.core.api import (
     PrefillProgress,
     TokenBatch,
 )
+from tierchat.core.chat.conversation_settings import ConversationSettings
 from tierchat.core.chat.session import ChatSession, SessionError
 from tierchat.core.chat.store import ConversationStore
+from tierchat.core.sampling_params import SamplingError, SamplingParams
 
 TIMEOUT = 5
 
@@ -37,7 +39,7 @@ def store(tmp_path):
 
 @pytest.fixture
 def session(engine, store):
-    s = ChatSession(engine, store, max_tokens=64)
+    s = ChatSession(engine, store, ConversationSettings(sampling=SamplingParams(max_tokens=64)))
     s.new_conversation(system="Be brief.", title="t")
     return s
 
@@ -88,14 +90,25 @@ def test_events_stream_then_finish(session):
 
 def test_generation_parameters(engine, store):
     s = ChatSession(
-        engine, store, max_tokens=7, temperature=0.5, top_p=0.9, seed=3, use_cache=False
+        engine,
+        store,
+        ConversationSettings(
+            sampling=SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, seed=3)
+        ),
+        use_cache=False,
     )
     s.send("a").wait(TIMEOUT)
     r = engine.requests[-1]
-    assert (r.max_tokens, r.temperature, r.top_p, r.seed, r.use_cache) == (7, 0.5, 0.9, 3, False)
+    assert (
+        r.sampling.max_tokens,
+        r.sampling.temperature,
+        r.sampling.top_p,
+        r.sampling.seed,
+        r.use_cache,
+    ) == (7, 0.5, 0.9, 3, False)
     assert s.active_path()[-1].meta["finish_reason"] == "length"
     s.send("b", max_tokens=100).wait(TIMEOUT)
-    assert engine.requests[-1].max_tokens == 100
+    assert engine.requests[-1].sampling.max_tokens == 100
     assert s.conversation_id is not None  # send opened a conversation
 
 
@@ -340,20 +353,33 @@ def test_fake_engine_unsupported_model_and_fixed_clock():
 def test_settings_are_saved_with_the_conversation_and_used(engine, store):
     from tierchat.core.chat.session import ConversationSettings
 
-    s = ChatSession(engine, store, max_tokens=64, temperature=0.0, seed=7)
+    s = ChatSession(
+        engine,
+        store,
+        ConversationSettings(sampling=SamplingParams(max_tokens=64, temperature=0.0, seed=7)),
+    )
     cid = s.new_conversation(title="a")
-    assert s.settings() == ConversationSettings(max_tokens=64, seed=7)
-    s.save_settings(ConversationSettings("Talk like a pirate.", 0.8, 0.9, 32, 11))
+    assert s.settings() == ConversationSettings(sampling=SamplingParams(max_tokens=64, seed=7))
+    s.save_settings(
+        ConversationSettings.of(
+            system="Talk like a pirate.", temperature=0.8, top_p=0.9, max_tokens=32, seed=11
+        )
+    )
     s.send("hi").wait(TIMEOUT)
     r = engine.requests[-1]
-    assert (r.temperature, r.top_p, r.max_tokens, r.seed) == (0.8, 0.9, 32, 11)
+    assert (r.sampling.temperature, r.sampling.top_p, r.sampling.max_tokens, r.sampling.seed) == (
+        0.8,
+        0.9,
+        32,
+        11,
+    )
     assert "<|system|>Talk like a pirate.<|end|>" in engine.tokenizer.decode(r.prompt_ids)
     other = s.new_conversation(title="b")  # another conversation keeps the defaults
     s.send("hi").wait(TIMEOUT)
-    assert engine.requests[-1].temperature == 0.0
+    assert engine.requests[-1].sampling.temperature == 0.0
     assert s.settings(cid).system == "Talk like a pirate." and s.settings(other).system == ""
-    with pytest.raises(ValueError, match="top-p"):
-        s.save_settings(ConversationSettings(top_p=0.0))
+    with pytest.raises(SamplingError, match="top_p"):
+        s.save_settings(ConversationSettings(sampling=SamplingParams(top_p=0.0)))
 
 
 def test_regenerate_at_temperature_samples_a_new_seed_each_time(engine, store):
@@ -361,14 +387,17 @@ def test_regenerate_at_temperature_samples_a_new_seed_each_time(engine, store):
 
     s = ChatSession(engine, store)
     s.new_conversation()
-    s.save_settings(ConversationSettings(temperature=0.7, seed=100))
+    s.save_settings(ConversationSettings(sampling=SamplingParams(temperature=0.7, seed=100)))
     s.send("q").wait(TIMEOUT)
     s.regenerate().wait(TIMEOUT)
     s.regenerate().wait(TIMEOUT)
-    assert [r.seed for r in engine.requests] == [100, 101, 102]
-    s.save_settings(ConversationSettings(temperature=0.0, seed=100))  # greedy: seed unused
+    assert [r.sampling.seed for r in engine.requests] == [100, 101, 102]
+    greedy = SamplingParams(temperature=0.0, seed=100)  # greedy: seed unused
+    s.save_settings(ConversationSettings(sampling=greedy, swipe_temperature=0.0))
     s.regenerate().wait(TIMEOUT)
-    assert engine.requests[-1].seed == 100 and engine.requests[-1].temperature == 0.0
+    assert (
+        engine.requests[-1].sampling.seed == 100 and engine.requests[-1].sampling.temperature == 0.0
+    )
 
 
 def test_system_prompt_setting_replaces_the_stored_system_root(session, engine):
@@ -387,12 +416,11 @@ def test_system_prompt_setting_replaces_the_stored_system_root(session, engine):
 
 
 def test_fork_keeps_the_settings(session):
-    from dataclasses import replace
 
     session.send("hi").wait(TIMEOUT)
-    session.save_settings(replace(session.settings(), temperature=0.9))
+    session.save_settings(session.settings().with_values({"temperature": 0.9}))
     fork = session.fork(session.active_path()[-1].id)
-    assert session.settings(fork).temperature == 0.9
+    assert session.settings(fork).sampling.temperature == 0.9
 
 
 def test_send_without_a_model_is_a_clear_session_error(store):
@@ -437,26 +465,37 @@ def test_settings_keep_the_sampling_controls_per_conversation(session, engine):
 
     session.send("hello").wait(TIMEOUT)
     chosen = ConversationSettings(
-        temperature=0.7, top_k=40, min_p=0.05, repetition_penalty=1.3, stop=("END",), seed=3
+        sampling=SamplingParams(
+            temperature=0.7, top_k=40, min_p=0.05, repetition_penalty=1.3, stop=("END",), seed=3
+        )
     )
     session.save_settings(chosen)
     assert session.settings() == chosen  # stored and read back
     session.send("again").wait(TIMEOUT)
     req = engine.requests[-1]
-    assert (req.top_k, req.min_p, req.repetition_penalty, req.stop) == (40, 0.05, 1.3, ("END",))
+    assert (
+        req.sampling.top_k,
+        req.sampling.min_p,
+        req.sampling.repetition_penalty,
+        req.sampling.stop,
+    ) == (40, 0.05, 1.3, ("END",))
     other = session.new_conversation()
-    assert session.settings(other).top_k == 0  # another conversation keeps the defaults
-    with pytest.raises(ValueError, match="top-k"):
-        session.save_settings(ConversationSettings(top_k=-2))
+    assert session.settings(other).sampling.top_k == 0  # another conversation: the defaults
+    with pytest.raises(SamplingError, match="top_k"):
+        session.save_settings(ConversationSettings(sampling=SamplingParams(top_k=-2)))
 
 
 def test_a_regenerate_at_temperature_0_samples_at_the_swipe_temperature(engine, store):
-    session = ChatSession(engine, store, seed=5, sampling={"swipe_temperature": 0.8})
+    session = ChatSession(
+        engine,
+        store,
+        ConversationSettings(sampling=SamplingParams(seed=5)),  # swipe temperature 0.8
+    )
     session.send("hi").wait(TIMEOUT)
-    assert engine.requests[-1].temperature == 0.0  # the turn itself stays greedy
+    assert engine.requests[-1].sampling.temperature == 0.0  # the turn itself stays greedy
     session.regenerate().wait(TIMEOUT)
     req = engine.requests[-1]
-    assert req.temperature == 0.8 and req.seed == 5 + 1  # reply 1 of this message
+    assert req.sampling.temperature == 0.8 and req.sampling.seed == 5 + 1  # reply 1 of this message
 
 
 def test_continue_extends_the_last_reply_in_place(session, engine):

@@ -16,6 +16,7 @@ from engine_kit import generate, make_engine, random_prompt
 from tierchat.core.api import GenerateRequest, TokenBatch
 from tierchat.core.cache.admission import covers
 from tierchat.core.cache.blocks import KIND_BLOCK, KIND_TAIL
+from tierchat.core.sampling_params import SamplingParams
 
 MODEL = "tiny:llama"
 SYSTEM = random_prompt(40, seed=21)  # 2 system blocks and 8 tokens of a third
@@ -189,7 +190,9 @@ def test_writes_wait_for_no_request_held_unless_told(tmp_path, models_dir, while
             held.append(e.cache.ssd.held)
 
     prompt = SYSTEM + random_prompt(20, seed=5)
-    first = e.submit(GenerateRequest(prompt_ids=prompt, max_tokens=8), on_event).wait(120)
+    first = e.submit(
+        GenerateRequest(sampling=SamplingParams(max_tokens=8), prompt_ids=prompt), on_event
+    ).wait(120)
     assert len(held) == 8
     # the first token comes while the request's own hold is given up
     assert held[1:] == [not while_busy] * 7

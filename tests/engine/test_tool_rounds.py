@@ -13,6 +13,7 @@ import json
 
 import pytest
 from engine_kit import ScriptedEngine, make_engine
+from tierchat.core.chat.conversation_settings import ConversationSettings
 from tierchat.core.chat.session import ChatSession
 from tierchat.core.chat.store import ConversationStore
 from tierchat.core.chat.tool_rounds import Decision, ToolRounds
@@ -75,10 +76,10 @@ def chat(engine):
     engine.clear("all")
     scripted = ScriptedEngine(engine)
     store = ConversationStore(":memory:")
-    session = ChatSession(scripted, store, max_tokens=96)
+    defaults = ConversationSettings.of(max_tokens=96, swipe_temperature=0.0, tools=("kit",))
+    session = ChatSession(scripted, store, defaults)
     host = StubHost()
     rounds = ToolRounds(session, host, max_rounds=3)
-    session.sampling["tools"] = ("kit",)
     yield scripted, session, rounds, host
     store.close()
 

@@ -17,6 +17,7 @@ import threading
 import numpy as np
 import pytest
 from engine_kit import make_engine
+from tierchat.core.chat.conversation_settings import ConversationSettings
 from tierchat.core.chat.session import ChatSession
 from tierchat.core.chat.store import ConversationStore
 from tierchat.core.chat.verify import (
@@ -27,6 +28,7 @@ from tierchat.core.chat.verify import (
     agreement,
     verify_reply,
 )
+from tierchat.core.sampling_params import SamplingParams
 
 
 def test_agreement_counts_top1_first_difference_and_largest_delta():
@@ -53,7 +55,9 @@ def test_a_cached_turn_verifies_bitwise_on_the_cpu(tmp_path, models_dir, bitwise
     engine = make_engine("tiny:llama", tmp_path, models_dir, bitwise=bitwise)
     store = ConversationStore(tmp_path / "c.sqlite")
     try:
-        session = ChatSession(engine, store, max_tokens=8)
+        session = ChatSession(
+            engine, store, ConversationSettings(sampling=SamplingParams(max_tokens=8))
+        )
         session.new_conversation(system="You are terse.")
         turn = session.send("Tell me about the tides and the moon, briefly please.")
         turn.wait(120)
@@ -94,7 +98,8 @@ def test_a_verify_reports_progress_and_moves_no_chat_figure(tmp_path, models_dir
     engine = make_engine("tiny:llama", tmp_path, models_dir)
     store = ConversationStore(tmp_path / "c.sqlite")
     try:
-        session = ChatSession(engine, store, max_tokens=8)
+        defaults = ConversationSettings.of(max_tokens=8)
+        session = ChatSession(engine, store, defaults)
         session.new_conversation(system="You are terse.")
         first = session.send("Tell me about the tides and the moon, briefly please.")
         first.wait(120)
@@ -133,7 +138,8 @@ def test_a_cancelled_verify_stops_within_a_step(tmp_path, models_dir):
     engine = make_engine("tiny:llama", tmp_path, models_dir)
     store = ConversationStore(tmp_path / "c.sqlite")
     try:
-        session = ChatSession(engine, store, max_tokens=48)
+        defaults = ConversationSettings.of(max_tokens=48)
+        session = ChatSession(engine, store, defaults)
         session.new_conversation(system="You are terse.")
         turn = session.send("Tell me about the tides and the moon, at length please.")
         turn.wait(120)

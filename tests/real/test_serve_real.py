@@ -10,6 +10,7 @@ from pathlib import Path
 import openai
 import pytest
 from engine_kit import make_engine
+from tierchat.core.sampling_params import SamplingParams
 from tierchat.core.serve.app import create_app
 from tierchat.core.serve.log import RequestLog, TrackedEngine
 from tierchat.core.serve.server import ServerThread
@@ -135,13 +136,17 @@ def test_a_restarted_server_serves_the_conversation_from_the_ssd_tier(tmp_path, 
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": user_text(1)},
     ]
-    served = Served("tiny:llama", tmp_path, models_dir, persist=True, max_tokens=24)
+    served = Served(
+        "tiny:llama", tmp_path, models_dir, persist=True, sampling=SamplingParams(max_tokens=24)
+    )
     try:
         text, first = chat(served.client, messages)
     finally:
         served.close()
     messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "again?"}]
-    served = Served("tiny:llama", tmp_path, models_dir, persist=True, max_tokens=24)
+    served = Served(
+        "tiny:llama", tmp_path, models_dir, persist=True, sampling=SamplingParams(max_tokens=24)
+    )
     try:
         _, after = chat(served.client, messages)
     finally:

@@ -23,6 +23,7 @@ from tierchat.cli.bench.agent_sessions import (
     load_session,
     replay_body,
 )
+from tierchat.core.sampling_params import SamplingParams
 from tierchat.core.serve.app import create_app
 from tierchat.core.serve.log import RequestLog, TrackedEngine
 from tierchat.core.serve.server import ServerThread
@@ -49,7 +50,9 @@ def prompt_and_cached(api: str, reply: dict) -> tuple[int, int]:
 def test_recorded_session_restores_each_prompt_and_matches_chat(name, tmp_path, models_dir):
     session = load_session(name)
     engine = ScriptedEngine(make_engine("tiny:qwen2", tmp_path, models_dir))
-    state = ServeState(TrackedEngine(engine, RequestLog()), max_tokens=MAX_TOKENS)
+    state = ServeState(
+        TrackedEngine(engine, RequestLog()), sampling=SamplingParams(max_tokens=MAX_TOKENS)
+    )
     server = ServerThread(create_app(state)).start()
     try:
         native: list[tuple[int, ...]] = []

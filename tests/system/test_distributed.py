@@ -368,6 +368,7 @@ import json, sys
 from tierchat.config.settings import Settings
 from tierchat.core.engine import distributed as dist
 from tierchat.core.api import Failed, GenerateRequest, PrefillProgress, TokenBatch
+from tierchat.core.sampling_params import SamplingParams
 from tierchat.core.engine.engine import Engine
 
 cache_dir, models_dir = sys.argv[1], sys.argv[2]
@@ -394,9 +395,10 @@ def run(name, req, cancel_on=None):
 long = tuple(range(1, 120))
 teach = tuple(range(40, 140))
 run("decode", GenerateRequest(long, teacher_ids=teach), cancel_on=TokenBatch)
-run("prefill", GenerateRequest(tuple(range(2, 200)), max_tokens=4), cancel_on=PrefillProgress)
-run("after", GenerateRequest(tuple(range(2, 200)), max_tokens=6))
-run("cold", GenerateRequest(tuple(range(2, 200)), max_tokens=6, use_cache=False))
+ids = tuple(range(2, 200))
+run("prefill", GenerateRequest(ids, SamplingParams(max_tokens=4)), cancel_on=PrefillProgress)
+run("after", GenerateRequest(ids, SamplingParams(max_tokens=6)))
+run("cold", GenerateRequest(ids, SamplingParams(max_tokens=6), use_cache=False))
 e.close()
 dist.current().broadcast({"op": "exit"})
 print(json.dumps(out))
@@ -433,6 +435,7 @@ import json, sys, threading
 from tierchat.config.settings import Settings
 from tierchat.core.engine import distributed as dist
 from tierchat.core.api import Failed, GenerateRequest
+from tierchat.core.sampling_params import SamplingParams
 from tierchat.core.engine.engine import Engine
 
 cache_dir, models_dir, model, chunk = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
@@ -442,8 +445,9 @@ e = Engine(s)
 assert not isinstance(e.load_model(model).wait(), Failed)
 shared = tuple(range(3, 43))
 prompts = [shared + (7, 9, 11), tuple(range(50, 121)), (5, 6, 7, 8, 9), shared + tuple(range(90, 120))]
-alone = [e.submit(GenerateRequest(p, max_tokens=6, use_cache=False)).wait(120) for p in prompts]
-e.submit(GenerateRequest(shared + (1, 1), max_tokens=2)).wait(120)  # the shared prefix, cached
+six, two = SamplingParams(max_tokens=6), SamplingParams(max_tokens=2)
+alone = [e.submit(GenerateRequest(p, six, use_cache=False)).wait(120) for p in prompts]
+e.submit(GenerateRequest(shared + (1, 1), two)).wait(120)  # the shared prefix, cached
 gate, started = threading.Event(), threading.Event()
 def block():
     started.set()
@@ -451,7 +455,7 @@ def block():
 hold = threading.Thread(target=e.call, args=(block, 180))
 hold.start()
 assert started.wait(120)
-handles = [e.submit(GenerateRequest(p, max_tokens=6)) for p in prompts]  # admitted together
+handles = [e.submit(GenerateRequest(p, six)) for p in prompts]  # admitted together
 gate.set()
 hold.join(120)
 batched = [h.wait(120) for h in handles]

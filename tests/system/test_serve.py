@@ -13,9 +13,10 @@ import httpx
 import openai
 import pytest
 from fakes import END_ID, FakeEngine, FakeTokenizer
+from tierchat.core.sampling_params import SamplingParams
 from tierchat.core.serve.app import create_app
 from tierchat.core.serve.log import RequestLog, TrackedEngine
-from tierchat.core.serve.prompts import APIError, ReplyMemory, StopMatcher, sampling
+from tierchat.core.serve.prompts import APIError, ReplyMemory, sampling
 from tierchat.core.serve.server import ServerThread
 from tierchat.core.serve.state import ServeState
 
@@ -27,7 +28,7 @@ JSON = {"Content-Type": "application/json"}
 def served():
     """A fake engine behind a server on a free loopback port; yields (state, url)."""
     engine = TrackedEngine(FakeEngine(), RequestLog())
-    state = ServeState(engine, max_tokens=200)
+    state = ServeState(engine, sampling=SamplingParams(max_tokens=200))
     server = ServerThread(create_app(state)).start()
     try:
         yield state, server.url
@@ -163,12 +164,12 @@ def test_bad_requests_get_openai_error_shape_and_status(served):
         (b'{"messages": [{"role": "user", "content": "x"}], "n": 2}', "only n=1", "n"),
         (
             b'{"messages": [{"role": "user", "content": "x"}], "temperature": 9}',
-            "between",
+            "'temperature' must be in 0..5, not 9",
             "temperature",
         ),
         (
             b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}',
-            "number",
+            "integer",
             "max_tokens",
         ),
         (
@@ -287,24 +288,24 @@ def test_reply_memory_finds_ids_after_reasoning_was_removed():
     assert len(memory) == 8 and memory.lookup(text) is None
 
 
-def test_stop_matcher_holds_back_a_possible_stop_until_it_is_decided():
-    m = StopMatcher(["END"])
-    assert m.feed("abc E") == "abc "  # "E" may start "END"
-    assert m.feed("N") == ""
-    assert m.feed("Dxyz") == "" and m.stopped and m.text == "abc "
-    m = StopMatcher(["END"])
-    assert m.feed("EN") + m.feed("X") + m.flush() == "ENX" and not m.stopped
-    m = StopMatcher([])
-    assert m.feed("a") + m.feed("b") == "ab"
-
-
 def test_sampling_parameters_follow_openai_names():
-    s = sampling({"max_completion_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3}, 100, 0)
+    """A body's sampling over the server's defaults, as one ``SamplingParams``; its ranges
+    are the 400s, naming the body's own field."""
+    defaults = SamplingParams(max_tokens=100)
+    body = {"max_completion_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3}
+    s = sampling(body, defaults)
     assert (s.max_tokens, s.temperature, s.top_p, s.seed) == (7, 0.5, 0.9, 3)
-    assert sampling({}, 100, None).max_tokens == 100
-    for body in ({"top_p": 2}, {"stop": [1]}, {"stream": "yes"}):
-        with pytest.raises(APIError):
-            sampling(body, 100, 0)
+    assert sampling({}, defaults) == defaults
+    assert sampling({"stop": "END", "top_p": 0}, defaults).stop == ("END",)  # top_p 0: off
+    for body, param in (
+        ({"top_p": 2}, "top_p"),
+        ({"stop": [1]}, "stop"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"repetition_context_size": 0}, "repetition_context_size"),
+    ):
+        with pytest.raises(APIError) as e:
+            sampling(body, defaults)
+        assert (e.value.status, e.value.param) == (400, param)
 
 
 def test_sampling_controls_reach_the_request_under_openai_and_mlx_lm_names(served):
@@ -323,9 +324,13 @@ def test_sampling_controls_reach_the_request_under_openai_and_mlx_lm_names(serve
         extra_body={"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.2},
     )
     req = state.engine.engine.requests[-1]
-    got = (req.top_p, req.presence_penalty, req.frequency_penalty)
+    got = (req.sampling.top_p, req.sampling.presence_penalty, req.sampling.frequency_penalty)
     assert got == (0.9, 0.5, -0.25)
-    assert (req.top_k, req.min_p, req.repetition_penalty) == (40, 0.05, 1.2)
+    assert (req.sampling.top_k, req.sampling.min_p, req.sampling.repetition_penalty) == (
+        40,
+        0.05,
+        1.2,
+    )
     for bad in ({"top_k": -1}, {"min_p": 1.5}, {"repetition_penalty": 0}, {"presence_penalty": 3}):
         with pytest.raises(openai.BadRequestError) as err:
             c.chat.completions.create(

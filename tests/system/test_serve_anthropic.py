@@ -18,6 +18,7 @@ import pytest
 from engine_kit import make_engine
 from fakes import FakeEngine
 from tierchat.core.models.tiny import SPECIAL_TOKENS, load_tiny_tokenizer, materialize_tiny
+from tierchat.core.sampling_params import SamplingParams
 from tierchat.core.serve.app import create_app
 from tierchat.core.serve.log import RequestLog, TrackedEngine
 from tierchat.core.serve.server import ServerThread
@@ -72,7 +73,7 @@ def serve(tiny_tokenizer):
 
     def make(replies=(), **state_kw) -> Served:
         fake = FakeEngine(tokenizer=tiny_tokenizer, replies=list(replies), context_length=131072)
-        made.append(Served(fake, max_tokens=200, **state_kw))
+        made.append(Served(fake, sampling=SamplingParams(max_tokens=200), **state_kw))
         return made[-1]
 
     yield make

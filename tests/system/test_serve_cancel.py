@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 import openai
 import pytest
 from engine_kit import make_engine
+from tierchat.core.sampling_params import SamplingParams
 from tierchat.core.serve.app import create_app
 from tierchat.core.serve.log import RequestLog, TrackedEngine
 from tierchat.core.serve.server import ServerThread
@@ -53,7 +54,7 @@ def _post(url: str, body: dict) -> socket.socket:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streaming"])
 def test_a_client_that_disconnects_is_cancelled_at_the_next_step(stream, tmp_path, models_dir):
-    served = Served("tiny:llama", tmp_path, models_dir, max_tokens=400)
+    served = Served("tiny:llama", tmp_path, models_dir, sampling=SamplingParams(max_tokens=400))
     try:
         log = served.state.engine.log
         sock_box: list[socket.socket] = []

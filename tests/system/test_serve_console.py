@@ -17,6 +17,7 @@ from textual.clock import MockClock
 from textual.widgets import DataTable, Static
 from tierchat.config.settings import Settings
 from tierchat.core.chat.store import ConversationStore
+from tierchat.core.sampling_params import SamplingParams
 from tierchat.core.serve.app import create_app
 from tierchat.core.serve.log import RequestLog, TrackedEngine
 from tierchat.core.serve.server import ServerThread
@@ -49,10 +50,15 @@ def console(tmp_path):
     log = RequestLog()
     fake = ClearingFake()
     engine = TrackedEngine(fake, log)
-    server = ServerThread(create_app(ServeState(engine, max_tokens=64))).start()
+    server = ServerThread(
+        create_app(ServeState(engine, sampling=SamplingParams(max_tokens=64)))
+    ).start()
     log.url = server.url + "/v1"
     settings = Settings(
-        model="fake", data_dir=tmp_path / "d", cache_dir=tmp_path / "kv", max_tokens=64
+        sampling=SamplingParams(max_tokens=64),
+        model="fake",
+        data_dir=tmp_path / "d",
+        cache_dir=tmp_path / "kv",
     )
     store = ConversationStore(":memory:")
     app = ServeConsoleApp(engine, store, settings, log, clock=MockClock(0.0))

@@ -21,6 +21,7 @@ from engine_kit import make_engine
 from tierchat.cli.serve import _print_record
 from tierchat.core.chat.prompts import PromptBuilder
 from tierchat.core.live_status import STATUS_FILE, StatusService
+from tierchat.core.sampling_params import SamplingParams
 from tierchat.core.serve.app import create_app
 from tierchat.core.serve.limits import ServeLimits, context_length, vocab_size
 from tierchat.core.serve.log import RequestLog, TrackedEngine
@@ -43,7 +44,7 @@ class Served:
         self.limits = limits or ServeLimits()
         self.state = ServeState(
             self.engine,
-            max_tokens=MAX_TOKENS,
+            sampling=SamplingParams(max_tokens=MAX_TOKENS),
             memory_path=tmp / "data" / "serve-replies" / "m.jsonl",
             limits=self.limits,
         )
@@ -52,7 +53,9 @@ class Served:
         self.client = openai.OpenAI(
             base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120
         )
-        cold_state = ServeState(self.engine, max_tokens=MAX_TOKENS, use_cache=False)
+        cold_state = ServeState(
+            self.engine, sampling=SamplingParams(max_tokens=MAX_TOKENS), use_cache=False
+        )
         with ServerThread(create_app(cold_state)) as cold_server:
             cold = openai.OpenAI(base_url=cold_server.url + "/v1", api_key="x", max_retries=0)
             self.cold = self.chat(NORMAL, client=cold)

@@ -15,6 +15,7 @@ import threading
 import httpx
 from engine_kit import make_engine
 from test_serve_signals import Process, env_for, serve_cmd
+from tierchat.core.sampling_params import SamplingParams
 from tierchat.core.serve.app import create_app
 from tierchat.core.serve.log import RequestLog, TrackedEngine
 from tierchat.core.serve.server import ServerThread
@@ -165,7 +166,9 @@ def test_sixteen_clients_lose_nothing_and_restart_from_the_ssd_tier(tmp_path, mo
         make_engine("tiny:llama", tmp_path / "cold", models_dir, no_cache=True), RequestLog()
     )
     try:
-        with ServerThread(create_app(ServeState(cold, max_tokens=64, use_cache=False))) as alone:
+        with ServerThread(
+            create_app(ServeState(cold, sampling=SamplingParams(max_tokens=64), use_cache=False))
+        ) as alone:
             for client in clients:
                 for messages, reply in client.sent:
                     got = ask(alone.url, messages, client.stream, client.seed)

@@ -16,6 +16,7 @@ import pytest
 from engine_kit import make_engine
 from fakes import FakeEngine
 from tierchat.core.models.tiny import load_tiny_tokenizer, materialize_tiny
+from tierchat.core.sampling_params import SamplingParams
 from tierchat.core.serve import openai_api, responses_input
 from tierchat.core.serve.app import create_app
 from tierchat.core.serve.log import RequestLog, TrackedEngine
@@ -77,7 +78,9 @@ def tiny_tokenizer(models_dir):
 def scripted(tmp_path, tiny_tokenizer):
     """Replies: a call of exec_command, then the answer (then the answer again)."""
     served = Served(
-        FakeEngine(tokenizer=tiny_tokenizer, replies=[CALL_TEXT, ANSWER]), tmp_path, max_tokens=200
+        FakeEngine(tokenizer=tiny_tokenizer, replies=[CALL_TEXT, ANSWER]),
+        tmp_path,
+        sampling=SamplingParams(max_tokens=200),
     )
     yield served
     served.close()
@@ -85,7 +88,11 @@ def scripted(tmp_path, tiny_tokenizer):
 
 @pytest.fixture
 def real(tmp_path, models_dir):
-    served = Served(make_engine("tiny:llama", tmp_path, models_dir), tmp_path, max_tokens=8)
+    served = Served(
+        make_engine("tiny:llama", tmp_path, models_dir),
+        tmp_path,
+        sampling=SamplingParams(max_tokens=8),
+    )
     yield served
     served.close()
 

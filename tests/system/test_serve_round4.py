@@ -18,6 +18,7 @@ import openai
 import pytest
 from test_serve_hostile import NORMAL, Served
 from tierchat.core.engine.engine import Engine
+from tierchat.core.sampling_params import SamplingParams
 from tierchat.core.serve.app import create_app
 from tierchat.core.serve.limits import ServeLimits
 from tierchat.core.serve.log import RequestLog, TrackedEngine
@@ -105,7 +106,9 @@ def test_every_503_has_retry_after_in_every_apis_shape(served, tmp_path, cause):
     engine = served.engine
     if cause == "model_not_loaded":  # an engine with no model loaded yet
         engine = TrackedEngine(Engine(served.raw.settings), RequestLog())
-    state = ServeState(engine, max_tokens=4, max_queue=0 if cause == "queue_full" else 64)
+    state = ServeState(
+        engine, sampling=SamplingParams(max_tokens=4), max_queue=0 if cause == "queue_full" else 64
+    )
     state.draining = cause == "server_shutting_down"
     try:
         with ServerThread(create_app(state)) as server:
@@ -260,7 +263,7 @@ def test_a_full_tmpfs_leaves_whole_reply_memory_lines(served, tiny_tmpfs, capfd)
     """The same on a real full file system: the reply memory's file has 24 bytes left in
     its last page and nothing else is free, so the next reply's line is cut by the disk."""
     path = tiny_tmpfs / "serve-replies" / "m.jsonl"
-    state = ServeState(served.engine, max_tokens=8, memory_path=path)
+    state = ServeState(served.engine, sampling=SamplingParams(max_tokens=8), memory_path=path)
     with ServerThread(create_app(state)) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
         served.chat([{"role": "user", "content": "first, with room"}], client=client)

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from engine_kit import make_engine
+from tierchat.core.sampling_params import SamplingParams
 from tierchat.core.serve.app import create_app
 from tierchat.core.serve.log import RequestLog, TrackedEngine
 from tierchat.core.serve.server import ServerThread
@@ -156,7 +157,9 @@ def test_sigterm_during_a_stream_ends_it_and_keeps_every_entry(tmp_path, models_
         for path in on_disk:
             assert ssd.load(path.name.split(".")[0]) is not None, path
         tracked = TrackedEngine(engine, RequestLog())
-        with ServerThread(create_app(ServeState(tracked, max_tokens=8))) as again:
+        with ServerThread(
+            create_app(ServeState(tracked, sampling=SamplingParams(max_tokens=8)))
+        ) as again:
             r = chat(again.url)
             assert r.json()["choices"][0]["message"]["content"] == cold_text
             assert r.json()["usage"]["tierchat"]["cached_by"]["ssd"] > 0

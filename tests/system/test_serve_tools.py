@@ -14,6 +14,7 @@ import openai
 import pytest
 from engine_kit import ScriptedEngine, make_engine
 from fakes import FakeEngine
+from tierchat.core.sampling_params import SamplingParams
 from tierchat.core.serve.app import create_app
 from tierchat.core.serve.log import RequestLog, TrackedEngine
 from tierchat.core.serve.server import ServerThread
@@ -60,7 +61,9 @@ def served(engine):
     """A scripted engine over the real one, behind a server; yields (scripted, state, url)."""
     engine.clear("all")
     scripted = ScriptedEngine(engine)
-    state = ServeState(TrackedEngine(scripted, RequestLog()), max_tokens=64)
+    state = ServeState(
+        TrackedEngine(scripted, RequestLog()), sampling=SamplingParams(max_tokens=64)
+    )
     server = ServerThread(create_app(state)).start()
     try:
         yield scripted, state, server.url

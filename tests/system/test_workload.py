@@ -18,6 +18,7 @@ from tierchat.config.settings import Settings
 from tierchat.core.api import Finished, GenerateRequest
 from tierchat.core.engine.engine import Engine
 from tierchat.core.models import shapes
+from tierchat.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("isolated_settings")
 SYSTEMS = (workload.TIERCHAT, workload.MLX_LM)
@@ -165,7 +166,9 @@ def cold_tokens(settings: Settings, result: workload.WorkloadResult) -> list[tup
         out = []
         for row, prompt in zip(result.rows, result.prompts, strict=True):
             request = GenerateRequest(
-                prompt_ids=prompt, max_tokens=row["max_tokens"], use_cache=False
+                sampling=SamplingParams(max_tokens=row["max_tokens"]),
+                prompt_ids=prompt,
+                use_cache=False,
             )
             got = engine.submit(request).wait(300)
             assert isinstance(got, Finished), got

@@ -10,6 +10,7 @@ import pytest
 from textual.clock import MockClock
 from tierchat.config.settings import Settings
 from tierchat.core.chat.store import ConversationStore
+from tierchat.core.sampling_params import SamplingParams
 from tui_kit import FlakyEngine, fixed_clock
 
 
@@ -22,11 +23,11 @@ def anyio_backend() -> str:
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
     return Settings(
+        sampling=SamplingParams(max_tokens=64),
         model="demo",
         data_dir=tmp_path / "data",
         cache_dir=tmp_path / "kv",
         models_dir=tmp_path / "models",
-        max_tokens=64,
     )
 
 

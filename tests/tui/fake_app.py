@@ -28,6 +28,7 @@ sys.path.insert(0, str(HERE.parent))  # tests/ for fakes
 from fakes import FakeEngine  # noqa: E402
 from tierchat.config.settings import Settings  # noqa: E402
 from tierchat.core.chat.store import ConversationStore  # noqa: E402
+from tierchat.core.sampling_params import SamplingParams  # noqa: E402
 from tierchat.tui.app import TierchatApp  # noqa: E402
 
 
@@ -85,11 +86,11 @@ def main() -> None:
     parser.add_argument("--models-dir", type=Path, default=None)
     args = parser.parse_args()
     settings = Settings(
+        sampling=SamplingParams(max_tokens=64),
         model="demo",
         data_dir=args.data_dir,
         cache_dir=args.cache_dir,
         models_dir=args.data_dir / "models",
-        max_tokens=64,
     )
     host = None
     if args.tool_replies is not None:

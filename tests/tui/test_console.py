@@ -7,6 +7,7 @@ import json
 
 import pytest
 from tierchat.core.chat.session import ConversationSettings
+from tierchat.core.sampling_params import SamplingParams
 from tierchat.tui.cache_report import clear_report
 from tierchat.tui.screens.conversation_settings import ConversationSettingsScreen
 from tierchat.tui.widgets.cache_panels import CacheSummary, cache_summary
@@ -92,13 +93,13 @@ async def test_settings_are_per_conversation_and_used_by_the_next_turn(make_app,
         await settle(pilot)
         await pilot.press("ctrl+r")
         await settle(pilot)
-        seeds = [r.seed for r in engine.requests[-2:]]
-        assert seeds == [6, 7] and engine.requests[-1].temperature == 0.8
+        seeds = [r.sampling.seed for r in engine.requests[-2:]]
+        assert seeds == [6, 7] and engine.requests[-1].sampling.temperature == 0.8
         prompt = engine.tokenizer.decode(engine.requests[-1].prompt_ids)
         assert "<|system|>Answer like a pirate." in prompt
         await pilot.press("ctrl+n")
         await send(pilot, "another chat")
-        assert engine.requests[-1].temperature == 0.0  # the default for a new conversation
+        assert engine.requests[-1].sampling.temperature == 0.0  # the default for a new conversation
 
 
 async def test_settings_dialog_sets_presence_and_frequency_penalties(make_app, engine, store):
@@ -120,7 +121,10 @@ async def test_settings_dialog_sets_presence_and_frequency_penalties(make_app, e
         await pilot.press("ctrl+r")
         await settle(pilot)
         request = engine.requests[-1]
-        assert (request.presence_penalty, request.frequency_penalty) == (0.5, -0.25)
+        assert (request.sampling.presence_penalty, request.sampling.frequency_penalty) == (
+            0.5,
+            -0.25,
+        )
         await pilot.press("f9")  # shown again as saved
         dialog = app.screen
         assert dialog.query_one("#presence_penalty").value == "0.5"
@@ -128,7 +132,7 @@ async def test_settings_dialog_sets_presence_and_frequency_penalties(make_app, e
         dialog.query_one("#frequency_penalty").value = "2.5"
         await pilot.press("ctrl+s")
         await pilot.pause()
-        assert "frequency penalty must be in -2..2" in str(dialog.query_one("#error").content)
+        assert "frequency_penalty must be in -2..2" in str(dialog.query_one("#error").content)
         await pilot.press("escape")
 
 
@@ -141,7 +145,7 @@ async def test_settings_dialog_refuses_bad_values(make_app):
         await pilot.press("ctrl+s")
         await pilot.pause()
         assert isinstance(app.screen, ConversationSettingsScreen)
-        assert "top-p" in str(app.screen.query_one("#error").content)
+        assert "top_p must be in (0, 1]" in str(app.screen.query_one("#error").content)
         await pilot.press("escape")
 
 
@@ -296,7 +300,7 @@ async def test_narrow_summary_shows_the_last_turn(make_app):
 
 
 def test_conversation_settings_from_saved_values():
-    defaults = ConversationSettings(temperature=0.0, max_tokens=64)
+    defaults = ConversationSettings(sampling=SamplingParams(temperature=0.0, max_tokens=64))
     s = ConversationSettings.from_dict({"temperature": 0.5, "junk": 1}, defaults)
-    assert (s.temperature, s.max_tokens) == (0.5, 64)
+    assert (s.sampling.temperature, s.sampling.max_tokens) == (0.5, 64)
     assert ConversationSettings.from_dict({"temperature": "hot"}, defaults) == defaults

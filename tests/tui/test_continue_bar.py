@@ -3,8 +3,6 @@ in place (one swipe), and the bar of a reply that ended offers none (fake engine
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 from tierchat.tui.widgets.transcript import BranchBar, Transcript
 from tui_kit import SIZE, chat_screen, send, settle
@@ -26,7 +24,9 @@ async def test_a_cut_reply_offers_continue_and_it_grows_in_place(make_app, store
         assert "continue" not in bar_text(app)
         screen = chat_screen(app)
         session = screen.tierchat.session
-        session.save_settings(replace(session.settings(screen.conversation_id), max_tokens=8))
+        session.save_settings(
+            session.settings(screen.conversation_id).with_values({"max_tokens": 8})
+        )
         await send(pilot, LONG)
         cut = store.active_path(screen.conversation_id)[-1]
         assert cut.meta["finish_reason"] == "length"

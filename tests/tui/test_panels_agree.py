@@ -13,6 +13,7 @@ import pytest
 from textual.clock import MockClock
 from tierchat.config.settings import Settings
 from tierchat.core.chat.store import ConversationStore
+from tierchat.core.sampling_params import SamplingParams
 from tui_kit import chat_screen, fixed_clock, send, settle
 
 engine_module = pytest.importorskip("tierchat.core.engine.engine")
@@ -80,15 +81,15 @@ async def test_panels_agree_with_counters_and_events_through_turns_and_clears(tm
     from tierchat.tui.app import TierchatApp
 
     settings = Settings(
+        sampling=SamplingParams(max_tokens=8),
         model="tiny:llama",
         data_dir=tmp_path / "data",
         cache_dir=tmp_path / "kv",
         models_dir=tmp_path / "models",
-        block_size=256,  # a short prompt has no full block: a cold turn is still a miss
-        max_tokens=8,
+        block_size=256,
         hot_bytes=64 << 20,
         ssd_bytes=256 << 20,
-        tail_entries=1,  # every new tail evicts the last one: evictions to count
+        tail_entries=1,
     )
     engine = engine_module.Engine(settings)
     store = ConversationStore(":memory:", clock=fixed_clock)
@@ -157,7 +158,7 @@ def test_the_last_turn_record_is_the_running_turn_from_its_first_token(tmp_path:
 
         for ids in (prompt[:20], prompt):  # the second turn reuses the first one's blocks
             seen.clear()
-            request = GenerateRequest(prompt_ids=ids, max_tokens=6)
+            request = GenerateRequest(sampling=SamplingParams(max_tokens=6), prompt_ids=ids)
             done = engine.submit(request, on_event).wait(TIMEOUT_S)
             assert isinstance(done, Finished)
             (during,) = seen

@@ -151,8 +151,10 @@ REAL_TIMEOUT_S = 180.0
 
 def real_settings(tmp_path: Path, **overrides):
     """Settings for the real engine on ``tiny:llama`` under ``tmp_path`` (16-token blocks,
-    small tiers); ``overrides`` replace any field."""
+    small tiers, 8-token replies); ``overrides`` replace any field, a sampling key
+    (``max_tokens=6``, ``temperature=0.0``) one of ``Settings.sampling``."""
     from tierchat.config.settings import Settings
+    from tierchat.core.sampling_params import FIELDS, SamplingParams
 
     values = dict(
         model="tiny:llama",
@@ -160,12 +162,13 @@ def real_settings(tmp_path: Path, **overrides):
         cache_dir=tmp_path / "kv",
         models_dir=tmp_path / "models",
         block_size=16,
-        max_tokens=8,
         hot_bytes=64 << 20,
         ssd_bytes=256 << 20,
     )
-    values.update(overrides)
-    return Settings(**values)
+    sampling = {"max_tokens": 8}
+    for key, value in overrides.items():
+        (sampling if key in FIELDS else values)[key] = value
+    return Settings(**values, sampling=SamplingParams(**sampling))
 
 
 @contextlib.asynccontextmanager

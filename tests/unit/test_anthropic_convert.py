@@ -8,12 +8,13 @@ import copy
 from types import SimpleNamespace
 
 import pytest
+from tierchat.core.sampling_params import SamplingParams
 from tierchat.core.serve.anthropic_api import chat_request, error_body, stop_reason
 from tierchat.core.serve.prompts import APIError
 from tierchat.core.serve.request import normalize_system
 from tierchat.core.serve.state import SYSTEM_LINE_FILTERS
 
-STATE = SimpleNamespace(seed=None)
+STATE = SimpleNamespace(sampling=SamplingParams())
 TOOL = {
     "name": "read_file",
     "description": "Read a file.",
@@ -203,7 +204,7 @@ def test_sampling_thinking_and_the_fields_that_are_accepted_and_ignored():
         STATE,
     )
     s = chat.sampling
-    assert (s.max_tokens, s.stop, s.temperature, s.top_p, s.top_k, s.stream) == (
+    assert (s.max_tokens, s.stop, s.temperature, s.top_p, s.top_k, chat.stream) == (
         32000,
         ("END",),
         0.7,
@@ -225,7 +226,7 @@ def test_sampling_thinking_and_the_fields_that_are_accepted_and_ignored():
     "change",
     [
         {"max_tokens": None},
-        {"temperature": 1.5},
+        {"temperature": 6},  # SamplingParams' range, 0..5
         {"top_p": -0.1},
         {"messages": []},
         {"messages": [{"role": "tool", "content": "x"}]},

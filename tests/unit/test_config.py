@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from tierchat.config import Settings, SettingsError, explain, load_settings, parse_size
 from tierchat.config.settings import GiB, physical_ram_bytes
+from tierchat.core.sampling_params import SamplingParams
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -29,8 +30,9 @@ def test_defaults(tmp_path):
     assert s.db_path == s.data_dir / "conversations.sqlite"
     assert (s.kv_bits, s.memory_limit, s.keymap) == (None, None, {})
     assert (s.tail_entries, s.checkpoint_entries, s.writer_queue) == (64, 32, 4096)
-    assert (s.pin_system, s.no_cache, s.max_tokens, s.seed) == (True, False, 512, 0)
-    assert (s.temperature, s.top_p, s.kv_group_size) == (0.0, 1.0, 64)
+    assert (s.pin_system, s.no_cache, s.kv_group_size) == (True, False, 64)
+    assert s.sampling == SamplingParams()  # the one set of sampling defaults
+    assert (s.sampling.max_tokens, s.sampling.seed, s.sampling.temperature) == (512, None, 0.0)
     assert (s.memory_soft_fraction, s.memory_hard_fraction) == (0.80, 0.92)
     assert all(src == "default" for _, _, src in explain(s))
 
@@ -53,8 +55,8 @@ def test_precedence_file_env_cli(tmp_path):
     assert s.block_size == 64
     assert s.hot_bytes == 6 * 10**9
     assert s.model == "tiny:llama"
-    assert s.seed == 4
-    assert s.max_tokens == 32
+    assert s.sampling.seed == 4
+    assert s.sampling.max_tokens == 32
     assert s.keymap == {"quit": "ctrl+x", "regenerate": "r"}
     rows = {k: (v, src) for k, v, src in explain(s)}
     assert rows["block_size"] == (64, "cli --block-size")
@@ -84,7 +86,7 @@ def test_env_types(tmp_path):
     s = load(tmp_path, env=env)
     assert s.no_cache is True and s.pin_system is False
     assert s.kv_bits == 4 and s.memory_limit == 12 * GiB
-    assert s.temperature == 0.7
+    assert s.sampling.temperature == 0.7
     assert s.cache_dir == Path("~/kvcache").expanduser()
     s = load(tmp_path, env={"TIERCHAT_KV_BITS": "none", "TIERCHAT_MEMORY_LIMIT": ""})
     assert s.kv_bits is None and s.memory_limit is None
@@ -147,6 +149,11 @@ def test_error_message_names_key_value_and_source(tmp_path):
         ("temperature", "hot"),
         ("top_p", 0),
         ("top_p", 1.5),
+        ("min_p", 1),
+        ("repetition_penalty", 0),
+        ("presence_penalty", 3),
+        ("repetition_context_size", 0),
+        ("stop", 5),
         ("kv_bits", 7),
         ("kv_group_size", 48),
         ("memory_limit", "0"),
@@ -206,7 +213,7 @@ def test_explain_settings_built_directly():
 def test_to_toml_reads_back_to_the_same_settings(tmp_path):
     """A config file written from settings (as the clients bench starts ``tierchat serve``
     with them) loads to the same values, odd characters and auto values included."""
-    from tierchat.config.settings import KEYS, to_toml
+    from tierchat.config.settings import KEYS, to_toml, value_of
 
     given = load(
         tmp_path,
@@ -216,6 +223,7 @@ def test_to_toml_reads_back_to_the_same_settings(tmp_path):
             "hot_bytes": "1GB",
             "bitwise": True,
             "temperature": 0.7,
+            "stop": "END|\\n\\n",
             "kv_bits": 8,
         },
     )
@@ -224,7 +232,7 @@ def test_to_toml_reads_back_to_the_same_settings(tmp_path):
     back = load_settings(env={}, config_path=path)
     for key in KEYS:
         if key != "keymap":
-            assert getattr(back, key) == getattr(given, key), key
+            assert value_of(back, key) == value_of(given, key), key
     assert back.ssd_write_while_busy is None and back.memory_limit is None  # auto stays auto
 
 
@@ -245,3 +253,32 @@ def test_cuda_graphs_setting_sets_mlx_variable_unless_the_environment_has_it(tmp
     assert os.environ["MLX_USE_CUDA_GRAPHS"] == "0"
     assert "MLX_USE_CUDA_GRAPHS" not in device.peer_env()
     assert load(tmp_path, cli={"cuda_graphs": "on"}).cuda_graphs is True
+
+
+def test_the_sampling_keys_are_sampling_params_fields_with_their_ranges(tmp_path):
+    """Every field of the one ``SamplingParams`` is a top-level key of the file (the old
+    keys keep their names); a value out of its range is the ``SamplingParams`` check's,
+    said with the key's source."""
+    from tierchat.config.settings import KEYS
+    from tierchat.core.sampling_params import FIELDS
+
+    assert set(FIELDS) <= set(KEYS)
+    path = write(
+        tmp_path,
+        'temperature = 0.7\nseed = 3\nmax_tokens = 64\nstop = ["END", "\\n\\n"]\n'
+        "presence_penalty = 0.5\nrepetition_context_size = 64\n",
+    )
+    s = load_settings(env={}, config_path=path)
+    assert s.sampling == SamplingParams(
+        temperature=0.7,
+        seed=3,
+        max_tokens=64,
+        stop=("END", "\n\n"),
+        presence_penalty=0.5,
+        repetition_context_size=64,
+    )
+    bad = write(tmp_path, "temperature = 9\n")
+    with pytest.raises(
+        SettingsError, match=r"^temperature = 9 \(from file .*\): must be in 0\.\.5"
+    ):
+        load_settings(env={}, config_path=bad)

@@ -8,8 +8,10 @@ import io
 import pytest
 from fakes import FakeEngine
 from tierchat.cli.chat import LineChat
+from tierchat.core.chat.conversation_settings import ConversationSettings
 from tierchat.core.chat.session import ChatSession
 from tierchat.core.chat.store import ConversationStore
+from tierchat.core.sampling_params import SamplingParams
 
 
 @pytest.fixture
@@ -22,7 +24,9 @@ def engine():
 @pytest.fixture
 def session(engine):
     store = ConversationStore(":memory:")
-    session = ChatSession(engine, store, max_tokens=16)
+    session = ChatSession(
+        engine, store, ConversationSettings(sampling=SamplingParams(max_tokens=16))
+    )
     session.new_conversation()
     yield session
     store.close()
@@ -39,12 +43,12 @@ def test_set_takes_presence_and_frequency_penalties(session, engine):
     out, err = chat(session, "/set presence_penalty 0.5\n/set frequency_penalty -0.25\nhello\n")
     assert err == ""
     request = engine.requests[-1]
-    assert (request.presence_penalty, request.frequency_penalty) == (0.5, -0.25)
+    assert (request.sampling.presence_penalty, request.sampling.frequency_penalty) == (0.5, -0.25)
     saved = session.store.conversation_settings(session.conversation_id)
     assert (saved["presence_penalty"], saved["frequency_penalty"]) == (0.5, -0.25)
     out, err = chat(session, "/set presence_penalty 3\n")
-    assert "presence penalty must be in -2..2" in err
-    assert session.settings().presence_penalty == 0.5  # the bad value was not saved
+    assert "presence_penalty must be in -2..2" in err
+    assert session.settings().sampling.presence_penalty == 0.5  # the bad value was not saved
 
 
 class InterruptingOut(io.StringIO):
@@ -89,7 +93,7 @@ def test_set_echoes_plain_values(session):
         "[system = Be brief.]",
         "[swipe_temperature = 1]",
     ]
-    assert session.settings().stop == ("END", "\n\n")
+    assert session.settings().sampling.stop == ("END", "\n\n")
     listing = echoed[7:]
     assert "[max_tokens = 16]" in listing and "[seed = 7]" in listing
     assert "[presence_penalty = 0]" in listing and "[stop = END|\\n\\n]" in listing
@@ -111,4 +115,4 @@ def test_set_says_what_a_bad_value_should_be(session):
         "error: unknown setting colour; /set lists them",
     ]
     assert out == ""
-    assert session.settings().temperature == 0.0  # nothing bad was saved
+    assert session.settings().sampling.temperature == 0.0  # nothing bad was saved

@@ -23,7 +23,32 @@ from textual.containers import Grid, Vertical
 from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Static, TextArea
-from tierchat.core.chat.session import ConversationSettings
+from tierchat.core.chat.conversation_settings import ConversationSettings
+from tierchat.core.sampling_params import SamplingParams
+
+# the dialog's number fields: (label, setting, Input type); an empty field takes the default
+FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("Temperature (0 greedy)", "temperature", "number"),
+    ("Swipe temperature", "swipe_temperature", "number"),
+    ("Top-p (1 off)", "top_p", "number"),
+    ("Top-k (0 off)", "top_k", "integer"),
+    ("Min-p (0 off)", "min_p", "number"),
+    ("Repetition penalty", "repetition_penalty", "number"),
+    ("Presence penalty", "presence_penalty", "number"),
+    ("Frequency penalty", "frequency_penalty", "number"),
+    ("Max tokens", "max_tokens", "integer"),
+    ("Seed (empty: none)", "seed", "integer"),
+)
+DEFAULTS: dict[str, Any] = {
+    **SamplingParams().to_dict(),
+    "swipe_temperature": ConversationSettings().swipe_temperature,
+}
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return ""
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def reuse_note(session: Any, system: str, current: ConversationSettings) -> str:
@@ -87,6 +112,10 @@ class ConversationSettingsScreen(ModalScreen[ConversationSettings | None]):
         super().__init__()
         self.servers = servers
         self.settings = settings
+        self.values = {
+            **settings.sampling.to_dict(),
+            "swipe_temperature": settings.swipe_temperature,
+        }
         self.default_temperature = default_temperature
         self.title_text = title
         self.reuse_note = reuse_note
@@ -99,28 +128,11 @@ class ConversationSettingsScreen(ModalScreen[ConversationSettings | None]):
             yield TextArea(s.system, id="system", soft_wrap=True, tab_behavior="focus")
             yield Static("", id="reuse-note", markup=False)
             with Grid(id="numbers"):
-                yield Label("Temperature (0 greedy)")
-                yield Input(f"{s.temperature:g}", id="temperature", type="number")
-                yield Label("Swipe temperature")
-                yield Input(f"{s.swipe_temperature:g}", id="swipe_temperature", type="number")
-                yield Label("Top-p (1 off)")
-                yield Input(f"{s.top_p:g}", id="top_p", type="number")
-                yield Label("Top-k (0 off)")
-                yield Input(str(s.top_k), id="top_k", type="integer")
-                yield Label("Min-p (0 off)")
-                yield Input(f"{s.min_p:g}", id="min_p", type="number")
-                yield Label("Repetition penalty")
-                yield Input(f"{s.repetition_penalty:g}", id="repetition_penalty", type="number")
-                yield Label("Presence penalty")
-                yield Input(f"{s.presence_penalty:g}", id="presence_penalty", type="number")
-                yield Label("Frequency penalty")
-                yield Input(f"{s.frequency_penalty:g}", id="frequency_penalty", type="number")
-                yield Label("Max tokens")
-                yield Input(str(s.max_tokens), id="max_tokens", type="integer")
-                yield Label("Seed (empty: none)")
-                yield Input("" if s.seed is None else str(s.seed), id="seed", type="integer")
+                for label, key, kind in FIELDS:
+                    yield Label(label)
+                    yield Input(_shown(self.values[key]), id=key, type=kind)
             yield Label("Stop strings (separated by |, \\n for a line break)")
-            yield Input(format_stops(s.stop), id="stop")
+            yield Input(format_stops(s.sampling.stop), id="stop")
             if self.servers:
                 yield Label(f"Tools: MCP servers enabled here (of {', '.join(self.servers)})")
                 yield Input(" ".join(s.tools), id="tools")
@@ -162,57 +174,31 @@ class ConversationSettingsScreen(ModalScreen[ConversationSettings | None]):
         self.query_one("#reuse-note", Static).update(note)
 
     def read(self) -> ConversationSettings:
-        """The form as settings. Raises ``ValueError`` naming the bad field."""
-
-        def value(wid: str) -> str:
-            return self.query_one(f"#{wid}", Input).value.strip()
-
-        try:
-            temperature = float(value("temperature") or 0)
-            swipe = float(value("swipe_temperature") or 0)
-            top_p = float(value("top_p") or 1)
-            min_p = float(value("min_p") or 0)
-            penalty = float(value("repetition_penalty") or 1)
-            presence = float(value("presence_penalty") or 0)
-            frequency = float(value("frequency_penalty") or 0)
-        except ValueError:
-            raise ValueError("temperatures, top-p, min-p and the penalties are numbers") from None
-        try:
-            top_k = int(value("top_k") or 0)
-            max_tokens = int(value("max_tokens"))
-        except ValueError:
-            raise ValueError("top-k and max tokens are integers") from None
-        seed_text = value("seed")
-        try:
-            seed = int(seed_text) if seed_text else None
-        except ValueError:
-            raise ValueError("the seed is an integer (or empty)") from None
-        system = self.query_one("#system", TextArea).text.strip()
-        tools = self.settings.tools  # no servers configured: kept as they are
-        if self.servers:
-            names = value("tools").replace(",", " ").split()
+        """The form as settings. Raises ``ValueError`` naming the bad field (a
+        :class:`~tierchat.core.sampling_params.SamplingError` for a value out of range)."""
+        values: dict[str, Any] = {}
+        for label, key, kind in FIELDS:
+            text = self.query_one(f"#{key}", Input).value.strip()
+            if not text:
+                values[key] = DEFAULTS[key]
+                continue
+            try:
+                values[key] = int(text) if kind == "integer" else float(text)
+            except ValueError:
+                what = "an integer" if kind == "integer" else "a number"
+                raise ValueError(f"{label}: {what}, not {text!r}") from None
+        values["stop"] = parse_stops(self.query_one("#stop", Input).value)
+        values["system"] = self.query_one("#system", TextArea).text.strip()
+        if self.servers:  # no servers configured: the tools are kept as they are
+            names = self.query_one("#tools", Input).value.replace(",", " ").split()
             unknown = [n for n in names if n not in self.servers]
             if unknown:
                 raise ValueError(
                     f"no MCP server {unknown[0]!r} (configured: {', '.join(self.servers)})"
                 )
-            tools = tuple(n for n in self.servers if n in names)
-        return ConversationSettings(
-            system,
-            temperature,
-            top_p,
-            max_tokens,
-            seed,
-            top_k=top_k,
-            min_p=min_p,
-            repetition_penalty=penalty,
-            stop=parse_stops(self.query_one("#stop", Input).value),
-            swipe_temperature=swipe,
-            presence_penalty=presence,
-            frequency_penalty=frequency,
-            tools=tools,
-            allowed_tools=self.settings.allowed_tools,
-        ).checked()
+            values["tools"] = tuple(n for n in self.servers if n in names)
+        # the tools allowed without asking are not on this form: kept as they are
+        return self.settings.with_values(values)
 
     @dataclass
     class SaveRequest(Message):

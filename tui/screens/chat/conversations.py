@@ -157,7 +157,7 @@ class ConversationActions:
             current,
             title,
             reuse_note=lambda system: reuse_note(session, system, current),
-            default_temperature=session.defaults.temperature,
+            default_temperature=session.defaults.sampling.temperature,
             servers=app.tools.server_names(),
         )
         app.push_screen(screen, done)
