@@ -14,6 +14,7 @@ import httpx
 import pytest
 from engine_kit import make_engine
 from test_serve_signals import CHAT, Process, env_for, serve_cmd
+from tierchat.core.sampling_params import SamplingParams
 from tierchat.core.serve.app import create_app
 from tierchat.core.serve.log import RequestLog, TrackedEngine
 from tierchat.core.serve.server import ServerThread
@@ -51,7 +52,9 @@ def cold_reply(tmp, models_dir, messages) -> str:
     engine = make_engine("tiny:llama", tmp / "cold", models_dir, bitwise=False, no_cache=True)
     try:
         tracked = TrackedEngine(engine, RequestLog())
-        with ServerThread(create_app(ServeState(tracked, max_tokens=8))) as cold:
+        with ServerThread(
+            create_app(ServeState(tracked, sampling=SamplingParams(max_tokens=8)))
+        ) as cold:
             return ask(cold.url, messages)["choices"][0]["message"]["content"]
     finally:
         engine.close()

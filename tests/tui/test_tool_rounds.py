@@ -57,7 +57,10 @@ def tools_app(qwen_tokenizer, store, settings):
     from tierchat.tui.app import TierchatApp
 
     made = []
-    settings = dataclasses.replace(settings, max_tokens=512)  # a call takes ~60 tiny tokens
+    # a call takes ~60 tiny tokens
+    settings = dataclasses.replace(
+        settings, sampling=dataclasses.replace(settings.sampling, max_tokens=512)
+    )
 
     def make(replies: list[str], **overrides):
         engine = NotingEngine(
