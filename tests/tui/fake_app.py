@@ -18,6 +18,7 @@ traced once it is up.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -101,7 +102,8 @@ def main() -> None:
         tokenizer = load_tiny_tokenizer(materialize_tiny("qwen2", args.models_dir))
         replies = json.loads(args.tool_replies.read_text())
         engine = FakeEngine("demo", tokenizer=tokenizer, replies=replies, context_length=32768)
-        settings.max_tokens = 512  # a call is ~60 tiny tokens
+        # a call is ~60 tiny tokens
+        settings.sampling = dataclasses.replace(settings.sampling, max_tokens=512)
         host = McpHost([stdio_config()])
     else:
         engine = FakeEngine("demo", token_delay_s=args.token_delay, reasoning=args.reasoning)

@@ -11,6 +11,7 @@ an error before the app starts); the app owns one :class:`ToolService`
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -70,7 +71,9 @@ class ToolService:
             statuses = await asyncio.to_thread(self.host.wait_ready, READY_WAIT_S)
         finally:
             self.ready.set()
-        session.sampling["tools"] = tuple(s.name for s in statuses if s.state == "ready")
+        # new conversations get the tools of every server that is ready
+        ready_names = tuple(s.name for s in statuses if s.state == "ready")
+        session.defaults = dataclasses.replace(session.defaults, tools=ready_names)
         ready = sum(1 for s in statuses if s.state == "ready")
         if self.note is not None and ready:
             self.note(f"MCP: {ready} server(s) ready, {sum(len(s.tools) for s in statuses)} tools")
