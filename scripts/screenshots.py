@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -249,7 +249,7 @@ async def shoot(state: State, args, out: Path, suffix: str) -> Path:
         settings = make_settings(args.model, Path(tmp))
         host = None
         if state.tools:
-            settings.max_tokens = 256  # a call in tiny tokens
+            settings.sampling = replace(settings.sampling, max_tokens=256)  # a call in tiny tokens
             engine, host = tool_setup(settings)
         else:
             engine = make_engine(args, settings, supported=state.supported)
