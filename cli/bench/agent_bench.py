@@ -75,6 +75,7 @@ from tierchat.cli.bench.agent_sessions import (
     with_suffix,
 )
 from tierchat.cli.common import EXIT_OK, EXIT_USAGE, CLIError
+from tierchat.core.sampling_params import SamplingParams
 
 CALIBRATION_SALT = 1  # the floor prompts' first words: CODEWORDS[1..]
 SAMPLE_S = 0.5  # memory sampling period
@@ -294,7 +295,7 @@ def conversations(
 
 def chat_form(request: RecordedRequest, max_tokens: int) -> dict[str, Any]:
     """``request`` as the chat-completions body mlx_lm.server gets."""
-    state = SimpleNamespace(seed=0, max_tokens=max_tokens)
+    state = SimpleNamespace(sampling=SamplingParams(max_tokens=max_tokens, seed=0))
     return as_chat_body(request, state, max_tokens)
 
 

@@ -69,11 +69,13 @@ from pathlib import Path
 from tierchat.config.settings import Settings
 from tierchat.core.chat.store import ConversationStore
 from tierchat.core.engine.engine import Engine
+from tierchat.core.sampling_params import SamplingParams
 from tierchat.tui.app import TierchatApp
 
 tmp = Path(tempfile.mkdtemp())
 settings = Settings(model="tiny:llama", data_dir=tmp / "data", cache_dir=tmp / "kv",
-                    models_dir=tmp / "models", block_size=16, max_tokens=4)
+                    models_dir=tmp / "models", block_size=16,
+                    sampling=SamplingParams(max_tokens=4))
 
 async def main():
     engine = Engine(settings)
