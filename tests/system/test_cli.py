@@ -282,8 +282,8 @@ def test_chat_continue_set_and_negative_turns(capsys, tiny, monkeypatch):
     assert len(metrics) == 3  # hello, /continue, /regen 0
     # continue: the cut reply's prompt + ids are all resident, nothing is prefilled
     assert " · prefilled 0 · " in metrics[1] and "resident " in metrics[1], metrics[1]
-    assert "[turn -1: reply 1 of 2]" in out
-    assert "[top_k = 3]" in out and "error: top-k must be 0 (off) or more" in err
+    assert "[turn -1: reply 1 of 1]" in out  # a continue grows the reply in place
+    assert "[top_k = 3]" in out and "error: top_k must be in 0 (off) .. 2**20, not -1" in err
     assert "[stop = END|\\n\\n]" in out and "[swipe_temperature = 0.8]" in out
 
 
@@ -298,7 +298,7 @@ def test_tui_gets_an_unloaded_engine_and_closes_it(capsys, tiny, monkeypatch):
 
     seen = {}
 
-    def fake_run_app(engine, store, settings):
+    def fake_run_app(engine, store, settings, **kwargs):  # mcp_host=None: no servers
         seen.update(engine=engine, model=engine.model_name, store=store, settings=settings)
 
     monkeypatch.setattr(app, "run_app", fake_run_app)
