@@ -84,7 +84,7 @@ class SamplingParams:
         values = {
             "temperature": _number("temperature", self.temperature, float, 0.0, 5.0, "0..5"),
             "top_p": _number("top_p", self.top_p, float, 0.0, 1.0, "(0, 1]"),
-            "top_k": _number("top_k", self.top_k, int, 0, MAX_TOKENS_LIMIT, "0 (off) .. 2**20"),
+            "top_k": _number("top_k", self.top_k, int, 0, MAX_TOKENS_LIMIT, "0 (off) .. 1048576"),
             "min_p": _number("min_p", self.min_p, float, 0.0, 1.0, "[0, 1)"),
             "repetition_penalty": _number(
                 "repetition_penalty", self.repetition_penalty, float, 0.0, 10.0, "(0, 10]"
@@ -95,7 +95,7 @@ class SamplingParams:
                 int,
                 1,
                 MAX_TOKENS_LIMIT,
-                "1 .. 2**20",
+                "1 .. 1048576",
             ),
             "presence_penalty": _number(
                 "presence_penalty", self.presence_penalty, float, -2.0, 2.0, "-2..2"
@@ -104,7 +104,7 @@ class SamplingParams:
                 "frequency_penalty", self.frequency_penalty, float, -2.0, 2.0, "-2..2"
             ),
             "max_tokens": _number(
-                "max_tokens", self.max_tokens, int, 1, MAX_TOKENS_LIMIT, "1 .. 2**20"
+                "max_tokens", self.max_tokens, int, 1, MAX_TOKENS_LIMIT, "1 .. 1048576"
             ),
             "stop": _stop(self.stop),
             "seed": None

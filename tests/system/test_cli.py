@@ -283,7 +283,7 @@ def test_chat_continue_set_and_negative_turns(capsys, tiny, monkeypatch):
     # continue: the cut reply's prompt + ids are all resident, nothing is prefilled
     assert " · prefilled 0 · " in metrics[1] and "resident " in metrics[1], metrics[1]
     assert "[turn -1: reply 1 of 1]" in out  # a continue grows the reply in place
-    assert "[top_k = 3]" in out and "error: top_k must be in 0 (off) .. 2**20, not -1" in err
+    assert "[top_k = 3]" in out and "error: top_k must be in 0 (off) .. 1048576, not -1" in err
     assert "[stop = END|\\n\\n]" in out and "[swipe_temperature = 0.8]" in out
 
 

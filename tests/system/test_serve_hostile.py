@@ -8,6 +8,7 @@ Signals (a real ``tierchat serve`` subprocess): tests/system/test_serve_signals.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -179,13 +180,17 @@ def test_2_prompts_past_the_context_are_400_context_length_exceeded(served):
     assert served.state.log.snapshot().total == before  # refused before any prefill
     # the server's default max_tokens is capped to the room left instead; checked at a
     # 4,096-token context (a 131,066-token prefill takes minutes on a CPU)
-    args = served.raw.loaded.model.args
-    args.max_position_embeddings = 4096
+    # (the loaded model's figures are read once, at load: core/engine/runtime.py ModelInfo)
+    engine = served.raw
+    runtime = engine.runtime
+    engine.runtime = dataclasses.replace(
+        runtime, info=dataclasses.replace(runtime.info, context_length=4096)
+    )
     try:
         assert served.raw.context_length == 4096
         r = served.post("/v1/completions", {"prompt": [5] * 4090})
     finally:
-        args.max_position_embeddings = 131072
+        engine.runtime = runtime
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 6
     served.still_normal()
 
