@@ -32,7 +32,7 @@ class Served:
     def __init__(self, model: str, tmp: Path, models_dir: Path, persist: bool = False, **kw):
         self.engine = TrackedEngine(make_engine(model, tmp, models_dir), RequestLog())
         path = tmp / "replies.jsonl" if persist else None
-        kw.setdefault("max_tokens", MAX_TOKENS)
+        kw.setdefault("sampling", SamplingParams(max_tokens=MAX_TOKENS))
         self.state = ServeState(self.engine, memory_path=path, **kw)
         self.server = ServerThread(create_app(self.state)).start()
         self.client = openai.OpenAI(
