@@ -306,7 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--fresh-kernel-cache",
         action="store_true",
-        help="--agent: each server with its own empty MLX kernel cache (MLX_PTX_CACHE_DIR, TMPDIR)",
+        help="--agent, --serve --clients: each server with its own empty MLX kernel cache "
+        "(MLX_PTX_CACHE_DIR, TMPDIR); with --no-warm-round, the first round as users meet it",
     )
     p.add_argument(
         "--no-warm-round",

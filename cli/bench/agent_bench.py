@@ -74,6 +74,7 @@ from tierchat.cli.bench.agent_sessions import (
     session_path,
     with_suffix,
 )
+from tierchat.cli.bench.serve import kernel_env
 from tierchat.cli.common import EXIT_OK, EXIT_USAGE, CLIError
 from tierchat.core.sampling_params import SamplingParams
 
@@ -258,15 +259,6 @@ class MemorySampler:
 def ssd_total_bytes(port: int) -> int:
     """tierchat serve's ``/health`` ``ssd_writes.total_bytes`` (every session of the dir)."""
     return int((_get_json(port, "/health").get("ssd_writes") or {}).get("total_bytes") or 0)
-
-
-def kernel_env(root: Path | None) -> dict[str, str]:
-    """The variables that point MLX's kernel caches at a new dir under ``root`` (None:
-    none): ``MLX_PTX_CACHE_DIR`` (CUDA) and ``TMPDIR`` (the CPU backend's compiled kernels)."""
-    if root is None:
-        return {}
-    (root / "ptx").mkdir(parents=True, exist_ok=True)
-    return {"MLX_PTX_CACHE_DIR": str(root / "ptx"), "TMPDIR": str(root)}
 
 
 # ---------------------------------------------------------------- the replay

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from tierchat.cli.bench.main import WARMUP_SALT, make_prompt
-from tierchat.cli.bench.serve import FILLER, TOPICS, MlxLm, ServeProcess, chat
+from tierchat.cli.bench.serve import FILLER, TOPICS, MlxLm, ServeProcess, chat, kernel_env
 from tierchat.cli.bench.workload_report import p90, ratio_text
 from tierchat.cli.common import EXIT_OK, EXIT_USAGE, CLIError, table
 
@@ -267,6 +267,7 @@ def clients_bench(
     baseline: bool = True,
     log: Callable[[str], None] = print,
     warm: bool = True,
+    fresh_kernel_cache: bool = False,
 ) -> ClientsBench:
     """Every round of :func:`run_round` on tierchat serve (a fresh temporary cache dir),
     then (with ``baseline``) on mlx_lm.server, same model directory. With ``warm`` each
@@ -274,7 +275,9 @@ def clients_bench(
     MLX builds GPU kernels per shape on first use and keeps them on disk
     (``MLX_PTX_CACHE_DIR``, by default under the temp dir), so without it the server that
     runs first pays the builds (~35 s per new batch shape of 4-bit weights on an H100)
-    and the second finds them built."""
+    and the second finds them built. With ``fresh_kernel_cache`` each server gets an empty
+    kernel cache of its own (:func:`~tierchat.cli.bench.serve.kernel_env`): with ``warm``
+    off, its first round is the one users meet after an install or upgrade."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
     from tierchat.cli.bench.shape_export import mlx_model_dir
     from tierchat.core.engine.device import describe_device
@@ -289,10 +292,13 @@ def clients_bench(
         fresh = {"cache_dir": Path(tmp) / "kv", "data_dir": Path(tmp) / "data", "no_cache": False}
 
         def run(name: str, server: Any) -> list[Round]:
+            env = kernel_env(Path(tmp) / f"kernels-{name}" if fresh_kernel_cache else None)
+            if env:
+                log(f"{name}: kernels in {env['MLX_PTX_CACHE_DIR']}")
             try:
                 return run_server(
                     name,
-                    server.start,
+                    lambda: server.start(extra_env=env),
                     server.stop,
                     server.port,
                     warmup,
@@ -384,6 +390,7 @@ def run_clients_bench(settings: Any, args: Any) -> int:
         baseline=not args.no_baseline,
         log=log,
         warm=not getattr(args, "no_warm_round", False),
+        fresh_kernel_cache=getattr(args, "fresh_kernel_cache", False),
     )
     summary = summarize(got.rounds)
     print(

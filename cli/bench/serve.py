@@ -269,6 +269,15 @@ def stop_server(handle, timeout_s: float = 60) -> None:
     out.close()
 
 
+def kernel_env(root: Path | None) -> dict[str, str]:
+    """The variables that point MLX's kernel caches at a new dir under ``root`` (None:
+    none): ``MLX_PTX_CACHE_DIR`` (CUDA) and ``TMPDIR`` (the CPU backend's compiled kernels)."""
+    if root is None:
+        return {}
+    (root / "ptx").mkdir(parents=True, exist_ok=True)
+    return {"MLX_PTX_CACHE_DIR": str(root / "ptx"), "TMPDIR": str(root)}
+
+
 class MlxLm:
     """``python -m mlx_lm server`` on a free loopback port, for one model directory."""
 
