@@ -52,6 +52,7 @@ from .blocks import (
     LOGPROBS,
     ChainHasher,
     Entry,
+    EntryMeta,
     root_id,
 )
 from .capture import Capture
@@ -209,28 +210,48 @@ class PrefixCache:
         return len(r.tokens) if r is not None else 0
 
     # ------------------------------------------------------------------ lookup
+    # what the planner and the capture read and write (.view.TierView, .view.CaptureView)
+    def find(self, entry_id: str, use_ssd: bool = True) -> EntryMeta | None:
+        """The entry ``entry_id`` as a tier holds it: the hot ``Entry``, else the SSD
+        tier's ``FileMeta`` (unless ``use_ssd`` is False), else None."""
+        e = self.hot.peek(entry_id)
+        if e is None and self.ssd is not None and use_ssd:
+            return self.ssd.meta(entry_id)
+        return e
+
     def held(self, entry_id: str, use_ssd: bool = True) -> Held | None:
         """Where ``entry_id`` is held (hot first, then SSD) and what it carries, or None."""
-        e = self.hot.peek(entry_id)
-        if e is not None:
-            return Held("hot", e.window, e.snapshot)
-        if self.ssd is not None and use_ssd:
-            m = self.ssd.meta(entry_id)
-            if m is not None:
-                return Held("ssd", m.window, m.snapshot)
-        return None
+        e = self.find(entry_id, use_ssd)
+        if e is None:
+            return None
+        return Held("hot" if isinstance(e, Entry) else "ssd", e.window, e.snapshot)
 
-    def children(self, parent: str, use_ssd: bool = True) -> list:
+    def children(self, parent: str, use_ssd: bool = True) -> list[EntryMeta]:
         """Entries (hot ``Entry`` or SSD ``FileMeta``) that follow ``parent``."""
-        found = {i: self.hot.peek(i) for i in self.hot.children.get(parent, ())}
+        found: dict[str, EntryMeta | None] = {
+            i: self.hot.peek(i) for i in self.hot.children.get(parent, ())
+        }
         if self.ssd is not None and use_ssd:
             for m in self.ssd.children_of(parent):
                 found.setdefault(m.id, m)
         return [t for t in found.values() if t is not None]
 
-    def plan(self, *args, **kwargs) -> Plan | None:
+    def hot_entry(self, entry_id: str, touch: bool = False) -> Entry | None:
+        """The hot tier's entry ``entry_id``, or None; ``touch``: counted as a use (moved
+        to the end of the LRU order)."""
+        return self.hot.get(entry_id) if touch else self.hot.peek(entry_id)
+
+    def plan(
+        self,
+        prompt: Sequence[int],
+        ids: Sequence[str],
+        points: Sequence[int],
+        resident: Resident | None = None,
+        max_position: int | None = None,
+        use_ssd: bool = True,
+    ) -> Plan | None:
         """The restore plan for a prompt (:meth:`.planner.Planner.plan`)."""
-        return self.planner.plan(*args, **kwargs)
+        return self.planner.plan(prompt, ids, points, resident, max_position, use_ssd)
 
     def restore_repeat(self, prompt: Sequence[int]) -> Restored | None:
         """The resident cache cut back to the whole ``prompt``, with its first token's kept
@@ -271,9 +292,22 @@ class PrefixCache:
         return self.restorer.restore(prompt, ids, points, resident, fresh, max_position)
 
     # ------------------------------------------------------------------ store
-    def capture(self, *args, **kwargs) -> list[Entry]:
+    def capture(
+        self,
+        caches: list[Any],
+        tokens: Sequence[int],
+        ids: Sequence[str],
+        start: int,
+        end: int,
+        boundaries: Sequence[tuple[int, str]] = (),
+        end_kind: str | None = None,
+        defer_kv: bool = False,
+        logprobs: Any = None,
+    ) -> list[Entry]:
         """Entries for a span of the live cache (:meth:`.capture.Capture.capture`)."""
-        return self.capturer.capture(*args, **kwargs)
+        return self.capturer.capture(
+            caches, tokens, ids, start, end, boundaries, end_kind, defer_kv, logprobs
+        )
 
     def complete(self, caches, entries: list[Entry]) -> None:
         """Fill in what entries deferred (:meth:`.capture.Capture.complete`)."""
