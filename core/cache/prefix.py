@@ -427,7 +427,7 @@ class PrefixCache:
     def begin_cold(self, fresh) -> ColdRequest:
         """A request with the cache off (:class:`~.request.ColdRequest`): it keeps nothing,
         and holds the SSD writer to its first token as a cached one does."""
-        return ColdRequest(fresh, self.ssd)
+        return ColdRequest(fresh, self)
 
     def fit_hot_budget(self, budget: Callable[[int], int]) -> tuple[int, int] | None:
         """Set the hot tier's budget to ``budget(held)`` bytes (``held``: the bytes it holds
@@ -481,6 +481,12 @@ class PrefixCache:
         """A prefill of ``tokens`` tokens took ``seconds``: the rate the choice uses."""
         if self.rates is not None:
             self.rates.observe_prefill(tokens, seconds)
+
+    def observe_read(self, nbytes: int, seconds: float) -> None:
+        """A restore read ``nbytes`` of SSD files in ``seconds``: the read rate the choice
+        uses (:mod:`.rates`)."""
+        if self.rates is not None:
+            self.rates.observe_read(nbytes, seconds)
 
     def release_ram(self) -> None:
         """Drop the RAM tiers' arrays now (hot tier and resident cache; the SSD tier's

@@ -245,19 +245,42 @@ def test_no_import_cycle_inside_core():
     assert not cycles, "\n".join(cycles)
 
 
+def _tier_reaches(paths: list[Path]) -> list[str]:
+    """``path:line: .attr`` for each attribute ``hot``, ``ssd`` or ``rates`` read in
+    ``paths`` (``cache.hot.nbytes``, ``self.cache.ssd``, an alias's ``.rates``)."""
+    tiers = {"hot", "ssd", "rates"}
+    reaches = []
+    for path in paths:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in tiers:
+                where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+                reaches.append(f"{where}:{node.lineno}: .{node.attr}")
+    return reaches
+
+
 def test_the_engine_reaches_no_cache_tier():
     """core/engine/ asks the prefix cache through its own methods (``fit_hot_budget``,
     ``ssd_warning``, ``hold_writes``, ``observe_prefill``, ``release_ram``...), never
     through its tiers: no attribute ``hot``, ``ssd`` or ``rates`` is read there
     (``cache.hot.nbytes``, ``self.cache.ssd``, an alias's ``.rates``; docs/DESIGN.md §2)."""
-    tiers = {"hot", "ssd", "rates"}
-    reaches = []
-    for path in sorted((ROOT / "core" / "engine").rglob("*.py")):
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and node.attr in tiers:
-                reaches.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
-    assert not reaches, "\n".join(reaches)
+    assert not _tier_reaches(sorted((ROOT / "core" / "engine").rglob("*.py")))
+
+
+def test_the_cache_request_planner_and_capture_see_only_their_seams():
+    """``CacheRequest`` sees only ``PrefixCache`` (``hold_writes``, ``observe_read``...),
+    the planner and the capture only a ``TierView`` (docs/DESIGN.md §9): none of them
+    reads a tier (``cache.ssd``, ``view.hot``, ``cache.rates``)."""
+    parts = ("request.py", "planner.py", "capture.py", "view.py")
+    assert not _tier_reaches([ROOT / "core" / "cache" / p for p in parts])
+
+
+def test_the_tier_reach_check_can_fail(tmp_path):
+    (tmp_path / "m.py").write_text(
+        "def f(cache):\n    cache.ssd.pause(1)\n    return cache.hold_writes(1)\n",
+        encoding="utf-8",
+    )
+    assert _tier_reaches([tmp_path / "m.py"]) == ["m.py:2: .ssd"]
 
 
 def _private_reaches(folder: Path) -> list[str]:
