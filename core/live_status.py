@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import threading
 import time
 import uuid
@@ -32,29 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from .api import CACHE_TIERS, plain
-from .files import pid_alive, private_dirs
+from .files import pid_alive, write_atomic
 
 STATUS_FILE = "live-status.json"
 REQUESTS_DIR = "live-requests"
 FORMAT_VERSION = 2
 KEEP_CLEARS = 8
-
-
-def write_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` as JSON to ``path`` (0600; a new folder 0700) so a reader sees the old
-    file or the new one."""
-    private_dirs(path.parent)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 class StatusWriter:

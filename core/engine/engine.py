@@ -47,12 +47,12 @@ from ..api import (
     RequestHandle,
 )
 from ..cache.prefix import PrefixCache
+from ..device import device_info, use_cuda_graphs, use_deterministic_kernels
 from ..memory import pressure as memory_mod
 from . import distributed as dist
 from . import ranks as ranks_mod
 from .actions import ClearTier, Close, Load
 from .attention import plan_attention
-from .device import device_info, use_cuda_graphs, use_deterministic_kernels
 from .executor import Executor
 from .runtime import Runtime, build_runtime
 
@@ -89,7 +89,7 @@ class Engine:
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.settings = settings
-        if settings.bitwise:  # reproducible decode on CUDA too (core/engine/device.py)
+        if settings.bitwise:  # reproducible decode on CUDA too (core/device.py)
             use_deterministic_kernels()
         use_cuda_graphs(settings.cuda_graphs)
         self._on_log = on_log or (lambda text: None)

@@ -29,9 +29,9 @@ from ..cache.blocks import LOGPROBS
 from ..cache.layers import probe_specs
 from ..cache.prefix import PrefixCache
 from ..cache.rates import Rates
+from ..device import device_info
 from ..memory import prefill as prefill_mod
 from .attention import AttentionPlan, mlx_softmax, pow_softmax
-from .device import device_info
 from .forward import last_logits_fn, verify_last_logits
 from .prefill_steps import auto_prefill_step
 

@@ -37,7 +37,7 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 
-from ..engine.device import compute_dtype, dtype_name
+from ..device import compute_dtype, dtype_name
 from ..files import remove_stale_temps, temp_file
 from . import shapes, tiny
 from .gguf import GGUFError, convert_gguf

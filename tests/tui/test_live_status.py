@@ -13,6 +13,7 @@ import time
 import pytest
 from fakes import FakeEngine
 from tierchat.cli.main import main
+from tierchat.core.files import write_atomic
 from tierchat.core.live_status import (
     REQUESTS_DIR,
     STATUS_FILE,
@@ -20,7 +21,6 @@ from tierchat.core.live_status import (
     read_status,
     request_clear,
     wait_cleared,
-    write_atomic,
 )
 
 
