@@ -390,10 +390,33 @@ class PrefixCache:
         self.log(msg)
         return msg
 
-    def close(self) -> None:
+    def flush(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` seconds for the SSD writer to write what it has
+        queued; what it has not written by then is dropped (counted in
+        :attr:`ssd_write_drops`). Whether all of it was written. Any thread: the writer's
+        own thread writes (a bounded stop, docs/DESIGN.md §15)."""
+        if self.ssd is None or not self.ssd.enabled:
+            return True
+        if self.ssd.flush(timeout_s):
+            return True
+        self.ssd.drop_pending()
+        return False
+
+    @property
+    def writes_queued(self) -> int:
+        """Entries the SSD writer has accepted and not yet written (0 without an SSD tier)."""
+        return self.ssd.queue_depth if self.ssd is not None and self.ssd.enabled else 0
+
+    @property
+    def ssd_write_drops(self) -> int:
+        """SSD writes given up since start (a full queue, a bounded stop; 0 without a tier)."""
+        return self.ssd.write_drops if self.ssd is not None else 0
+
+    def close(self, timeout_s: float = 60.0) -> None:
         """Write what was admitted and what is still deferred (:mod:`.admission`), save
-        the rates, close the SSD tier (its writer writes what is queued). Never raises: a
-        failure is logged, and the tier still closes (its lock given back)."""
+        the rates, close the SSD tier (its writer writes what is queued, waiting at most
+        ``timeout_s`` seconds: :meth:`.ssd.tier.SSDTier.close`). Never raises: a failure
+        is logged, and the tier still closes (its lock given back)."""
         try:
             if self.ssd is not None:
                 self._unsaved += self.writes.flush()
@@ -404,7 +427,7 @@ class PrefixCache:
             self.log(f"SSD write failed at close: {type(exc).__name__}: {exc}")
         finally:
             if self.ssd is not None:
-                self.ssd.close()
+                self.ssd.close(timeout_s)
 
     def write_due_in(self) -> float | None:
         """Seconds until a deferred entry is due (0.0: now), None when none waits or the

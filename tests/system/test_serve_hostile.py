@@ -180,7 +180,7 @@ def test_2_prompts_past_the_context_are_400_context_length_exceeded(served):
     assert served.state.log.snapshot().total == before  # refused before any prefill
     # the server's default max_tokens is capped to the room left instead; checked at a
     # 4,096-token context (a 131,066-token prefill takes minutes on a CPU)
-    # (the loaded model's figures are read once, at load: core/engine/runtime.py ModelInfo)
+    # (the loaded model's figures are read once, at load: core/api.py ModelInfo)
     engine = served.raw
     runtime = engine.runtime
     engine.runtime = dataclasses.replace(
