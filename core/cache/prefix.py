@@ -4,7 +4,7 @@ the hot tier and the SSD tier.
 A restore for a prompt of ``N`` tokens lands on one position ``P <= N - 1`` (docs/DESIGN.md §9),
 or on ``N`` itself with the first token's logprobs kept from before: the resident cache of
 the same prompt (:meth:`PrefixCache.restore_repeat`), or, on the folded schedule, through
-the prompt's tail entry that kept them (:meth:`PrefixCache.plan`):
+the prompt's tail entry that kept them (:meth:`.planner.Planner.plan`):
 
 - **Allowed positions.** ``P`` is a point of the prompt's prefill schedule
   (:func:`schedule_points`: multiples of the chunk size, message ends, ``N - 1``), or the
@@ -59,7 +59,7 @@ from .capture import Capture
 from .hot import HotTier
 from .layers import Spec
 from .planner import Planner
-from .plans import Held, Plan, Resident, Restored
+from .plans import Held, Resident, Restored
 from .rates import Rates
 from .request import CacheRequest, ColdRequest
 from .restore import Restorer, snapshot_nbytes
@@ -115,6 +115,10 @@ class PrefixCache:
         self.hot = HotTier(hot_bytes, max_tails, max_checkpoints, on_evict=self._evicted)
         self.planner = Planner(self)  # reads the tiers through this object
         self.capturer = Capture(self)
+        # a request's plan (:meth:`.planner.Planner.plan`) and its entries for a span of
+        # the live cache (:meth:`.capture.Capture.capture`), with their own signatures
+        self.plan = self.planner.plan
+        self.capture = self.capturer.capture
         self.ssd = (
             SSDTier(
                 ssd_dir,
@@ -241,18 +245,6 @@ class PrefixCache:
         to the end of the LRU order)."""
         return self.hot.get(entry_id) if touch else self.hot.peek(entry_id)
 
-    def plan(
-        self,
-        prompt: Sequence[int],
-        ids: Sequence[str],
-        points: Sequence[int],
-        resident: Resident | None = None,
-        max_position: int | None = None,
-        use_ssd: bool = True,
-    ) -> Plan | None:
-        """The restore plan for a prompt (:meth:`.planner.Planner.plan`)."""
-        return self.planner.plan(prompt, ids, points, resident, max_position, use_ssd)
-
     def restore_repeat(self, prompt: Sequence[int]) -> Restored | None:
         """The resident cache cut back to the whole ``prompt``, with its first token's kept
         logprobs, or None (:meth:`.restore.Restorer.repeat`); the resident cache is taken
@@ -292,23 +284,6 @@ class PrefixCache:
         return self.restorer.restore(prompt, ids, points, resident, fresh, max_position)
 
     # ------------------------------------------------------------------ store
-    def capture(
-        self,
-        caches: list[Any],
-        tokens: Sequence[int],
-        ids: Sequence[str],
-        start: int,
-        end: int,
-        boundaries: Sequence[tuple[int, str]] = (),
-        end_kind: str | None = None,
-        defer_kv: bool = False,
-        logprobs: Any = None,
-    ) -> list[Entry]:
-        """Entries for a span of the live cache (:meth:`.capture.Capture.capture`)."""
-        return self.capturer.capture(
-            caches, tokens, ids, start, end, boundaries, end_kind, defer_kv, logprobs
-        )
-
     def complete(self, caches, entries: list[Entry]) -> None:
         """Fill in what entries deferred (:meth:`.capture.Capture.complete`)."""
         self.capturer.complete(caches, entries)
