@@ -102,14 +102,12 @@ class Shutdown:
         self.state.draining = True
         streams = self.state.abort_all(f"the server is shutting down ({why})")
         self.server.stop(timeout_s=10.0)
-        bound = self.bound_s
-
-        def queued(n: int) -> None:
-            self.say(f"writing {n} queued SSD entries (at most {bound:g} s)")
-
+        queued = self.engine.writes_queued
+        if queued:
+            self.say(f"writing {queued} queued SSD entries (at most {self.bound_s:g} s)")
         # a failed engine's thread may be stuck in a collective: its queue is written,
         # the engine is left as it is
-        flushed = self.engine.shutdown(bound, close=not self.failure, on_queued=queued)
+        flushed = self.engine.shutdown(self.bound_s, close=not self.failure)
         written, dropped = flushed.written, flushed.dropped
         tail = f"; {dropped} SSD entries not saved" if dropped else ""
         self.say(f"stopped ({streams} open requests ended, {written} SSD entries written{tail})")

@@ -523,17 +523,16 @@ class EngineLike(Protocol):
 
     def close(self) -> None: ...
 
-    def shutdown(
-        self,
-        timeout_s: float,
-        *,
-        close: bool = True,
-        on_queued: Callable[[int], None] | None = None,
-    ) -> WritesFlushed:
+    @property
+    def writes_queued(self) -> int:
+        """Entries the SSD writer has accepted and not yet written (0: none, or no tier)."""
+        ...
+
+    def shutdown(self, timeout_s: float, *, close: bool = True) -> WritesFlushed:
         """Stop within about ``timeout_s`` seconds: the SSD writer writes what it has
-        queued (``on_queued(n)`` first, with ``n`` > 0), what it has not written by then
-        is dropped, then the engine closes (unless ``close`` is False: its thread is left
-        as it is, e.g. blocked in a collective with a lost rank)."""
+        queued, what it has not written by then is dropped, then the engine closes
+        (unless ``close`` is False: its thread is left as it is, e.g. blocked in a
+        collective with a lost rank)."""
         ...
 
 

@@ -365,7 +365,9 @@ class FakeEngine:
         """``context_length`` as set (vocabulary unknown), None while no model is loaded."""
         return ModelInfo(self.context_length, 0, "cpu") if self.model_name else None
 
-    def shutdown(self, timeout_s: float, *, close: bool = True, on_queued=None) -> WritesFlushed:
+    writes_queued = 0  # no SSD writer
+
+    def shutdown(self, timeout_s: float, *, close: bool = True) -> WritesFlushed:
         """As the real engine's, without an SSD writer: nothing queued, written or dropped."""
         if close:
             self.close()

@@ -245,20 +245,18 @@ class Engine:
             raise value
         return value
 
-    def shutdown(
-        self,
-        timeout_s: float,
-        *,
-        close: bool = True,
-        on_queued: Callable[[int], None] | None = None,
-    ) -> WritesFlushed:
+    @property
+    def writes_queued(self) -> int:
+        """Entries the SSD writer has accepted and not yet written (0 without a cache)."""
+        return self.cache.writes_queued if self.cache is not None else 0
+
+    def shutdown(self, timeout_s: float, *, close: bool = True) -> WritesFlushed:
         """Stop within about ``timeout_s`` seconds (a server's SIGTERM, docs/DESIGN.md
         §15): the SSD writer gets the bound to write its queue
-        (:meth:`PrefixCache.flush <.cache.prefix.PrefixCache.flush>`; ``on_queued(n)``
-        first when ``n`` entries wait), what the engine still stores as it closes gets what
-        is left of it (at least 0.5 s), then :meth:`close` unless ``close`` is False (the
-        ranks failed: the engine thread may be blocked in a collective). Any thread but
-        the engine's."""
+        (:meth:`PrefixCache.flush <.cache.prefix.PrefixCache.flush>`), what the engine
+        still stores as it closes gets what is left of it (at least 0.5 s), then
+        :meth:`close` unless ``close`` is False (the ranks failed: the engine thread may
+        be blocked in a collective). Any thread but the engine's."""
         deadline = time.monotonic() + timeout_s
         cache = self.cache
         if cache is None:
@@ -267,8 +265,6 @@ class Engine:
             return WritesFlushed()
         written, dropped = cache.ssd_files_written, cache.ssd_write_drops
         queued = cache.writes_queued
-        if queued and on_queued is not None:
-            on_queued(queued)
         cache.flush(max(0.0, deadline - time.monotonic()))
         if close:
             self._close_timeout_s = max(0.5, deadline - time.monotonic())

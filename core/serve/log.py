@@ -191,14 +191,12 @@ class TrackedEngine:
     def info(self) -> ModelInfo | None:
         return self.engine.info
 
-    def shutdown(
-        self,
-        timeout_s: float,
-        *,
-        close: bool = True,
-        on_queued: Callable[[int], None] | None = None,
-    ) -> WritesFlushed:
-        return self.engine.shutdown(timeout_s, close=close, on_queued=on_queued)
+    @property
+    def writes_queued(self) -> int:
+        return self.engine.writes_queued
+
+    def shutdown(self, timeout_s: float, *, close: bool = True) -> WritesFlushed:
+        return self.engine.shutdown(timeout_s, close=close)
 
     def __getattr__(self, name: str):  # settings, record_logprobs, ... of the real engine
         return getattr(self.engine, name)

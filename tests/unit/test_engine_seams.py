@@ -47,13 +47,13 @@ def test_callers_read_the_model_info_and_none_without_a_model():
 class StopEngine:
     """Records the stop it is asked for; its SSD writer had 3 entries queued."""
 
+    writes_queued = 3
+
     def __init__(self) -> None:
         self.calls: list[tuple[float, bool]] = []
 
-    def shutdown(self, timeout_s, *, close=True, on_queued=None) -> WritesFlushed:
+    def shutdown(self, timeout_s, *, close=True) -> WritesFlushed:
         self.calls.append((timeout_s, close))
-        if on_queued is not None:
-            on_queued(3)
         return WritesFlushed(queued=3, written=2, dropped=1)
 
 
