@@ -279,14 +279,14 @@ def model_vocab(engine: EngineLike) -> int | None:
     return info.vocab_size if info is not None and info.vocab_size > 0 else None
 
 
-def vocab_size(engine: Any) -> int | None:
+def vocab_size(engine: EngineLike) -> int | None:
     """The number of valid token ids of the engine's model: :func:`model_vocab`, else the
     tokenizer's size (``len(tokenizer)``, added tokens included, or its ``vocab_size``);
     None when none is known."""
     rows = model_vocab(engine)
     if rows is not None:
         return rows
-    tokenizer = getattr(engine, "tokenizer", None)
+    tokenizer = engine.tokenizer
     try:
         return len(tokenizer)  # type: ignore[arg-type]
     except TypeError:
