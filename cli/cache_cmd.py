@@ -167,7 +167,7 @@ def run_cache(settings: Any, action: str, args: Any) -> int:
         if action == "stats":
             _print_stats(engine.stats(), getattr(args, "json", False), {"process": "this"})
             return EXIT_OK
-        print(f"{clear_tier(engine, args.tier)} (this process, model {model})")
+        print(f"{clear_tier(engine, args.tier)}\n  by this process (model {model})")
         return EXIT_OK
     finally:
         engine.close()
@@ -216,5 +216,5 @@ def _run_live(settings: Any, action: str, args: Any, live: dict[str, Any]) -> in
             "nothing was cleared (stop it, or clear from its own controls)",
             EXIT_FAILED,
         )
-    print(f"{served['report']} ({where})")
+    print(f"{served['report']}\n  by {where}")
     return EXIT_FAILED if str(served["report"]).startswith("failed") else EXIT_OK

@@ -183,7 +183,7 @@ def test_cache_stats_and_clear(capsys, tiny, tmp_path):
 
     code, out, _ = run(capsys, ["cache", "clear", "ssd", *tiny])
     assert code == 0 and out.startswith(f"Cleared ssd: SSD −{files} (")
-    assert "(this process, model tiny:llama)" in out
+    assert "\n  by this process (model tiny:llama)" in out
     code, out, _ = run(capsys, ["cache", "stats", "--json", *tiny])
     assert json.loads(out)["ssd"]["entries"] == 0
 

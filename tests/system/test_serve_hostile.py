@@ -349,7 +349,8 @@ def test_5_cache_commands_act_on_the_running_server(served, isolated_settings, c
         assert data["hot"]["entries"] > 0  # the server's own figures, not a fresh process's
         assert main(["cache", "clear", "ssd", "--cache-dir", kv]) == 0
         out = capsys.readouterr().out
-        assert "cleared ssd in the running tierchat serve" in out and f"SSD −{files}" in out
+        assert out.startswith(f"Cleared ssd: SSD −{files} (")
+        assert "\n  by the running tierchat serve" in out
         assert served.raw.stats().ssd.entries == 0  # the server's index knows
     served.chat(on_ssd(3, "five"))  # the same prompt: written again
     served.raw.cache.ssd.flush()

@@ -114,7 +114,7 @@ def test_cache_commands_talk_to_the_running_app(tmp_path, capsys):
 
         assert main(["cache", "clear", "hot", "--cache-dir", kv]) == 0
         out = capsys.readouterr().out
-        assert out.startswith(f"Cleared hot: hot −{hot}") and "(the running tierchat TUI" in out
+        assert out.startswith(f"Cleared hot: hot −{hot}") and "by the running tierchat TUI" in out
         term.until(lambda: live_hot_entries() == 0, "the app's own stats to show the clear")
     finally:
         term.close()

@@ -72,9 +72,9 @@ def in_its_own_process(tmp_path, tier: str, capsys, monkeypatch) -> str:
     monkeypatch.setattr(cache_cmd, "start_engine", lambda settings, model: engine)
     settings = SimpleNamespace(cache_dir=tmp_path / "own", sources={"model": "flag"}, model="m")
     assert cache_cmd.run_cache(settings, "clear", SimpleNamespace(tier=tier)) == 0
-    out = capsys.readouterr().out.strip()
-    assert out.endswith(" (this process, model m)")
-    return out.removesuffix(" (this process, model m)")
+    report, by = capsys.readouterr().out.splitlines()
+    assert by == "  by this process (model m)"
+    return report
 
 
 @pytest.mark.parametrize("tier", ["hot", "tails", "all"])
