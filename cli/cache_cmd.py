@@ -4,7 +4,9 @@ When a tierchat TUI runs on the same cache directory, both talk to it (its statu
 and request folder, ``tierchat.core.live_status``): ``stats`` shows the running app's
 figures -- its hot tier, tails and counters live only in its process -- and says so;
 ``clear`` asks the app to clear the tier through its own engine, so its panels stay
-right, and prints what it removed.
+right, and prints what it removed, in the words every process's clear uses
+(:func:`~tierchat.core.live_status.clear_report`: the app's own keys, a running
+``serve``, ``chat`` or ``replay``, or this process).
 
 Otherwise both load the model (``--model``, or the config file's or environment's):
 block ids and the SSD directory are salted with the model's fingerprint, so the cache of
@@ -35,7 +37,13 @@ from typing import Any
 from tierchat.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CLIError, start_engine, table
 from tierchat.core.api import LookupStats, plain
 from tierchat.core.cache.ssd.model_file import models_in
-from tierchat.core.live_status import owner_message, read_status, request_clear, wait_cleared
+from tierchat.core.live_status import (
+    clear_tier,
+    owner_message,
+    read_status,
+    request_clear,
+    wait_cleared,
+)
 from tierchat.core.units import fmt_bytes, fmt_seconds
 
 BYTE_FIELDS = ("nbytes", "max_bytes", "peak_memory_bytes", "restore_bytes", "ssd_write_bytes")
@@ -159,15 +167,7 @@ def run_cache(settings: Any, action: str, args: Any) -> int:
         if action == "stats":
             _print_stats(engine.stats(), getattr(args, "json", False), {"process": "this"})
             return EXIT_OK
-        before = engine.stats()
-        engine.clear(args.tier)
-        after = engine.stats()
-        rows = [
-            (tier, getattr(before, tier).entries, getattr(after, tier).entries)
-            for tier in ("hot", "ssd", "tails")
-        ]
-        print(f"cleared {args.tier} for {model}")
-        print(table(rows, ("tier", "entries before", "entries after")))
+        print(f"{clear_tier(engine, args.tier)}\n  by this process (model {model})")
         return EXIT_OK
     finally:
         engine.close()
@@ -216,5 +216,5 @@ def _run_live(settings: Any, action: str, args: Any, live: dict[str, Any]) -> in
             "nothing was cleared (stop it, or clear from its own controls)",
             EXIT_FAILED,
         )
-    print(f"cleared {args.tier} in {where}: {served['report']}")
+    print(f"{served['report']}\n  by {where}")
     return EXIT_FAILED if str(served["report"]).startswith("failed") else EXIT_OK

@@ -490,7 +490,7 @@ def run_config(settings: Any) -> int:
 def _device_line() -> str:
     """The device and compute dtype (imports MLX); says so when MLX cannot load."""
     try:
-        from tierchat.core.engine.device import describe_device
+        from tierchat.core.device import describe_device
     except ImportError as e:  # a Linux install without tierchat[cpu] or tierchat[cuda]
         return f"unavailable: MLX does not load ({e}); install tierchat[cpu] or tierchat[cuda]"
     return describe_device()

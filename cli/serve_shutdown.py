@@ -25,7 +25,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -103,25 +102,13 @@ class Shutdown:
         self.state.draining = True
         streams = self.state.abort_all(f"the server is shutting down ({why})")
         self.server.stop(timeout_s=10.0)
-        deadline = time.monotonic() + self.bound_s
-        written = dropped = 0
-        cache = getattr(self.engine, "cache", None)
-        ssd = getattr(cache, "ssd", None)
-        if ssd is not None and ssd.enabled:
-            persisted, drops = ssd.saves_persisted, ssd.write_drops
-            queued = ssd.queue_depth
-            if queued:
-                self.say(f"writing {queued} queued SSD entries (at most {self.bound_s:g} s)")
-            if not ssd.flush(max(0.0, deadline - time.monotonic())):
-                ssd.drop_pending()
-            # what the engine still stores as it closes gets what is left of the bound
-            ssd.close_timeout_s = max(0.5, deadline - time.monotonic())
-            if not self.failure:  # a failed engine's thread may be stuck in a collective
-                self.engine.close()
-            written = ssd.saves_persisted - persisted
-            dropped = ssd.write_drops - drops
-        elif not self.failure:
-            self.engine.close()
+        queued = self.engine.writes_queued
+        if queued:
+            self.say(f"writing {queued} queued SSD entries (at most {self.bound_s:g} s)")
+        # a failed engine's thread may be stuck in a collective: its queue is written,
+        # the engine is left as it is
+        flushed = self.engine.shutdown(self.bound_s, close=not self.failure)
+        written, dropped = flushed.written, flushed.dropped
         tail = f"; {dropped} SSD entries not saved" if dropped else ""
         self.say(f"stopped ({streams} open requests ended, {written} SSD entries written{tail})")
         return {"streams": streams, "written": written, "dropped": dropped}

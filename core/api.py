@@ -11,7 +11,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, is_dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 from .sampling_params import SamplingParams
 
@@ -470,10 +470,40 @@ class Tokenizer(Protocol):
     def apply_chat_template(self, messages: list[dict], **kwargs) -> str | list[int]: ...
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """What callers may know of the loaded model, read once at its load (docs/DESIGN.md
+    §3): ``context_length`` (tokens, from its config's ``max_position_embeddings``,
+    ``max_seq_len`` or ``n_ctx``, or those of its ``text_config``; None: unknown),
+    ``vocab_size`` (the logits' last dimension, the ids the model may generate; 0:
+    unknown), ``device`` (``"cpu"`` or ``"gpu"``) and ``device_line``, the device and
+    compute dtype for headers ("gpu (NVIDIA H100 80GB HBM3, cuda), bfloat16")."""
+
+    context_length: int | None
+    vocab_size: int
+    device: str
+    device_line: str = ""
+
+
+class WritesFlushed(NamedTuple):
+    """What a bounded stop did with the SSD writer's queue (docs/DESIGN.md §15): entries
+    ``queued`` when it began, and entries ``written`` and ``dropped`` (not saved) during
+    the whole stop."""
+
+    queued: int = 0
+    written: int = 0
+    dropped: int = 0
+
+
 class EngineLike(Protocol):
     """The engine interface the CLI and TUI program against (a fake implements it in tests)."""
 
     model_name: str
+
+    @property
+    def info(self) -> ModelInfo | None:
+        """The loaded model's :class:`ModelInfo`; None while no model is loaded."""
+        ...
 
     @property
     def tokenizer(self) -> Tokenizer: ...
@@ -492,6 +522,18 @@ class EngineLike(Protocol):
     def clear(self, tier: str) -> None: ...
 
     def close(self) -> None: ...
+
+    @property
+    def writes_queued(self) -> int:
+        """Entries the SSD writer has accepted and not yet written (0: none, or no tier)."""
+        ...
+
+    def shutdown(self, timeout_s: float, *, close: bool = True) -> WritesFlushed:
+        """Stop within about ``timeout_s`` seconds: the SSD writer writes what it has
+        queued, what it has not written by then is dropped, then the engine closes
+        (unless ``close`` is False: its thread is left as it is, e.g. blocked in a
+        collective with a lost rank)."""
+        ...
 
 
 def plain(value: Any) -> Any:

@@ -7,11 +7,15 @@ Every temp entry a build makes beside its target is hidden and carries the build
 :func:`remove_stale_temps` removes those whose process is gone, so the next start never
 deletes what a live process is still writing. Readers (the model picker) skip hidden
 entries, so a half-built directory is never offered as a model.
+
+Small JSON files that another process reads (the live status file, clear requests, the SSD
+tier's write ledger and model file) are replaced whole: :func:`write_atomic`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -19,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 _TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)-[^/]+$")
 """A temp entry of this module: ``.<name>.tmp-<pid>-<random>[.suffix]``."""
@@ -202,3 +207,20 @@ def remove_stale_temps(folder: Path, *, now: float | None = None) -> list[Path]:
             continue
         removed.append(path)
     return removed
+
+
+def write_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` as JSON to ``path`` (0600; a new folder 0700) so a reader sees the old
+    file or the new one."""
+    private_dirs(path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

@@ -18,43 +18,28 @@ status file in the cache directory and picks up clear requests there:
 
 The TUI writes from its stats poll (:class:`StatusWriter`); the other commands run a
 :class:`StatusService` thread. A status file whose pid is not alive is stale and ignored.
+Every clear, asked for here or in the owner's own UI, goes through :func:`clear_tier` and
+is answered with its one :func:`clear_report`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from .api import CACHE_TIERS, plain
-from .files import pid_alive, private_dirs
+from .api import CACHE_TIERS, CacheStats, EngineLike, plain
+from .files import pid_alive, write_atomic
+from .units import fmt_bytes
 
 STATUS_FILE = "live-status.json"
 REQUESTS_DIR = "live-requests"
 FORMAT_VERSION = 2
 KEEP_CLEARS = 8
-
-
-def write_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` as JSON to ``path`` (0600; a new folder 0700) so a reader sees the old
-    file or the new one."""
-    private_dirs(path.parent)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 class StatusWriter:
@@ -169,14 +154,73 @@ def wait_cleared(
         time.sleep(poll_s)
 
 
-def clear_summary(tier: str, before: Any, after: Any) -> str:
-    """What a clear of ``tier`` removed, in entries per tier, from two stats snapshots."""
+def check_tier(tier: str) -> None:
+    """Raises ``ValueError`` (in the words every process answers) unless ``tier`` is one
+    of :data:`~tierchat.core.api.CACHE_TIERS`."""
+    if tier not in CACHE_TIERS:
+        raise ValueError(f"unknown tier {tier!r}: expected one of {', '.join(CACHE_TIERS)}")
+
+
+def clear_report(tier: str, before: CacheStats | None, after: CacheStats | None) -> str:
+    """What a clear of ``tier`` removed from *each* tier, measured from the snapshots
+    (a tier the clear also touched is reported too, e.g. checkpoint files on the SSD, and
+    the resident cache a clear of RAM drops)."""
+    if before is None or after is None:
+        return f"Cleared {tier}."
     parts = []
-    for name, label in (("hot", "hot"), ("ssd", "SSD"), ("tails", "tails")):
-        n = getattr(before, name).entries - getattr(after, name).entries
-        if n > 0:
-            parts.append(f"{label} −{n}")
-    return f"Cleared {tier}: " + (", ".join(parts) if parts else "it was already empty.")
+    rows = (
+        ("hot", before.hot.entries - after.hot.entries, before.hot.nbytes - after.hot.nbytes),
+        ("SSD", before.ssd.entries - after.ssd.entries, before.ssd.nbytes - after.ssd.nbytes),
+        (
+            "tails",
+            before.tails.entries - after.tails.entries,
+            before.tails.nbytes - after.tails.nbytes,
+        ),
+    )
+    for name, n, nbytes in rows:
+        if n > 0 or nbytes > 0:
+            parts.append(f"{name} −{n} ({fmt_bytes(max(nbytes, 0))})")
+    ckpt = before.tails.checkpoints - after.tails.checkpoints
+    if ckpt > 0:
+        parts.append(f"checkpoints −{ckpt}")
+    # the resident cache (the last request's live cache, in RAM beside the hot tier's
+    # entries) goes with a clear of RAM: a clear that dropped only it was not a no-op
+    tokens = before.resident.tokens - after.resident.tokens
+    if tokens > 0:
+        freed = max(before.resident.nbytes - after.resident.nbytes, 0)
+        parts.append(f"resident cache −{tokens} tokens ({fmt_bytes(freed)})")
+    if not parts:
+        return f"Cleared {tier}: it was already empty."
+    return f"Cleared {tier}: " + " · ".join(parts) + "."
+
+
+def clear_tier(engine: EngineLike, tier: str) -> str:
+    """Clear ``tier`` through ``engine`` (on its thread, between decode steps) and return
+    the :func:`clear_report`: the one clear of every process (the TUI's keys, a clear
+    request to a running ``serve``, ``chat`` or ``replay``, ``tierchat cache clear`` in
+    its own process), so ``cache clear`` answers in the same words wherever it runs.
+
+    Raises:
+        ValueError: ``tier`` is unknown (:func:`check_tier`); nothing is cleared.
+        Exception: what ``engine.clear`` raises.
+    """
+    check_tier(tier)
+    before = _stats(engine)
+    engine.clear(tier)
+    return clear_report(tier, before, _stats(engine))
+
+
+def _stats(engine: EngineLike) -> CacheStats | None:
+    try:
+        return engine.stats()
+    except Exception:  # noqa: BLE001 - the report then says less, the clear still runs
+        return None
+
+
+def failure_report(error: Exception) -> str:
+    """The answer to a clear request that failed (``"failed: ..."``, which
+    ``tierchat cache clear`` turns into exit status 1)."""
+    return f"failed: {str(error) or type(error).__name__}"
 
 
 class StatusService:
@@ -213,21 +257,16 @@ class StatusService:
             stats = engine.stats()
             self.writer.write(engine.model_name, stats)
             for request in self.writer.requests():
-                self._serve(engine, request, stats)
+                self._serve(engine, request)
         except Exception:  # noqa: BLE001 -- a closed engine: try again next poll
             return
 
-    def _serve(self, engine: Any, request: dict[str, Any], before: Any) -> None:
-        tier = request["tier"]
-        if tier not in CACHE_TIERS:
-            self.writer.served(request, f"failed: unknown tier {tier!r}")
-        else:
-            try:
-                engine.clear(tier)
-                report = clear_summary(tier, before, engine.stats())
-            except Exception as e:  # noqa: BLE001 -- answered, not raised
-                report = f"failed: {e}"
-            self.writer.served(request, report)
+    def _serve(self, engine: Any, request: dict[str, Any]) -> None:
+        try:
+            report = clear_tier(engine, request["tier"])
+        except Exception as e:  # noqa: BLE001 -- answered, not raised
+            report = failure_report(e)
+        self.writer.served(request, report)
         self.writer.write(engine.model_name, engine.stats())
 
     def stop(self) -> None:

@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as d:
         rows = run_ours(args, Path(d))
         run_mlx_lm(args, rows)
-    from tierchat.core.engine.device import describe_device
+    from tierchat.core.device import describe_device
 
     print(f"{args.model} · {describe_device()} · teacher forcing over {args.tokens} tokens")
     head = f"{'op':<17}{'prompt':>7} | {'cached':>7}{'top-1':>7}{'max|dlp|':>10}{'first':>6}{'bitwise':>8} |"

@@ -34,6 +34,7 @@ from tierchat.core.api import (
     GenerateRequest,
     LookupStats,
     MemoryStats,
+    ModelInfo,
     ModelLoaded,
     ModelLoading,
     PrefillProgress,
@@ -44,6 +45,7 @@ from tierchat.core.api import (
     TierStats,
     TokenBatch,
     TurnMetrics,
+    WritesFlushed,
 )
 from tierchat.core.cache.blocks import common_prefix_len
 from tierchat.core.stop_strings import StopStrings
@@ -162,8 +164,8 @@ class FakeEngine:
         batch_size: tokens per ``TokenBatch``.
         reasoning: when set, every reply starts with ``<think>reasoning</think>`` (a
             reasoning model's shape).
-        context_length: the model's context in tokens (as ``Engine.context_length``,
-            here 4096 by default; tiny models have 131072).
+        context_length: the model's context in tokens (its ``info.context_length``, as
+            the real engine's ``ModelInfo``; here 4096 by default, tiny models have 131072).
         tokenizer: another tokenizer in place of :class:`FakeTokenizer` (a tiny model's,
             whose template renders tools); replies are then its ``encode`` + its EOS id.
         replies: scripted reply texts, used in order before the default ones (a tool call
@@ -357,6 +359,19 @@ class FakeEngine:
                 self._log(f"cleared tails ({len(self._tails) + len(self._checkpoints)} entries)")
                 self._tails.clear()
                 self._checkpoints.clear()
+
+    @property
+    def info(self) -> ModelInfo | None:
+        """``context_length`` as set (vocabulary unknown), None while no model is loaded."""
+        return ModelInfo(self.context_length, 0, "cpu") if self.model_name else None
+
+    writes_queued = 0  # no SSD writer
+
+    def shutdown(self, timeout_s: float, *, close: bool = True) -> WritesFlushed:
+        """As the real engine's, without an SSD writer: nothing queued, written or dropped."""
+        if close:
+            self.close()
+        return WritesFlushed()
 
     def close(self) -> None:
         """Stop the worker after the requests already queued."""

@@ -56,7 +56,7 @@ class TierchatApp(App[None]):
             bars; tests pass a fixed one so frames do not depend on wall time.
         session: a ready ``ChatSession``; by default one is built from the settings.
         device: the device and compute dtype for the header ("gpu (…, metal), bfloat16");
-            the CLI passes ``core.device.describe_device()`` (the TUI never imports MLX).
+            "" shows the loaded model's (``ModelInfo.device_line``; the TUI never imports MLX).
         mcp_host: an ``McpHost`` of the configured MCP servers, not started (None: no
             tools); the app starts it and closes it at quit (``tui/services/tools.py``).
     """

@@ -1,5 +1,6 @@
-"""Words for what changed in the cache between two snapshots: the report after a clear,
-and the alerts a stats poll raises. Pure Python (no Textual)."""
+"""Words for the cache in the TUI: what a clear asks before it runs, and the alerts a
+stats poll raises from two snapshots. Pure Python (no Textual); the report after a clear
+is every process's one (:func:`tierchat.core.live_status.clear_report`)."""
 
 from __future__ import annotations
 
@@ -33,39 +34,6 @@ CLEAR_TEXT: dict[str, tuple[str, str]] = {
         ),
     ),
 }
-
-
-def clear_report(tier: str, before: CacheStats | None, after: CacheStats | None) -> str:
-    """What a clear of ``tier`` removed from *each* tier, measured from the snapshots
-    (a tier the clear also touched is reported too, e.g. checkpoint files on the SSD, and
-    the resident cache a clear of RAM drops)."""
-    if before is None or after is None:
-        return f"Cleared {tier}."
-    parts = []
-    rows = (
-        ("hot", before.hot.entries - after.hot.entries, before.hot.nbytes - after.hot.nbytes),
-        ("SSD", before.ssd.entries - after.ssd.entries, before.ssd.nbytes - after.ssd.nbytes),
-        (
-            "tails",
-            before.tails.entries - after.tails.entries,
-            before.tails.nbytes - after.tails.nbytes,
-        ),
-    )
-    for name, n, nbytes in rows:
-        if n > 0 or nbytes > 0:
-            parts.append(f"{name} −{n} ({fmt_bytes(max(nbytes, 0))})")
-    ckpt = before.tails.checkpoints - after.tails.checkpoints
-    if ckpt > 0:
-        parts.append(f"checkpoints −{ckpt}")
-    # the resident cache (the last request's live cache, in RAM beside the hot tier's
-    # entries) goes with a clear of RAM: a clear that dropped only it was not a no-op
-    tokens = before.resident.tokens - after.resident.tokens
-    if tokens > 0:
-        freed = max(before.resident.nbytes - after.resident.nbytes, 0)
-        parts.append(f"resident cache −{tokens} tokens ({fmt_bytes(freed)})")
-    if not parts:
-        return f"Cleared {tier}: it was already empty."
-    return f"Cleared {tier}: " + " · ".join(parts) + "."
 
 
 def alerts(before: CacheStats | None, after: CacheStats) -> list[tuple[str, str, str]]:

@@ -562,7 +562,7 @@ def run_agent_bench(settings: Any, args: Any) -> int:
     def log(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
-    from tierchat.core.engine.device import describe_device
+    from tierchat.core.device import describe_device
 
     runs = agent_bench(
         settings,

@@ -280,7 +280,7 @@ def clients_bench(
     off, its first round is the one users meet after an install or upgrade."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
     from tierchat.cli.bench.shape_export import mlx_model_dir
-    from tierchat.core.engine.device import describe_device
+    from tierchat.core.device import describe_device
     from tierchat.core.models.loading import resolve_model_dir
 
     tok = load_tokenizer(resolve_model_dir(settings.model, settings.models_dir))

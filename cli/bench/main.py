@@ -446,7 +446,7 @@ def run_bench(settings: Any, args: Any) -> int:
     add_speedups(rows)
     add_ratios(rows, disk)
     rows.sort(key=lambda r: (r["length"], r["system"] != "tierchat"))
-    from tierchat.core.engine.device import describe_device, device_info
+    from tierchat.core.device import describe_device, device_info
 
     device = describe_device(measured.dtype)
     print(f"model {settings.model} · block size {settings.block_size} · {device}")

@@ -288,7 +288,7 @@ class MlxLm:
 
     def start(self, timeout_s: float = 600, extra_env: dict[str, str] | None = None):
         """Start it; ``extra_env`` is added to its environment (a kernel cache dir)."""
-        from tierchat.core.engine.device import peer_env
+        from tierchat.core.device import peer_env
 
         port = free_port()
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(self.model_dir)]

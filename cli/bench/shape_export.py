@@ -34,7 +34,7 @@ def mlx_model_dir(spec: str, models_dir: Path, scratch: Path | None = None) -> P
     """
     import mlx.core as mx
     from mlx_lm.utils import save_config, save_model
-    from tierchat.core.engine.device import compute_dtype, dtype_name
+    from tierchat.core.device import compute_dtype, dtype_name
     from tierchat.core.models import shapes
     from tierchat.core.models.loading import resolve_model_dir
 

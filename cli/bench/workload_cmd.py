@@ -45,7 +45,7 @@ def run_workload_bench(settings: Any, args: Any) -> int:
                 result = run_http_workload(settings, ops, path, Path(work), **how)
         else:
             result = run_workload(settings, ops, path, **how)
-    from tierchat.core.engine.device import describe_device, device_info
+    from tierchat.core.device import describe_device, device_info
 
     label = MLX_LM_SERVER if over_http else MLX_LM
     summary = summarize(result.rows, label)

@@ -1,8 +1,9 @@
 """What a request stores: entries captured from the live cache after each prefill chunk
 and at the end (blocks, tails, sequence ends, checkpoints and state snapshots), completed
 once the first token is known (docs/DESIGN.md §8, §9). Reads the prefix cache's layout
-(leaves by kind, block size, root, which entries are held) through a view and returns
-entries; committing them to the tiers stays with the prefix cache.
+(leaves by kind, block size, root, which entries are held) through a
+:class:`~.view.CaptureView` and returns entries; committing them to the tiers stays with
+the prefix cache.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .blocks import (
     role_at,
     tail_id,
 )
+from .view import CaptureView
 
 
 def _runs(items: list[int]) -> list[list[int]]:
@@ -38,20 +40,20 @@ def _runs(items: list[int]) -> list[list[int]]:
 class Capture:
     """Captures entries for the prefix cache ``view`` (see the module doc)."""
 
-    def __init__(self, view: Any) -> None:
+    def __init__(self, view: CaptureView) -> None:
         self.view = view
 
     def capture(
         self,
-        caches,
+        caches: list[Any],
         tokens: Sequence[int],
         ids: Sequence[str],
         start: int,
         end: int,
-        boundaries=(),
+        boundaries: Sequence[tuple[int, str]] = (),
         end_kind: str | None = None,
         defer_kv: bool = False,
-        logprobs: Any = None,
+        logprobs: mx.array | None = None,
     ) -> list[Entry]:
         """Entries to store after the cache reached position ``end`` (= its offset).
 
@@ -76,7 +78,7 @@ class Capture:
                 and (h.window or not self.view.window)
                 and (h.snapshot or not ((j + 1) * bs == end and self.view.state))
             ):
-                held = self.view.hot.peek(ids[j])
+                held = self.view.hot_entry(ids[j])
                 if held is not None:
                     self.view.repair(held)
                 continue
@@ -121,7 +123,7 @@ class Capture:
             keep = None
             if end_kind == KIND_TAIL and end == len(tokens) and self._fits(logprobs):
                 keep = logprobs
-            held = self.view.hot.get(tid)
+            held = self.view.hot_entry(tid, touch=True)
             if held is not None and (keep is None or held.logprobs):
                 self.view.repair(held)
             else:
@@ -142,7 +144,7 @@ class Capture:
             and logprobs.dtype == spec[1]
         )
 
-    def complete(self, caches, entries: list[Entry]) -> None:
+    def complete(self, caches: list[Any], entries: list[Entry]) -> None:
         """Add the KV leaves' slices to entries captured with ``defer_kv`` (the live cache
         must still hold their tokens), evaluate them in one eval and :meth:`commit`."""
         if not entries:

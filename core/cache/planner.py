@@ -1,8 +1,8 @@
 """The restore planner: which entries restore the longest allowed prefix of a prompt
-(docs/DESIGN.md §9). It reads the tiers through a view (:class:`~.prefix.PrefixCache`:
-``hot``, ``ssd``, ``leaves``, ``block_size``, ``root``, ``exact_prefix``, ``state``,
-``logprobs_spec``, ``held`` and ``children``) and only decides: it moves no array, so it
-can be tested with hand-filled tiers and no model.
+(docs/DESIGN.md §9). It reads the tiers through a :class:`~.view.TierView` (the
+:class:`~.prefix.PrefixCache`: its layout, where each entry is held, the entries after a
+block) and only decides: it moves no array, so it can be tested with hand-filled tiers
+and no model.
 """
 
 from __future__ import annotations
@@ -15,16 +15,22 @@ from .blocks import (
     KIND_BLOCK,
     KIND_TAIL,
     Entry,
+    EntryMeta,
     common_prefix_len,
     tail_id,
 )
-from .plans import Plan, Resident
+from .plans import Held, Plan, Resident
+from .view import TierView
+
+# the entries after each chain block that match the prompt: block index -> (common tokens,
+# entry)
+After = dict[int, list[tuple[int, EntryMeta]]]
 
 
 class Planner:
     """Plans restores over ``view`` (see the module doc)."""
 
-    def __init__(self, view: Any) -> None:
+    def __init__(self, view: TierView) -> None:
         self.view = view
 
     def plan(
@@ -64,7 +70,7 @@ class Planner:
                 return Plan(limit, frozenset(lf.name for lf in self.view.leaves))
         held = [self.view.held(i, use_ssd) for i in ids[: limit // bs]]
         # entries after each chain block that match the prompt: (common tokens, entry)
-        after: dict[int, list[tuple[int, Any]]] = {}
+        after: After = {}
         allowed = set(points)
         for j in range(len(held) + 1):
             parent = ids[j - 1] if j else self.view.root
@@ -108,7 +114,9 @@ class Planner:
                     return plan
         return best
 
-    def _kept_tail(self, prompt: Sequence[int], ids: Sequence[str], use_ssd: bool):
+    def _kept_tail(
+        self, prompt: Sequence[int], ids: Sequence[str], use_ssd: bool
+    ) -> EntryMeta | None:
         """The prompt's tail entry (hot ``Entry`` or SSD ``FileMeta``) that ends exactly at
         the prompt's end and kept its first token's logprobs, or None."""
         n, bs = len(prompt), self.view.block_size
@@ -118,9 +126,7 @@ class Planner:
         parent = ids[j - 1] if j else self.view.root
         seg = tuple(prompt[j * bs : n])
         tid = tail_id(parent, seg)
-        found = self.view.hot.peek(tid)
-        if found is None and use_ssd and self.view.ssd is not None:
-            found = self.view.ssd.meta(tid)
+        found = self.view.find(tid, use_ssd)
         if (
             found is None
             or not found.logprobs
@@ -131,7 +137,13 @@ class Planner:
             return None
         return found
 
-    def _plan_kept(self, prompt, ids, resident: Resident | None, use_ssd: bool) -> Plan | None:
+    def _plan_kept(
+        self,
+        prompt: Sequence[int],
+        ids: Sequence[str],
+        resident: Resident | None,
+        use_ssd: bool,
+    ) -> Plan | None:
         """A restore of the whole prompt (``N``) through its tail that kept the first
         token's logprobs (:meth:`_kept_tail`): every leaf rebuilt at ``N`` from the
         resident cache, the chain's blocks and that tail. None where any leaf cannot be."""
@@ -152,7 +164,16 @@ class Planner:
         plan.kept = kept
         return plan
 
-    def _plan_at(self, P, prompt, held, after, resident, common, live) -> Plan | None:
+    def _plan_at(
+        self,
+        P: int,
+        prompt: tuple[int, ...],
+        held: list[Held | None],
+        after: After,
+        resident: Resident | None,
+        common: int,
+        live: dict[str, Any] | None,
+    ) -> Plan | None:
         bs = self.view.block_size
         j, r = divmod(P, bs)
         cut: set[str] = set()
@@ -182,7 +203,7 @@ class Planner:
             # must carry the state snapshot. Hot entries first (no disk read).
             # Ties are broken by a fixed order (hot, whole, prompt tail, id), never by
             # set iteration order, so one cache state always gives one plan.
-            best = None
+            best: tuple[tuple[bool, bool, bool, str], EntryMeta] | None = None
             for n, t in after.get(j, ()):
                 if n < r or (need_window and not t.window):
                     continue
@@ -195,5 +216,3 @@ class Planner:
                 return None
             tail = best[1]
         return Plan(P, frozenset(cut), tuple(sorted(need)), tail, r if tail is not None else 0)
-
-    # ------------------------------------------------------------------ restore

@@ -12,6 +12,7 @@ from ..api import (
     CACHE_KINDS,
     CACHE_SOURCES,
 )
+from .blocks import EntryMeta
 from .rates import Choice
 
 
@@ -66,9 +67,9 @@ class Plan:
     position: int
     cut: frozenset[str] = frozenset()
     blocks: tuple[int, ...] = ()
-    tail: Any = None
+    tail: EntryMeta | None = None
     tail_tokens: int = 0
-    kept: Any = None
+    kept: EntryMeta | None = None
 
     def entry_ids(self) -> list[str]:
         """The ids of the entries after the chain's blocks: the tail, and the kept

@@ -4,7 +4,7 @@ the hot tier and the SSD tier.
 A restore for a prompt of ``N`` tokens lands on one position ``P <= N - 1`` (docs/DESIGN.md §9),
 or on ``N`` itself with the first token's logprobs kept from before: the resident cache of
 the same prompt (:meth:`PrefixCache.restore_repeat`), or, on the folded schedule, through
-the prompt's tail entry that kept them (:meth:`PrefixCache.plan`):
+the prompt's tail entry that kept them (:meth:`.planner.Planner.plan`):
 
 - **Allowed positions.** ``P`` is a point of the prompt's prefill schedule
   (:func:`schedule_points`: multiples of the chunk size, message ends, ``N - 1``), or the
@@ -52,13 +52,14 @@ from .blocks import (
     LOGPROBS,
     ChainHasher,
     Entry,
+    EntryMeta,
     root_id,
 )
 from .capture import Capture
 from .hot import HotTier
 from .layers import Spec
 from .planner import Planner
-from .plans import Held, Plan, Resident, Restored
+from .plans import Held, Resident, Restored
 from .rates import Rates
 from .request import CacheRequest, ColdRequest
 from .restore import Restorer, snapshot_nbytes
@@ -114,6 +115,10 @@ class PrefixCache:
         self.hot = HotTier(hot_bytes, max_tails, max_checkpoints, on_evict=self._evicted)
         self.planner = Planner(self)  # reads the tiers through this object
         self.capturer = Capture(self)
+        # a request's plan (:meth:`.planner.Planner.plan`) and its entries for a span of
+        # the live cache (:meth:`.capture.Capture.capture`), with their own signatures
+        self.plan = self.planner.plan
+        self.capture = self.capturer.capture
         self.ssd = (
             SSDTier(
                 ssd_dir,
@@ -209,28 +214,36 @@ class PrefixCache:
         return len(r.tokens) if r is not None else 0
 
     # ------------------------------------------------------------------ lookup
+    # what the planner and the capture read and write (.view.TierView, .view.CaptureView)
+    def find(self, entry_id: str, use_ssd: bool = True) -> EntryMeta | None:
+        """The entry ``entry_id`` as a tier holds it: the hot ``Entry``, else the SSD
+        tier's ``FileMeta`` (unless ``use_ssd`` is False), else None."""
+        e = self.hot.peek(entry_id)
+        if e is None and self.ssd is not None and use_ssd:
+            return self.ssd.meta(entry_id)
+        return e
+
     def held(self, entry_id: str, use_ssd: bool = True) -> Held | None:
         """Where ``entry_id`` is held (hot first, then SSD) and what it carries, or None."""
-        e = self.hot.peek(entry_id)
-        if e is not None:
-            return Held("hot", e.window, e.snapshot)
-        if self.ssd is not None and use_ssd:
-            m = self.ssd.meta(entry_id)
-            if m is not None:
-                return Held("ssd", m.window, m.snapshot)
-        return None
+        e = self.find(entry_id, use_ssd)
+        if e is None:
+            return None
+        return Held("hot" if isinstance(e, Entry) else "ssd", e.window, e.snapshot)
 
-    def children(self, parent: str, use_ssd: bool = True) -> list:
+    def children(self, parent: str, use_ssd: bool = True) -> list[EntryMeta]:
         """Entries (hot ``Entry`` or SSD ``FileMeta``) that follow ``parent``."""
-        found = {i: self.hot.peek(i) for i in self.hot.children.get(parent, ())}
+        found: dict[str, EntryMeta | None] = {
+            i: self.hot.peek(i) for i in self.hot.children.get(parent, ())
+        }
         if self.ssd is not None and use_ssd:
             for m in self.ssd.children_of(parent):
                 found.setdefault(m.id, m)
         return [t for t in found.values() if t is not None]
 
-    def plan(self, *args, **kwargs) -> Plan | None:
-        """The restore plan for a prompt (:meth:`.planner.Planner.plan`)."""
-        return self.planner.plan(*args, **kwargs)
+    def hot_entry(self, entry_id: str, touch: bool = False) -> Entry | None:
+        """The hot tier's entry ``entry_id``, or None; ``touch``: counted as a use (moved
+        to the end of the LRU order)."""
+        return self.hot.get(entry_id) if touch else self.hot.peek(entry_id)
 
     def restore_repeat(self, prompt: Sequence[int]) -> Restored | None:
         """The resident cache cut back to the whole ``prompt``, with its first token's kept
@@ -271,10 +284,6 @@ class PrefixCache:
         return self.restorer.restore(prompt, ids, points, resident, fresh, max_position)
 
     # ------------------------------------------------------------------ store
-    def capture(self, *args, **kwargs) -> list[Entry]:
-        """Entries for a span of the live cache (:meth:`.capture.Capture.capture`)."""
-        return self.capturer.capture(*args, **kwargs)
-
     def complete(self, caches, entries: list[Entry]) -> None:
         """Fill in what entries deferred (:meth:`.capture.Capture.complete`)."""
         self.capturer.complete(caches, entries)
@@ -356,10 +365,33 @@ class PrefixCache:
         self.log(msg)
         return msg
 
-    def close(self) -> None:
+    def flush(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` seconds for the SSD writer to write what it has
+        queued; what it has not written by then is dropped (counted in
+        :attr:`ssd_write_drops`). Whether all of it was written. Any thread: the writer's
+        own thread writes (a bounded stop, docs/DESIGN.md §15)."""
+        if self.ssd is None or not self.ssd.enabled:
+            return True
+        if self.ssd.flush(timeout_s):
+            return True
+        self.ssd.drop_pending()
+        return False
+
+    @property
+    def writes_queued(self) -> int:
+        """Entries the SSD writer has accepted and not yet written (0 without an SSD tier)."""
+        return self.ssd.queue_depth if self.ssd is not None and self.ssd.enabled else 0
+
+    @property
+    def ssd_write_drops(self) -> int:
+        """SSD writes given up since start (a full queue, a bounded stop; 0 without a tier)."""
+        return self.ssd.write_drops if self.ssd is not None else 0
+
+    def close(self, timeout_s: float = 60.0) -> None:
         """Write what was admitted and what is still deferred (:mod:`.admission`), save
-        the rates, close the SSD tier (its writer writes what is queued). Never raises: a
-        failure is logged, and the tier still closes (its lock given back)."""
+        the rates, close the SSD tier (its writer writes what is queued, waiting at most
+        ``timeout_s`` seconds: :meth:`.ssd.tier.SSDTier.close`). Never raises: a failure
+        is logged, and the tier still closes (its lock given back)."""
         try:
             if self.ssd is not None:
                 self._unsaved += self.writes.flush()
@@ -370,7 +402,7 @@ class PrefixCache:
             self.log(f"SSD write failed at close: {type(exc).__name__}: {exc}")
         finally:
             if self.ssd is not None:
-                self.ssd.close()
+                self.ssd.close(timeout_s)
 
     def write_due_in(self) -> float | None:
         """Seconds until a deferred entry is due (0.0: now), None when none waits or the
@@ -393,7 +425,7 @@ class PrefixCache:
     def begin_cold(self, fresh) -> ColdRequest:
         """A request with the cache off (:class:`~.request.ColdRequest`): it keeps nothing,
         and holds the SSD writer to its first token as a cached one does."""
-        return ColdRequest(fresh, self.ssd)
+        return ColdRequest(fresh, self)
 
     def fit_hot_budget(self, budget: Callable[[int], int]) -> tuple[int, int] | None:
         """Set the hot tier's budget to ``budget(held)`` bytes (``held``: the bytes it holds
@@ -447,6 +479,12 @@ class PrefixCache:
         """A prefill of ``tokens`` tokens took ``seconds``: the rate the choice uses."""
         if self.rates is not None:
             self.rates.observe_prefill(tokens, seconds)
+
+    def observe_read(self, nbytes: int, seconds: float) -> None:
+        """A restore read ``nbytes`` of SSD files in ``seconds``: the read rate the choice
+        uses (:mod:`.rates`)."""
+        if self.rates is not None:
+            self.rates.observe_read(nbytes, seconds)
 
     def release_ram(self) -> None:
         """Drop the RAM tiers' arrays now (hot tier and resident cache; the SSD tier's

@@ -72,9 +72,7 @@ class CacheRequest:
         self._checkpoint_kind = KIND_BOUNDARY if cache.state else None
         self._deferred: list = []  # entries whose KV slices are added after the first token
         self._repeat: Restored | None = None  # the same prompt again, offered (ranks)
-        self._writer_paused = cache.ssd is not None
-        if self._writer_paused:
-            cache.ssd.pause(self)
+        self._writer_paused = cache.hold_writes(self)
 
     def restore(self, max_position: int | None = None) -> Restored:
         """Restore the furthest allowed cached prefix (the same prompt again: the whole of
@@ -98,8 +96,8 @@ class CacheRequest:
         self.cache.count_lookup(restored, n)
         self._restored_at = time.perf_counter()
         self._position = restored.position
-        if self.cache.rates is not None and restored.ssd_bytes:
-            self.cache.rates.observe_read(restored.ssd_bytes, self._restored_at - t0)
+        if restored.ssd_bytes:
+            self.cache.observe_read(restored.ssd_bytes, self._restored_at - t0)
         return restored
 
     # the steps of a restore that ranks agree on (docs/DESIGN.md §19): each rank offers
@@ -177,9 +175,9 @@ class CacheRequest:
     def first_token(self, caches: list[Any]) -> None:
         """The first token is out: complete the entries the chunks captured (their KV
         slices), hand them to the SSD tier and let its writer run."""
-        if self.cache.rates is not None:  # what computing the rest cost: the prefill rate
-            elapsed = time.perf_counter() - self._restored_at
-            self.cache.rates.observe_prefill(len(self.prompt) - self._position, elapsed)
+        # what computing the rest cost: the prefill rate
+        elapsed = time.perf_counter() - self._restored_at
+        self.cache.observe_prefill(len(self.prompt) - self._position, elapsed)
         self._complete(caches)
         self.ssd_write_bytes += self.cache.persist()
         self._resume_writer()
@@ -237,7 +235,7 @@ class CacheRequest:
     def _resume_writer(self) -> None:
         if self._writer_paused:
             self._writer_paused = False
-            self.cache.ssd.resume(self)
+            self.cache.release_writes(self)
 
 
 class MeasureRequest(CacheRequest):
@@ -335,19 +333,17 @@ def _lower(a: int | None, b: int | None) -> int | None:
 
 
 class ColdRequest:
-    """A request with the cache off: a fresh cache list, nothing captured or kept. Pauses
-    the SSD writer (``ssd``, when a cache exists) like :class:`CacheRequest`, so a cold
-    request's TTFT meets the same disk."""
+    """A request with the cache off: a fresh cache list, nothing captured or kept. Holds
+    the SSD writer of ``cache`` (when a cache exists) like :class:`CacheRequest`, so a
+    cold request's TTFT meets the same disk."""
 
     read_ssd = False
     ssd_write_bytes = 0
     prompt: tuple[int, ...] = ()  # nothing of it is planned or restored
 
-    def __init__(self, fresh: Callable[[], list[Any]], ssd: Any = None) -> None:
+    def __init__(self, fresh: Callable[[], list[Any]], cache: PrefixCache | None = None) -> None:
         self.fresh = fresh
-        self._ssd = ssd
-        if ssd is not None:
-            ssd.pause(self)
+        self._cache = cache if cache is not None and cache.hold_writes(self) else None
 
     def restore(self, max_position: int | None = None) -> Restored:
         return Restored(caches=self.fresh())
@@ -389,6 +385,6 @@ class ColdRequest:
         pass
 
     def close(self) -> None:
-        if self._ssd is not None:
-            self._ssd, ssd = None, self._ssd
-            ssd.resume(self)
+        if self._cache is not None:
+            self._cache, cache = None, self._cache
+            cache.release_writes(self)

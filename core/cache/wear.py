@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..live_status import write_atomic
+from ..files import write_atomic
 
 HOUR_S = 3600
 WINDOW_HOURS = 25  # the current hour and the 24 before it

@@ -9,8 +9,7 @@ prefilled for a prompt that fails the check.
 
 from __future__ import annotations
 
-from typing import Any
-
+from ..api import EngineLike
 from ..units import fmt_count
 
 
@@ -58,25 +57,8 @@ def generation_room(
     return min(max_tokens, context_length - n)
 
 
-def config_int(engine: Any, keys: tuple[str, ...]) -> int | None:
-    """The first positive int among ``keys`` in the engine's loaded model's args, or in
-    their ``text_config`` (multimodal wrappers such as Qwen3.5 keep the text model's
-    there); None when none is set."""
-    loaded = getattr(engine, "loaded", None)
-    args = getattr(getattr(loaded, "model", None), "args", None)
-    text = getattr(args, "text_config", None)
-    for source in (args, text):
-        for key in keys:
-            value = source.get(key) if isinstance(source, dict) else getattr(source, key, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return None
-
-
-def context_length(engine: Any) -> int | None:
-    """The model's context length in tokens: the engine's, else ``max_position_embeddings``
-    of the args' ``text_config``; None when unknown."""
-    value = getattr(engine, "context_length", None)
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    return config_int(engine, ("max_position_embeddings", "max_seq_len", "n_ctx"))
+def context_length(engine: EngineLike) -> int | None:
+    """The loaded model's context length in tokens (its ``ModelInfo``); None when unknown
+    or no model is loaded."""
+    info = engine.info
+    return info.context_length if info is not None else None

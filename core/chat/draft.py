@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .context_limit import context_length
 from .prompts import encode_text
 
 
@@ -53,6 +54,5 @@ def count_draft(session: Any, text: str) -> DraftCount | None:
         {"role": "user", "content": text, "token_ids": None},
     ]
     prompt = session.build_prompt(messages)
-    context = getattr(engine, "context_length", None)
-    context = context if isinstance(context, int) and context > 0 else None
+    context = context_length(engine)
     return DraftCount(len(encode_text(tokenizer, text)), len(prompt.token_ids), context)

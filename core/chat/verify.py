@@ -237,7 +237,7 @@ def verify_turn(
         floor=agreement(lp_cold2, lp_cold, reply_ids),
         prompt_tokens=len(prompt_ids),
         cached_tokens=hot.metrics.cached_tokens,
-        model=getattr(engine, "model_name", ""),
+        model=engine.model_name,
     )
     note = getattr(engine, "note", None)  # the cache events (a fake engine may have none)
     if note is not None:

@@ -42,8 +42,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..device import device_info
 from ..files import private_dirs, temp_file
-from .device import device_info
 
 _fast_sdpa = mx.fast.scaled_dot_product_attention
 _local = threading.local()

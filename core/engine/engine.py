@@ -42,17 +42,19 @@ from ..api import (
     EventCallback,
     Failed,
     GenerateRequest,
+    ModelInfo,
     ModelLoaded,
     ModelLoading,
     RequestHandle,
+    WritesFlushed,
 )
 from ..cache.prefix import PrefixCache
+from ..device import device_info, use_cuda_graphs, use_deterministic_kernels
 from ..memory import pressure as memory_mod
 from . import distributed as dist
 from . import ranks as ranks_mod
 from .actions import ClearTier, Close, Load
 from .attention import plan_attention
-from .device import device_info, use_cuda_graphs, use_deterministic_kernels
 from .executor import Executor
 from .runtime import Runtime, build_runtime
 
@@ -89,7 +91,7 @@ class Engine:
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.settings = settings
-        if settings.bitwise:  # reproducible decode on CUDA too (core/engine/device.py)
+        if settings.bitwise:  # reproducible decode on CUDA too (core/device.py)
             use_deterministic_kernels()
         use_cuda_graphs(settings.cuda_graphs)
         self._on_log = on_log or (lambda text: None)
@@ -107,6 +109,7 @@ class Engine:
         self._saves_at_clear = 0  # the SSD tier's files written at the last buffer clear
         self._saves_at_release = 0  # ... when the writer was last let go (no request held)
         self._clear_when_idle = False  # a clear of host buffers waits for no request held
+        self._close_timeout_s = 60.0  # the SSD writer's bound at close (:meth:`shutdown`)
         self.monitor = memory_mod.MemoryMonitor(
             limit_bytes=settings.memory_limit,
             soft_fraction=settings.memory_soft_fraction,
@@ -241,6 +244,34 @@ class Engine:
         if not ok:
             raise value
         return value
+
+    @property
+    def writes_queued(self) -> int:
+        """Entries the SSD writer has accepted and not yet written (0 without a cache)."""
+        return self.cache.writes_queued if self.cache is not None else 0
+
+    def shutdown(self, timeout_s: float, *, close: bool = True) -> WritesFlushed:
+        """Stop within about ``timeout_s`` seconds (a server's SIGTERM, docs/DESIGN.md
+        §15): the SSD writer gets the bound to write its queue
+        (:meth:`PrefixCache.flush <.cache.prefix.PrefixCache.flush>`), what the engine
+        still stores as it closes gets what is left of it (at least 0.5 s), then
+        :meth:`close` unless ``close`` is False (the ranks failed: the engine thread may
+        be blocked in a collective). Any thread but the engine's."""
+        deadline = time.monotonic() + timeout_s
+        cache = self.cache
+        if cache is None:
+            if close:
+                self.close()
+            return WritesFlushed()
+        written, dropped = cache.ssd_files_written, cache.ssd_write_drops
+        queued = cache.writes_queued
+        cache.flush(max(0.0, deadline - time.monotonic()))
+        if close:
+            self._close_timeout_s = max(0.5, deadline - time.monotonic())
+            self.close()
+        return WritesFlushed(
+            queued, cache.ssd_files_written - written, cache.ssd_write_drops - dropped
+        )
 
     def close(self) -> None:
         if self._thread.is_alive():
@@ -411,7 +442,7 @@ class Engine:
         except dist.RankError as exc:
             self._on_log(str(exc))
         if self.cache is not None:
-            self.cache.close()
+            self.cache.close(self._close_timeout_s)
             self.cache.release_ram()  # the RAM tiers' arrays go now
         # free the weights now, and MLX's buffer cache with them, so a restart in
         # the same process (replay, the bench) never holds two models' memory at
@@ -548,6 +579,12 @@ class Engine:
 
     # ------------------------------------------------------------------ generate
     @property
+    def info(self) -> ModelInfo | None:
+        """The loaded model's :class:`~tierchat.core.api.ModelInfo`, or None (no model)."""
+        return self.runtime.info if self.loaded is not None else None
+
+    @property
     def context_length(self) -> int | None:
         """The model's context length in tokens, from its config, or None if unknown."""
-        return self.runtime.info.context_length if self.loaded is not None else None
+        info = self.info
+        return info.context_length if info is not None else None

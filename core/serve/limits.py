@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..chat.context_limit import ContextLimitExceeded, config_int, generation_room
+from ..api import EngineLike
+from ..chat.context_limit import ContextLimitExceeded, generation_room
 from ..chat.context_limit import context_length as context_length  # re-exported for serve
 from ..text import one_line
 from .prompts import APIError
@@ -271,21 +272,21 @@ def check_prompt(
         ) from None
 
 
-def model_vocab(engine: Any) -> int | None:
-    """The model's embedding rows (``vocab_size`` of its args or their ``text_config``),
-    or None when its config does not say. The model may generate any of these ids, even
-    past the ones its tokenizer names."""
-    return config_int(engine, ("vocab_size",))
+def model_vocab(engine: EngineLike) -> int | None:
+    """The ids the loaded model may generate (its ``ModelInfo.vocab_size``: the logits'
+    last dimension), even past the ones its tokenizer names; None when unknown."""
+    info = engine.info
+    return info.vocab_size if info is not None and info.vocab_size > 0 else None
 
 
-def vocab_size(engine: Any) -> int | None:
+def vocab_size(engine: EngineLike) -> int | None:
     """The number of valid token ids of the engine's model: :func:`model_vocab`, else the
     tokenizer's size (``len(tokenizer)``, added tokens included, or its ``vocab_size``);
     None when none is known."""
     rows = model_vocab(engine)
     if rows is not None:
         return rows
-    tokenizer = getattr(engine, "tokenizer", None)
+    tokenizer = engine.tokenizer
     try:
         return len(tokenizer)  # type: ignore[arg-type]
     except TypeError:

@@ -29,11 +29,13 @@ from ..api import (
     Failed,
     Finished,
     GenerateRequest,
+    ModelInfo,
     PrefillProgress,
     RequestHandle,
     Stopping,
     TokenBatch,
     TurnMetrics,
+    WritesFlushed,
 )
 from ..text import log_safe
 
@@ -184,6 +186,17 @@ class TrackedEngine:
 
     def close(self) -> None:
         self.engine.close()
+
+    @property
+    def info(self) -> ModelInfo | None:
+        return self.engine.info
+
+    @property
+    def writes_queued(self) -> int:
+        return self.engine.writes_queued
+
+    def shutdown(self, timeout_s: float, *, close: bool = True) -> WritesFlushed:
+        return self.engine.shutdown(timeout_s, close=close)
 
     def __getattr__(self, name: str):  # settings, record_logprobs, ... of the real engine
         return getattr(self.engine, name)

@@ -1,4 +1,4 @@
-"""``shape:<name>`` models (core/models/shapes.py) and the device/dtype line (core/engine/device.py).
+"""``shape:<name>`` models (core/models/shapes.py) and the device/dtype line (core/device.py).
 
 The real shapes are checked without computing a weight (parameter counts and cache classes
 of the lazily built models); loading and generating run on shrunk configs of the same
@@ -16,7 +16,7 @@ import pytest
 from mlx import nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
-from tierchat.core.engine.device import compute_dtype, describe_device, device_info, dtype_name
+from tierchat.core.device import compute_dtype, describe_device, device_info, dtype_name
 from tierchat.core.models import shapes
 from tierchat.core.models.loading import ModelError, list_models, load_model
 

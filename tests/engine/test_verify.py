@@ -201,7 +201,7 @@ def test_verify_command_runs_a_script(tmp_path, models_dir, capsys, monkeypatch)
 
 
 def test_bitwise_asks_for_reproducible_attention_kernels(monkeypatch):
-    from tierchat.core.engine.device import DETERMINISTIC_ENV, use_deterministic_kernels
+    from tierchat.core.device import DETERMINISTIC_ENV, use_deterministic_kernels
 
     monkeypatch.delenv("MLX_CUDA_USE_CUDNN_SDPA", raising=False)
     assert use_deterministic_kernels() == DETERMINISTIC_ENV == {"MLX_CUDA_USE_CUDNN_SDPA": "0"}

@@ -99,8 +99,8 @@ def test_cache_commands_act_on_a_running_line_chat(tmp_path, models_dir, capsys)
         assert data["source"]["process"] == "chat" and data["hot"]["entries"] == hot
         assert main(["cache", "clear", "hot", "--cache-dir", str(kv)]) == 0
         out = capsys.readouterr().out
-        assert f"cleared hot in the running tierchat chat (pid {chat.pid}" in out
-        assert f"hot −{hot}" in out
+        assert out.startswith(f"Cleared hot: hot −{hot}")
+        assert f"\n  by the running tierchat chat (pid {chat.pid}" in out
         out, err = chat.communicate("/stats\n", timeout=120)
     finally:
         if chat.poll() is None:

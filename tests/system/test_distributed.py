@@ -179,7 +179,7 @@ def test_cache_clear_clears_every_rank(tmp_path, models_dir):
     finally:
         ranks.kill()
     assert (code0, code1) == (0, 0), (err0, err1)
-    assert "cleared ssd" in out0
+    assert "Cleared ssd: SSD −" in out0  # the one clear report (core/live_status.py)
     assert [list(d.rglob("*.safetensors")) for d in rank_dirs(kv)] == [[], []]
 
 

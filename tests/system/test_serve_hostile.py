@@ -180,7 +180,7 @@ def test_2_prompts_past_the_context_are_400_context_length_exceeded(served):
     assert served.state.log.snapshot().total == before  # refused before any prefill
     # the server's default max_tokens is capped to the room left instead; checked at a
     # 4,096-token context (a 131,066-token prefill takes minutes on a CPU)
-    # (the loaded model's figures are read once, at load: core/engine/runtime.py ModelInfo)
+    # (the loaded model's figures are read once, at load: core/api.py ModelInfo)
     engine = served.raw
     runtime = engine.runtime
     engine.runtime = dataclasses.replace(
@@ -349,7 +349,8 @@ def test_5_cache_commands_act_on_the_running_server(served, isolated_settings, c
         assert data["hot"]["entries"] > 0  # the server's own figures, not a fresh process's
         assert main(["cache", "clear", "ssd", "--cache-dir", kv]) == 0
         out = capsys.readouterr().out
-        assert "cleared ssd in the running tierchat serve" in out and f"SSD −{files}" in out
+        assert out.startswith(f"Cleared ssd: SSD −{files} (")
+        assert "\n  by the running tierchat serve" in out
         assert served.raw.stats().ssd.entries == 0  # the server's index knows
     served.chat(on_ssd(3, "five"))  # the same prompt: written again
     served.raw.cache.ssd.flush()

@@ -7,8 +7,8 @@ import json
 
 import pytest
 from tierchat.core.chat.session import ConversationSettings
+from tierchat.core.live_status import clear_report
 from tierchat.core.sampling_params import SamplingParams
-from tierchat.tui.cache_report import clear_report
 from tierchat.tui.screens.conversation_settings import ConversationSettingsScreen
 from tierchat.tui.widgets.cache_panels import CacheSummary, cache_summary
 from tierchat.tui.widgets.chat_input import ChatInput

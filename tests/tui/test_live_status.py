@@ -13,6 +13,7 @@ import time
 import pytest
 from fakes import FakeEngine
 from tierchat.cli.main import main
+from tierchat.core.files import write_atomic
 from tierchat.core.live_status import (
     REQUESTS_DIR,
     STATUS_FILE,
@@ -20,7 +21,6 @@ from tierchat.core.live_status import (
     read_status,
     request_clear,
     wait_cleared,
-    write_atomic,
 )
 
 
@@ -114,7 +114,7 @@ def test_cache_commands_talk_to_the_running_app(tmp_path, capsys):
 
         assert main(["cache", "clear", "hot", "--cache-dir", kv]) == 0
         out = capsys.readouterr().out
-        assert "cleared hot in the running tierchat TUI" in out and f"hot −{hot}" in out
+        assert out.startswith(f"Cleared hot: hot −{hot}") and "by the running tierchat TUI" in out
         term.until(lambda: live_hot_entries() == 0, "the app's own stats to show the clear")
     finally:
         term.close()

@@ -16,7 +16,6 @@ pytest.importorskip("tierchat.core.engine.engine")
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 
-
 @pytest.fixture
 def settings(tmp_path: Path):
     return real_settings(tmp_path, max_tokens=12)
@@ -28,6 +27,9 @@ async def test_tiny_llama_send_regenerate_swipe_clear_hot(settings):
     async with real_app(settings, size=(150, 40)) as (app, pilot, engine, store):
         assert engine.model_name == "tiny:llama"
         screen = chat_screen(app)
+        # the header's device line is the loaded model's (ModelInfo; the TUI imports no MLX)
+        assert engine.info.device_line.startswith("cpu") and "float32" in engine.info.device_line
+        assert f"tiny:llama ({engine.info.device_line})" in screen.sub_title
 
         await send(pilot, "Hello, tiny model. Tell me about caches.")
         await settle(pilot, timeout=REAL_TIMEOUT_S)

@@ -242,7 +242,7 @@ def test_cuda_graphs_setting_sets_mlx_variable_unless_the_environment_has_it(tmp
     (``mlx_lm.server``) gets the environment without what tierchat set."""
     import os
 
-    from tierchat.core.engine import device
+    from tierchat.core import device
 
     monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "")  # restored (absent or not) after the test
     monkeypatch.delenv("MLX_USE_CUDA_GRAPHS")

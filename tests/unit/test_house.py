@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[2]
 DESIGN = ROOT / "docs" / "DESIGN.md"
@@ -245,19 +247,188 @@ def test_no_import_cycle_inside_core():
     assert not cycles, "\n".join(cycles)
 
 
+PACKAGES = {"core": "tierchat.core", "cli": "tierchat.cli", "tui": "tierchat.tui"}
+PACKAGES["config"] = "tierchat.config"
+
+
+class Import(NamedTuple):
+    """One import in a source file: the module's absolute name (``tierchat.core.api``,
+    ``mlx.core``; ``from x import y`` gives ``x.y``), where, and whether it runs when the
+    file is imported (``top``: not inside a function, not under ``TYPE_CHECKING``)."""
+
+    module: str
+    where: str
+    typing_only: bool
+    top: bool
+
+
+def _imports(path: Path) -> list[Import]:
+    """Every import of ``path`` (lazy ones in functions and ``TYPE_CHECKING`` ones
+    included), relative ones resolved against the file's package."""
+    rel = path.relative_to(ROOT)
+    package = [PACKAGES[rel.parts[0]], *rel.parts[1:-1]]  # the file's folder
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    typing_only = {
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and ast.unparse(block.test) in _TYPING
+        for n in ast.walk(block)
+    }
+    lazy = {
+        id(n)
+        for f in ast.walk(tree)
+        if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+        for n in ast.walk(f)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = ".".join(package).split(".")
+                up = up[: len(up) - (node.level - 1)]
+                base = ".".join([*up, *([base] if base else [])])
+            names = [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        typing, top = id(node) in typing_only, id(node) not in typing_only | lazy
+        where = f"{rel}:{node.lineno}"
+        found += [Import(n, where, typing, top) for n in names]
+    return found
+
+
+_TYPING = ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+
+
+def _layer_breaches(folder: str, banned: tuple[str, ...]) -> list[str]:
+    """``path:line: module`` for each import under ``folder`` (lazy and ``TYPE_CHECKING``
+    ones included) of a module in ``banned`` or below it."""
+    return [
+        f"{i.where}: {i.module}"
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for i in _imports(path)
+        if any(i.module == b or i.module.startswith(b + ".") for b in banned)
+    ]
+
+
+# What tui/ may not import: MLX, and every core module that does or that is the engine's
+# (it reaches the engine as an EngineLike, docs/DESIGN.md §1, §16)
+TUI_BANNED = ("mlx", "mlx_lm", "tierchat.core.engine", "tierchat.core.device")
+TUI_BANNED += (
+    "tierchat.core.cache",
+    "tierchat.core.models",
+    "tierchat.core.memory",
+    "tierchat.cli",
+)
+
+
+def test_core_and_config_import_neither_the_tui_nor_the_cli_nor_textual():
+    """The layers point one way (docs/DESIGN.md §1): core/ and config/ never import
+    Textual, tui/ or cli/, not even lazily or for a type annotation."""
+    banned = ("textual", "tierchat.tui", "tierchat.cli")
+    assert not _layer_breaches("core", banned) + _layer_breaches("config", banned)
+
+
+def test_the_tui_imports_no_mlx_and_no_engine_internals():
+    """tui/ never imports MLX, nor core's engine, device, cache, models or memory, nor cli/
+    (docs/DESIGN.md §1): not lazily, not under ``TYPE_CHECKING``."""
+    assert not _layer_breaches("tui", TUI_BANNED)
+
+
+def test_the_core_modules_the_tui_imports_load_no_mlx():
+    """Whatever core/ module tui/ imports loads no MLX when imported: its imports that
+    run at import time, followed through core/, reach no ``mlx`` module."""
+    graph: dict[str, list[Import]] = {}
+    for path in (ROOT / "core").rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        graph[".".join([PACKAGES["core"], *parts[1:]])] = _imports(path)
+
+    def loads(module: str) -> str:
+        """The chain from ``module`` to an MLX import, or ""."""
+        seen, todo = set(), [(module, module)]
+        while todo:
+            name, chain = todo.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            for i in graph.get(name, ()):
+                if not i.top:
+                    continue
+                if i.module.split(".")[0] in ("mlx", "mlx_lm"):
+                    return f"{chain} -> {i.module}"
+                target = i.module if i.module in graph else i.module.rpartition(".")[0]
+                if target in graph:
+                    todo.append((target, f"{chain} -> {target}"))
+        return ""
+
+    used = {
+        i.module if i.module in graph else i.module.rpartition(".")[0]
+        for path in (ROOT / "tui").rglob("*.py")
+        for i in _imports(path)
+        if i.module.startswith(PACKAGES["core"] + ".")
+    }
+    chains = [c for c in map(loads, sorted(used)) if c]
+    assert not chains, "\n".join(chains)
+    assert loads("tierchat.core.engine.engine")  # the check follows a chain to MLX
+
+
+def test_the_layer_checks_see_lazy_and_type_checking_imports(tmp_path, monkeypatch):
+    tui = tmp_path / "tui"
+    tui.mkdir()
+    (tui / "m.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from tierchat.core.engine.engine import Engine\n"
+        "def f():\n    import mlx.core as mx\n    from ..core import device\n",
+        encoding="utf-8",
+    )
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    found = _layer_breaches("tui", TUI_BANNED)
+    assert [f.split(": ")[1] for f in found] == [
+        "tierchat.core.engine.engine.Engine",
+        "mlx.core",
+        "tierchat.core.device",
+    ]
+
+
+def _tier_reaches(paths: list[Path]) -> list[str]:
+    """``path:line: .attr`` for each attribute ``hot``, ``ssd`` or ``rates`` read in
+    ``paths`` (``cache.hot.nbytes``, ``self.cache.ssd``, an alias's ``.rates``)."""
+    tiers = {"hot", "ssd", "rates"}
+    reaches = []
+    for path in paths:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in tiers:
+                where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+                reaches.append(f"{where}:{node.lineno}: .{node.attr}")
+    return reaches
+
+
 def test_the_engine_reaches_no_cache_tier():
     """core/engine/ asks the prefix cache through its own methods (``fit_hot_budget``,
     ``ssd_warning``, ``hold_writes``, ``observe_prefill``, ``release_ram``...), never
     through its tiers: no attribute ``hot``, ``ssd`` or ``rates`` is read there
     (``cache.hot.nbytes``, ``self.cache.ssd``, an alias's ``.rates``; docs/DESIGN.md §2)."""
-    tiers = {"hot", "ssd", "rates"}
-    reaches = []
-    for path in sorted((ROOT / "core" / "engine").rglob("*.py")):
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and node.attr in tiers:
-                reaches.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
-    assert not reaches, "\n".join(reaches)
+    assert not _tier_reaches(sorted((ROOT / "core" / "engine").rglob("*.py")))
+
+
+def test_the_cache_request_planner_and_capture_see_only_their_seams():
+    """``CacheRequest`` sees only ``PrefixCache`` (``hold_writes``, ``observe_read``...),
+    the planner and the capture only a ``TierView`` (docs/DESIGN.md §9): none of them
+    reads a tier (``cache.ssd``, ``view.hot``, ``cache.rates``)."""
+    parts = ("request.py", "planner.py", "capture.py", "view.py")
+    assert not _tier_reaches([ROOT / "core" / "cache" / p for p in parts])
+
+
+def test_the_tier_reach_check_can_fail(tmp_path):
+    (tmp_path / "m.py").write_text(
+        "def f(cache):\n    cache.ssd.pause(1)\n    return cache.hold_writes(1)\n",
+        encoding="utf-8",
+    )
+    assert _tier_reaches([tmp_path / "m.py"]) == ["m.py:2: .ssd"]
 
 
 def _private_reaches(folder: Path) -> list[str]:
@@ -286,6 +457,25 @@ def test_the_engine_reaches_into_no_private_member_of_another_object():
     request and the peers (docs/DESIGN.md §2, §20); no ``engine._load``,
     ``self.engine._attention`` or ``mod._helper`` across modules."""
     assert not _private_reaches(ROOT / "core" / "engine")
+
+
+# mlx-lm's RotatingKVCache keeps its write index only in ``_idx`` (its ``state`` tuple
+# changed shape across versions); core/cache/layers.py is the one adapter of mlx-lm's
+# cache classes (docs/DESIGN.md §5), so it alone may read and set it
+MLX_LM_INTERNALS = {"core/cache/layers.py": "c._idx"}
+
+
+def test_the_cache_reaches_into_no_private_member_of_another_object():
+    """core/cache/'s modules meet through public seams (the prefix cache's methods, the
+    ``TierView``, the SSD tier's): no ``cache._unsaved``, ``ssd._index`` or
+    ``tier._drop`` across modules (docs/DESIGN.md §9); mlx-lm's rotating cache index in
+    its adapter is the one exception (:data:`MLX_LM_INTERNALS`)."""
+    found = []
+    for reach in _private_reaches(ROOT / "core" / "cache"):
+        where, _, expr = reach.partition(": ")
+        if MLX_LM_INTERNALS.get(where.rsplit(":", 1)[0]) != expr:
+            found.append(reach)
+    assert not found, "\n".join(found)
 
 
 def test_the_collaborators_split_off_their_hosts_reach_into_no_private_member():

@@ -15,6 +15,7 @@ from tierchat.core.cache.layers import KIND_KV, KIND_STATE, make_leaf
 from tierchat.core.cache.planner import Planner
 from tierchat.core.cache.plans import Held
 from tierchat.core.cache.schedule import schedule_points
+from tierchat.core.cache.view import TierView
 
 BS = 4
 KV = [make_leaf("0", KIND_KV, "KVCache")]
@@ -35,16 +36,16 @@ class After:
 
 @dataclass
 class View:
+    """A :class:`~tierchat.core.cache.view.TierView` filled by hand."""
+
     leaves: list
     held_ids: dict[str, Held] = field(default_factory=dict)
     after: dict[str, list[After]] = field(default_factory=dict)
     block_size: int = BS
     root: str = "root"
     exact_prefix: bool = False
-    state: bool = False
+    state: list = field(default_factory=list)
     logprobs_spec: object = None
-    hot: object = None
-    ssd: object = None
 
     def held(self, entry_id: str, use_ssd: bool = True) -> Held | None:
         h = self.held_ids.get(entry_id)
@@ -52,6 +53,19 @@ class View:
 
     def children(self, parent: str, use_ssd: bool = True) -> list[After]:
         return list(self.after.get(parent, ()))
+
+    def find(self, entry_id: str, use_ssd: bool = True) -> After | None:
+        return next((t for ts in self.after.values() for t in ts if t.id == entry_id), None)
+
+
+def test_the_hand_filled_view_is_a_tier_view():
+    """The planner's seam is the protocol in the code; this view implements all of it."""
+    view: TierView = View(KV)  # a type checker holds it to the protocol
+    members = {"block_size", "root", "leaves", "state", "exact_prefix", "logprobs_spec"}
+    members |= {"held", "children", "find"}
+    assert all(hasattr(view, m) for m in members)
+    assert set(TierView.__annotations__) | {"held", "children", "find"} <= members
+    assert {m for m in vars(TierView) if not m.startswith("_")} <= members
 
 
 PROMPT = tuple(range(100, 114))  # 14 tokens: blocks b0..b2 hold [0, 12), 2 tokens after
@@ -118,9 +132,9 @@ def test_use_ssd_false_ignores_the_ssd_tier():
 
 def test_state_leaves_restore_only_where_a_snapshot_was_taken():
     # block b1 ends at 8 (a schedule point): its snapshot is needed there
-    no_snap = View(HYBRID, {i: hot() for i in IDS}, state=True)
+    no_snap = View(HYBRID, {i: hot() for i in IDS}, state=HYBRID[1:])
     assert plan(no_snap) is None
-    snap = View(HYBRID, {"b0": hot(), "b1": hot(snapshot=True), "b2": hot()}, state=True)
+    snap = View(HYBRID, {"b0": hot(), "b1": hot(snapshot=True), "b2": hot()}, state=HYBRID[1:])
     p = plan(snap)
     assert p.position == 8 and p.blocks == (0, 1)
 

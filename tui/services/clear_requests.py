@@ -2,9 +2,9 @@
 another shell, which reaches a running TUI as a request file (``core/live_status.py``).
 
 ``Engine.clear`` waits for the engine thread (it may be in a prefill chunk or a model
-load), so a clear runs in a Textual thread worker; its report is shown, and written to
-the status file for a request from the command line, on the UI thread
-(docs/DESIGN.md §10).
+load), so a clear runs in a Textual thread worker; its report (every process's one,
+:func:`~tierchat.core.live_status.clear_tier`) is shown, and written to the status file for
+a request from the command line, on the UI thread (docs/DESIGN.md §10).
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from textual.dom import DOMNode
-from tierchat.core.api import CACHE_TIERS, CacheStats
-from tierchat.core.live_status import StatusWriter
-from tierchat.tui.cache_report import clear_report
+from tierchat.core.api import CacheStats
+from tierchat.core.live_status import StatusWriter, check_tier, clear_tier, failure_report
 
 Notify = Callable[..., None]
 
@@ -65,13 +64,12 @@ class ClearRequests:
 
     def _clear(self, tier: str, request: dict | None) -> None:
         call = self.node.app.call_from_thread
-        before = self.stats()
         try:
-            self.engine().clear(tier)
+            report = clear_tier(self.engine(), tier)
         except Exception as e:  # noqa: BLE001 - reported on the UI thread below
             call(self._failed, tier, e, request)
         else:
-            call(self._cleared, tier, before, request)
+            call(self._cleared, report, request)
 
     def serve(self) -> None:
         """Start a clear for every request from the CLI not yet being served; answer an
@@ -79,15 +77,16 @@ class ClearRequests:
         if self.status is None:
             return
         for request in self.status.requests():
-            if request["tier"] not in CACHE_TIERS:
-                self.status.served(request, f"unknown tier {request['tier']!r}")
+            try:
+                check_tier(request["tier"])
+            except ValueError as e:
+                self.status.served(request, failure_report(e))
                 continue
             if request["id"] not in self._serving:
                 self._serving.add(request["id"])
                 self.clear(request["tier"], request)
 
-    def _cleared(self, tier: str, before: CacheStats | None, request: dict | None) -> None:
-        report = clear_report(tier, before, self.stats())
+    def _cleared(self, report: str, request: dict | None) -> None:
         if request is not None and self.status is not None:
             self.status.served(request, report)
         self.refreshed()
@@ -97,6 +96,6 @@ class ClearRequests:
     def _failed(self, tier: str, error: Exception, request: dict | None) -> None:
         text = str(error) or type(error).__name__
         if request is not None and self.status is not None:
-            self.status.served(request, f"failed: {text}")
+            self.status.served(request, failure_report(error))
         self.notify(text, title=f"Clear {tier} failed", severity="error")
         self.refreshed()

@@ -6,13 +6,12 @@ path is checked before the engine is asked (docs/DESIGN.md §16). No MLX here.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from textual.message import Message
-from tierchat.core.api import Event, Failed, ModelLoaded, ModelLoading
+from tierchat.core.api import EngineLike, Event, Failed, ModelLoaded, ModelLoading
 from tierchat.tui.messages import ModelLoadAdvanced, ModelLoadFailed, ModelLoadFinished
 
 
@@ -41,21 +40,9 @@ def load_events(spec: str, post: Callable[[Message], Any]) -> Callable[[Event], 
     return on_event
 
 
-def device_line(engine: Any, given: str) -> str:
-    """The device and compute dtype for the header ("gpu (…, metal), bfloat16").
-
-    ``core.engine.device`` imports MLX, which the TUI never does itself: the line is read
-    only when MLX is already loaded (by the real engine); ``given`` (the app's ``device``,
-    from a caller) or an engine's own ``describe_device()`` take precedence."""
-    describe = getattr(engine, "describe_device", None)
-    try:
-        if callable(describe):
-            return str(describe())
-        real = type(engine).__module__.startswith("tierchat.core")
-        if not given and real and "mlx.core" in sys.modules:
-            from tierchat.core.engine.device import describe_device
-
-            given = describe_device()
-    except Exception:  # noqa: BLE001 - a header detail, never a crash
-        pass
-    return given
+def device_line(engine: EngineLike, given: str) -> str:
+    """The device and compute dtype for the header ("gpu (…, metal), bfloat16"):
+    ``given`` (the app's ``device``, from a caller), else the loaded model's
+    (``ModelInfo.device_line``, read by the engine at load: the TUI never imports MLX)."""
+    info = engine.info
+    return given or (info.device_line if info is not None else "")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ...live_status import write_atomic
+from ...files import write_atomic
 
 MODEL_FILE = "model.json"
 

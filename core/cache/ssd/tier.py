@@ -85,7 +85,6 @@ class SSDTier:
 
     on_idle: Callable[[], None] | None = None
     verify_at_start: bool = True
-    close_timeout_s: float = 60.0  # close waits this long for the writer, then drops the rest
     clock: Callable[[], float] = staticmethod(time.monotonic)  # for :meth:`reconcile`
 
     def __init__(
@@ -551,16 +550,16 @@ class SSDTier:
             self.write_drops += len(ids)
         return len(ids)
 
-    def close(self) -> None:
-        """Write what is queued (waiting at most ``close_timeout_s``; what is left then is
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Write what is queued (waiting at most ``timeout_s``; what is left then is
         dropped and reported), stop the threads, give back the cache dir's lock."""
         self.reader.close()
         if self.enabled:
-            if not self.flush(self.close_timeout_s):
+            if not self.flush(timeout_s):
                 dropped = self.drop_pending()
                 self._event(
                     f"SSD write failed: {dropped} entries not saved at exit "
-                    f"(the writer took over {self.close_timeout_s:g} s)"
+                    f"(the writer took over {timeout_s:g} s)"
                 )
             self.writer.stop(timeout_s=5)
             self._verifier.join(timeout_s=5)

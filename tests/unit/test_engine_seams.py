@@ -1,0 +1,80 @@
+"""The engine's seams to its callers (docs/DESIGN.md §3, §15): one reading of a model's
+config for its ``ModelInfo``, and the server's stop through ``EngineLike.shutdown`` (the
+signal path drives no SSD tier itself). No model."""
+
+from __future__ import annotations
+
+import io
+from types import SimpleNamespace
+
+from tierchat.cli.serve_shutdown import Shutdown
+from tierchat.core.api import ModelInfo, WritesFlushed
+from tierchat.core.chat.context_limit import context_length
+from tierchat.core.engine.runtime import config_int
+from tierchat.core.engine.runtime import context_length as model_context_length
+from tierchat.core.serve.limits import model_vocab
+
+
+def model(args) -> SimpleNamespace:
+    return SimpleNamespace(args=args)
+
+
+def test_the_context_length_is_read_from_the_args_then_their_text_config():
+    """One reader for both: a multimodal wrapper keeps the text model's figures in
+    ``text_config`` (a dict or an object), and the args' own win where both say."""
+    assert model_context_length(model(SimpleNamespace(max_position_embeddings=4096))) == 4096
+    wrapped = SimpleNamespace(text_config={"max_position_embeddings": 262144, "vocab_size": 7})
+    assert model_context_length(model(wrapped)) == 262144
+    assert config_int(model(wrapped), ("vocab_size",)) == 7
+    both = SimpleNamespace(n_ctx=2048, text_config=SimpleNamespace(max_position_embeddings=9))
+    assert model_context_length(model(both)) == 2048
+    assert model_context_length(model(SimpleNamespace(max_seq_len=True))) is None  # a bool
+    assert model_context_length(SimpleNamespace()) is None
+
+
+class InfoEngine:
+    def __init__(self, info: ModelInfo | None) -> None:
+        self.info = info
+
+
+def test_callers_read_the_model_info_and_none_without_a_model():
+    engine = InfoEngine(ModelInfo(8192, 151936, "cpu", "cpu (x), float32"))
+    assert context_length(engine) == 8192 and model_vocab(engine) == 151936
+    assert context_length(InfoEngine(None)) is None and model_vocab(InfoEngine(None)) is None
+    assert model_vocab(InfoEngine(ModelInfo(None, 0, "cpu"))) is None  # 0: unknown
+
+
+class StopEngine:
+    """Records the stop it is asked for; its SSD writer had 3 entries queued."""
+
+    writes_queued = 3
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[float, bool]] = []
+
+    def shutdown(self, timeout_s, *, close=True) -> WritesFlushed:
+        self.calls.append((timeout_s, close))
+        return WritesFlushed(queued=3, written=2, dropped=1)
+
+
+def stop(failure: str = "") -> tuple[StopEngine, dict, str]:
+    state = SimpleNamespace(draining=False, abort_all=lambda why: 1)
+    server = SimpleNamespace(stop=lambda timeout_s: None)
+    engine, err = StopEngine(), io.StringIO()
+    shutdown = Shutdown(state, server, engine, bound_s=7.5, err=err)
+    if failure:
+        shutdown.fail(failure)
+    return engine, shutdown.run(), err.getvalue()
+
+
+def test_a_signal_stops_the_engine_within_the_bound_through_its_shutdown():
+    engine, report, err = stop()
+    assert engine.calls == [(7.5, True)]
+    assert report == {"streams": 1, "written": 2, "dropped": 1}
+    assert "writing 3 queued SSD entries (at most 7.5 s)" in err
+    assert "2 SSD entries written; 1 SSD entries not saved" in err
+
+
+def test_failed_ranks_write_the_queue_but_leave_the_engine_thread():
+    engine, report, _ = stop("rank 1 lost")
+    assert engine.calls == [(7.5, False)] and report["written"] == 2
