@@ -19,7 +19,7 @@ import mlx.core as mx
 from .blocks import Entry
 from .layers import Arrays, KVLeaf
 
-EVAL_BYTES = 64 << 20  # the copies queued before they are evaluated (bytes)
+EVAL_BYTES = 64 << 20  # the copies queued before they are started (bytes)
 
 
 class StreamedFill:
@@ -39,11 +39,12 @@ class StreamedFill:
         self.buffers: dict[str, Arrays] = {lf.name: {} for lf in self.leaves}
         self.filled = 0  # tokens placed so far, from position 0
         self.nbytes = 0  # bytes copied so far (queued ones included)
-        self._queued = 0  # bytes copied since the last eval
+        self._queued = 0  # bytes copied since the last flush
 
     def add(self, e: Entry, tokens: int) -> None:
         """Copy the first ``tokens`` tokens of ``e``'s K/V of every leaf to the next
-        positions (:attr:`filled` onwards); evaluated once :data:`EVAL_BYTES` are queued.
+        positions (:attr:`filled` onwards); started (:meth:`flush`) once :data:`EVAL_BYTES`
+        are queued.
 
         Raises:
             ValueError: past ``position``, or ``e`` lacks a leaf's arrays.
@@ -51,9 +52,12 @@ class StreamedFill:
         start, end = self.filled, self.filled + tokens
         if end > self.position:
             raise ValueError(f"tokens {start}..{end} past the restore position {self.position}")
+        by_leaf: dict[str, Arrays] = {}
+        for key, a in e.arrays.items():  # "<leaf>.<part>"; a leaf's name may hold dots
+            leaf_name, _, name = key.rpartition(".")
+            by_leaf.setdefault(leaf_name, {})[name] = a
         for leaf in self.leaves:
-            prefix = f"{leaf.name}."
-            parts = {k[len(prefix) :]: a for k, a in e.arrays.items() if k.startswith(prefix)}
+            parts = by_leaf.get(leaf.name)
             if not parts:
                 raise ValueError(f"entry {e.id[:12]} has no arrays of leaf {leaf.name}")
             buffers = self.buffers[leaf.name]
@@ -71,8 +75,10 @@ class StreamedFill:
             self.flush()
 
     def flush(self) -> None:
-        """Evaluate the copies queued so far."""
-        mx.eval([a for b in self.buffers.values() for a in b.values()])
+        """Start the copies queued so far (``mx.async_eval``): MLX's stream makes them
+        while the engine thread takes the next entries; whoever evaluates the cache (the
+        restore's fill) waits for them."""
+        mx.async_eval([a for b in self.buffers.values() for a in b.values()])
         self._queued = 0
 
     @property
