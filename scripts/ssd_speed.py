@@ -190,9 +190,10 @@ def main() -> None:
         if args.big:  # the big entries have another shape: no cache of one restore
             modes = {k: v for k, v in modes.items() if not k.startswith("restore")}
         ratios: dict[str, list[float]] = {name: [] for name in modes}
+        gbps: dict[str, list[float]] = {name: [] for name in ("raw read", *modes)}
         cpu: dict[str, list[float]] = {name: [] for name in ("raw read", *modes)}
         for r in range(args.rounds):
-            line = [f"round {r + 1}:"]
+            line = []
             for name, run in modes.items():
                 # the raw read right before each mode: the disk's speed moves over a run
                 c0 = _cpu_s()
@@ -207,18 +208,23 @@ def main() -> None:
                 finally:
                     fresh.close()
                 ratios[name].append(total / dt / 1e9 / disk.gbps)
+                gbps[name].append(total / dt / 1e9)
+                gbps["raw read"].append(disk.gbps)
                 cpu[name].append(dc / (total / 1e9))
                 line.append(
                     f"{name} {total / dt / 1e9:.2f} GB/s / raw {disk.gbps:.2f} = "
                     f"{ratios[name][-1]:.2f} (CPU {cpu[name][-1]:.2f} s/GB)"
                 )
-            print("; ".join(line), flush=True)
+            print(f"round {r + 1}: " + "; ".join(line), flush=True)
         for name, rs in ratios.items():
             print(
-                f"{name}: median ratio {_median(rs):.2f} of the disk's raw read, "
-                f"CPU {_median(cpu[name]):.2f} s/GB"
+                f"{name}: median {_median(gbps[name]):.2f} GB/s, median ratio "
+                f"{_median(rs):.2f} of the disk's raw read, CPU {_median(cpu[name]):.2f} s/GB"
             )
-        print(f"raw read: CPU {_median(cpu['raw read']):.2f} s/GB")
+        print(
+            f"raw read: median {_median(gbps['raw read']):.2f} GB/s, "
+            f"CPU {_median(cpu['raw read']):.2f} s/GB"
+        )
     finally:
         if args.dir is None:
             shutil.rmtree(base, ignore_errors=True)
