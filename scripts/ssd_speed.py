@@ -16,7 +16,11 @@ headers):
 - ``restore (concatenate)``: read ahead, loads, then one concatenate per K/V array into
   ``KVCache`` objects (``KVLeaf.restore``: the fill before the streamed fill);
 - ``restore (streamed)``: read ahead, each loaded entry copied into the cache's buffers as
-  it comes (``StreamedFill``, what ``Restorer`` does for a plan that reads the SSD tier).
+  it comes (``StreamedFill``, what ``Restorer`` does for a plan that reads the SSD tier),
+  buffers with room for ``--rest`` more tokens and one.
+
+After each restore mode, the write of a ``--rest``-token chunk into the restored caches is
+timed apart (``KVCache.update_and_fetch``: a copy of the whole cache where it must grow).
 
 Prints each against the raw read, with the CPU seconds per GB of the process (all
 threads: a figure that other jobs on the machine move less than the wall clock), and the
@@ -25,7 +29,7 @@ median ratio per mode (the restore's goal:
 before it, as the disk's own speed moves over a run.
 
     python scripts/ssd_speed.py [--dir DIR] [--entries 32] [--big 4] [--rounds 3]
-        [--modes "read ahead + load,restore (concatenate),restore (streamed)"] [--mlx-cache BYTES]
+        [--modes "read ahead + load,restore (concatenate),restore (streamed)"] [--rest 512] [--mlx-cache BYTES]
 """
 
 from __future__ import annotations
@@ -92,21 +96,21 @@ def _loads(tier: SSDTier, ids: list[str]) -> list[Entry]:
     return out
 
 
-def _load(tier, ids, leaves, tokens) -> None:
+def _load(tier, ids, leaves, tokens, rest) -> None:
     _loads(tier, ids)
 
 
-def _prefetch_load(tier, ids, leaves, tokens) -> None:
+def _prefetch_load(tier, ids, leaves, tokens, rest) -> None:
     tier.reader.prefetch(ids)
     _loads(tier, ids)
 
 
-def _ahead_load(tier, ids, leaves, tokens) -> None:
+def _ahead_load(tier, ids, leaves, tokens, rest) -> None:
     tier.reader.read_ahead(ids)
     _loads(tier, ids)
 
 
-def _restore_concatenate(tier, ids, leaves, tokens) -> None:
+def _restore_concatenate(tier, ids, leaves, tokens, rest) -> list[KVCache]:
     tier.reader.read_ahead(ids)
     entries = _loads(tier, ids)
     caches = [KVCache() for _ in leaves]
@@ -114,11 +118,13 @@ def _restore_concatenate(tier, ids, leaves, tokens) -> None:
         parts = [{p: e.arrays[f"{leaf.name}.{p}"] for p in "kv"} for e in entries]
         leaf.restore(c, parts, tokens * len(ids))
     mx.eval([c.state for c in caches])
+    return caches
 
 
-def _restore_streamed(tier, ids, leaves, tokens) -> None:
+def _restore_streamed(tier, ids, leaves, tokens, rest) -> list[KVCache]:
     tier.reader.read_ahead(ids)
-    fill = StreamedFill(leaves, tokens * len(ids))
+    # room for the prompt's rest and a first decoded token, as Restorer makes it
+    fill = StreamedFill(leaves, tokens * len(ids), length=tokens * len(ids) + rest + 1)
     for i in ids:
         e = tier.load(i)
         assert e is not None, "entry failed to load"
@@ -127,6 +133,17 @@ def _restore_streamed(tier, ids, leaves, tokens) -> None:
     for leaf, c in zip(leaves, caches, strict=True):
         fill.adopt(leaf, c)
     mx.eval([c.state for c in caches])
+    return caches
+
+
+def _first_chunk_s(caches: list[KVCache], rest: int) -> float:
+    """Seconds to write the K/V of a ``rest``-token chunk into every restored cache (the
+    first prefill chunk's cache update, without its forward)."""
+    k = mx.zeros(caches[0].keys.shape[:2] + (rest, caches[0].keys.shape[3]), caches[0].keys.dtype)
+    mx.eval(k)
+    t0 = time.perf_counter()
+    mx.eval([c.update_and_fetch(k, k) for c in caches])
+    return time.perf_counter() - t0
 
 
 MODES = {
@@ -152,6 +169,13 @@ def main() -> None:
         "--modes",
         default=",".join(MODES),
         help=f"comma-separated, of: {', '.join(MODES)} (default: all)",
+    )
+    ap.add_argument(
+        "--rest",
+        type=int,
+        default=512,
+        help="tokens of the prompt after the restored prefix: after a restore mode, its "
+        "first chunk's cache update is timed apart (default 512; 0: not timed)",
     )
     ap.add_argument(
         "--mlx-cache",
@@ -191,6 +215,7 @@ def main() -> None:
             modes = {k: v for k, v in modes.items() if not k.startswith("restore")}
         ratios: dict[str, list[float]] = {name: [] for name in modes}
         gbps: dict[str, list[float]] = {name: [] for name in ("raw read", *modes)}
+        chunk: dict[str, list[float]] = {name: [] for name in modes}
         cpu: dict[str, list[float]] = {name: [] for name in ("raw read", *modes)}
         for r in range(args.rounds):
             line = []
@@ -203,8 +228,11 @@ def main() -> None:
                 fresh = _Tier(cache, FP, 1 << 40)
                 try:
                     c0, t0 = _cpu_s(), time.perf_counter()
-                    run(fresh, ids, leaves, args.tokens)
+                    caches = run(fresh, ids, leaves, args.tokens, args.rest)
                     dt, dc = time.perf_counter() - t0, _cpu_s() - c0
+                    if caches and args.rest:
+                        chunk[name].append(_first_chunk_s(caches, args.rest))
+                    del caches
                 finally:
                     fresh.close()
                 ratios[name].append(total / dt / 1e9 / disk.gbps)
@@ -213,13 +241,19 @@ def main() -> None:
                 cpu[name].append(dc / (total / 1e9))
                 line.append(
                     f"{name} {total / dt / 1e9:.2f} GB/s / raw {disk.gbps:.2f} = "
-                    f"{ratios[name][-1]:.2f} (CPU {cpu[name][-1]:.2f} s/GB)"
+                    f"{ratios[name][-1]:.2f} (CPU {cpu[name][-1]:.2f} s/GB"
+                    + (f", first chunk {chunk[name][-1]:.2f} s)" if chunk[name] else ")")
                 )
             print(f"round {r + 1}: " + "; ".join(line), flush=True)
         for name, rs in ratios.items():
             print(
                 f"{name}: median {_median(gbps[name]):.2f} GB/s, median ratio "
                 f"{_median(rs):.2f} of the disk's raw read, CPU {_median(cpu[name]):.2f} s/GB"
+                + (
+                    f", then {_median(chunk[name]):.2f} s to write a {args.rest}-token chunk"
+                    if chunk[name]
+                    else ""
+                )
             )
         print(
             f"raw read: median {_median(gbps['raw read']):.2f} GB/s, "

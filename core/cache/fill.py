@@ -26,15 +26,24 @@ class StreamedFill:
     """The buffers of the K/V leaves ``leaves`` (none cut from the resident cache) of a
     restore at ``position`` tokens, filled from position 0 in token order by :meth:`add`,
     then handed to each leaf by :meth:`adopt`. Each buffer is ``(B, n_kv_heads,
-    padded_length(position), head_dim)`` (quantized caches: each of ``k0..k2``/``v0..v2``
-    with its token axis 2), shaped and typed after the first entry's arrays."""
+    padded_length(max(position, length)), head_dim)`` (quantized caches: each of
+    ``k0..k2``/``v0..v2`` with its token axis 2), shaped and typed after the first entry's
+    arrays, zeros after ``position``. ``length``: the tokens the cache is about to hold
+    (the whole prompt and a first decoded token), so that the prefill of the prompt's rest
+    writes in place: mlx-lm's ``KVCache`` grows by concatenating its whole buffer with a
+    new one whenever a chunk does not fit, which after a long restore is a second copy of
+    everything restored."""
 
     def __init__(
-        self, leaves: Sequence[KVLeaf], position: int, eval_bytes: int = EVAL_BYTES
+        self,
+        leaves: Sequence[KVLeaf],
+        position: int,
+        length: int = 0,
+        eval_bytes: int = EVAL_BYTES,
     ) -> None:
         self.leaves = tuple(leaves)
         self.position = position
-        self.length = KVLeaf.padded_length(position)
+        self.length = KVLeaf.padded_length(max(position, length))
         self.eval_bytes = eval_bytes
         self.buffers: dict[str, Arrays] = {lf.name: {} for lf in self.leaves}
         self.filled = 0  # tokens placed so far, from position 0

@@ -161,9 +161,10 @@ class KVLeaf(Leaf):
 
     def adopt(self, c, joined: Arrays, position: int) -> None:
         """Fill a fresh cache with arrays already joined in token order, each ``(B,
-        n_kv_heads, padded_length(position), head_dim)`` with zeros after ``position``
-        (what :meth:`restore` makes), taken as they are, without a copy (the streamed
-        fill of a restore, docs/DESIGN.md §9)."""
+        n_kv_heads, T, head_dim)`` with ``T`` a multiple of :data:`KV_STEP` of at least
+        ``position`` and zeros after ``position`` (as :meth:`restore` makes them, or with
+        room for more tokens), taken as they are, without a copy (the streamed fill of a
+        restore, docs/DESIGN.md §9)."""
         _set_kv(c, joined)
         c.offset = position
 

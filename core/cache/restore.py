@@ -172,7 +172,7 @@ class Restorer:
                 wanted += [i for i in plan.entry_ids() if i not in self.hot]
                 self.ssd.reader.read_ahead(wanted)
                 # K/V copied into the cache as it comes, beside the reads after it
-                stream = self._streamed_fill(plan) if wanted else None
+                stream = self._streamed_fill(plan, len(prompt)) if wanted else None
             for i in plan.blocks:
                 got = self._fetch(ids[i])
                 if got is None:
@@ -238,16 +238,17 @@ class Restorer:
         self.log(choice.describe())
         return (ram if choice.taken == "recompute" else plan), choice
 
-    def _streamed_fill(self, plan: Plan) -> StreamedFill | None:
+    def _streamed_fill(self, plan: Plan, prompt_tokens: int) -> StreamedFill | None:
         """A :class:`~.fill.StreamedFill` of the plan's K/V leaves not cut from the
-        resident cache, or None when there is none or the plan's blocks are not the chain
-        from its first block (then :meth:`_fill` concatenates, as for a restore from RAM)."""
+        resident cache, with room for the prompt's ``prompt_tokens`` and a first decoded
+        token, or None when there is none or the plan's blocks are not the chain from its
+        first block (then :meth:`_fill` concatenates, as for a restore from RAM)."""
         leaves = [lf for lf in self.leaves if isinstance(lf, L.KVLeaf) and lf.name not in plan.cut]
         covered = len(plan.blocks) * self.block_size
         covered += plan.tail_tokens if plan.tail is not None else 0
         if not leaves or plan.blocks != tuple(range(len(plan.blocks))) or covered != plan.position:
             return None
-        return StreamedFill(leaves, plan.position)
+        return StreamedFill(leaves, plan.position, length=prompt_tokens + 1)
 
     def _fetch(self, entry_id: str) -> tuple[Entry, str] | None:
         """An entry and the tier its arrays came from in this restore: "ssd" for one

@@ -125,3 +125,29 @@ def test_the_buffers_are_written_in_place():
         fill.add(block(i, PLAIN), BS)
     for n, a in fill.buffers["0"].items():
         assert np.frombuffer(memoryview(a), np.uint8).ctypes.data == where[n]
+
+
+def test_room_for_the_rest_of_the_prompt_takes_its_prefill_in_place():
+    """Buffers made for the whole prompt: the prefill of its rest writes into them (no
+    KVCache growth, which concatenates the whole buffer), and the cache then holds what a
+    restore by concatenate followed by the same update holds."""
+    leaf = KVLeaf("0", "kv", "KVCache")
+    entries = [block(i, PLAIN) for i in range(2)]
+    rest = 300  # over KVLeaf.restore's padding: a concatenated restore grows for it
+    fill = StreamedFill([leaf], 2 * BS, length=2 * BS + rest + 1)
+    for e in entries:
+        fill.add(e, BS)
+    got, want = KVCache(), KVCache()
+    fill.adopt(leaf, got)
+    leaf.restore(want, [parts_of(e, "0", BS) for e in entries], 2 * BS)
+    assert got.keys.shape[2] == KVLeaf.padded_length(2 * BS + rest + 1) > want.keys.shape[2]
+    mx.eval(got.keys, got.values)
+    where = np.frombuffer(memoryview(got.keys), np.uint8).ctypes.data
+    chunk = block(7, PLAIN, n=rest)
+    k, v = chunk.arrays["0.k"], chunk.arrays["0.v"]
+    outs = [c.update_and_fetch(k, v) for c in (got, want)]
+    mx.eval(outs)
+    assert np.frombuffer(memoryview(got.keys), np.uint8).ctypes.data == where  # in place
+    for a, b in zip(outs[0], outs[1], strict=True):
+        assert a.shape == b.shape == (1, 2, 2 * BS + rest, 8)
+        assert np.array_equal(bits(a), bits(b))
