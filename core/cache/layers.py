@@ -40,10 +40,11 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
+from ..memory.prefill import KV_STEP
+
 KIND_KV = "kv"
 KIND_WINDOW = "window"
 KIND_STATE = "state"
-KV_STEP = 256  # KVCache.step: a restored K/V buffer is padded to a multiple of it
 
 Arrays = dict[str, mx.array]
 
@@ -161,7 +162,7 @@ class KVLeaf(Leaf):
 
     def adopt(self, c, joined: Arrays, position: int) -> None:
         """Fill a fresh cache with arrays already joined in token order, each ``(B,
-        n_kv_heads, T, head_dim)`` with ``T`` a multiple of :data:`KV_STEP` of at least
+        n_kv_heads, T, head_dim)`` with ``T`` a multiple of ``KV_STEP`` (256) of at least
         ``position`` and zeros after ``position`` (as :meth:`restore` makes them, or with
         room for more tokens), taken as they are, without a copy (the streamed fill of a
         restore, docs/DESIGN.md §9)."""
