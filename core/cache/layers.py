@@ -40,6 +40,8 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
+from ..memory.prefill import KV_STEP
+
 KIND_KV = "kv"
 KIND_WINDOW = "window"
 KIND_STATE = "state"
@@ -138,7 +140,7 @@ class KVLeaf(Leaf):
             return None
         return {n: a[..., start:end, :] for n, a in _kv_parts(c)}
 
-    def restore(self, c, parts, position, step: int = 256):
+    def restore(self, c, parts, position, step: int = KV_STEP):
         # one concatenate per array, padded to a multiple of KVCache.step so the next
         # update writes in place instead of growing the buffer
         joined = {}
@@ -150,6 +152,20 @@ class KVLeaf(Leaf):
                 shape[2] = pad
                 arrays.append(mx.zeros(shape, arrays[0].dtype))
             joined[n] = mx.concatenate(arrays, axis=2) if len(arrays) > 1 else mx.array(arrays[0])
+        _set_kv(c, joined)
+        c.offset = position
+
+    @staticmethod
+    def padded_length(position: int, step: int = KV_STEP) -> int:
+        """The token axis of a buffer :meth:`restore` makes for ``position`` tokens."""
+        return position + -position % step
+
+    def adopt(self, c, joined: Arrays, position: int) -> None:
+        """Fill a fresh cache with arrays already joined in token order, each ``(B,
+        n_kv_heads, T, head_dim)`` with ``T`` a multiple of ``KV_STEP`` (256) of at least
+        ``position`` and zeros after ``position`` (as :meth:`restore` makes them, or with
+        room for more tokens), taken as they are, without a copy (the streamed fill of a
+        restore, docs/DESIGN.md §9)."""
         _set_kv(c, joined)
         c.offset = position
 

@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from . import layers as L
 from .blocks import KIND_BLOCK, KIND_TAIL, LOGPROBS, Entry
+from .fill import StreamedFill
 from .layers import Spec
 from .plans import Plan, Resident, Restored
 
@@ -165,17 +166,21 @@ class Restorer:
             if plan is None:
                 break
             loaded: list[tuple[int, Entry, str]] = []
-            bad = None
+            bad = stream = None
             if self.ssd is not None:  # start the disk reads of every entry needed at once
                 wanted = [ids[i] for i in plan.blocks if ids[i] not in self.hot]
                 wanted += [i for i in plan.entry_ids() if i not in self.hot]
                 self.ssd.reader.read_ahead(wanted)
+                # K/V copied into the cache as it comes, beside the reads after it
+                stream = self._streamed_fill(plan, len(prompt)) if wanted else None
             for i in plan.blocks:
                 got = self._fetch(ids[i])
                 if got is None:
                     bad = ids[i]
                     break
                 loaded.append((i, *got))
+                if stream is not None:
+                    stream.add(got[0], self.block_size)
             tail = None
             if bad is None and plan.tail is not None:
                 tail = self._fetch(plan.tail.id)
@@ -198,7 +203,7 @@ class Restorer:
                 continue
             if self.ssd is not None:
                 self.ssd.reader.drop_reads()
-            out = self._fill(plan, loaded, tail, resident, fresh, kept_from)
+            out = self._fill(plan, loaded, tail, resident, fresh, kept_from, stream)
             out.choice, out.ssd_bytes = choice, self.ssd_read
             if kept is not None:
                 out.first_logprobs = kept
@@ -233,6 +238,18 @@ class Restorer:
         self.log(choice.describe())
         return (ram if choice.taken == "recompute" else plan), choice
 
+    def _streamed_fill(self, plan: Plan, prompt_tokens: int) -> StreamedFill | None:
+        """A :class:`~.fill.StreamedFill` of the plan's K/V leaves not cut from the
+        resident cache, with room for the prompt's ``prompt_tokens`` and a first decoded
+        token, or None when there is none or the plan's blocks are not the chain from its
+        first block (then :meth:`_fill` concatenates, as for a restore from RAM)."""
+        leaves = [lf for lf in self.leaves if isinstance(lf, L.KVLeaf) and lf.name not in plan.cut]
+        covered = len(plan.blocks) * self.block_size
+        covered += plan.tail_tokens if plan.tail is not None else 0
+        if not leaves or plan.blocks != tuple(range(len(plan.blocks))) or covered != plan.position:
+            return None
+        return StreamedFill(leaves, plan.position, length=prompt_tokens + 1)
+
     def _fetch(self, entry_id: str) -> tuple[Entry, str] | None:
         """An entry and the tier its arrays came from in this restore: "ssd" for one
         read from its file by an earlier attempt of the same restore (then promoted)."""
@@ -256,20 +273,35 @@ class Restorer:
         return e, "ssd"
 
     def _fill(
-        self, plan: Plan, loaded, tail, resident: Resident | None, fresh, kept_from=None
+        self,
+        plan: Plan,
+        loaded,
+        tail,
+        resident: Resident | None,
+        fresh,
+        kept_from=None,
+        stream: StreamedFill | None = None,
     ) -> Restored:
         """Fill the cache as ``plan`` says from the ``loaded`` blocks and ``tail`` (entry,
         source); ``kept_from``: the source of a kept-logprobs tail loaded only for them
-        (every leaf cut from the resident cache), which counts as a source too."""
+        (every leaf cut from the resident cache), which counts as a source too;
+        ``stream``: the K/V leaves' buffers, filled with the blocks as they were loaded."""
         P, bs = plan.position, self.block_size
         caches = resident.caches if plan.cut else fresh()
         live = L.leaf_map(caches)
         t_entry = tail[0] if tail else None
         copied = 0
+        if stream is not None:
+            if t_entry is not None:
+                stream.add(t_entry, plan.tail_tokens)
+            copied += stream.nbytes
         for leaf in self.leaves:
             c = live[leaf.name]
             if leaf.name in plan.cut:
                 leaf.cut(c, len(resident.tokens), P)
+                continue
+            if stream is not None and leaf.name in stream.buffers:
+                stream.adopt(leaf, c)
                 continue
             if leaf.snapshots:
                 src = t_entry if t_entry is not None else loaded[-1][1]
