@@ -4,10 +4,10 @@ sequences decode in one merged batch (docs/DESIGN.md §20, item 5; §5 for the c
 mlx-lm 0.32 has ``BatchKVCache`` for ``KVCache`` and ``BatchRotatingKVCache`` for
 ``RotatingKVCache`` but no batch form of ``QuantizedKVCache``, whose sequences therefore
 decoded in one-row batches. :class:`BatchQuantizedKVCache` is ``BatchKVCache``'s layout
-(rows left-padded to a common length ``_idx``, ``offset`` and ``left_padding`` per row,
-a causal mask that hides each row's padding) over ``QuantizedKVCache``'s storage (keys and
-values each a ``(packed, scales, biases)`` triple from ``mx.quantize``, token axis 2).
-It carries ``bits`` and ``group_size``, so mlx-lm's attention
+(rows left-padded to a common length ``end``, ``BatchKVCache``'s ``_idx``; ``offset`` and
+``left_padding`` per row; a causal mask that hides each row's padding) over
+``QuantizedKVCache``'s storage (keys and values each a ``(packed, scales, biases)``
+triple from ``mx.quantize``, token axis 2). It carries ``bits`` and ``group_size``, so mlx-lm's attention
 (``mlx_lm.models.base.scaled_dot_product_attention``) takes its quantized path for it, as
 for the per-request cache.
 
@@ -26,16 +26,16 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import CacheList, QuantizedKVCache, _BaseCache
+from mlx_lm.models.cache import CacheList, QuantizedKVCache
 
 Triple = tuple[mx.array, mx.array, mx.array]  # (packed, scales, biases), each (B, H, S, *)
 
 
-class BatchQuantizedKVCache(_BaseCache):
+class BatchQuantizedKVCache:
     """Quantized K/V of ``B`` left-padded sequences: ``keys``, ``values`` each a
     ``(packed (B, n_kv_heads, S, head_dim * bits / 32) uint32, scales, biases
-    (B, n_kv_heads, S, head_dim / group_size))`` triple, ``S`` >= ``_idx`` (grown in steps
-    of :attr:`step` tokens); row ``i``'s tokens are positions ``[left_padding[i], _idx)``;
+    (B, n_kv_heads, S, head_dim / group_size))`` triple, ``S`` >= ``end`` (grown in steps
+    of :attr:`step` tokens); row ``i``'s tokens are positions ``[left_padding[i], end)``;
     ``offset[i]`` is its token count (the RoPE position of its next token)."""
 
     step = 256
@@ -45,16 +45,16 @@ class BatchQuantizedKVCache(_BaseCache):
         self.values: Triple | None = None
         self.left_padding = mx.array(left_padding)
         self.offset = mx.array([-p for p in left_padding])
-        self._idx = 0
+        self.end = 0
         self.group_size = group_size
         self.bits = bits
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Triple, Triple]:
         """Quantize and append ``keys`` ``(B, n_kv_heads, L, k_head_dim)`` and ``values``
         (same, ``v_head_dim``) at every row's end; returns the quantized K and V of
-        positions ``[0, _idx)``."""
+        positions ``[0, end)``."""
         b, heads, n, k_dim = keys.shape
-        prev = self._idx
+        prev = self.end
         if self.keys is None or prev + n > self.keys[0].shape[2]:
             steps = (self.step + n - 1) // self.step * self.step
             fresh = (
@@ -68,42 +68,42 @@ class BatchQuantizedKVCache(_BaseCache):
                 self.keys, self.values = tree_map(
                     lambda x, y: mx.concatenate([x, y], axis=2), kept, fresh
                 )
-        self._idx += n
+        self.end += n
         self.offset = self.offset + n
         qk = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
         qv = mx.quantize(values, group_size=self.group_size, bits=self.bits)
         for i in range(3):
-            self.keys[i][..., prev : self._idx, :] = qk[i]
-            self.values[i][..., prev : self._idx, :] = qv[i]
+            self.keys[i][..., prev : self.end, :] = qk[i]
+            self.values[i][..., prev : self.end, :] = qv[i]
         return self.keys_and_values()
 
     def keys_and_values(self) -> tuple[Triple, Triple]:
-        return tree_map(lambda x: x[..., : self._idx, :], (self.keys, self.values))
+        return tree_map(lambda x: x[..., : self.end, :], (self.keys, self.values))
 
     def size(self) -> int:
-        return self._idx
+        return self.end
 
     @property
     def state(self) -> tuple[Any, ...]:
-        return self.keys, self.values, self.offset, self.left_padding, self._idx
+        return self.keys, self.values, self.offset, self.left_padding, self.end
 
     @state.setter
     def state(self, v: tuple[Any, ...]) -> None:
-        self.keys, self.values, self.offset, self.left_padding, self._idx = v
+        self.keys, self.values, self.offset, self.left_padding, self.end = v
 
     def is_trimmable(self) -> bool:
         return True
 
     def trim(self, n: int) -> int:
-        n = min(self._idx, n)
-        self._idx -= n
+        n = min(self.end, n)
+        self.end -= n
         self.offset = self.offset - n
         return n
 
     def make_mask(self, n: int, return_array: bool = False, **kwargs: Any) -> mx.array:
-        """The boolean mask ``(B, 1, n, _idx + n)`` of ``n`` new tokens: causal, each
+        """The boolean mask ``(B, 1, n, end + n)`` of ``n`` new tokens: causal, each
         row's padding hidden (as ``BatchKVCache.make_mask``; ``window_size`` passes on)."""
-        return create_causal_mask(n, offset=self._idx, left_padding=self.left_padding, **kwargs)
+        return create_causal_mask(n, offset=self.end, left_padding=self.left_padding, **kwargs)
 
     def empty(self) -> bool:
         return self.keys is None
@@ -126,17 +126,17 @@ class BatchQuantizedKVCache(_BaseCache):
                 self.keys, self.values = tree_map(
                     lambda x: x[..., shift:, :], (self.keys, self.values)
                 )
-            self._idx -= shift
+            self.end -= shift
             self.left_padding = self.left_padding - shift
 
     def extend(self, other: BatchQuantizedKVCache) -> None:
-        """Append ``other``'s rows (in place), both right-aligned at the longer ``_idx``.
+        """Append ``other``'s rows (in place), both right-aligned at the longer ``end``.
 
         Raises:
             ValueError: the two quantize with other ``bits`` or ``group_size``.
         """
         _same_format([self, other])
-        idx = max(self._idx, other._idx)
+        idx = max(self.end, other.end)
         like = self if self.keys is not None else other
         if like.keys is None:
             self.offset = mx.concatenate([self.offset, other.offset])
@@ -151,17 +151,17 @@ class BatchQuantizedKVCache(_BaseCache):
                     (like.keys, like.values),
                 )
             else:
-                kv = tree_map(lambda x: x[..., : c._idx, :], (c.keys, c.values))
-            pad = [(0, 0), (0, 0), (idx - c._idx, 0), (0, 0)]
+                kv = tree_map(lambda x: x[..., : c.end, :], (c.keys, c.values))
+            pad = [(0, 0), (0, 0), (idx - c.end, 0), (0, 0)]
             return tree_map(lambda x: mx.pad(x, pad), kv)
 
         a, b = aligned(self), aligned(other)
         self.keys, self.values = tree_map(lambda x, y: mx.concatenate([x, y]), a, b)
         self.offset = mx.concatenate([self.offset, other.offset])
         self.left_padding = mx.concatenate(
-            [self.left_padding + (idx - self._idx), other.left_padding + (idx - other._idx)]
+            [self.left_padding + (idx - self.end), other.left_padding + (idx - other.end)]
         )
-        self._idx = idx
+        self.end = idx
 
     def extract(self, idx: int) -> QuantizedKVCache:
         """Row ``idx`` as a request's own ``QuantizedKVCache`` of exactly its tokens."""
@@ -169,10 +169,10 @@ class BatchQuantizedKVCache(_BaseCache):
         cache = QuantizedKVCache(group_size=self.group_size, bits=self.bits)
         if self.keys is not None:
             cache.keys, cache.values = tree_map(
-                lambda x: mx.contiguous(x[idx : idx + 1, :, pad : self._idx]),
+                lambda x: mx.contiguous(x[idx : idx + 1, :, pad : self.end]),
                 (self.keys, self.values),
             )
-            cache.offset = self._idx - pad
+            cache.offset = self.end - pad
         return cache
 
     @classmethod
@@ -202,7 +202,7 @@ class BatchQuantizedKVCache(_BaseCache):
                 for j in range(3):
                     mine[j][i : i + 1, :, p:] = theirs[j][..., : c.offset, :]
         out.offset = out.offset + longest
-        out._idx = longest
+        out.end = longest
         return out
 
 
