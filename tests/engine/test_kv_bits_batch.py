@@ -242,16 +242,54 @@ def test_kv_bits_requests_merge_on_the_engine_and_store_what_alone_stores(
         hold.release()
         results = [h.wait(300) for h in handles]
         assert all(isinstance(r, Finished) for r in results), results
-        for (a, ha), b, hb in zip(alone, results, handles, strict=True):
-            assert b.token_ids == a.token_ids
-            assert len(ha.trace.logprobs) == len(hb.trace.logprobs) > 0
-            for x, y in zip(ha.trace.logprobs, hb.trace.logprobs, strict=True):
-                assert float(np.abs(x - y).max()) < KV_BITS_TOL
+        _assert_replies_close(alone, results, handles)
         assert hot.executor.batch.peak_merged == 3  # one merged batch
         for p, (a, _) in zip(prompts, alone, strict=True):
             again, h = generate(hot, p, max_tokens=6)
             assert again.token_ids == a.token_ids
             assert h.trace.restored_position > 0
+    finally:
+        cold.close()
+        hot.close()
+
+
+def _assert_replies_close(alone, results, handles) -> None:
+    for (a, ha), b, hb in zip(alone, results, handles, strict=True):
+        assert b.token_ids == a.token_ids
+        assert len(ha.trace.logprobs) == len(hb.trace.logprobs) > 0
+        for x, y in zip(ha.trace.logprobs, hb.trace.logprobs, strict=True):
+            assert float(np.abs(x - y).max()) < KV_BITS_TOL
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_kv_bits_rests_prefill_in_one_group_and_equal_each_alone(arch, tmp_path, models_dir):
+    """With ``kv_bits``, five requests with one new system prompt arrive together: the
+    first computes it, the others restore it and their rests go through one forward
+    (quantized caches merged, on an attention model and a hybrid); each reply equals the
+    request alone on a cold engine with ``kv_bits`` (tokens; logprobs within 1e-3), and
+    what they stored restores with the same tokens."""
+    from engine_kit import still_clock
+    from test_prefill_batch import SYSTEM, _requests, _run_together
+
+    spec = _kv_tiny(arch, models_dir)
+    kw = dict(prefill_chunk=256, bitwise=False, kv_bits=BITS, kv_group_size=GROUP)
+    cold = make_engine(spec, tmp_path / "cold", models_dir, no_cache=True, **kw)
+    hot = make_engine(
+        spec, tmp_path / "hot", models_dir, clock=still_clock, choose_recompute=False, **kw
+    )
+    try:
+        cold.record_logprobs = hot.record_logprobs = 6
+        reqs = _requests()
+        opts = [{k: v for k, v in r.items() if k != "prompt_ids"} for r in reqs]
+        alone = [generate(cold, r["prompt_ids"], **o) for r, o in zip(reqs, opts, strict=True)]
+        results, handles = _run_together(hot, reqs)
+        assert hot.executor.peak_group == len(reqs) - 1  # the rests in one forward
+        assert hot.executor.batch.peak_merged >= 2
+        _assert_replies_close(alone, results, handles)
+        for r, o, (a, _) in zip(reqs, opts, alone, strict=True):
+            again, h = generate(hot, r["prompt_ids"], **o)
+            assert again.token_ids == a.token_ids
+            assert h.trace.restored_position > SYSTEM
     finally:
         cold.close()
         hot.close()
