@@ -5,7 +5,8 @@ Built on the decode half of mlx-lm's continuous batching (``mlx_lm.generate``'s
 processed): tierchat prefills each request itself (restore, schedule chunks, captures), so
 a sequence joins here with its filled cache and the token to feed next. Its caches merge
 into the batch's (``KVCache.merge`` -> ``BatchKVCache``, ``RotatingKVCache`` ->
-``BatchRotatingKVCache``, ``ArraysCache.merge``), which left-pads shorter sequences; a
+``BatchRotatingKVCache``, ``ArraysCache.merge``; ``QuantizedKVCache``, ``kv_bits``, ->
+:class:`.quantized_batch.BatchQuantizedKVCache`), which left-pads shorter sequences; a
 finished or removed sequence's cache comes back out as a plain per-request cache
 (``extract``), so the prefix cache stores and keeps it as a request run alone.
 
@@ -16,9 +17,9 @@ sequences added between two steps merge into the batch at once (each merge copie
 batch's whole cache). One
 sequence alone decodes on its own cache list, as mlx-lm's ``generate_step`` would (no
 padding, no mask): a lone request's numbers are those of a request before batching. A
-second mergeable sequence merges the first into a batch. Caches with no ``merge``
-(``QuantizedKVCache``, ``kv_bits``) always decode alone, one step per sequence per batch
-step: correct, not batched.
+second mergeable sequence merges the first into a batch. Caches with no batch form
+(none of the layer kinds the prefix cache supports, docs/DESIGN.md §5) would decode
+alone, one step per sequence per batch step.
 
 Everything here runs on the engine thread.
 """
@@ -33,25 +34,28 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, StopSequences
 from mlx_lm.sample_utils import make_sampler
 
+from .quantized_batch import merge_layer, merge_of
+
 Sampler = Callable[[mx.array], mx.array]
 
 
 def mergeable(caches: list[Any]) -> bool:
-    """Whether every layer cache of ``caches`` can join a batch (has ``merge``)."""
+    """Whether every layer cache of ``caches`` can join a batch (has a batch form,
+    :func:`.quantized_batch.merge_of`)."""
 
     def ok(c: Any) -> bool:
         sub = getattr(c, "caches", None)
         if sub is not None:  # CacheList
             return all(ok(x) for x in sub)
-        return hasattr(type(c), "merge")  # (the batch class it merges into extracts)
+        return merge_of(type(c)) is not None  # (the batch class it merges into extracts)
 
     return all(ok(c) for c in caches)
 
 
 def merge_caches(caches: list[list[Any]]) -> list[Any]:
     """One batch cache per layer of the per-sequence cache lists ``caches`` (each layer
-    class's ``merge``)."""
-    return [type(layer[0]).merge(list(layer)) for layer in zip(*caches, strict=True)]
+    class's batch form, :func:`.quantized_batch.merge_layer`)."""
+    return [merge_layer(list(layer)) for layer in zip(*caches, strict=True)]
 
 
 def retype(caches: list[Any], kinds: list[Any]) -> list[Any]:

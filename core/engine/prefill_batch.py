@@ -8,12 +8,13 @@ own that reads every weight again (24–56 ms a request on an 8B model on an H10
 of up to a chunk's worth of requests go through the model as one ``(B, L)`` forward:
 
 - the restored caches merge into a ``BatchKVCache`` (``KVCache.merge``: left-padded to the
-  longest, each row's RoPE offset its own length);
+  longest, each row's RoPE offset its own length; quantized KV, ``kv_bits``, into a
+  :class:`.quantized_batch.BatchQuantizedKVCache` the same way);
 - each row's rest is right-padded to the longest rest; a padded position comes after the
   row's real tokens, so under the causal mask no real token sees one;
 - rows whose last piece is folded (it ends at the prompt's end, :mod:`.forward`) get the
   logits at their own last real position, the others none;
-- each row's cache comes back out as a plain ``KVCache`` of exactly its tokens (the merge's
+- each row's cache comes back out as a plain (or quantized) KV cache of exactly its tokens (the merge's
   left padding and the rest's right padding sliced off), and its captures are taken on it,
   as :meth:`.prefill_steps.Prefill.piece` takes them.
 
@@ -21,9 +22,10 @@ of up to a chunk's worth of requests go through the model as one ``(B, L)`` forw
   are told each row's length (``prepare(lengths=...)``), so mlx-lm's recurrences and conv
   windows stop at the row's last real token, as its own batched prefill does.
 
-Only requests whose every layer cache is a plain ``KVCache`` or a state cache group (no
-sliding window, ``CacheList`` or quantized KV), on schedules that promise float rounding
-only (not ``bitwise``): the batched matmuls round as another shape does. Without state
+Only requests whose every layer cache is a plain or quantized KV cache or a state cache
+group (no sliding window or ``CacheList``), on schedules that promise float rounding only
+(not ``bitwise``): the batched matmuls round as another shape does (with ``kv_bits`` such
+a rounding can move a key across a quantization step, as on the folded schedule alone). Without state
 layers a capture over the whole rest equals the captures of its chunks (no state
 checkpoints to take at the chunk ends in between, :meth:`.cache.request.CacheRequest.chunk`);
 with them, only a rest of one schedule piece groups.
@@ -35,12 +37,14 @@ import time
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
+from mlx.utils import tree_map
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, QuantizedKVCache
 
 from ..api import PrefillProgress
 from .decode_batch import cache_kinds, merge_caches, retype
 from .forward import logprobs_of
 from .prefill_steps import Prefill
+from .quantized_batch import BatchQuantizedKVCache
 
 
 def prefill_group(prefills: list[Prefill], width: int = 0) -> int:
@@ -54,7 +58,8 @@ def prefill_group(prefills: list[Prefill], width: int = 0) -> int:
     lengths = [len(r) for r in rows]
     width = max(width, *lengths)
     tokens = mx.array([r + [0] * (width - len(r)) for r in rows])
-    sizes = [next((c.size() for c in p.caches if type(c) is KVCache), 0) for p in prefills]
+    kv = (KVCache, QuantizedKVCache)
+    sizes = [next((c.offset for c in p.caches if type(c) in kv), 0) for p in prefills]
     left = [max(sizes) - s for s in sizes]  # the merge's left padding of each row
     kinds = [cache_kinds(p.caches) for p in prefills]
     merged = merge_caches([p.caches for p in prefills])
@@ -92,8 +97,16 @@ def prefill_group(prefills: list[Prefill], width: int = 0) -> int:
 
 def _row(cache: Any, i: int, left: int, size: int) -> Any:
     """Row ``i`` of ``cache`` as a request's own cache: of a ``BatchKVCache``, a
-    ``KVCache`` of its ``size`` tokens, which start after ``left`` positions of padding;
-    of a merged state cache, its state (``extract``)."""
+    ``KVCache`` of its ``size`` tokens, which start after ``left`` positions of padding
+    (of a ``BatchQuantizedKVCache``, a ``QuantizedKVCache`` of them); of a merged state
+    cache, its state (``extract``)."""
+    if isinstance(cache, BatchQuantizedKVCache):
+        out = QuantizedKVCache(group_size=cache.group_size, bits=cache.bits)
+        out.keys, out.values = tree_map(
+            lambda x: mx.contiguous(x[i : i + 1, :, left : left + size]), (cache.keys, cache.values)
+        )
+        out.offset = size
+        return out
     if not isinstance(cache, BatchKVCache):
         return cache.extract(i)
     out = KVCache()

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
 from ..api import Event, GenerateRequest, PrefillProgress, TurnMetrics
 from ..cache.plans import Restored
@@ -184,12 +184,14 @@ class Prefill:
     @property
     def groupable(self) -> bool:
         """Whether the rest can be prefilled in a group (docs/DESIGN.md §20): every layer
-        cache a plain ``KVCache`` or a state cache (``ArraysCache`` and its kinds), not
+        cache a plain or quantized KV cache (``KVCache``, ``QuantizedKVCache``) or a state
+        cache (``ArraysCache`` and its kinds), not
         ``bitwise``, something left to compute, and with state layers one schedule end
         left (their checkpoints are taken at chunk ends, which a group does not stop at)."""
         if self.finished or self.bitwise:
             return False
-        if not all(type(c) is KVCache or isinstance(c, ArraysCache) for c in self.caches):
+        kv = (KVCache, QuantizedKVCache)
+        if not all(type(c) in kv or isinstance(c, ArraysCache) for c in self.caches):
             return False
         state = any(isinstance(c, ArraysCache) for c in self.caches)
         return not state or [x for x in self.ends if x > self.pos] == [self.ends[-1]]

@@ -440,30 +440,6 @@ def test_ctrl_c_in_chat_stops_the_reply_at_the_next_step(engine, tmp_path):
     _next_request_runs(engine)
 
 
-def test_quantized_kv_requests_decode_alone_beside_each_other(tmp_path, models_dir):
-    """``kv_bits``: QuantizedKVCache has no merge, so each sequence decodes in its own
-    one-row batch, in the same steps; replies equal each request run alone."""
-    kw = dict(prefill_chunk=32, prefill_step=16, kv_bits=8, kv_group_size=32)
-    cold = make_engine("tiny:llama", tmp_path / "cold", models_dir, no_cache=True, **kw)
-    hot = make_engine("tiny:llama", tmp_path / "hot", models_dir, **kw)
-    try:
-        prompts = _prompts()[:3]
-        alone = [generate(cold, p, max_tokens=6) for p in prompts]
-        hold = Hold(hot)
-        handles = [
-            hot.submit(GenerateRequest(sampling=SamplingParams(max_tokens=6), prompt_ids=p))
-            for p in prompts
-        ]
-        hold.release()
-        for (a, ha), h in zip(alone, handles, strict=True):
-            _assert_close(a, ha, h.wait(300), h)
-        assert hot.executor.batch.peak == 3  # three sequences in the same steps
-        assert hot.executor.batch.peak_merged == 0  # each in its own one-row batch
-    finally:
-        cold.close()
-        hot.close()
-
-
 def _quantized_tiny(arch: str, models_dir, target):
     """``tiny:<arch>`` with 4-bit weights (groups of 32), as ``mlx_lm.convert -q`` writes
     them (``quantize_model``: every layer whose input size is a multiple of the group), in
