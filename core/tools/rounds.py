@@ -46,7 +46,7 @@ class SplitReply:
     (``{"id", "type": "function", "function": {"name", "arguments"}}``, arguments JSON
     text, or the raw text of a call that could not be read) and ``unreadable`` (the ids
     of those, with the parser's reason); ``bare``: the calls were read without the
-    family's markers (:attr:`~tierchat.core.chat.tool_calls.ReplyParser.bare`)."""
+    family's markers (``ReplyParser.bare``, core/chat/tool_calls.py)."""
 
     content: str
     reasoning: str
