@@ -332,12 +332,18 @@ class LineChat:
         tokenizer = self.session.engine.tokenizer
         fmt = dataclasses.replace(ReplyFormat.of(tokenizer), think_start=None, think_end=None)
         parser = ReplyParser(fmt, tools=turn.tools)
+        printed = 0  # text the parser still holds that the cut reply printed at its end
         if turn.continued is not None:
-            parser.feed(decode_ids(tokenizer, turn.continued.token_ids or (), skip_special=True))
+            old = decode_ids(tokenizer, turn.continued.token_ids or (), skip_special=True)
+            parser.feed(old)
+            printed = len(old) - len(parser.text)
 
         def shown(delta: str | None) -> str:
+            nonlocal printed
             parts = parser.feed(delta) if delta is not None else parser.finish()
-            return "".join(p.text for p in parts if isinstance(p, TextDelta))
+            text = "".join(p.text for p in parts if isinstance(p, TextDelta))
+            seen, printed = min(printed, len(text)), printed - min(printed, len(text))
+            return text[seen:]
 
         return shown
 

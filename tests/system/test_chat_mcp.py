@@ -114,15 +114,15 @@ def test_calls_do_not_stream_as_text_and_a_continue_completes_a_cut_call(capsys,
     at = cut.index('"arguments"') + 5
     scripted(
         monkeypatch,
-        [fenced, "It said: echo: hi.", cut[:at], cut[at:], "Done: echo: cut."],
+        [fenced, "It said: echo: hi.", cut[:at], cut[at:], "Done: echo: cut.", '{"a": ', "1}"],
     )
-    lines = ["Echo hi.", "y", "Echo cut.", "/continue", "y", "/quit"]
+    lines = ["Echo hi.", "y", "Echo cut.", "/continue", "y", "Some JSON.", "/continue", "/quit"]
     monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
     code = main(argv)
     out, err = capsys.readouterr()
     assert code == 0, err
     replies = out.split("assistant> ")[1:]
-    assert len(replies) == 5, out
+    assert len(replies) == 7, out
     # the fenced call and the continued end of the cut one are held back, not streamed;
     # the round prints each call as a block
     assert replies[0].startswith("\n[cached") and "```" not in out
@@ -132,6 +132,8 @@ def test_calls_do_not_stream_as_text_and_a_continue_completes_a_cut_call(capsys,
     assert replies[3].startswith("\n[cached") and "</tool_call>" not in out
     assert "[tool kit.echo → ok: echo: cut]" in replies[3]
     assert replies[4].startswith("Done: echo: cut.")
+    # a cut reply that looked like a bare call and was none: each part printed once
+    assert replies[5].startswith('{"a": \n[cached') and replies[6].startswith("1}\n[cached")
 
     # the round after the fenced call restored the prompt and the reply as generated
     cost = re.findall(r"\[cached (\d+)/(\d+).*? · prefilled (\d+) · .*? · (\d+) tokens at", out)
