@@ -24,7 +24,8 @@ Tools (docs/DESIGN.md §12.1): with MCP servers in ``mcp.json`` (or ``--mcp-conf
 conversation has every server's tools. A reply that calls a tool asks first, one line per
 call: ``y`` runs it once, ``a`` runs it and this tool from then on in the conversation,
 ``n`` denies it (then a reason, sent to the model); Ctrl-C during a call cancels it. The
-next step then runs by itself, up to ``tool_rounds`` steps with calls per answer.
+next step then runs by itself, up to ``tool_rounds`` steps with calls per answer. A call's
+markup is not printed as it streams: the call prints as a ``[tool call: …]`` line.
 """
 
 from __future__ import annotations
@@ -288,20 +289,23 @@ class LineChat:
             return None
         self.out.write("assistant> ")
         self.out.flush()
+        shown = self.visible_text(turn)
         events = turn.events()
         while True:
             try:
                 for event in events:
                     if isinstance(event, TokenBatch):
-                        self.out.write(printable(event.text))
+                        self.out.write(printable(shown(event.text)))
                         self.out.flush()
                     elif isinstance(event, Stopping):  # Ctrl+C: ends at the next step
                         self.out.write(" [stopping…]")
                         self.out.flush()
                     elif isinstance(event, Finished):
+                        self.out.write(printable(shown(None)))
                         self.say()
                         self.say(metrics_line(event.metrics))
                     elif isinstance(event, Failed):
+                        self.out.write(printable(shown(None)))
                         self.say()
                         print(f"error: {printable(event.message)}", file=self.err, flush=True)
                 if turn.error is not None:
@@ -311,6 +315,37 @@ class LineChat:
             except KeyboardInterrupt:
                 turn.cancel()
                 events = turn.events()
+
+    def visible_text(self, turn: Any) -> Any:
+        """``shown(delta)``: the text of a streamed ``delta`` to print, its tool calls held
+        back (the round prints each as a ``[tool call: …]`` line); ``shown(None)`` at the
+        end gives the text still held (a bare ``{…}`` that was no call). The reply's
+        family parser (core/chat/tool_calls.py) with its think markers off, so reasoning
+        prints as it streams; a continue's parser has read the reply so far."""
+        if not getattr(turn, "tools", None):
+            return lambda delta: delta or ""
+        import dataclasses
+
+        from tierchat.core.chat.token_text import decode_ids
+        from tierchat.core.chat.tool_calls import ReplyFormat, ReplyParser, TextDelta
+
+        tokenizer = self.session.engine.tokenizer
+        fmt = dataclasses.replace(ReplyFormat.of(tokenizer), think_start=None, think_end=None)
+        parser = ReplyParser(fmt, tools=turn.tools)
+        printed = 0  # text the parser still holds that the cut reply printed at its end
+        if turn.continued is not None:
+            old = decode_ids(tokenizer, turn.continued.token_ids or (), skip_special=True)
+            parser.feed(old)
+            printed = len(old) - len(parser.text)
+
+        def shown(delta: str | None) -> str:
+            nonlocal printed
+            parts = parser.feed(delta) if delta is not None else parser.finish()
+            text = "".join(p.text for p in parts if isinstance(p, TextDelta))
+            seen, printed = min(printed, len(text)), printed - min(printed, len(text))
+            return text[seen:]
+
+        return shown
 
 
 INT_SETTINGS = ("top_k", "max_tokens", "repetition_context_size")

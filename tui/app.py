@@ -103,7 +103,7 @@ class TierchatApp(App[None]):
         """F5-F8 and ``tierchat cache clear`` from another shell (docs/DESIGN.md §10)."""
         self.stats_poll = StatsPoller(engine_now, self.notify, self.clears, status)
         """The one stats poll; the chat screen's panels subscribe (docs/DESIGN.md §16)."""
-        self.tools = ToolService(mcp_host, self.notify, self.note_event)
+        self.tools = ToolService(mcp_host, self.notify, self.note_event, self.stats_poll)
         """The MCP servers and the tool rounds (docs/DESIGN.md §12.1)."""
 
     def _make_session(self) -> Any:

@@ -156,11 +156,20 @@ class ChatSession:
 
     # ------------------------------------------------------------------ prompts
 
-    def prompt_messages(self, path: list[Node], settings: ConversationSettings | None = None):
+    def prompt_messages(
+        self,
+        path: list[Node],
+        settings: ConversationSettings | None = None,
+        *,
+        as_written: bool = True,
+    ):
         """What the model sees for ``path``: the conversation's system prompt first (it
         replaces a stored system root), and no generated ids from another model. An
         assistant step's calls and a tool result carry their OpenAI chat fields from
-        ``meta`` (``tool_calls``, ``reasoning_content``; ``tool_call_id``, ``name``)."""
+        ``meta`` (``tool_calls``, ``reasoning_content``; ``tool_call_id``, ``name``); a
+        step whose calls were bare (``meta["as_written"]``, core/tools/rounds.py) is its
+        text as the model wrote it while its ids are the loaded model's (``as_written``
+        False: its calls instead), so its generated ids splice (docs/DESIGN.md §4)."""
         settings = settings or self.settings(path[0].conversation_id if path else None)
         model = self.engine.model_name
         body = path[1:] if path and path[0].role == "system" else list(path)
@@ -169,10 +178,13 @@ class ChatSession:
             out.append({"role": "system", "content": settings.system, "token_ids": None})
         for node in body:
             ids = node.token_ids
-            if ids is not None and (node.meta or {}).get("model", model) != model:
+            meta = node.meta or {}
+            if ids is not None and meta.get("model", model) != model:
                 ids = None
             message = {"role": node.role, "content": node.content, "token_ids": ids}
-            meta = node.meta or {}
+            if as_written and ids and isinstance(meta.get("as_written"), str):
+                out.append({**message, "content": meta["as_written"]})
+                continue
             for key in _MESSAGE_FIELDS.get(node.role, ()):
                 if meta.get(key):
                     message[key] = meta[key]
@@ -199,11 +211,19 @@ class ChatSession:
         tokenizer = self.engine.tokenizer
         if tokenizer is None or not self.engine.model_name:
             raise SessionError("no model is loaded yet: pick one (F4) or wait for it to load")
-        if not path or isinstance(path[0], Node):
+        nodes = path if path and isinstance(path[0], Node) else None
+        if not path or nodes is not None:
             path = self.prompt_messages(path, settings)
         if self._builder is None or self._builder.tokenizer is not tokenizer:
             self._builder = PromptBuilder(tokenizer)
-        return self._builder.build(path, tools=tools or None)
+        try:
+            return self._builder.build(path, tools=tools or None)
+        except Exception:
+            if nodes is None or not any("as_written" in (n.meta or {}) for n in nodes):
+                raise
+            # a template that wants a result's call on the step before: render the calls
+            path = self.prompt_messages(nodes, settings, as_written=False)
+            return self._builder.build(path, tools=tools or None)
 
     # ------------------------------------------------------------------ conversation
 
@@ -514,10 +534,6 @@ class ChatSession:
         meta = dataclasses.asdict(metrics)
         meta["model"] = self.engine.model_name
         text, ids = event.text, event.token_ids
-        if turn.tools and turn.continued is None:  # its calls into meta (docs/DESIGN.md §12.1)
-            fmt = ReplyFormat.of(self.engine.tokenizer)
-            self._safely(turn, lambda: meta.update(reply_meta(fmt, text, turn.tools)))
-            text = meta.pop("content", text)
         old = turn.continued
         if old is not None:  # the whole reply, as one generation would have made it
             meta["continued"] = (old.meta or {}).get("continued", 0) + 1
@@ -527,6 +543,12 @@ class ChatSession:
                 text = decode_ids(self.engine.tokenizer, ids, skip_special=True)
             except Exception:  # noqa: BLE001 -- keep the joined text
                 pass
+        if turn.tools:  # the whole reply's calls into meta (docs/DESIGN.md §12.1)
+            fmt = ReplyFormat.of(self.engine.tokenizer)
+            cut = metrics.finish_reason == "length"  # a call cut short is text until continued
+            whole = text
+            self._safely(turn, lambda: meta.update(reply_meta(fmt, whole, turn.tools, cut=cut)))
+            text = meta.pop("content", text)
 
         def store() -> None:
             if old is not None:  # grown in place; the cut version kept for undo

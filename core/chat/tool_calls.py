@@ -252,7 +252,9 @@ class ReplyParser:
         in_reasoning: the prompt ended inside a think block (the template opened it), so
             the reply starts as reasoning.
 
-    Accumulated: ``text``, ``reasoning``, ``calls``, ``failures``.
+    Accumulated: ``text``, ``reasoning``, ``calls``, ``failures``; ``bare``: the calls
+    were read from a bare form (no markers of the family: JSON, or JSON in a fence),
+    which the chat template does not render back as the model wrote it.
 
     Raises:
         ValueError: (constructor) the format's parser module does not import, when
@@ -287,6 +289,7 @@ class ReplyParser:
         names = [t.get("function", t).get("name") for t in tools or () if isinstance(t, dict)]
         self._tool_names = {n for n in names if isinstance(n, str)}
         self._bare: str | None = None
+        self.bare = False
         self._bare_released = False  # held once and shown: never held again
         self._lead = ""  # whitespace before a possible bare call
 
@@ -343,6 +346,7 @@ class ReplyParser:
             held, self._bare = self._bare, None
             calls = _bare_calls(held, self._tool_names)
             if calls:
+                self.bare = True
                 for call in calls:
                     out.append(ToolCallDelta(len(self.calls), call))
                     self.calls.append(call)

@@ -11,7 +11,14 @@ on:
   the tools there are;
 - a call the parser could not read (arguments that are not valid JSON) is kept as a call
   with its raw text as ``arguments`` (the name read from it when it can be) and gets an
-  error result saying why; its markup leaves the visible text.
+  error result saying why; its markup leaves the visible text;
+- a reply cut at ``max_tokens`` inside a call is no call yet: its text stays visible, and
+  a continue reads the whole grown reply again.
+
+A reply whose calls were bare (JSON without the family's markers, or in a ```json fence)
+keeps its text as written (``as_written``): the template would render the calls back with
+the markers, so the next round's prompt gives the reply as the model wrote it, and its
+generated ids splice (docs/DESIGN.md §4).
 
 A round is one assistant step with calls; the steps after the last user message are
 counted, and a step past ``max_rounds`` has its calls answered "not run" instead of run.
@@ -38,12 +45,14 @@ class SplitReply:
     (think-block text, "" for none), ``tool_calls`` in OpenAI chat form
     (``{"id", "type": "function", "function": {"name", "arguments"}}``, arguments JSON
     text, or the raw text of a call that could not be read) and ``unreadable`` (the ids
-    of those, with the parser's reason)."""
+    of those, with the parser's reason); ``bare``: the calls were read without the
+    family's markers (``ReplyParser.bare``, core/chat/tool_calls.py)."""
 
     content: str
     reasoning: str
     tool_calls: tuple[dict[str, Any], ...]
     unreadable: dict[str, str]
+    bare: bool = False
 
 
 def openai_call(call: ToolCall) -> dict[str, Any]:
@@ -55,10 +64,16 @@ def openai_call(call: ToolCall) -> dict[str, Any]:
 
 
 def split_reply(
-    fmt: ReplyFormat, text: str, tools: Sequence[dict[str, Any]], *, in_reasoning: bool = False
+    fmt: ReplyFormat,
+    text: str,
+    tools: Sequence[dict[str, Any]],
+    *,
+    in_reasoning: bool = False,
+    cut: bool = False,
 ) -> SplitReply:
     """``text`` (a whole reply) split by the model family's parser, ``tools`` (OpenAI
-    function tools) given to it."""
+    function tools) given to it; ``cut``: the reply ended at ``max_tokens``, so a call
+    without its end marker is text still (a continue completes it)."""
     parser = ReplyParser(fmt, tools=list(tools) or None, in_reasoning=in_reasoning)
     parser.feed(text)
     parser.finish()
@@ -66,6 +81,8 @@ def split_reply(
     calls = [openai_call(c) for c in parser.calls]
     unreadable: dict[str, str] = {}
     for failure in parser.failures:
+        if cut and not (fmt.tool_call_end and failure.raw.endswith(fmt.tool_call_end)):
+            continue  # cut inside the call: its text stays as it was emitted
         content = content.replace(failure.raw, "", 1)
         body = failure.raw
         for marker in (fmt.tool_call_start, fmt.tool_call_end):
@@ -77,17 +94,19 @@ def split_reply(
         )
         calls.append(openai_call(call))
         unreadable[call.id] = failure.error
-    return SplitReply(
-        content.strip() if calls else content, parser.reasoning, tuple(calls), unreadable
-    )
+    content = content.strip() if calls else content
+    return SplitReply(content, parser.reasoning, tuple(calls), unreadable, parser.bare)
 
 
-def reply_meta(fmt: ReplyFormat, text: str, tools: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def reply_meta(
+    fmt: ReplyFormat, text: str, tools: Sequence[dict[str, Any]], *, cut: bool = False
+) -> dict[str, Any]:
     """What a reply of a prompt with ``tools`` stores besides its text: {} when it made no
     call; else ``tool_calls`` (OpenAI form), ``tool_call_errors`` (id -> why unreadable)
-    and ``reasoning_content`` when there are any, and ``content``, the visible text to
-    store instead of ``text``."""
-    split = split_reply(fmt, text, tools)
+    and ``reasoning_content`` when there are any, ``as_written`` (``text``) when the calls
+    were bare (module docstring), and ``content``, the visible text to store instead of
+    ``text``. ``cut``: as :func:`split_reply` takes it."""
+    split = split_reply(fmt, text, tools, cut=cut)
     if not split.tool_calls:
         return {}
     out: dict[str, Any] = {"content": split.content, "tool_calls": list(split.tool_calls)}
@@ -95,6 +114,8 @@ def reply_meta(fmt: ReplyFormat, text: str, tools: Sequence[dict[str, Any]]) -> 
         out["tool_call_errors"] = dict(split.unreadable)
     if split.reasoning:
         out["reasoning_content"] = split.reasoning
+    if split.bare:
+        out["as_written"] = text
     return out
 
 

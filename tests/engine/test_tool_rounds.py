@@ -12,7 +12,8 @@ import concurrent.futures
 import json
 
 import pytest
-from engine_kit import ScriptedEngine, make_engine
+from engine_kit import ScriptedEngine, assert_same, make_engine
+from tierchat.core.api import GenerateRequest
 from tierchat.core.chat.conversation_settings import ConversationSettings
 from tierchat.core.chat.session import ChatSession
 from tierchat.core.chat.store import ConversationStore
@@ -218,3 +219,74 @@ def test_the_prompt_carries_the_tools_and_the_round_messages(chat):
     )
     text = scripted.engine.tokenizer.decode(list(scripted.requests[0].prompt_ids))
     assert json.dumps(ECHO.description)[1:-1] in text  # the template rendered the tools
+
+
+BARE = '{"name": "echo", "arguments": {"text": "hi"}}'
+
+
+@pytest.mark.parametrize("written", [BARE, f"```json\n{BARE}\n```"], ids=["bare", "fenced"])
+def test_a_bare_call_is_rendered_as_written_so_the_next_round_restores_the_reply(chat, written):
+    # demo (Qwen2.5-Coder-0.5B) often writes its call without <tool_call> markers; the
+    # template would render the stored call with them, so the prompt would leave the
+    # generated ids at the reply's start and the cache would miss from there
+    scripted, session, rounds, _ = chat
+    scripted.replies.append(written)  # the next step is sampled greedily
+    step = finished(session.send("Say hi through echo."))
+    assert step.meta["tool_calls"][0]["function"]["name"] == "echo"
+    assert step.meta["as_written"] == written and step.content == ""
+    state = rounds.state(step)
+    assert rounds.resolve(state, lambda c: Decision("once"))
+    turn = rounds.next_round(state, max_tokens=8)
+    hot = turn.wait(120)
+    assert turn.reply_node is not None, turn.error
+
+    first, second = scripted.requests
+    before = tuple(first.prompt_ids) + tuple(step.token_ids)
+    assert tuple(second.prompt_ids[: len(before)]) == before  # the reply as generated
+    m = hot.metrics
+    assert m.cached_tokens >= len(before)
+    assert m.prefill_tokens == m.prompt_tokens - m.cached_tokens
+    tail = scripted.engine.tokenizer.decode(list(second.prompt_ids[len(before) :]))
+    # prefilled: the reply's end, the result and the generation prompt; none of the call
+    assert '"name"' not in tail and "```" not in tail
+    assert "echo: hi" in tail and tail.rstrip().endswith("assistant|>")
+
+    engine = scripted.engine
+    cold = engine.submit(GenerateRequest(second.prompt_ids, second.sampling, use_cache=False))
+    assert_same(cold.wait(120), cold, hot, turn.request_handle)
+
+
+def test_a_bare_call_from_another_model_is_rendered_as_its_call(chat):
+    scripted, session, rounds, _ = chat
+    scripted.replies += [BARE, "ok"]
+    step = finished(session.send("Echo."))
+    rounds.resolve(rounds.state(step), lambda c: Decision("once"))
+    step = session.store.get_node(step.id)
+    mine = session.prompt_messages(session.active_path())
+    assert mine[1]["content"] == BARE and "tool_calls" not in mine[1]
+    session.store.replace_reply(step.id, step.content, step.token_ids, {**step.meta, "model": "x"})
+    other = session.prompt_messages(session.active_path())
+    assert other[1]["content"] == "" and other[1]["token_ids"] is None
+    assert other[1]["tool_calls"] == step.meta["tool_calls"]
+
+
+def test_continuing_a_reply_cut_inside_a_call_runs_the_round(chat):
+    scripted, session, rounds, host = chat
+    whole = call_text("echo", '{"text": "cut"}')
+    cut_at = whole.index('"arguments"') + 5
+    scripted.replies += [whole[:cut_at], whole[cut_at:], "It said: echo: cut."]
+    step = finished(session.send("Echo cut."))
+    assert step.meta["finish_reason"] == "length"
+    assert "tool_calls" not in step.meta  # cut inside the call: no call (and no error) yet
+    assert step.content == whole[:cut_at] and rounds.state(step).step == "done"
+
+    grown = finished(session.continue_reply(step.id))
+    assert grown.id == step.id and grown.meta["continued"] == 1
+    (call,) = grown.meta["tool_calls"]  # the whole reply read, not the continued part
+    assert call["function"] == {"name": "echo", "arguments": '{"text": "cut"}'}
+    assert grown.content == ""
+    state = rounds.state(grown)
+    assert state.step == "run" and rounds.resolve(state, lambda c: Decision("once"))
+    assert host.calls == [("kit.echo", {"text": "cut"})]
+    answer = finished(rounds.next_round(state))
+    assert answer.content == "It said: echo: cut."

@@ -108,6 +108,39 @@ def test_line_chat_runs_rounds_with_y_n_a_approval(capsys, monkeypatch, argv):
     assert c2 >= p1 + g1 and f2 == p2 - c2  # only the result and the generation prompt
 
 
+def test_calls_do_not_stream_as_text_and_a_continue_completes_a_cut_call(capsys, monkeypatch, argv):
+    fenced = f"```json\n{json.dumps({'name': 'echo', 'arguments': {'text': 'hi'}})}\n```"
+    cut = call("echo", {"text": "cut"})
+    at = cut.index('"arguments"') + 5
+    scripted(
+        monkeypatch,
+        [fenced, "It said: echo: hi.", cut[:at], cut[at:], "Done: echo: cut.", '{"a": ', "1}"],
+    )
+    lines = ["Echo hi.", "y", "Echo cut.", "/continue", "y", "Some JSON.", "/continue", "/quit"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    replies = out.split("assistant> ")[1:]
+    assert len(replies) == 7, out
+    # the fenced call and the continued end of the cut one are held back, not streamed;
+    # the round prints each call as a block
+    assert replies[0].startswith("\n[cached") and "```" not in out
+    assert '[tool call: kit.echo {"text": "hi"}]' in replies[0]
+    assert replies[2].startswith(cut[:at])  # cut inside the call: text, and no round yet
+    assert "[tool call" not in replies[2]
+    assert replies[3].startswith("\n[cached") and "</tool_call>" not in out
+    assert "[tool kit.echo → ok: echo: cut]" in replies[3]
+    assert replies[4].startswith("Done: echo: cut.")
+    # a cut reply that looked like a bare call and was none: each part printed once
+    assert replies[5].startswith('{"a": \n[cached') and replies[6].startswith("1}\n[cached")
+
+    # the round after the fenced call restored the prompt and the reply as generated
+    cost = re.findall(r"\[cached (\d+)/(\d+).*? · prefilled (\d+) · .*? · (\d+) tokens at", out)
+    (c1, p1, f1, g1), (c2, p2, f2, _) = [tuple(map(int, m)) for m in cost[:2]]
+    assert c2 >= p1 + g1 and f2 == p2 - c2
+
+
 def test_a_malformed_mcp_config_is_a_usage_error(capsys, tmp_path, argv):
     bad = tmp_path / "bad.json"
     bad.write_text('{"mcpServers": {"x": {"command": 3}}}')

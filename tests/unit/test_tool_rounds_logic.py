@@ -42,6 +42,27 @@ def test_unreadable_arguments_become_a_call_with_an_error_and_leave_the_text():
     assert planned.tool is None and "JSON object" in planned.error
 
 
+def test_a_reply_cut_inside_a_call_is_text_until_continued():
+    text = 'Hm.<tool_call>\n{"name": "read_file", "arguments": {"pa'
+    assert reply_meta(HERMES, text, SPECS, cut=True) == {}  # the stored text is all of it
+    assert split_reply(HERMES, text, SPECS, cut=True).content == text
+    # a reply that ended (not cut) there made an unreadable call; so does a cut one whose
+    # call was closed
+    assert reply_meta(HERMES, text, SPECS)["tool_call_errors"]
+    closed = 'Hm.<tool_call>\n{"name": "read_file", "arguments": {"pa\n</tool_call>'
+    assert reply_meta(HERMES, closed, SPECS, cut=True)["tool_call_errors"]
+
+
+def test_bare_calls_keep_the_reply_as_written_and_marked_ones_do_not():
+    bare = '{"name": "read_file", "arguments": {"path": "a.txt"}}'
+    for text in (bare, f"```json\n{bare}\n```", f"\n{bare}\n"):
+        meta = reply_meta(HERMES, text, SPECS)
+        assert meta["content"] == "" and meta["as_written"] == text
+        assert meta["tool_calls"][0]["function"]["name"] == "read_file"
+    marked = f"<tool_call>\n{bare}\n</tool_call>"
+    assert "as_written" not in reply_meta(HERMES, marked, SPECS)
+
+
 def test_calls_resolve_by_function_name_and_unknown_tools_say_which_there_are():
     calls = [
         {"id": "a", "function": {"name": "read_file", "arguments": '{"path": "x"}'}},

@@ -31,6 +31,10 @@ class ToolService:
         notify: ``notify(text, title=..., severity=..., timeout=...)`` on the UI thread.
         note: adds a line to the cache events (``Engine.note``); None when the engine has
             no events.
+        stats: the app's ``StatsPoller``: a line is kept until a snapshot says the engine
+            keeps events (``CacheStats.enabled``: a model loaded, with its cache), then
+            noted; the engine drops lines while it has no cache, and the servers start
+            while the model loads. None: noted at once.
     """
 
     def __init__(
@@ -38,10 +42,14 @@ class ToolService:
         host: Any,
         notify: Callable[..., None],
         note: Callable[[str], None] | None = None,
+        stats: Any = None,
     ) -> None:
         self.host = host
         self.notify = notify
         self.note = note
+        self.stats = stats
+        self.pending: list[str] = []
+        """Lines for the cache events, kept until the engine keeps events."""
         self.rounds: Any = None
         """The session's ``ToolRounds`` once :meth:`start` ran; None without servers."""
         self.ready = asyncio.Event()
@@ -75,8 +83,8 @@ class ToolService:
         ready_names = tuple(s.name for s in statuses if s.state == "ready")
         session.defaults = dataclasses.replace(session.defaults, tools=ready_names)
         ready = sum(1 for s in statuses if s.state == "ready")
-        if self.note is not None and ready:
-            self.note(f"MCP: {ready} server(s) ready, {sum(len(s.tools) for s in statuses)} tools")
+        if ready:
+            self.event(f"MCP: {ready} server(s) ready, {sum(len(s.tools) for s in statuses)} tools")
         for status in statuses:
             if status.state == "ready":
                 continue
@@ -87,8 +95,29 @@ class ToolService:
                 severity="error",
                 timeout=15,
             )
-            if self.note is not None:
-                self.note(f"MCP server {status.name} failed: {why.splitlines()[0]}")
+            self.event(f"MCP server {status.name} failed: {why}")  # its stderr tail included
+
+    def event(self, text: str) -> None:
+        """Add ``text`` (lines) to the cache events, now or once the engine keeps events
+        (:attr:`pending`). UI thread."""
+        if self.note is None:
+            return
+        self.pending.append(text)
+        if self.stats is None:
+            self._deliver(None)
+        elif len(self.pending) == 1:
+            self.stats.subscribe(self._deliver)
+
+    def _deliver(self, stats: Any) -> None:
+        """A stats snapshot (None: none to wait for): the lines kept go to the engine when
+        it keeps events."""
+        if stats is not None and not stats.enabled:
+            return
+        lines, self.pending = self.pending, []
+        for text in lines:
+            self.note(text)
+        if self.stats is not None:
+            self.stats.unsubscribe(self._deliver)
 
     def close(self) -> None:
         """Stop the servers on a daemon thread (returns at once; :meth:`join` waits)."""
