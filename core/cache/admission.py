@@ -23,13 +23,20 @@ tier is written to the SSD tier
   only the old reply's tokens would be computed again if the user went back to it.
 
 Deferred entries live in the hot tier meanwhile, for a bounded time: once an entry has
-waited ``idle_s`` seconds since its commit (``ssd_flush_idle_s``), it is *due*
-(:meth:`WritePolicy.due`) and decided as at close: written, or skipped when covered. A
-session that goes on within the window covers its last turn's tails and is written as
-above; one that stops has its entries on disk ``idle_s`` later. So a crash (not a close)
-loses at most what was committed in the last ``idle_s`` seconds (and what the writer had
-queued), never the blocks and checkpoints already written. Engine thread only; the clock
-is injectable (:attr:`WritePolicy.clock`).
+waited ``idle_s`` seconds since its commit (``ssd_flush_idle_s``) and the engine has been
+quiet (no request held or waiting) for :data:`QUIET_S`, it is *due* (:meth:`WritePolicy.due`)
+and decided as at close: written, or skipped when covered. A session that goes on within
+the window covers its last turn's tails and is written as above; one that stops has its
+entries on disk about ``idle_s`` later. The quiet keeps these writes out of busy rounds:
+clients that send their next turn as a reply ends leave the engine idle for milliseconds,
+and writes started there (a copy of the entry, then the file) slowed the next round's
+prefills (16 clients on an H100: p90 TTFT 1.1-1.6 s against 0.6-0.8 s without, in one run;
+docs/BENCHMARKS.md). Under a load that never pauses that long, an entry is due anyway once it
+has waited :data:`MOST_WAITS` times ``idle_s``, at the engine's next idle moment. So a crash
+(not a close) loses at most what was committed in the last ``idle_s`` seconds before a
+pause (``MOST_WAITS x idle_s`` under constant load), and what the writer had queued, never
+the blocks and checkpoints already written. Engine thread only; the clock is injectable
+(:attr:`WritePolicy.clock`).
 """
 
 from __future__ import annotations
@@ -40,6 +47,9 @@ from collections.abc import Callable
 from typing import Any
 
 from .blocks import KIND_BLOCK, KIND_BOUNDARY, KIND_SEQ, KIND_TAIL, Entry
+
+QUIET_S = 1.0  # seconds with no request held or waiting before a deferred write is due
+MOST_WAITS = 6  # ... or this many windows since its commit, whatever the load
 
 
 def covers(c: Any, t: Any) -> bool:
@@ -128,20 +138,30 @@ class WritePolicy:
         self._order[e.id] = next(self._seq)
         return False
 
-    def due_in(self) -> float | None:
-        """Seconds until the oldest deferred entry is due (0.0: now), None when none waits."""
+    def _due_at(self, since: float, quiet_for: float) -> float:
+        """When an entry committed at ``since`` is due (clock seconds), the engine quiet
+        for ``quiet_for`` seconds now (the quiet goes on while nothing arrives)."""
+        window = since + self.idle_s
+        quiet = self.clock() + max(0.0, QUIET_S - quiet_for)
+        return min(max(window, quiet), since + MOST_WAITS * self.idle_s)
+
+    def due_in(self, quiet_for: float = float("inf")) -> float | None:
+        """Seconds until the oldest deferred entry is due (0.0: now) if the engine stays
+        quiet (``quiet_for``: seconds with no request held or waiting so far), None when
+        none waits."""
         for entry_id in self._since:  # commit order: the first is the oldest
-            return max(0.0, self._since[entry_id] + self.idle_s - self.clock())
+            return max(0.0, self._due_at(self._since[entry_id], quiet_for) - self.clock())
         return None
 
-    def due(self, max_bytes: int | None = None) -> list[Entry]:
-        """The deferred entries that have waited ``idle_s`` seconds, in commit order, at
-        most ``max_bytes`` of arrays (at least one entry), to write now; the covered ones
-        are skipped (counted), as at :meth:`flush`."""
+    def due(self, max_bytes: int | None = None, quiet_for: float = float("inf")) -> list[Entry]:
+        """The deferred entries due now (waited ``idle_s`` seconds with the engine quiet
+        for :data:`QUIET_S`, or :data:`MOST_WAITS` windows; ``quiet_for`` as at
+        :meth:`due_in`), in commit order, at most ``max_bytes`` of arrays (at least one
+        entry), to write now; the covered ones are skipped (counted), as at :meth:`flush`."""
         now, keep, nbytes = self.clock(), [], 0
         for entry_id, since in list(self._since.items()):
             e = self._deferred[entry_id]
-            if since + self.idle_s > now or (
+            if self._due_at(since, quiet_for) > now or (
                 keep and max_bytes is not None and nbytes + e.nbytes > max_bytes
             ):
                 break

@@ -301,12 +301,13 @@ class PrefixCache:
                 self.counts.tail_stashes += 1
         self._flush_evictions()
 
-    def persist(self, max_due: int | None = None) -> int:
+    def persist(self, max_due: int | None = None, quiet_for: float = 0.0) -> int:
         """Hand the entries admitted since the last call and the deferred ones now due
-        (at most ``max_due`` bytes: :meth:`.admission.WritePolicy.due`) to the SSD tier,
-        in commit order; returns the bytes accepted."""
+        (at most ``max_due`` bytes, the engine quiet for ``quiet_for`` seconds: 0.0 while
+        requests run; :meth:`.admission.WritePolicy.due`) to the SSD tier, in commit
+        order; returns the bytes accepted."""
         if self.ssd is not None:
-            self._unsaved += self.writes.due(max_due)
+            self._unsaved += self.writes.due(max_due, quiet_for)
         unsaved, self._unsaved = self._unsaved, []
         if self.ssd is None or not unsaved:
             return 0
@@ -404,21 +405,23 @@ class PrefixCache:
             if self.ssd is not None:
                 self.ssd.close(timeout_s)
 
-    def write_due_in(self) -> float | None:
-        """Seconds until a deferred entry is due (0.0: now), None when none waits or the
-        SSD writer is busy (its emptied queue wakes the engine): how long an idle engine
-        may sleep (docs/DESIGN.md §8.6)."""
+    def write_due_in(self, quiet_for: float = float("inf")) -> float | None:
+        """Seconds until a deferred entry is due (0.0: now) if the engine, quiet for
+        ``quiet_for`` seconds so far, stays so; None when none waits or the SSD writer is
+        busy (its emptied queue wakes the engine): how long an idle engine may sleep
+        (docs/DESIGN.md §8.6)."""
         if self.ssd is None or self.ssd.queue_depth:
             return None
-        return self.writes.due_in()
+        return self.writes.due_in(quiet_for)
 
-    def write_due(self) -> int:
+    def write_due(self, quiet_for: float = float("inf")) -> int:
         """Hand the deferred entries now due to an idle SSD writer, a quarter of its
         pending bound at a time (one copy); returns the bytes accepted. The engine calls
-        it while no request is held or waiting."""
+        it while no request is held or waiting, ``quiet_for`` seconds after the last one
+        (:data:`.admission.QUIET_S`)."""
         if self.ssd is None or self.ssd.queue_depth:
             return 0
-        return self.persist(self.ssd.writer.max_pending_bytes // 4)
+        return self.persist(self.ssd.writer.max_pending_bytes // 4, quiet_for)
 
     # ------------------------------------------------------------------ the engine's calls
     # what the engine asks of the tiers, so that it never reaches into them (§2, §11)

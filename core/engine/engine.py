@@ -106,6 +106,7 @@ class Engine:
             busy_writes = device_info().backend != "cuda"
         self._write_while_busy = busy_writes
         self._writes_held = False  # the engine holds the SSD writer (:meth:`_hold_writes`)
+        self._busy_at = time.monotonic()  # the last moment a request was held or waiting
         self._saves_at_clear = 0  # the SSD tier's files written at the last buffer clear
         self._saves_at_release = 0  # ... when the writer was last let go (no request held)
         self._clear_when_idle = False  # a clear of host buffers waits for no request held
@@ -371,13 +372,16 @@ class Engine:
                 # no request held nor waiting (clients that send their next turn as a
                 # reply ends would otherwise wait for the clear)
                 self._clear_buffer_cache()
-            if self.cache is not None and not sched.busy and not backlog and self._jobs.empty():
-                self.cache.write_due()  # deferred entries past their window go to the writer
+            if sched.busy or backlog or not self._jobs.empty():
+                self._busy_at = time.monotonic()
+            elif self.cache is not None:  # deferred entries past their window go to the writer
+                self.cache.write_due(time.monotonic() - self._busy_at)
 
     def _take_jobs(self, block: bool) -> None:
         """Move the jobs queued now to the backlog (``block``: wait for one first, or
         until a deferred SSD entry is due: docs/DESIGN.md §8.6)."""
-        wait = self.cache.write_due_in() if block and self.cache is not None else None
+        quiet_for = time.monotonic() - self._busy_at
+        wait = self.cache.write_due_in(quiet_for) if block and self.cache is not None else None
         try:
             while True:
                 self._backlog.append(self._jobs.get(block=block, timeout=wait))

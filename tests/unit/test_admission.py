@@ -4,7 +4,7 @@ replaced (docs/DESIGN.md §8.6)."""
 
 from __future__ import annotations
 
-from tierchat.core.cache.admission import WritePolicy, covers, replaced
+from tierchat.core.cache.admission import MOST_WAITS, QUIET_S, WritePolicy, covers, replaced
 from tierchat.core.cache.blocks import KIND_BLOCK, KIND_BOUNDARY, KIND_SEQ, KIND_TAIL, Entry
 
 ROOT = "0" * 64
@@ -138,3 +138,27 @@ def test_due_is_bounded_in_bytes_and_a_reuse_is_written_at_once():
     assert [e.id[:2] for e in first] == ["b1", "b2"]
     assert [e.id[:2] for e in w.due(max_bytes=1)] == ["b3"]  # at least one
     assert [e.id[:2] for e in w.due()] == ["b4"] and w.due_in() is None
+
+
+def test_a_due_entry_waits_for_a_quiet_engine_but_never_past_most_waits():
+    """docs/DESIGN.md §8.6: past its window an entry is due only once no request has been
+    held or waiting for QUIET_S (clients sending their next turn as a reply ends leave
+    the engine idle for milliseconds: a write started there slows their prefills), and
+    under a load that never pauses, after MOST_WAITS windows whatever the quiet."""
+    clock = Clock()
+    w = WritePolicy(lambda parent: [], idle_s=5.0)
+    w.clock = clock
+    b = entry("b", range(16), KIND_BLOCK, "user")
+    w.offer(b)
+    clock.now += 5.0  # the window is over, but a request ended just now
+    assert w.due(quiet_for=0.0) == [] and w.due_in(quiet_for=0.0) == QUIET_S
+    assert w.due(quiet_for=QUIET_S / 2) == []
+    assert w.due_in(quiet_for=QUIET_S / 2) == QUIET_S / 2
+    assert [e.id[:2] for e in w.due(quiet_for=QUIET_S)] == ["b0"]
+    # constant load: due at MOST_WAITS windows with no quiet at all
+    c = entry("c", range(16, 32), KIND_BLOCK, "user", start=16)
+    w.offer(c)
+    clock.now += MOST_WAITS * 5.0 - 0.5
+    assert w.due(quiet_for=0.0) == [] and w.due_in(quiet_for=0.0) == 0.5
+    clock.now += 0.5
+    assert [e.id[:2] for e in w.due(quiet_for=0.0)] == ["c0"]
