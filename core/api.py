@@ -389,6 +389,7 @@ class MemoryStats:
     committed: int = 0
     process_peak: int = 0  # the most MLX active memory since the process started
     waiting: int = 0  # queued requests waiting for memory to start (not refused)
+    waited: int = 0  # requests that waited for memory at the queue's head, since the load
 
 
 @dataclass(frozen=True)

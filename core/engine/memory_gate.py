@@ -39,11 +39,12 @@ class MemoryGate:
         self._footprints: dict[int, Footprint | PrefillRefused] = {}
         self._waiting: set[int] = set()  # queued requests whose last verdict was "wait"
         self._queued = 0  # requests queued at the last "wait" (all stand behind it)
-        self.waited = 0  # requests that waited for memory before they started, since load
+        self.waited = 0  # requests that waited for memory at the queue's head, since load
         self.refusals = 0  # requests refused for memory, since load
         self.writer_bytes = 0  # the SSD writer's bound on copies waiting (bound_writer)
         monitor.committed = self.committed_bytes
         monitor.waiting = self.waiting
+        monitor.waited = lambda: self.waited
 
     # ------------------------------------------------------------------ figures
     def waiting(self) -> int:

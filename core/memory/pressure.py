@@ -152,6 +152,7 @@ class MemoryMonitor:
 
     committed: Callable[[], int] = staticmethod(lambda: 0)
     waiting: Callable[[], int] = staticmethod(lambda: 0)  # requests waiting for memory
+    waited: Callable[[], int] = staticmethod(lambda: 0)  # requests that waited, since load
 
     def __init__(
         self,
@@ -233,4 +234,5 @@ class MemoryMonitor:
             committed=self.committed(),
             process_peak=max(r.peak, process_peak()),
             waiting=self.waiting(),
+            waited=self.waited(),
         )

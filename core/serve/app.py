@@ -100,6 +100,7 @@ def create_app(state: ServeState) -> Starlette:
                     "process_peak_bytes": mem.process_peak,
                     "committed_bytes": mem.committed,
                     "waiting": mem.waiting,  # requests queued until memory frees
+                    "waited": mem.waited,  # heads of the queue that waited, since the load
                     "limit_bytes": mem.limit,
                     "level": mem.level,
                 },
