@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 from test_schedule_policy import FakeExecutor
-from tierchat.core.engine.actions import Decode, Refuse, Start
+from tierchat.core.engine.actions import Decode, Refuse, Start, decode, encode
 from tierchat.core.engine.scheduler import Scheduler
 from tierchat.core.memory import admission as A
 from tierchat.core.memory import pressure as M
@@ -205,3 +205,9 @@ def test_a_request_that_fits_starts_at_once(held):
         gate.add(fp(3, 14))
     ran = gate.step(Scheduler(2048, False, clock=ex.clock))
     assert [a for a in ran if isinstance(a, Start)] == [Start(u) for u in range(1, held + 2)]
+
+
+def test_a_refusal_crosses_the_rank_wire():
+    """Rank 0 decides a refusal; the workers drop the same queued request (§19)."""
+    action = Refuse(7, "prompt refused, too large for the memory limit", True)
+    assert decode(encode(action)) == action
