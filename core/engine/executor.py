@@ -2,9 +2,9 @@
 
 The :class:`Executor` holds the engine's requests (:class:`~.request.Request`: queued, in
 prefill, decoding) and runs each action the scheduler (:mod:`.scheduler`) decides: a
-cancel, a start (the request's checks, its prefill plan and restore,
-the memory it reserves: :mod:`.memory_gate`), a refusal for memory,
-:meth:`~.prefill_steps.Prefill.begin`), a prefill piece or group (:mod:`.prefill_steps`,
+cancel, a start (the request's checks, the memory it reserves (:mod:`.memory_gate`), its
+prefill plan and restore, :meth:`~.prefill_steps.Prefill.begin`), a refusal for memory
+(docs/DESIGN.md §11), a prefill piece or group (:mod:`.prefill_steps`,
 :mod:`.prefill_batch`), a decode step (:class:`~.decode_batch.DecodeBatch`), and what
 follows from them: the first token's sampling, detokenizing and stop strings
 (:class:`~.request.Decoding`), the cache's finish, the metrics and memory pressure.
@@ -482,11 +482,11 @@ class Executor:
         """Shrink the hot tier's budget at soft/hard pressure, restore it at ok, and keep
         it within the room the requests' reservations leave (docs/DESIGN.md §11); the
         resident cache goes too when it does not fit, unless ``drop_resident`` is False
-        (before a restore that may take it). Under pressure MLX's pool of freed buffers goes back first
-        (``mx.clear_cache()``): it counts as in use, and on a GPU it grows to tens of GB
-        under many requests (35 GiB beside 17 GiB of live arrays with 16 clients of an 8B
-        model on an H100), which would otherwise empty the hot tier of what the next turns
-        restore."""
+        (before a restore that may take it). Under pressure MLX's pool of freed buffers
+        goes back first (``mx.clear_cache()``): it counts as in use, and on a GPU it grows
+        to tens of GB under many requests (35 GiB beside 17 GiB of live arrays with 16
+        clients of an 8B model on an H100), which would otherwise empty the hot tier of
+        what the next turns restore."""
         cache = self.cache
         if cache is None:
             return
