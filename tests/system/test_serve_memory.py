@@ -2,7 +2,7 @@
 send ~3,000-token prompts at once to a ``tierchat serve`` subprocess (tiny:llama) whose
 ``--memory-limit`` fits about four of them. Every request is answered (200: the others
 wait their turn, none is refused), the process's MLX peak stays within 1.1x the limit
-(before: 145 MB under a 25 MB limit, every request admitted at once), and every reply
+(before: 166 MB under a 25 MB limit, every request admitted at once), and every reply
 equals the same request sent alone to a fresh server. Then a prompt too large for the
 limit is refused for good (400, no ``Retry-After``) and the next normal prompt passes
 without a cache clear (before: every later prompt got 503 until ``cache clear``)."""
