@@ -108,7 +108,9 @@ class Executor:
     @runtime.setter
     def runtime(self, runtime: Runtime | None) -> None:
         self._runtime = runtime
-        self.memory_gate.runtime = runtime
+        self.memory_gate.runtime = runtime  # footprints were the old model's
+        self.memory_gate.forget([*self._held_uids(), *(r.uid for r in self.queued)])
+        self.memory_gate.clear_footprints()
         self.memory_gate.bound_writer()
 
     def memory(self, r: Request) -> tuple[Verdict, str]:

@@ -198,6 +198,10 @@ class MemoryGate:
             del self._footprints[uid]
         self._waiting &= keep
 
+    def clear_footprints(self) -> None:
+        """Forget every footprint (a model load: they were the old model's)."""
+        self._footprints.clear()
+
     def tier_budget(self, configured: int, held_bytes: int) -> int:
         """The cache tiers' budget: the pressure budget (:meth:`.MemoryMonitor.budget`),
         at most the room the reservations leave under the soft line
