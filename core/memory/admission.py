@@ -9,11 +9,14 @@ A request holds at most its :class:`Footprint`: its K/V at full length (prompt +
 forward runs at a time, so the scratch of the requests in prefill counts once, the
 largest. A request joining the decode batch has the batch's caches copied once
 (mlx-lm's ``BatchKVCache.extend`` / ``merge`` concatenate, left-padded to the longest
-row), so at a join the K/V of the requests held is there twice. One or the other
-happens at a time. :class:`Reservations` sums the requests held::
+row), so at a join the K/V of the requests held is there twice; a group of two or more
+requests in prefill (``core/engine/prefill_batch.py``) merges their caches the same way,
+beside its forward's scratch. One of these happens at a time. :class:`Reservations`
+sums the requests held::
 
-    reserved = kv + max(largest prefill_bytes of those in prefill, kv)
+    reserved = kv + max(kv, largest prefill_bytes in prefill + group)
     kv = sum(kv_bytes of the requests held)
+    group = sum(kv_bytes of those in prefill) when two or more are, else 0
 
 :func:`verdict` judges the next request against the hard line (``hard_fraction`` x the
 ceiling, :class:`~.pressure.MemoryMonitor`) with the cache tiers counted as free: the hot
@@ -78,7 +81,8 @@ class Reservations:
         self._prefill: set[int] = set()
         self.kv_bytes = 0  # the K/V at full length of every request held
         self.scratch_bytes = 0  # the largest prefill scratch of those in prefill (0: none)
-        self.reserved_bytes = 0  # kv_bytes + max(scratch_bytes, kv_bytes): see the module
+        self.group_bytes = 0  # the K/V of those in prefill, when two or more are (a group)
+        self.reserved_bytes = 0  # see the module docstring
 
     def __len__(self) -> int:
         return len(self._held)
@@ -111,13 +115,21 @@ class Reservations:
 
     def _sum(self) -> None:
         self.kv_bytes = sum(f.kv_bytes for f in self._held.values())
-        self.scratch_bytes = max((self._held[u].prefill_bytes for u in self._prefill), default=0)
-        self.reserved_bytes = self.kv_bytes + max(self.scratch_bytes, self.kv_bytes)
+        prefill = [self._held[u] for u in self._prefill]
+        self.scratch_bytes = max((f.prefill_bytes for f in prefill), default=0)
+        self.group_bytes = sum(f.kv_bytes for f in prefill) if len(prefill) > 1 else 0
+        self.reserved_bytes = _reserved(self.kv_bytes, self.scratch_bytes, self.group_bytes)
 
     def with_(self, footprint: Footprint) -> int:
         """:attr:`reserved_bytes` once a request of ``footprint`` starts too."""
-        kv = self.kv_bytes + footprint.kv_bytes
-        return kv + max(self.scratch_bytes, footprint.prefill_bytes, kv)
+        in_prefill = [self._held[u].kv_bytes for u in self._prefill] + [footprint.kv_bytes]
+        group = sum(in_prefill) if len(in_prefill) > 1 else 0
+        scratch = max(self.scratch_bytes, footprint.prefill_bytes)
+        return _reserved(self.kv_bytes + footprint.kv_bytes, scratch, group)
+
+
+def _reserved(kv: int, scratch: int, group: int) -> int:
+    return kv + max(kv, scratch + group)
 
 
 def verdict(footprint: Footprint, reservations: Reservations, lines: Lines) -> Verdict:

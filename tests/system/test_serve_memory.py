@@ -1,6 +1,6 @@
 """Memory bounded under concurrency, through HTTP (docs/DESIGN.md §11, §20): sixteen clients
 send ~3,000-token prompts at once to a ``tierchat serve`` subprocess (tiny:llama) whose
-``--memory-limit`` fits about four of them. Every request is answered (200: the others
+``--memory-limit`` fits two to four of them at once. Every request is answered (200: the others
 wait their turn, none is refused), the process's MLX peak stays within 1.1x the limit
 (before: 166 MB under a 25 MB limit, every request admitted at once), and every reply
 equals the same request sent alone to a fresh server. Then a prompt too large for the
@@ -16,7 +16,7 @@ from test_serve_signals import Process, env_for, serve_cmd
 
 CLIENTS = 16
 WORDS = 435  # ~2,900-3,400 tokens with tiny:llama's tokenizer
-LIMIT = 35_000_000  # fits ~4 of these prompts beside the weights and the SSD writer's bound
+LIMIT = 35_000_000  # fits 2-4 of these prompts beside the weights and the SSD writer's bound
 
 
 def prompt(i: int, words: int = WORDS) -> list[dict]:

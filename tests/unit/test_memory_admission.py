@@ -34,12 +34,15 @@ def lines(line_mb: float, limit_line_mb: float | None = None, base_mb: float = 1
 def test_reservations_count_kv_of_all_and_the_largest_prefill_once():
     r = A.Reservations()
     r.hold(1, fp(3, 10))
+    assert r.reserved_bytes == 13 * MB  # its K/V and its prefill's scratch
     r.hold(2, fp(3, 14))
     assert r.kv_bytes == 6 * MB and r.scratch_bytes == 14 * MB
-    assert r.reserved_bytes == 20 * MB  # one forward at a time: the scratch counts once
-    r.prefilled(2)  # its prefill is done: only 1's scratch is left
+    # one forward at a time: the largest scratch counts once, beside a group's merged
+    # K/V of the two in prefill
+    assert r.group_bytes == 6 * MB and r.reserved_bytes == 6 * MB + 14 * MB + 6 * MB
+    r.prefilled(2)  # its prefill is done: only 1's scratch is left, no group
     assert r.reserved_bytes == 16 * MB
-    assert r.with_(fp(3, 12)) == 9 * MB + 12 * MB
+    assert r.with_(fp(3, 12)) == 9 * MB + 12 * MB + 6 * MB  # 1 and it may group
     r.keep([2])  # 1 ended (cancelled, failed): nothing of it is reserved
     assert (len(r), r.reserved_bytes) == (1, 6 * MB)  # its K/V, twice as it joins a batch
     r.release(2)
@@ -49,17 +52,18 @@ def test_reservations_count_kv_of_all_and_the_largest_prefill_once():
 def test_verdicts():
     held = A.Reservations()
     held.hold(1, fp(3, 14))
-    # 1 base + 3 + 3 kv + 14 scratch = 21 <= 23
-    assert A.verdict(fp(3, 14), held, lines(23)) == "start"
+    # 1 base + 3 + 3 kv + 14 scratch + 6 of the two merged in a group = 27
+    assert A.verdict(fp(3, 14), held, lines(27)) == "start"
+    assert A.verdict(fp(3, 14), held, lines(26)) == "wait"
     held.hold(2, fp(3, 14))
     # a third does not fit beside them, but they will end: it waits, not refused
-    assert A.verdict(fp(3, 14), held, lines(23)) == "wait"
+    assert A.verdict(fp(3, 14), held, lines(27)) == "wait"
     # alone, with empty tiers, over the limit's line: no wait helps
-    assert A.verdict(fp(20, 14), held, lines(23)) == "never"
+    assert A.verdict(fp(20, 14), held, lines(27)) == "never"
     # nothing of ours held, but other programs lowered the line below the limit's
-    assert A.verdict(fp(3, 14), A.Reservations(), lines(10, 23)) == "busy"
+    assert A.verdict(fp(3, 14), A.Reservations(), lines(10, 27)) == "busy"
     # the same with something held: it waits for it
-    assert A.verdict(fp(3, 14), held, lines(10, 23)) == "wait"
+    assert A.verdict(fp(3, 14), held, lines(10, 27)) == "wait"
     # no limit known: nothing to judge against
     assert A.verdict(fp(300, 14), held, A.Lines(0, 0, MB)) == "start"
 
@@ -150,7 +154,8 @@ def run_all(gate: Gate, scheduler: Scheduler, limit: int = 200) -> list:
 
 def test_sixteen_requests_wait_their_turn_none_refused():
     ex = FakeExecutor()
-    gate = Gate(ex, line_mb=29)  # 1 base + 3 kv each + 14 scratch: 4 fit at once (27), not 5
+    # 1 base + 3 kv each, 14 scratch and the group's merged K/V: 4 at once (39), not 5 (45)
+    gate = Gate(ex, line_mb=40)
     uids = [gate.add(fp(3, 14)) for _ in range(16)]
     ran = run_all(gate, Scheduler(2048, False, clock=ex.clock))
     started = [a.uid for a in ran if isinstance(a, Start)]
