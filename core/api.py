@@ -145,11 +145,14 @@ class Failed:
     """A request that did not complete, of one of the :data:`FailureKind` kinds: "error",
     "refused" (over the memory limit), "unsupported", "load" (a model load failed) or
     "cancelled" (the caller cancelled during prefill). ``kept_tokens``: prompt tokens a
-    cancelled prefill kept in the cache (a retry restores them)."""
+    cancelled prefill kept in the cache (a retry restores them). ``permanent``: a refusal
+    no wait cures (the request alone, with empty cache tiers, crosses the memory limit:
+    docs/DESIGN.md §11); False for one that a later try may pass."""
 
     message: str
     kind: FailureKind = "error"
     kept_tokens: int = 0
+    permanent: bool = False
 
 
 @dataclass(frozen=True)
@@ -370,7 +373,10 @@ class LookupStats:
 
 @dataclass(frozen=True)
 class MemoryStats:
-    """Memory readings in bytes; ``level`` is "ok", "soft" or "hard"."""
+    """Memory readings in bytes; ``level`` is "ok", "soft" or "hard", judged on
+    ``max(active + cache, committed)``: ``committed`` is the weights, what the requests
+    held have reserved and what the cache tiers hold (docs/DESIGN.md §11); ``peak`` is
+    MLX's since the last prefill began, ``process_peak`` since the process started."""
 
     active: int = 0
     peak: int = 0
@@ -380,6 +386,10 @@ class MemoryStats:
     system_total: int = 0
     system_available: int = 0
     level: str = "ok"
+    committed: int = 0
+    process_peak: int = 0  # the most MLX active memory since the process started
+    waiting: int = 0  # queued requests waiting for memory to start (not refused)
+    waited: int = 0  # requests that waited for memory at the queue's head, since the load
 
 
 @dataclass(frozen=True)

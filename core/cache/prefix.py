@@ -297,6 +297,10 @@ class PrefixCache:
             self.hot.put(e, pin=self.pin_system and e.kind == KIND_BLOCK and e.role == "system")
             if self.ssd is not None and self.writes.offer(e):
                 self._unsaved.append(e)
+            elif self.ssd is not None and e.id not in self.hot and self.writes.evicted(e):
+                # no room in RAM (the budget yields to the requests held, §11): decided
+                # now as an eviction, never deferred holding arrays nobody counts
+                self._unsaved.append(e)
             if e.kind != KIND_BLOCK and e.id in self.hot:
                 self.counts.tail_stashes += 1
         self._flush_evictions()
@@ -430,13 +434,35 @@ class PrefixCache:
         and holds the SSD writer to its first token as a cached one does."""
         return ColdRequest(fresh, self)
 
-    def fit_hot_budget(self, budget: Callable[[int], int]) -> tuple[int, int] | None:
+    def fit_hot_budget(
+        self, budget: Callable[[int], int], drop_resident: bool = True
+    ) -> tuple[int, int] | None:
         """Set the hot tier's budget to ``budget(held)`` bytes (``held``: the bytes it holds
-        now), evicting down to it: ``(budget, entries evicted)``, or None if unchanged."""
+        now), evicting down to it: ``(budget, entries evicted)``, or None if unchanged.
+        The resident cache, counted in the budget, is dropped when it alone exceeds it
+        (unless ``drop_resident`` is False: a restore about to take it)."""
         max_bytes = budget(self.hot.nbytes)
+        over = drop_resident and self.resident is not None and self.hot.reserved > max_bytes
+        if over:
+            self.log(f"resident cache of {self.drop_resident()} tokens dropped: over budget")
         if max_bytes == self.hot.max_bytes:
-            return None
+            return (max_bytes, 0) if over else None
         return max_bytes, self.hot.set_budget(max_bytes)
+
+    @property
+    def ram_bytes(self) -> int:
+        """Bytes the RAM tiers hold: the hot tier's entries and the resident cache."""
+        return self.hot.nbytes + self.hot.reserved
+
+    def bound_writes(self, max_bytes: int) -> int:
+        """Bound the bytes of copies waiting for the SSD writer to ``max_bytes`` (never
+        above its own bound; past it the engine waits for the disk); the bound in force,
+        0 without a working SSD tier (docs/DESIGN.md §11)."""
+        if self.ssd is None or not self.ssd.enabled:
+            return 0
+        writer = self.ssd.writer
+        writer.max_pending_bytes = min(writer.max_pending_bytes, max_bytes)
+        return writer.max_pending_bytes
 
     def ssd_warning(self) -> str | None:
         """Why the SSD tier asked for is off (a warning for the user), or None: it works,

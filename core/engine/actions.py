@@ -2,7 +2,7 @@
 (docs/DESIGN.md §19, §20).
 
 The scheduler (:mod:`.scheduler`) decides a step as a sequence of actions -- :class:`Cancel`,
-:class:`Start`, :class:`Piece`, :class:`Group`, :class:`Decode` -- that the executor
+:class:`Start`, :class:`Refuse`, :class:`Piece`, :class:`Group`, :class:`Decode` -- that the executor
 (:mod:`.executor`) runs. Across ranks rank 0 sends each action to the workers before it
 runs it, with the other jobs' messages (:class:`Load`, :class:`Admit`, :class:`ClearTier`,
 :class:`Close`, :class:`Exit`), so one set of records is both the executor's input and the
@@ -31,6 +31,16 @@ class Start:
     """Restore queued request ``uid`` and move it to prefill (or straight to decode)."""
 
     uid: int
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """Refuse queued request ``uid`` for memory (docs/DESIGN.md §11): ``message`` says why;
+    ``permanent`` when it can never fit, else the machine's free memory is short now."""
+
+    uid: int
+    message: str
+    permanent: bool
 
 
 @dataclass(frozen=True)
@@ -87,12 +97,13 @@ class Exit:
     """Rank 0 is done: the worker's loop ends."""
 
 
-Action = Cancel | Start | Piece | Group | Decode
+Action = Cancel | Start | Refuse | Piece | Group | Decode
 Message = Action | Load | Admit | ClearTier | Close | Exit
 
 OPS: dict[str, type] = {
     "cancel": Cancel,
     "start": Start,
+    "refuse": Refuse,
     "piece": Piece,
     "group": Group,
     "decode": Decode,

@@ -2,8 +2,9 @@
 
 The :class:`Executor` holds the engine's requests (:class:`~.request.Request`: queued, in
 prefill, decoding) and runs each action the scheduler (:mod:`.scheduler`) decides: a
-cancel, a start (the request's checks, its prefill plan and restore,
-:meth:`~.prefill_steps.Prefill.begin`), a prefill piece or group (:mod:`.prefill_steps`,
+cancel, a start (the request's checks, the memory it reserves (:mod:`.memory_gate`), its
+prefill plan and restore, :meth:`~.prefill_steps.Prefill.begin`), a refusal for memory
+(docs/DESIGN.md §11), a prefill piece or group (:mod:`.prefill_steps`,
 :mod:`.prefill_batch`), a decode step (:class:`~.decode_batch.DecodeBatch`), and what
 follows from them: the first token's sampling, detokenizing and stop strings
 (:class:`~.request.Decoding`), the cache's finish, the metrics and memory pressure.
@@ -43,12 +44,14 @@ from ..api import (
 )
 from ..memory import prefill as prefill_mod
 from ..memory import pressure as memory_mod
+from ..memory.admission import Verdict
 from ..stop_strings import StopStrings
-from .actions import Action, Cancel, Decode, Group, Piece, Start
+from .actions import Action, Cancel, Decode, Group, Piece, Refuse, Start
 from .attention import OFF, chunk_attention
 from .decode_batch import DecodeBatch
 from .forward import logprobs_of
 from .forward_cost import ForwardCost
+from .memory_gate import MemoryGate
 from .prefill_batch import prefill_group
 from .prefill_steps import Prefill
 from .ranks import OneProcess, Peers
@@ -80,7 +83,9 @@ class Executor:
         self.monitor = monitor
         self.release_host_buffers = release_host_buffers
         self.clock = clock
-        self.runtime: Runtime | None = None
+        self._runtime: Runtime | None = None
+        # what the requests held reserve; the tiers' budget yields to it (docs/DESIGN.md §11)
+        self.memory_gate = MemoryGate(settings, monitor)
         self.peers: Peers = OneProcess()
         self.cost = ForwardCost()  # prefill forwards measured: sizes pieces and groups
         self.scheduler = Scheduler(
@@ -96,6 +101,26 @@ class Executor:
         self._uid = 0
 
     # ------------------------------------------------------------------ the view
+    @property
+    def runtime(self) -> Runtime | None:
+        return self._runtime
+
+    @runtime.setter
+    def runtime(self, runtime: Runtime | None) -> None:
+        self._runtime = runtime
+        self.memory_gate.runtime = runtime  # footprints were the old model's
+        self.memory_gate.forget([*self._held_uids(), *(r.uid for r in self.queued)])
+        self.memory_gate.clear_footprints()
+        self.memory_gate.bound_writer()
+
+    def memory(self, r: Request) -> tuple[Verdict, str]:
+        """Whether queued ``r`` fits memory beside the requests held now, and a refusal's
+        message (:meth:`.memory_gate.MemoryGate.verdict`)."""
+        return self.memory_gate.verdict(r.uid, r.params, self._held_uids(), len(self.queued))
+
+    def _held_uids(self) -> list[int]:
+        return [*(r.uid for r in self.prefilling), *self.decoding]
+
     @property
     def cache(self) -> Any:
         return self.runtime.cache if self.runtime is not None else None
@@ -169,6 +194,8 @@ class Executor:
         if peers.failed:  # the ranks failed: no step can meet its peers
             self.fail_all(peers.failed)
             return
+        # what ended since (cancels, failures) reserves nothing more
+        self.memory_gate.forget([*self._held_uids(), *(r.uid for r in self.queued)])
         with self._on_stream(), peers.watched("a step"):
             for action in self.scheduler.step(self):
                 peers.send(action)
@@ -200,6 +227,16 @@ class Executor:
             if r is None:
                 raise RuntimeError(f"out of step: start of {action.uid}, not queued")
             self._start(r)
+        elif isinstance(action, Refuse):
+            r = next((x for x in self.queued if x.uid == action.uid), None)
+            if r is None:
+                raise RuntimeError(f"out of step: refusal of {action.uid}, not queued")
+            self.queued.remove(r)
+            r.emit(Failed(action.message, kind="refused", permanent=action.permanent))
+            self.memory_gate.release(r.uid)
+            if self.cache is not None:
+                n = len(r.params.prompt_ids)
+                self.cache.log(f"refused a {n}-token request: {action.message[:60]}")
         elif isinstance(action, Piece):
             r = self.prefilling[0]
             if r.uid != action.uid:
@@ -245,7 +282,6 @@ class Executor:
         if not r.params.prompt_ids:
             r.emit(Failed("empty prompt"))
             return
-        self.apply_memory_pressure()
         n = len(r.params.prompt_ids)
         s = self.settings
         try:
@@ -255,9 +291,14 @@ class Executor:
             if runtime.cache is not None:
                 runtime.cache.log(f"refused a {n}-token prefill: over the memory limit")
             return
+        # its reservation first: the tiers yield to it before its restore allocates (the
+        # resident cache stays until the restore, which may take it)
+        self.memory_gate.hold(r.uid, r.params)
+        self.apply_memory_pressure(drop_resident=False)
         block = runtime.cache.block_size if runtime.cache is not None else s.block_size
         p = Prefill.begin(runtime, r.params, chunk, self.peers.restore, r.emit, s.bitwise, block)
         r.prefill, r.chunk_ends, r.status = p, tuple(p.ends), "prefill"
+        self.apply_memory_pressure()
         if p.finished:
             self._join(r)
         else:
@@ -270,8 +311,8 @@ class Executor:
         Raises:
             memory.prefill.PrefillRefused: a rank has no chunk that fits its memory.
         """
-        runtime, hard = self.runtime, self.monitor.hard_line()
-        return self.peers.agree_chunk(lambda: runtime.plan_chunk(self.settings, n, hard), n)
+        runtime, line = self.runtime, self.memory_gate.plan_line()
+        return self.peers.agree_chunk(lambda: runtime.plan_chunk(self.settings, n, line), n)
 
     def _prefill_piece(self, r: Request, end: int) -> None:
         p = r.prefill
@@ -305,6 +346,7 @@ class Executor:
         """The prefill is done: the first token (from kept or folded logprobs), then the
         request joins the batch."""
         runtime, p, req = self.runtime, r.prefill, r.params
+        self.memory_gate.prefilled(r.uid)
         n = len(req.prompt_ids)
         sampling = p.sampling
         # greedy requests share one batched argmax (None); others their own sampler, a
@@ -398,6 +440,9 @@ class Executor:
         end_lp = logprobs_of(end).reshape(-1) if end is not None and d.tokens else None
         if end_lp is not None:
             mx.eval(end_lp)
+        # its reservation goes first: the tiers take what it leaves within their budget
+        self.memory_gate.release(r.uid)
+        self.apply_memory_pressure(drop_resident=False)
         p.cache_request.finish(caches, list(r.params.prompt_ids) + d.tokens, d.first_lp, end_lp)
         ttft = (d.t_first or t_end) - p.t0
         g = len(d.tokens)
@@ -435,20 +480,24 @@ class Executor:
             self.cache.log(f"max tokens {max_tokens} capped at {room}: context length {ctx}")
         return min(max_tokens, room)
 
-    def apply_memory_pressure(self) -> None:
-        """Shrink the hot tier's budget at soft/hard pressure, restore it at ok
-        (docs/DESIGN.md §11). Under pressure MLX's pool of freed buffers goes back first
-        (``mx.clear_cache()``): it counts as in use, and on a GPU it grows to tens of GB
-        under many requests (35 GiB beside 17 GiB of live arrays with 16 clients of an 8B
-        model on an H100), which would otherwise empty the hot tier of what the next turns
-        restore."""
+    def apply_memory_pressure(self, drop_resident: bool = True) -> None:
+        """Shrink the hot tier's budget at soft/hard pressure, restore it at ok, and keep
+        it within the room the requests' reservations leave (docs/DESIGN.md §11); the
+        resident cache goes too when it does not fit, unless ``drop_resident`` is False
+        (before a restore that may take it). Under pressure MLX's pool of freed buffers
+        goes back first (``mx.clear_cache()``): it counts as in use, and on a GPU it grows
+        to tens of GB under many requests (35 GiB beside 17 GiB of live arrays with 16
+        clients of an 8B model on an H100), which would otherwise empty the hot tier of
+        what the next turns restore."""
         cache = self.cache
         if cache is None:
             return
         if memory_mod.should_clear_mlx_cache(self.monitor.level()):
             mx.clear_cache()
-        configured = self.settings.hot_bytes
-        fitted = cache.fit_hot_budget(lambda held: self.monitor.budget(configured, held_bytes=held))
+        configured, gate = self.settings.hot_bytes, self.memory_gate
+        fitted = cache.fit_hot_budget(
+            lambda held: gate.tier_budget(configured, held), drop_resident=drop_resident
+        )
         if fitted is not None:
             budget, evicted = fitted
             level = self.monitor.level()

@@ -34,6 +34,7 @@ from ..cache.plans import Restored
 from ..cache.request import CacheRequest, ColdRequest, MeasureRequest
 from ..cache.schedule import chunk_ends, schedule_points
 from ..device import device_info
+from ..memory import readings
 from .forward import logprobs_of
 from .sampling import RequestSampling, make_request_sampler
 
@@ -110,7 +111,10 @@ class Prefill:
         self.sampling = sampling
         self.first_sample: mx.array | None = None
         self.restored = restored
-        self.caches = restored.caches
+        # the cache list is this prefill's from here on: the restore's record keeps its
+        # figures only, so the caches go when the prefill lets them go (a batch copy
+        # beside them doubled a decoding request's K/V: docs/DESIGN.md §11)
+        self.caches, restored.caches = restored.caches, None
         self.prompt = list(req.prompt_ids)
         self.n = len(self.prompt)
         self.start = self.pos = restored.position
@@ -149,7 +153,7 @@ class Prefill:
         sampling = make_request_sampler(req)  # the one place sampling is built (§2)
         cache_request = open_cache_request(runtime, req, points, sampling)
         t0 = time.perf_counter()
-        mx.reset_peak_memory()
+        readings.reset_peak()  # the process's own peak is kept (docs/DESIGN.md §11)
         try:
             restored = restore(cache_request)
         except BaseException:

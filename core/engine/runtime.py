@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
@@ -31,6 +32,7 @@ from ..cache.layers import probe_specs
 from ..cache.prefix import PrefixCache
 from ..cache.rates import Rates
 from ..device import describe_device, device_info
+from ..memory import admission
 from ..memory import prefill as prefill_mod
 from .attention import AttentionPlan, mlx_softmax, pow_softmax
 from .forward import last_logits_fn, verify_last_logits
@@ -65,7 +67,8 @@ class Runtime:
     ``loaded``: the :class:`~.models.loading.LoadedModel`; ``make_cache()``: a fresh
     per-layer cache list (quantized when ``kv_bits`` is set); ``cache``: the prefix cache,
     or None (caching off, or the model's caches unsupported: ``supported`` False and
-    ``reason`` says why); ``kv_profile``: the KV bytes per token the memory plan reads."""
+    ``reason`` says why); ``kv_profile``: the KV bytes per token the memory plan reads;
+    ``weights_bytes``: the model's parameters, what no eviction frees (docs/DESIGN.md §11)."""
 
     spec: str
     loaded: Any
@@ -78,6 +81,7 @@ class Runtime:
     reason: str = ""
     layer_kinds: tuple[str, ...] = ()
     kv_profile: Any = None
+    weights_bytes: int = 0
 
     @property
     def model(self) -> Any:
@@ -102,33 +106,55 @@ class Runtime:
 
     def plan_chunk(self, settings: Settings, n: int, hard_line: int) -> int:
         """The prefill chunk (tokens) for an ``n``-token prompt: ``prefill_chunk``, or the
-        largest smaller one whose estimated peak stays under ``hard_line`` bytes. A
-        function of the prompt length and the memory in use, never of what the cache
-        holds, so cached and cold runs use one schedule unless memory is short.
+        largest smaller one whose estimated peak, over the weights alone, stays under
+        ``hard_line`` bytes. A function of the prompt length, the weights and the line,
+        never of what the cache tiers or other requests hold (admission makes room for
+        it: docs/DESIGN.md §11), so cached and cold runs use one schedule.
 
         Raises:
             prefill_mod.PrefillRefused: no chunk down to 16 tokens fits.
         """
+        return self._plan(settings, n, hard_line)[0]
+
+    def footprint(
+        self, settings: Settings, n: int, max_tokens: int, hard_line: int
+    ) -> admission.Footprint:
+        """What a request of an ``n``-token prompt and ``max_tokens`` to generate may hold
+        (bytes, :class:`~..memory.admission.Footprint`): its K/V at full length and its
+        prefill's scratch at the chunk :meth:`plan_chunk` picks under ``hard_line``.
+
+        Raises:
+            prefill_mod.PrefillRefused: no chunk down to 16 tokens fits.
+        """
+        chunk, estimate = self._plan(settings, n, hard_line)
+        profile = self.kv_profile
+        if profile is None:
+            return admission.Footprint(0, 0, chunk)
+        prompt_kv = profile.nbytes(n, chunk)
+        kv = max(prompt_kv, profile.nbytes(n + max(0, max_tokens), chunk))
+        scratch = max(0, estimate - self.weights_bytes - prompt_kv) if estimate else 0
+        return admission.Footprint(kv, scratch, chunk)
+
+    def _plan(self, settings: Settings, n: int, hard_line: int) -> tuple[int, int]:
+        """``(chunk, estimated peak)``; the estimate is 0 when none is made."""
         chunk = max(1, settings.prefill_chunk)
         if n <= 1 or self.kv_profile is None:
-            return chunk
-        model, profile = self.loaded.model, self.kv_profile
-        active = int(mx.get_active_memory())
+            return chunk, 0
+        model, profile, weights = self.loaded.model, self.kv_profile, self.weights_bytes
 
         def estimate(c: int) -> int:
             return prefill_mod.estimate_for_model(
                 model,
                 profile,
-                active_bytes=active,
+                active_bytes=weights,
                 new_tokens=n - 1,
                 context_tokens=n,
                 chunk_tokens=min(c, n - 1),
             )
 
-        chunk, _ = prefill_mod.plan_prefill(
+        return prefill_mod.plan_prefill(
             estimate, hard_line, chunk, min_chunk=min(16, chunk), new_tokens=n - 1
         )
-        return chunk
 
 
 def _no_model() -> list[Any]:
@@ -200,6 +226,7 @@ def build_runtime(
     step = s.prefill_step or auto_prefill_step(model, s.prefill_chunk)
     step = peers.all_min([step])[0]  # one on every rank (its shard's)
     kv_profile = prefill_mod.kv_profile(model, lambda m: make_cache())
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     caches = make_cache()
     cpu = device_info().kind == "cpu"
 
@@ -207,6 +234,7 @@ def build_runtime(
         device = "cpu" if cpu else "gpu"
         line = describe_device(getattr(loaded, "dtype", None))
         info = ModelInfo(context_length(model), vocab, device, line)
+        kw.setdefault("weights_bytes", weights)
         return Runtime(spec, loaded, make_cache, plan, attention, cache, info, **kw)
 
     try:

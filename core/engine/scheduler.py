@@ -7,8 +7,11 @@ is a sequence of typed actions (:mod:`.actions`), decided one at a time:
 effect) and asks for the next. A step ends the requests cancelled since the last one
 (:class:`~.actions.Cancel`), starts queued requests in order (:class:`~.actions.Start`;
 one that shares a prefix a prefill in progress will store waits for it,
-:meth:`Scheduler.waits`; requests that arrived during the step's last action are admitted
-first, through ``arrivals``), runs the rests of the requests that fit one forward together
+:meth:`Scheduler.waits`; one whose memory does not fit beside the requests held waits,
+and none after it passes it, while one that can never fit, or finds the machine's memory
+taken by other programs, is refused, :class:`~.actions.Refuse`, docs/DESIGN.md §11;
+requests that arrived during the step's last action are admitted first, through
+``arrivals``), runs the rests of the requests that fit one forward together
 (:class:`~.actions.Group`) or else one prefill piece of the request at the head of the
 prefill queue (:class:`~.actions.Piece`), up to :data:`BUSY_PIECE_S` of prefill work while
 others decode, then one batched decode step (:class:`~.actions.Decode`). So a long prompt
@@ -29,7 +32,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from ..cache.blocks import common_prefix_len
-from .actions import Action, Cancel, Decode, Group, Piece, Start
+from ..memory.admission import Verdict
+from .actions import Action, Cancel, Decode, Group, Piece, Refuse, Start
 from .forward_cost import ForwardCost
 
 BUSY_PIECE_S = 0.25  # the most prefill work between two decode steps while others decode
@@ -112,6 +116,11 @@ class View(Protocol):
     prefill_step: int  # tokens (0: chunks are not cut)
     block_size: int  # tokens: the cache's block (the settings' with the cache off)
 
+    def memory(self, r: Any) -> tuple[Verdict, str]:
+        """Whether queued ``r`` fits memory beside the requests held
+        (:func:`~..memory.admission.verdict`) and, for a refusal, why (a message)."""
+        ...
+
 
 class Scheduler:
     """Decides each step's actions (:meth:`step`) from a :class:`View`.
@@ -174,15 +183,24 @@ class Scheduler:
         if view.decoding:
             yield Decode()
 
-    def _starts(self, view: View) -> Iterator[Start]:
+    def _starts(self, view: View) -> Iterator[Start | Refuse]:
         """One round of starts: the queued requests in order, up to :data:`MAX_STARTS`,
         passing over those that :meth:`waits` (asked again after each start, whose
-        prefill may be the one a later request waits for)."""
+        prefill may be the one a later request waits for). A request whose memory does
+        not fit beside the requests held (``view.memory``: "wait") ends the round: none
+        after it passes it, so a large request is not starved by smaller ones; one that
+        can never fit, or finds the machine's memory taken ("never", "busy"), is refused."""
         started = 0
         for r in list(view.queued):
             if started >= MAX_STARTS:
                 return
             if r not in view.queued or self.waits(view, r):
+                continue
+            verdict, why = view.memory(r)
+            if verdict == "wait":
+                return
+            if verdict != "start":
+                yield Refuse(r.uid, why, verdict == "never")
                 continue
             started += 1
             yield Start(r.uid)

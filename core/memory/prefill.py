@@ -24,6 +24,11 @@ STATE_MIXER_COPIES = 16  # (chunk, hidden)-sized activations of a recurrent mixe
 STATE_STEP = 256  # tokens: mlx-lm ssm_attn processes a chunk in steps of this
 SCRATCH_MARGIN = 1.10  # on everything above active_bytes: fitted on CPU, see tests/unit/test_memory.py
 MLP_COPIES = 3  # (chunk, intermediate) activations: gate, up and their SwiGLU product
+# (chunk, context) float32 score matrices of one layer alive at once: the scores, the masked
+# scores and the softmax's ``s - max`` / ``power`` / normalised copies of the engine's own
+# attention (core/engine/attention.py: every attention on the CPU); fitted on CPU, float32,
+# to the served path (3,000-token prompts, chunks of 64-2,048 tokens: up to 2.7 copies)
+SCORE_COPIES = 3
 
 
 # ------------------------------------------------------------------ KV per token
@@ -150,9 +155,11 @@ def estimate_prefill_peak(
         peak = active_bytes                 weights, restored caches, hot tier: as read now
              + kv_new                       kv_bytes_per_token × (r(T) - r(T - new_tokens)),
                                             or ``kv_new_bytes`` (KVProfile.nbytes: windows)
-             + 1.10 × ( scores              c × T × (n_heads × dtype_bytes + 1): one layer's
-                                            attention scores + bool mask, which the CPU SDPA
-                                            fallback materializes (Metal's fused prefill
+             + 1.10 × ( scores              c × T × n_heads × (3 × 4 + 1): three float32 copies
+                                            of one layer's attention scores (scores, masked,
+                                            the softmax's) + bool mask, which the engine's
+                                            attention (core/engine/attention.py) and the CPU
+                                            SDPA fallback materialize (Metal's fused prefill
                                             kernel does not: an upper bound there)
                       + activations         c × (12 × hidden + 3 × intermediate) × dtype_bytes:
                                             residual, norms, q/k/v/o of one chunk; gate, up
@@ -183,7 +190,7 @@ def estimate_prefill_peak(
     if kv_context_bytes is None:
         kv_context_bytes = kv_bytes_per_token * _round_up(t, KV_STEP)
     inter = intermediate_size if intermediate_size is not None else 4 * hidden_size
-    scores = c * t * (n_heads * dtype_bytes + 1)
+    scores = c * t * n_heads * (SCORE_COPIES * 4 + 1)
     activations = c * (HIDDEN_COPIES * hidden_size + MLP_COPIES * inter) * dtype_bytes
     kv_copy = KV_LAYER_COPIES * kv_context_bytes // max(1, n_layers)
     logits = (c if logits_tokens is None else logits_tokens) * vocab_size * dtype_bytes

@@ -27,14 +27,22 @@ cache on macOS where ``vm_stat``'s free + inactive + speculative undercounts wha
 reclaimed), so a busy desktop would sit at "soft" forever with nothing of ours to shed; and
 why not ``in_use`` against ``limit`` alone: it would ignore a machine that is really full.
 Python objects outside MLX (tokenizer, SQLite) are not counted.
+
+Held and reserved. A request admitted (``admission.py``) reserves what it may reach (its
+K/V at full length, its prefill's scratch) before it allocates it, so the level is judged
+on ``max(in_use, committed)``: ``committed`` (:attr:`MemoryMonitor.committed`, the
+executor's) is the weights, the reservations of the requests held and the bytes the cache
+tiers hold. Sixteen requests admitted at once read "hard" when they are admitted, not
+when their prefills have grown their caches (before: "ok" at 9.8x the limit).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 from ..api import MemoryStats
-from .readings import MemoryReader, MemoryReading
+from .readings import MemoryReader, MemoryReading, process_peak
 
 Level = Literal["ok", "soft", "hard"]
 
@@ -136,9 +144,15 @@ class MemoryMonitor:
     """Pressure levels and the stats snapshot over a :class:`MemoryReader`.
 
     ``limit_bytes`` None → :func:`default_limit` of each reading. Levels are judged on
-    ``in_use = active + cache`` against :func:`ceiling` (module docstring says why).
+    ``max(in_use, committed())`` (``in_use = active + cache``) against :func:`ceiling`
+    (module docstring says why); ``committed`` (bytes, the executor sets it) counts what
+    the requests held have reserved and the cache tiers hold, 0 by default.
     Safe to call from any thread: it only reads allocator counters and the system.
     """
+
+    committed: Callable[[], int] = staticmethod(lambda: 0)
+    waiting: Callable[[], int] = staticmethod(lambda: 0)  # requests waiting for memory
+    waited: Callable[[], int] = staticmethod(lambda: 0)  # requests that waited, since load
 
     def __init__(
         self,
@@ -165,11 +179,22 @@ class MemoryMonitor:
         limit = self.limit_bytes if self.limit_bytes is not None else default_limit(reading)
         return ceiling(reading, limit)
 
+    def judged(self, reading: MemoryReading) -> int:
+        """The bytes a level is judged on: ``max(in_use, committed())``."""
+        return max(reading.in_use, self.committed())
+
     def level(self, reading: MemoryReading | None = None) -> Level:
         reading = reading or self.read()
         return pressure_level(
-            reading.in_use, self.ceiling(reading), self.soft_fraction, self.hard_fraction
+            self.judged(reading), self.ceiling(reading), self.soft_fraction, self.hard_fraction
         )
+
+    def limit_line(self, reading: MemoryReading | None = None) -> int:
+        """``hard_fraction × limit``: the hard line of the configured (or default) limit
+        alone, whatever other programs hold (bytes; 0 when no limit is known)."""
+        reading = reading or self.read()
+        limit = self.limit_bytes if self.limit_bytes is not None else default_limit(reading)
+        return int(self.hard_fraction * limit)
 
     def hard_line(self, reading: MemoryReading | None = None) -> int:
         """``hard_fraction × ceiling``: the peak a new prefill must stay under (bytes).
@@ -205,5 +230,9 @@ class MemoryMonitor:
             device_total=r.device_total,
             system_total=r.system_total,
             system_available=r.system_available,
-            level=pressure_level(r.in_use, c, self.soft_fraction, self.hard_fraction),
+            level=pressure_level(self.judged(r), c, self.soft_fraction, self.hard_fraction),
+            committed=self.committed(),
+            process_peak=max(r.peak, process_peak()),
+            waiting=self.waiting(),
+            waited=self.waited(),
         )

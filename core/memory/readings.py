@@ -52,6 +52,23 @@ def mlx_memory() -> tuple[int, int, int]:
     return mx.get_active_memory(), mx.get_peak_memory(), mx.get_cache_memory()
 
 
+_high_water = 0  # MLX's peak before its last reset (process_peak)
+
+
+def reset_peak() -> None:
+    """Start MLX's peak again (``mx.reset_peak_memory``; a request's metrics read the
+    peak since its prefill began), keeping the process's own in :func:`process_peak`."""
+    global _high_water
+    _high_water = max(_high_water, mx.get_peak_memory())
+    mx.reset_peak_memory()
+
+
+def process_peak() -> int:
+    """The most MLX active memory this process has held since it started (bytes),
+    across :func:`reset_peak`."""
+    return max(_high_water, mx.get_peak_memory())
+
+
 def device_memory(info: Mapping[str, Any]) -> tuple[int, int]:
     """``(total, recommended)`` bytes from an ``mx.device_info()`` dict; 0 for absent keys.
 

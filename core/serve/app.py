@@ -92,10 +92,15 @@ def create_app(state: ServeState) -> Starlette:
                         *("pending_bytes", "deferred", "deferred_bytes"),
                     )
                 },
-                # MLX's allocator (docs/DESIGN.md §11); peak: since the last prefill began
+                # MLX's allocator (docs/DESIGN.md §11); peak: since the last prefill began;
+                # committed: weights + what the requests held reserve + the cache tiers
                 "memory": {
                     "active_bytes": mem.active,
                     "peak_bytes": mem.peak,
+                    "process_peak_bytes": mem.process_peak,
+                    "committed_bytes": mem.committed,
+                    "waiting": mem.waiting,  # requests queued until memory frees
+                    "waited": mem.waited,  # heads of the queue that waited, since the load
                     "limit_bytes": mem.limit,
                     "level": mem.level,
                 },

@@ -38,10 +38,23 @@ def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
 
 
+# a memory refusal that a later try may pass: the machine's free memory is short (other
+# programs hold it) while this server holds no request to release any; requests that
+# only wait for others held are queued, never refused (docs/DESIGN.md §11)
+MEMORY_RETRY_AFTER_S = 10
+
+
 def failure(event: Failed) -> APIError:
+    if event.kind == "refused" and event.permanent:
+        # larger than the memory limit alone: no retry helps, so no 503
+        return APIError(event.message, 400, code="insufficient_memory")
     if event.kind == "refused":  # the memory guard: not the prompt's fault, try later
         return APIError(
-            event.message, 503, "server_error", code="insufficient_memory", retry_after_s=30
+            event.message,
+            503,
+            "server_error",
+            code="insufficient_memory",
+            retry_after_s=MEMORY_RETRY_AFTER_S,
         )
     if event.kind == "cancelled":
         return APIError(event.message, 499, "server_error", code="cancelled")

@@ -256,10 +256,16 @@ def test_9_range_errors_print_plain_numbers(server, cold):
 
 def test_9_the_memory_guard_is_503_insufficient_memory_with_retry_after():
     from tierchat.core.api import Failed
-    from tierchat.core.serve.replies import error_response, failure
+    from tierchat.core.serve.replies import MEMORY_RETRY_AFTER_S, error_response, failure
 
     response = error_response(failure(Failed("prefill needs 3 GiB", kind="refused")))
-    assert response.status_code == 503 and response.headers["Retry-After"] == "30"
+    retry = str(MEMORY_RETRY_AFTER_S)
+    assert response.status_code == 503 and response.headers["Retry-After"] == retry
+    assert json.loads(response.body)["error"]["code"] == "insufficient_memory"
+    # one that can never fit (docs/DESIGN.md §11): a 400, and no Retry-After to follow
+    never = Failed("too large for the memory limit", kind="refused", permanent=True)
+    response = error_response(failure(never))
+    assert response.status_code == 400 and "Retry-After" not in response.headers
     assert json.loads(response.body)["error"]["code"] == "insufficient_memory"
 
 

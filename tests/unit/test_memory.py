@@ -13,6 +13,12 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from tierchat.core.api import MemoryStats
+from tierchat.core.engine.attention import (
+    ALL_QUERIES,
+    AttentionPlan,
+    chunk_attention,
+    pow_softmax,
+)
 from tierchat.core.memory import prefill as MP
 from tierchat.core.memory import pressure as M
 from tierchat.core.memory import readings as MR
@@ -168,7 +174,8 @@ def test_estimate_terms():
     e = MP.estimate_prefill_peak(new_tokens=100, chunk_tokens=256, context_tokens=100, **base)
     c, t = 100, 100
     kv_new = 1000 * 256  # rounded up to one 256-token step
-    scratch = c * t * (8 * 4 + 1) + c * (12 * 64 + 3 * 128) * 4 + 2 * kv_new + c * 1000 * 4
+    # scores: three float32 copies (the engine's attention) + the bool mask, per head
+    scratch = c * t * 8 * (3 * 4 + 1) + c * (12 * 64 + 3 * 128) * 4 + 2 * kv_new + c * 1000 * 4
     assert e == int(GB + kv_new + 1.1 * scratch)
     assert MP.estimate_prefill_peak(new_tokens=0, chunk_tokens=256, context_tokens=0, **base) == GB
     one = MP.estimate_prefill_peak(
@@ -231,15 +238,22 @@ def _model(**kw):
 
 
 def _prefill(model, n_tokens, chunk, caches=None, eval_logits=False):
-    """Prefill like the engine: chunk by chunk, evaluating only the cache state; with
-    ``eval_logits`` the last chunk's logits too (mlx-lm computes them for every position)."""
+    """Prefill like the engine: chunk by chunk, evaluating only the cache state, through
+    the engine's attention on the CPU (core/engine/attention.py: explicit scores, the pow
+    softmax); with ``eval_logits`` the last chunk's logits too (mlx-lm computes them for
+    every position)."""
     caches = caches if caches is not None else make_prompt_cache(model)
     tokens = [(7 * i) % 250 + 1 for i in range(n_tokens)]
-    for i in range(0, n_tokens, chunk):
-        out = model(mx.array(tokens[i : i + chunk])[None], cache=caches)
-        last = i + chunk >= n_tokens
-        mx.eval(out[:, -1, :] if last and eval_logits else [], [c.state for c in caches])
+    with chunk_attention(ENGINE_ATTENTION):
+        for i in range(0, n_tokens, chunk):
+            out = model(mx.array(tokens[i : i + chunk])[None], cache=caches)
+            last = i + chunk >= n_tokens
+            mx.eval(out[:, -1, :] if last and eval_logits else [], [c.state for c in caches])
     return caches
+
+
+# the CPU engine's attention plan (plan_attention on the CPU, where pow is the faster)
+ENGINE_ATTENTION = AttentionPlan(max_query=ALL_QUERIES, min_query=1, softmax=pow_softmax)
 
 
 def test_kv_profile_matches_cache_nbytes():

@@ -15,7 +15,7 @@ from collections import deque
 import pytest
 from tierchat.core.api import GenerateRequest
 from tierchat.core.cache.blocks import common_prefix_len
-from tierchat.core.engine.actions import Cancel, Decode, Group, Piece, Start
+from tierchat.core.engine.actions import Cancel, Decode, Group, Piece, Refuse, Start
 from tierchat.core.engine.forward_cost import ForwardCost
 from tierchat.core.engine.scheduler import BUSY_PIECE_S, MAX_STARTS, Scheduler
 
@@ -80,6 +80,13 @@ class FakeExecutor:
         self.ran: list = []
         self.shared: dict[tuple[int, ...], int] = {}  # prefixes stored by finished prefills
         self.uids = 0
+        # memory admission (tests/unit/test_memory_admission.py): (verdict, why) of a
+        # queued request; None: every request fits
+        self.memory_verdict = None
+        self.refused: list[Refuse] = []
+
+    def memory(self, r):
+        return self.memory_verdict(r) if self.memory_verdict is not None else ("start", "")
 
     def clock(self) -> float:
         return self.now
@@ -99,6 +106,10 @@ class FakeExecutor:
                     q.remove(r)
             for uid in action.uids:
                 self.decoding.pop(uid, None)
+        elif isinstance(action, Refuse):
+            r = next(r for r in self.queued if r.uid == action.uid)
+            self.queued.remove(r)
+            self.refused.append(action)
         elif isinstance(action, Start):
             r = next(r for r in self.queued if r.uid == action.uid)
             self.queued.remove(r)
