@@ -13,6 +13,8 @@ and :func:`decode` turns one back, field by field; an unknown op or field raises
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,6 +122,13 @@ def encode(message: Message) -> dict[str, Any]:
             value = dataclasses.asdict(value)
         out[f.name] = value
     return out
+
+
+def digest(message: Message) -> int:
+    """A 56-bit digest of ``message``'s wire form: ranks compare it to know they hold the
+    same request (docs/DESIGN.md §19)."""
+    data = json.dumps(encode(message), separators=(",", ":"), sort_keys=True).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
 
 
 def decode(data: dict[str, Any]) -> Message:

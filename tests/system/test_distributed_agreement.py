@@ -1,0 +1,108 @@
+"""The ranks' agreement on a request, and what a failed rank may store (docs/DESIGN.md §19).
+
+2 ranks over MLX's ring backend on this machine (``tests/rank_kit.py``), rank 0 a driver
+script on the engine, rank 1 tierchat's worker:
+
+- the collectives tierchat makes per request (messages and agreements, outside the
+  model's own forward and the shared tokens), counted by a wrapper around the ranks'
+  operations: a request restored from the hot tier costs one agreement more than the same
+  request with the cache off;
+- a rank whose prefill fails: the request fails on rank 0 with a clear error, no rank
+  stores its entries, and the next request works and equals a cold run.
+"""
+
+from __future__ import annotations
+
+import json
+
+from rank_kit import start_ranks
+
+COUNT_DRIVER = """
+import json, sys
+from tierchat.config.settings import Settings
+from tierchat.core.engine import distributed as dist
+from tierchat.core.api import Failed, GenerateRequest
+from tierchat.core.sampling_params import SamplingParams
+from tierchat.core.engine.engine import Engine
+
+cache_dir, models_dir = sys.argv[1], sys.argv[2]
+from tierchat.core.engine.ranks import RankGroup
+counts = {"messages": 0, "message_syncs": 0, "agreements": 0, "stats": 0}
+where = []
+def context(cls, name, kind):  # collectives inside it count as ``kind``
+    op = getattr(cls, name)
+    def wrapped(self, *args, **kwargs):
+        counts["messages"] += name == "broadcast"
+        where.append(kind)
+        try:
+            return op(self, *args, **kwargs)
+        finally:
+            where.pop()
+    setattr(cls, name, wrapped)
+def collective(name):
+    op = getattr(dist.Ranks, name)
+    def wrapped(self, *args, **kwargs):
+        counts[where[-1] if where else "agreements"] += 1
+        return op(self, *args, **kwargs)
+    setattr(dist.Ranks, name, wrapped)
+# every collective tierchat evaluates outside the model's forward and the shared tokens
+# (a message's, the stats' and the agreements'): this rank's calls, which every rank
+# makes alike
+context(dist.Ranks, "broadcast", "message_syncs")
+context(RankGroup, "gather_stats", "stats")
+for name in ("_sum", "all_min", "all_max"):
+    collective(name)
+
+s = Settings(model="tiny:llama", cache_dir=cache_dir, models_dir=models_dir, block_size=16,
+             prefill_chunk=256)
+e = Engine(s)
+assert not isinstance(e.load_model("tiny:llama").wait(), Failed)
+base = tuple(range(3, 60))
+out = {}
+def run(name, req):
+    before = dict(counts)
+    r = e.submit(req).wait(120)
+    assert not isinstance(r, Failed), r
+    out[name] = {k: counts[k] - before[k] for k in counts}
+    out[name]["cached"] = r.metrics.cached_tokens
+    out[name]["tokens"] = list(r.token_ids)
+four = SamplingParams(max_tokens=4)
+run("cold", GenerateRequest(base, four, use_cache=False))
+run("first", GenerateRequest(base, four))
+run("cached", GenerateRequest(base + (7, 8, 9, 10, 11), four))
+run("cached_off", GenerateRequest(base + (7, 8, 9, 10, 11), four, use_cache=False))
+e.close()
+dist.current().broadcast({"op": "exit"})
+print(json.dumps(out))
+"""
+
+
+def _drive(tmp_path, models_dir, driver: str, **env) -> dict:
+    path = tmp_path / "driver.py"
+    path.write_text(driver)
+    kv = tmp_path / "kv"
+    worker = ["cache", "stats", "--block-size", "16", "--prefill-chunk", "256"]
+    worker += ["--cache-dir", str(kv), "--models-dir", str(models_dir)]
+    ranks = start_ranks(worker, tmp_path, rank0=[str(path), str(kv), str(models_dir)], **env)
+    try:
+        (code0, out0, err0), (code1, out1, err1) = ranks.wait()
+    finally:
+        ranks.kill()
+    assert (code0, code1) == (0, 0), (err0, err1)
+    assert "Traceback" not in err0 + err1, (err0, err1)
+    return {"out": json.loads(out0.strip().splitlines()[-1]), "err1": err1, "out1": out1}
+
+
+def test_a_cached_request_costs_one_agreement_more_than_one_with_the_cache_off(
+    tmp_path, models_dir
+):
+    out = _drive(tmp_path, models_dir, COUNT_DRIVER)["out"]
+    print("collectives per request:", json.dumps(out))
+    cached, off = out["cached"], out["cached_off"]
+    assert cached["cached"] > 0 and off["cached"] == 0
+    assert cached["tokens"] == off["tokens"]
+    for req in out.values():
+        assert req["message_syncs"] == req["messages"]  # one collective a message
+        assert req["stats"] == 1  # the stats, gathered at the end
+    # the chunk, the restore position and the prefill's success: one collective each way
+    assert cached["agreements"] == off["agreements"] == 2
