@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from rank_kit import start_ranks
 
 COUNT_DRIVER = """
@@ -106,3 +107,56 @@ def test_a_cached_request_costs_one_agreement_more_than_one_with_the_cache_off(
         assert req["stats"] == 1  # the stats, gathered at the end
     # the chunk, the restore position and the prefill's success: one collective each way
     assert cached["agreements"] == off["agreements"] == 2
+
+
+FAULT_DRIVER = """
+import json, sys
+from tierchat.config.settings import Settings
+from tierchat.core.engine import distributed as dist
+from tierchat.core.api import Failed, GenerateRequest
+from tierchat.core.sampling_params import SamplingParams
+from tierchat.core.engine.engine import Engine
+
+cache_dir, models_dir = sys.argv[1], sys.argv[2]
+s = Settings(model="tiny:llama", cache_dir=cache_dir, models_dir=models_dir, block_size=16,
+             prefill_chunk=256)
+e = Engine(s)
+assert not isinstance(e.load_model("tiny:llama").wait(), Failed)
+prompt, four = tuple(range(3, 60)), SamplingParams(max_tokens=4)
+out = {}
+def run(name, req):
+    r = e.submit(req).wait(120)
+    ranks = e.stats().ranks
+    out[name] = {"type": type(r).__name__, "message": getattr(r, "message", ""),
+                 "tokens": list(getattr(r, "token_ids", ())),
+                 "cached": getattr(getattr(r, "metrics", None), "cached_tokens", 0),
+                 "entries": [(x.hot_entries, x.ssd_entries) for x in ranks]}
+run("failed", GenerateRequest(prompt, four))  # the fault: one rank's first piece
+run("after", GenerateRequest(prompt, four))
+run("again", GenerateRequest(prompt, four))
+run("cold", GenerateRequest(prompt, four, use_cache=False))
+e.close()
+dist.current().broadcast({"op": "exit"})
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_rank_whose_prefill_fails_stores_nothing_and_the_next_request_works(
+    tmp_path, models_dir, rank
+):
+    """The first prefill piece's capture raises on one rank (a test fault): the request
+    fails on rank 0 naming that rank, no rank holds an entry of it, and the same prompt
+    next is computed again (nothing to restore), equal to a cold run, and then cached."""
+    got = _drive(tmp_path, models_dir, FAULT_DRIVER, TIERCHAT_TEST_FAIL_PREFILL=f"{rank}:1")
+    out = got["out"]
+    failed = out["failed"]
+    assert failed["type"] == "Failed", failed
+    assert f"the prefill failed on rank {rank}" in failed["message"]
+    assert "nothing of it was cached" in failed["message"]
+    assert failed["entries"] == [[0, 0], [0, 0]]  # neither rank stored any of it
+    after, cold = out["after"], out["cold"]
+    assert after["type"] == "Finished" and after["cached"] == 0
+    assert after["tokens"] == cold["tokens"]
+    assert out["again"]["cached"] > 0 and out["again"]["tokens"] == cold["tokens"]
+    assert all(hot > 0 for hot, _ in out["after"]["entries"])
