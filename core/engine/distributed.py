@@ -12,13 +12,16 @@ The protocol, all over ``mx.distributed`` collectives:
 
 - **Messages** (:meth:`Ranks.broadcast`): rank 0 sends a JSON object (the wire form of
   a typed message, :func:`.actions.encode`: ``load``, ``admit``, a scheduler action,
-  ``clear``, ``close``, ``exit``) as its byte length, then its bytes as a
-  ``uint8`` array; every other rank contributes zeros to the same two ``all_sum`` calls
-  (as mlx-lm's server shares requests, ``mlx_lm/server.py`` ``_share_object``). Workers
+  ``clear``, ``close``, ``exit``) as one ``all_sum`` of an int64 vector -- its byte
+  length, then its bytes packed 8 to a word (:data:`MESSAGE_WORDS` of them) -- to which
+  every other rank adds zeros (as mlx-lm's server shares requests, ``mlx_lm/server.py``
+  ``_share_object``, there in two calls); a longer message (a long prompt's ``admit``)
+  sends the rest in a second one. Workers
   wait for the next message as long as rank 0 is idle, blocked on a doorbell socket
   (``doorbell.py``: no CPU) rather than in the ring's polling collective.
-- **Agreement** (:meth:`Ranks.all_min`, :meth:`Ranks.all_max`): the prefill chunk, the
-  restore position and cancels are decided by every rank together.
+- **Agreement** (:meth:`Ranks.gather`, :meth:`Ranks.sum_ints`, :meth:`Ranks.all_min`):
+  a request's start (chunk, request, restore position) in one ``gather``; its prefill's
+  success with its first token in one ``all_sum``; cancels (``.ranks``).
 - **Tokens**: rank 0 samples; each decode step's ``all_sum`` carries its token and its
   stop flag inside the step's graph (:meth:`Ranks.share_sampler`).
 - **Faults**: a rank whose process ends breaks the ring's sockets, so the next collective

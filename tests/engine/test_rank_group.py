@@ -290,3 +290,47 @@ def test_the_ranks_path_on_one_rank_equals_a_cold_run(arch, tmp_path, models_dir
     finally:
         hot.close()
         cold.close()
+
+
+# ------------------------------------------------------------------ a short restore
+
+
+class ShortOnce(OneProcess):
+    """One process whose first restore of a cached prefix says it landed short, as a rank
+    whose file vanished under its restore would (docs/DESIGN.md §19)."""
+
+    def __init__(self) -> None:
+        self.starts: list[tuple[bool, int]] = []
+
+    def start(self, plan, open_turn, n, digest, cold=False):
+        agreed = super().start(plan, open_turn, n, digest, cold)
+        self.starts.append((cold, agreed.restored.position))
+        if len(self.starts) == 1 and agreed.restored.position > 0:
+            return agreed._replace(short=True)
+        return agreed
+
+
+@pytest.mark.parametrize("bitwise", [True, False])
+def test_a_short_restore_stores_nothing_and_starts_the_request_again_cold(
+    bitwise, tmp_path, models_dir
+):
+    """The prefill's agreement voids a request whose restore landed short on a rank: it
+    starts again with no cache and equals a cold run (folded schedule: the first token from
+    the prefill; bitwise: from the first decode step)."""
+    cold = make_engine("tiny:llama", tmp_path / "cold", models_dir, no_cache=True)
+    hot = make_engine("tiny:llama", tmp_path / "hot", models_dir, bitwise=bitwise)
+    try:
+        base = random_prompt(50, seed=5)
+        generate(hot, base, max_tokens=3)
+        hot.peers = peers = ShortOnce()
+        longer = base + random_prompt(20, seed=6)
+        a, ha = generate(cold, longer, max_tokens=5)
+        b, hb = generate(hot, longer, max_tokens=5)
+        assert [c for c, _ in peers.starts] == [False, True]
+        assert peers.starts[0][1] > 0 and peers.starts[1][1] == 0
+        assert b.metrics.cached_tokens == 0  # the second start restored nothing
+        assert_same(a, ha, b, hb)
+        assert any("starts again" in text for _, text in hot.stats().events)
+    finally:
+        hot.close()
+        cold.close()
