@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from ..api import GenerateRequest
 
@@ -124,11 +125,13 @@ def encode(message: Message) -> dict[str, Any]:
     return out
 
 
-def digest(message: Message) -> int:
-    """A 56-bit digest of ``message``'s wire form: ranks compare it to know they hold the
-    same request (docs/DESIGN.md §19)."""
-    data = json.dumps(encode(message), separators=(",", ":"), sort_keys=True).encode()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
+def digest(uid: int, request: GenerateRequest) -> int:
+    """A 56-bit digest of request ``uid`` (its uid, prompt and forced tokens): ranks
+    compare it to know they start the same request (docs/DESIGN.md §19)."""
+    h = hashlib.blake2b(digest_size=7)
+    for ids in ((uid, len(request.prompt_ids)), request.prompt_ids, request.teacher_ids):
+        h.update(np.asarray(ids, dtype=np.int64).tobytes())
+    return int.from_bytes(h.digest(), "little")
 
 
 def decode(data: dict[str, Any]) -> Message:

@@ -45,7 +45,7 @@ from ..memory import prefill as prefill_mod
 from ..memory import pressure as memory_mod
 from ..stop_strings import StopStrings
 from . import actions
-from .actions import Action, Admit, Cancel, Decode, Group, Piece, Start
+from .actions import Action, Cancel, Decode, Group, Piece, Start
 from .attention import OFF, chunk_attention
 from .decode_batch import DecodeBatch
 from .forward import logprobs_of
@@ -253,7 +253,7 @@ class Executor:
         self.apply_memory_pressure()
         n = len(r.params.prompt_ids)
         s = self.settings
-        hard, digest = self.monitor.hard_line(), actions.digest(Admit(r.uid, r.params))
+        hard, digest = self.monitor.hard_line(), actions.digest(r.uid, r.params)
 
         def agree(open_turn: Callable[[int], Any]) -> Agreed:
             def plan() -> int:

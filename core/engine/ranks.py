@@ -39,7 +39,7 @@ PREFILL_OK = 0
 PREFILL_FAILED = 1  # its own work raised (a capture, a test's fault): the request fails
 RESTORE_SHORT = 2  # its restore landed below the agreed position: the request starts again
 # the deepest positions each rank offers in the start's one exchange
-REACHABLE = 8
+REACHABLE = 4
 
 
 class Agreed(NamedTuple):
