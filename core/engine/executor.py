@@ -291,7 +291,7 @@ class Executor:
             self.queued.appendleft(r)
             return
         ranks = ", ".join(map(str, failed)) or "every"
-        why = f": {p.why}" if p.why else " (see its log)"
+        why = f": {p.why}" if p.failure == PREFILL_FAILED else " (see its log)"
         message = f"the prefill failed on rank {ranks}{why}; nothing of it was cached"
         self.peers.gather_stats(self.cache, self.monitor.stats)
         r.emit(Failed(message, kind="error"))
