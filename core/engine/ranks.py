@@ -2,8 +2,9 @@
 
 One model across several ranks: rank 0's engine sends each job, each request and each of
 its scheduler's actions to the workers, and every rank runs the same steps on its shard,
-agreeing at these seams (the load, the prefill chunk, the restore position, sampled
-tokens, stats). The engine holds one *peers* object and calls it at each seam:
+agreeing at these seams (the load; a request's start: its chunk, the request itself and
+its restore position, in one exchange; its prefill's success before anything is stored;
+sampled tokens; stats). The engine holds one *peers* object and calls it at each seam:
 
 - :class:`OneProcess`: the engine runs alone; every seam is a no-op or the one-rank answer
   (the request's own restore, this process's chunk, its own tokens).
@@ -243,11 +244,12 @@ class RankGroup:
         prefill chunk, the request itself and the restore position.
 
         ``n``: the prompt's tokens; ``cold``: restore nothing (the request's second start
-        after a short restore). Each rank plans its chunk (``plan()``, its memory), opens the request's cache
-        object (``open_turn(chunk)``), lists the deepest positions it can restore
-        (:func:`reachable`, plans only, no loads) and whether it can take the same prompt
-        again whole (its resident cache cut back), and adds them with ``digest`` (the
-        request's) to one ``gather``. Every rank then reads the same rows: the smallest
+        after a short restore). Each rank plans its chunk (``plan()``, its memory), opens
+        the request's cache object (``open_turn(chunk)``), lists the deepest positions it
+        can restore (:func:`reachable`, plans only, no loads) and whether it can take the
+        same prompt again whole (its resident cache cut back), and adds them with
+        ``digest`` (the request's, :func:`.actions.digest`) to one ``gather`` of
+        ``4 + REACHABLE`` integers a rank. Every rank then reads the same rows: the smallest
         chunk (0: refused everywhere), the whole prompt when every rank can, else the
         deepest position every rank listed, and restores there. Each rank holds its own
         shard's K/V and states, so each restores from its own tiers.

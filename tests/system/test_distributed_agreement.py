@@ -5,8 +5,9 @@ script on the engine, rank 1 tierchat's worker:
 
 - the collectives tierchat makes per request (messages and agreements, outside the
   model's own forward and the shared tokens), counted by a wrapper around the ranks'
-  operations: a request restored from the hot tier costs one agreement more than the same
-  request with the cache off;
+  operations: one a message (two for a long prompt's), and two agreements a request (its
+  start's one exchange; its prefill's success, with the first token), restored from the
+  hot tier or not;
 - a rank whose prefill fails: the request fails on rank 0 with a clear error, no rank
   stores its entries, and the next request works and equals a cold run.
 """
@@ -72,6 +73,7 @@ run("cold", GenerateRequest(base, four, use_cache=False))
 run("first", GenerateRequest(base, four))
 run("cached", GenerateRequest(base + (7, 8, 9, 10, 11), four))
 run("cached_off", GenerateRequest(base + (7, 8, 9, 10, 11), four, use_cache=False))
+run("long", GenerateRequest(tuple(range(3, 240)) * 2, four, use_cache=False))  # a 2 KB admit
 e.close()
 dist.current().broadcast({"op": "exit"})
 print(json.dumps(out))
@@ -94,18 +96,19 @@ def _drive(tmp_path, models_dir, driver: str, **env) -> dict:
     return {"out": json.loads(out0.strip().splitlines()[-1]), "err1": err1, "out1": out1}
 
 
-def test_a_cached_request_costs_one_agreement_more_than_one_with_the_cache_off(
-    tmp_path, models_dir
-):
+def test_a_request_costs_one_collective_a_message_and_two_agreements(tmp_path, models_dir):
     out = _drive(tmp_path, models_dir, COUNT_DRIVER)["out"]
     print("collectives per request:", json.dumps(out))
     cached, off = out["cached"], out["cached_off"]
     assert cached["cached"] > 0 and off["cached"] == 0
     assert cached["tokens"] == off["tokens"]
+    long = out.pop("long")
     for req in out.values():
         assert req["message_syncs"] == req["messages"]  # one collective a message
         assert req["stats"] == 1  # the stats, gathered at the end
-    # the chunk, the restore position and the prefill's success: one collective each way
+    assert long["message_syncs"] == long["messages"] + 1  # the admit's rest: a second one
+    # the start's one exchange, and the prefill's success in the all_sum of its first token
+    # (made before too, inside the graph): one collective more than one rank alone
     assert cached["agreements"] == off["agreements"] == 2
 
 
