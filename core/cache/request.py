@@ -223,6 +223,12 @@ class CacheRequest:
         cache.commit(entries)
         self.ssd_write_bytes += cache.persist()
 
+    def discard(self) -> None:
+        """The prefill is void (a rank's failed, docs/DESIGN.md §19): drop what its chunks
+        captured, store nothing of it, and let the SSD writer run."""
+        self._deferred = []
+        self.close()
+
     def close(self) -> None:
         """Hand anything committed to the SSD tier and let its writer run (idempotent)."""
         self.ssd_write_bytes += self.cache.persist()
@@ -383,6 +389,9 @@ class ColdRequest:
         self, caches: list[Any], sequence: Sequence[int], first_logprobs: Any, end_logprobs=None
     ) -> None:
         pass
+
+    def discard(self) -> None:
+        self.close()
 
     def close(self) -> None:
         if self._cache is not None:

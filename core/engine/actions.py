@@ -13,8 +13,11 @@ and :func:`decode` turns one back, field by field; an unknown op or field raises
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from ..api import GenerateRequest
 
@@ -131,6 +134,15 @@ def encode(message: Message) -> dict[str, Any]:
             value = dataclasses.asdict(value)
         out[f.name] = value
     return out
+
+
+def digest(uid: int, request: GenerateRequest) -> int:
+    """A 56-bit digest of request ``uid`` (its uid, prompt and forced tokens): ranks
+    compare it to know they start the same request (docs/DESIGN.md §19)."""
+    h = hashlib.blake2b(digest_size=7)
+    for ids in ((uid, len(request.prompt_ids)), request.prompt_ids, request.teacher_ids):
+        h.update(np.asarray(ids, dtype=np.int64).tobytes())
+    return int.from_bytes(h.digest(), "little")
 
 
 def decode(data: dict[str, Any]) -> Message:

@@ -12,13 +12,16 @@ The protocol, all over ``mx.distributed`` collectives:
 
 - **Messages** (:meth:`Ranks.broadcast`): rank 0 sends a JSON object (the wire form of
   a typed message, :func:`.actions.encode`: ``load``, ``admit``, a scheduler action,
-  ``clear``, ``close``, ``exit``) as its byte length, then its bytes as a
-  ``uint8`` array; every other rank contributes zeros to the same two ``all_sum`` calls
-  (as mlx-lm's server shares requests, ``mlx_lm/server.py`` ``_share_object``). Workers
+  ``clear``, ``close``, ``exit``) as one ``all_sum`` of an int64 vector -- its byte
+  length, then its bytes packed 8 to a word (:data:`MESSAGE_WORDS` of them) -- to which
+  every other rank adds zeros (as mlx-lm's server shares requests, ``mlx_lm/server.py``
+  ``_share_object``, there in two calls); a longer message (a long prompt's ``admit``)
+  sends the rest in a second one. Workers
   wait for the next message as long as rank 0 is idle, blocked on a doorbell socket
   (``doorbell.py``: no CPU) rather than in the ring's polling collective.
-- **Agreement** (:meth:`Ranks.all_min`, :meth:`Ranks.all_max`): the prefill chunk, the
-  restore position and cancels are decided by every rank together.
+- **Agreement** (:meth:`Ranks.gather`, :meth:`Ranks.sum_ints`, :meth:`Ranks.all_min`):
+  a request's start (chunk, request, restore position) in one ``gather``; its prefill's
+  success with its first token in one ``all_sum``; cancels (``.ranks``).
 - **Tokens**: rank 0 samples; each decode step's ``all_sum`` carries its token and its
   stop flag inside the step's graph (:meth:`Ranks.share_sampler`).
 - **Faults**: a rank whose process ends breaks the ring's sockets, so the next collective
@@ -38,6 +41,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from ..api import RankStats
 from .actions import Exit, encode
@@ -47,6 +51,8 @@ from .doorbell import CONNECT_TIMEOUT_S, Doorbell, rank0_host
 # cli/ranks.py reads the same without importing MLX
 _RANK_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 DEFAULT_TIMEOUT_S = 120.0
+# a message's words (8 bytes each) in its first all_sum: every action and a short admit fit
+MESSAGE_WORDS = 128
 
 
 # how MLX's distributed backends begin their errors ("[ring] connection to a peer was lost")
@@ -162,15 +168,12 @@ class Ranks:
                 if bell is not None:
                     message = {**message, "_bell": bell}
             data = json.dumps(message, separators=(",", ":")).encode()
-            size = self._sum(mx.array([len(data)], dtype=mx.int64)).item()
-            payload = mx.array(memoryview(data), dtype=mx.uint8)
+            got = self._send_words(data)
         else:
             if self._bell is not None and not self._bell.wait():
                 self.failed = self.failed or "rank 0 was lost (its doorbell closed)"
                 raise RankError("rank 0 was lost (its doorbell closed)")
-            size = self._sum(mx.zeros((1,), dtype=mx.int64)).item()
-            payload = mx.zeros((int(size),), dtype=mx.uint8)
-        got = self._sum(payload)
+            got = self._send_words(None)
         if self.is_main:
             if bell is not None:
                 # well inside the watchdog's bound: a slow worker means no bell, not a failure
@@ -179,7 +182,7 @@ class Ranks:
                 self.tick()
                 message = {k: v for k, v in message.items() if k != "_bell"}
             return message
-        out = json.loads(bytes(memoryview(got)))
+        out = json.loads(got)
         if "_bell" in out:
             address = out.pop("_bell")
             pending = Doorbell()
@@ -187,6 +190,34 @@ class Ranks:
             self._pending_bell = pending
             self._agree_bell(ok)
         return out
+
+    def sum_ints(self, x: mx.array) -> list[int]:
+        """The element-wise sum of every rank's integer vector ``x`` (one shape on all
+        ranks), as ints.
+
+        Raises:
+            RankError: a rank was lost.
+        """
+        return [int(v) for v in self._sum(x).tolist()]
+
+    def _send_words(self, data: bytes | None) -> bytes:
+        """Rank 0's ``data`` on every rank (others pass None): one ``all_sum`` of a
+        ``(1 + MESSAGE_WORDS,)`` int64 vector -- the byte length, then the bytes packed
+        8 to a word, the other ranks adding zeros -- and a second one of the words that
+        did not fit (a long prompt's ``admit``)."""
+        head = np.zeros(1 + MESSAGE_WORDS, dtype=np.int64)
+        words = None
+        if data is not None:
+            words = np.frombuffer(data + bytes(-len(data) % 8), dtype=np.int64)
+            head[0] = len(data)
+            head[1 : 1 + min(len(words), MESSAGE_WORDS)] = words[:MESSAGE_WORDS]
+        got = np.array(self._sum(mx.array(head)), dtype=np.int64)
+        size = int(got[0])
+        rest = (size + 7) // 8 - MESSAGE_WORDS
+        if rest > 0:
+            tail = words[MESSAGE_WORDS:] if words is not None else np.zeros(rest, np.int64)
+            got = np.concatenate([got, np.array(self._sum(mx.array(tail)), dtype=np.int64)])
+        return got[1:].tobytes()[:size]
 
     def _open_bell(self) -> list | None:
         """Rank 0, first message: listen for the workers' doorbell connections; the

@@ -46,6 +46,7 @@ from ..memory import prefill as prefill_mod
 from ..memory import pressure as memory_mod
 from ..memory.admission import Verdict
 from ..stop_strings import StopStrings
+from . import actions
 from .actions import Action, Cancel, Decode, Group, Piece, Refuse, Start
 from .attention import OFF, chunk_attention
 from .decode_batch import DecodeBatch
@@ -54,7 +55,7 @@ from .forward_cost import ForwardCost
 from .memory_gate import MemoryGate
 from .prefill_batch import prefill_group
 from .prefill_steps import Prefill
-from .ranks import OneProcess, Peers
+from .ranks import PREFILL_FAILED, Agreed, OneProcess, Peers
 from .request import Decoding, Request
 from .runtime import Runtime
 from .sampling import SeededSampler, keep_last_logits
@@ -262,7 +263,11 @@ class Executor:
         for r in [x for x in self.prefilling if x.uid in uids]:
             self.prefilling.remove(r)
             p = r.prefill
-            kept = p.cancel()
+            if any(self.peers.agree_ok(p.failure)):  # a rank's prefill went wrong: no store
+                p.cache_request.discard()
+                kept = 0
+            else:
+                kept = p.cancel()
             n = len(r.params.prompt_ids)
             why = f"cancelled during prefill; kept {kept} of {n} tokens"
             r.emit(Failed(why, kind="cancelled", kept_tokens=kept))
@@ -273,7 +278,8 @@ class Executor:
 
     def _start(self, r: Request) -> None:
         """Move queued ``r`` to the prefill queue: its checks, then its prefill plan and
-        restore (a restore that needs no prefill goes straight to decode)."""
+        restore, agreed across ranks in one exchange (a restore that needs no prefill goes
+        straight to decode)."""
         self.queued.remove(r)
         runtime = self.runtime
         if runtime is None or runtime.loaded is None:
@@ -284,19 +290,28 @@ class Executor:
             return
         n = len(r.params.prompt_ids)
         s = self.settings
-        try:
-            chunk = self.agreed_chunk(n)
-        except prefill_mod.PrefillRefused as exc:
-            r.emit(Failed(str(exc), kind="refused"))
-            if runtime.cache is not None:
-                runtime.cache.log(f"refused a {n}-token prefill: over the memory limit")
-            return
+        line, digest = self.memory_gate.plan_line(), actions.digest(r.uid, r.params)
+
+        def agree(open_turn: Callable[[int], Any]) -> Agreed:
+            def plan() -> int:
+                return runtime.plan_chunk(s, n, line)
+
+            # r.cold: a rank's restore landed short; it starts again from no cache
+            return self.peers.start(plan, open_turn, n, digest, cold=r.cold)
+
         # its reservation first: the tiers yield to it before its restore allocates (the
         # resident cache stays until the restore, which may take it)
         self.memory_gate.hold(r.uid, r.params)
         self.apply_memory_pressure(drop_resident=False)
         block = runtime.cache.block_size if runtime.cache is not None else s.block_size
-        p = Prefill.begin(runtime, r.params, chunk, self.peers.restore, r.emit, s.bitwise, block)
+        try:
+            p = Prefill.begin(runtime, r.params, agree, r.emit, s.bitwise, block)
+        except prefill_mod.PrefillRefused as exc:
+            self.memory_gate.release(r.uid)
+            r.emit(Failed(str(exc), kind="refused"))
+            if runtime.cache is not None:
+                runtime.cache.log(f"refused a {n}-token prefill: over the memory limit")
+            return
         r.prefill, r.chunk_ends, r.status = p, tuple(p.ends), "prefill"
         self.apply_memory_pressure()
         if p.finished:
@@ -304,15 +319,27 @@ class Executor:
         else:
             self.prefilling.append(r)
 
-    def agreed_chunk(self, n: int) -> int:
-        """The prefill chunk for an ``n``-token prompt on every rank (the memory plan,
-        :meth:`.runtime.Runtime.plan_chunk`).
-
-        Raises:
-            memory.prefill.PrefillRefused: a rank has no chunk that fits its memory.
-        """
-        runtime, line = self.runtime, self.memory_gate.plan_line()
-        return self.peers.agree_chunk(lambda: runtime.plan_chunk(self.settings, n, line), n)
+    def _void(self, r: Request, failures: tuple[int, ...]) -> None:
+        """Every rank: ``r``'s prefill is void (``failures``, by rank: a rank's own work
+        failed, or its restore landed short; docs/DESIGN.md §19). Nothing of it is
+        stored; a failure fails the request, a short restore starts it again from no
+        cache."""
+        p = r.prefill
+        p.cache_request.discard()
+        p.caches = None
+        failed = [i for i, f in enumerate(failures) if f == PREFILL_FAILED]
+        if not failed and not r.cold:
+            p.cache_request.log("a rank restored less than agreed: the request starts again")
+            r.prefill, r.status, r.cold = None, "queued", True
+            self.queued.appendleft(r)
+            return
+        ranks = ", ".join(map(str, failed)) or "every"
+        why = f": {p.why}" if p.failure == PREFILL_FAILED else " (see its log)"
+        message = f"the prefill failed on rank {ranks}{why}; nothing of it was cached"
+        self.peers.gather_stats(self.cache, self.monitor.stats)
+        r.emit(Failed(message, kind="error"))
+        self.memory_gate.release(r.uid)
+        self._after(p)
 
     def _prefill_piece(self, r: Request, end: int) -> None:
         p = r.prefill
@@ -366,17 +393,21 @@ class Executor:
             forced = iter(req.teacher_ids)
             sampler = lambda logprobs: mx.array([next(forced, 0)])  # noqa: E731
             eos, record, max_tokens, stop = set(), len(req.teacher_ids), len(req.teacher_ids), []
+        kept = p.first_logprobs is not None
+        lp = (p.first_sample if p.first_sample is not None else p.first_logprobs) if kept else None
+        # every rank's prefill went right, before any of it is stored (docs/DESIGN.md §19)
+        tok, failures = self.peers.agree_prefill(sampler or _greedy, lp, p.failure)
+        if any(failures):
+            self._void(r, failures)
+            return
         detok = runtime.tokenizer.detokenizer
         detok.reset()
         r.decoding = Decoding(detok, StopStrings(sampling.stops), eos, record, end_logits)
         r.status = "decoding"
         caches = p.caches
-        if p.first_logprobs is not None:
+        if kept:
             # the first token from the kept (or folded) logprobs, sampled as generate_step;
             # with processors, from the folded chunk's processed copy
-            lp = p.first_sample if p.first_sample is not None else p.first_logprobs
-            y = self.peers.share_tokens(sampler or _greedy)(lp[None])
-            tok = int(y.item())
             p.first_token()
             ends = self._emit(r, tok, lp)
             if ends or max_tokens <= 1:

@@ -84,9 +84,7 @@ def prefill_group(prefills: list[Prefill], width: int = 0) -> int:
                 p.first_sample = p.sampling.first_logprobs(row, p.prompt)
                 computed.append(p.first_sample)
         computed += [c.state for c in p.caches]
-        computed += p.cache_request.chunk(
-            p.caches, pos, end, p.first_logprobs, checkpoint=end in p.checkpoints
-        )
+        computed += p.capture(pos, end)
     mx.eval(computed)
     for p in prefills:
         p.pos = p.ends[-1]

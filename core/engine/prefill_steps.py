@@ -22,6 +22,7 @@ between pieces keeps everything computed so far (:meth:`CacheRequest.cancel`).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -36,9 +37,11 @@ from ..cache.schedule import chunk_ends, schedule_points
 from ..device import device_info
 from ..memory import readings
 from .forward import logprobs_of
+from .ranks import PREFILL_FAILED, PREFILL_OK, RESTORE_SHORT
 from .sampling import RequestSampling, make_request_sampler
 
 if TYPE_CHECKING:
+    from .ranks import Agreed, Turn
     from .runtime import Runtime
 
 # the CPU's prefill step when the settings leave it to the engine (docs/DESIGN.md §20):
@@ -47,6 +50,23 @@ if TYPE_CHECKING:
 # alike. demo (2 GB in float32) gets 16: about a second of this 2-core machine's prefill
 CPU_STEP_WEIGHT_BYTES = 1 << 35
 MIN_PREFILL_STEP = 16
+
+
+_pieces = 0  # prefill pieces captured in this process (the test fault below counts them)
+
+
+def _test_fault() -> None:
+    """Tests only: ``TIERCHAT_TEST_FAIL_PREFILL=R:K`` makes the capture of the ``K``-th
+    prefill piece of this process raise on rank ``R`` (``MLX_RANK``; 0 alone): a
+    rank's own failure in a prefill (docs/DESIGN.md §19)."""
+    global _pieces
+    spec = os.environ.get("TIERCHAT_TEST_FAIL_PREFILL")
+    if not spec:
+        return
+    _pieces += 1
+    rank, _, k = spec.partition(":")
+    if rank == os.environ.get("MLX_RANK", "0") and str(_pieces) == k:
+        raise RuntimeError(f"test fault: prefill piece {k} on rank {rank}")
 
 
 def auto_prefill_step(model: Any, prefill_chunk: int) -> int:
@@ -125,40 +145,48 @@ class Prefill:
         self.total = self.n - self.start
         self.checkpoints: set[int] = set()  # the schedule points that take state checkpoints
         self.chunk = 0  # the planned chunk (tokens; memory)
+        self.failure = PREFILL_OK  # this rank's prefill went wrong (a code of .ranks)
+        self.why = ""
 
     @classmethod
     def begin(
         cls,
         runtime: Runtime,
         req: GenerateRequest,
-        chunk: int,
-        restore: Callable[[CacheRequest | ColdRequest], Restored],
+        agree: Callable[[Callable[[int], Turn]], Agreed],
         emit: Callable[[Event], None],
         bitwise: bool,
         block: int,
     ) -> Prefill:
-        """Plan the schedule of ``chunk``-token chunks (agreed on every rank, from the
-        memory plan), open the request's cache object and restore through ``restore`` (the
-        peers': one position on every rank, docs/DESIGN.md §19). ``bitwise``: the schedule
-        promises bit-identical results (pieces cut at its points only); ``block``: the
-        cache's block size (tokens; budgeted pieces end at its multiples)."""
+        """Agree the request's start through ``agree`` (the peers': the chunk from the
+        memory plan, one restore position on every rank, docs/DESIGN.md §19), which opens
+        the request's cache object for the schedule of the chunk it settles on
+        (``open_turn(chunk)``) and restores through it. ``bitwise``: the schedule promises
+        bit-identical results (pieces cut at its points only); ``block``: the cache's
+        block size (tokens; budgeted pieces end at its multiples).
+
+        Raises:
+            memory.prefill.PrefillRefused: a rank has no chunk that fits its memory.
+        """
         n = len(req.prompt_ids)
         plan = runtime.plan
         fold = plan.folds
-        points = schedule_points(n, chunk, req.boundaries, fold=fold)
-        checkpoints = set(points)
-        step = plan.step
-        if step and not fold:  # the step's multiples are schedule points too (no checkpoint)
-            points = sorted(checkpoints | set(range(step, n - 1, step)))
         sampling = make_request_sampler(req)  # the one place sampling is built (§2)
-        cache_request = open_cache_request(runtime, req, points, sampling)
+        schedules: dict[int, tuple[list[int], set[int]]] = {}
+
+        def open_turn(chunk: int) -> Turn:
+            points = schedule_points(n, chunk, req.boundaries, fold=fold)
+            checkpoints = set(points)
+            step = plan.step
+            if step and not fold:  # the step's multiples are schedule points too (no checkpoint)
+                points = sorted(checkpoints | set(range(step, n - 1, step)))
+            schedules[chunk] = (points, checkpoints)
+            return open_cache_request(runtime, req, points, sampling)
+
         t0 = time.perf_counter()
         readings.reset_peak()  # the process's own peak is kept (docs/DESIGN.md §11)
-        try:
-            restored = restore(cache_request)
-        except BaseException:
-            cache_request.close()
-            raise
+        chunk, cache_request, restored, short = agree(open_turn)
+        points, checkpoints = schedules[chunk]
         start = restored.position
         ends = chunk_ends(start, points, chunk if fold else 0)
         limit = plan.fold_limit
@@ -167,9 +195,34 @@ class Prefill:
         p = cls(runtime, req, emit, cache_request, restored, ends, t0, sampling, bitwise, block)
         p.checkpoints = checkpoints
         p.chunk = chunk
+        if short:  # this rank holds fewer tokens than the others: nothing of it is stored
+            p.fail(RESTORE_SHORT, "its restore landed below the agreed position")
         if ends:  # the prefill starts: its first piece may take long (a CPU, a long prompt)
             emit(PrefillProgress(0, p.total, 0.0))
         return p
+
+    def fail(self, failure: int, why: str) -> None:
+        """This rank's prefill of the request went wrong (``failure``: a code of
+        :mod:`.ranks`): it goes on computing the same pieces as the other ranks (their
+        collectives meet), captures nothing more, and the prefill's agreement voids it."""
+        if not self.failure:
+            self.failure, self.why = failure, why
+            self.cache_request.log(f"prefill failed here: {why}")
+
+    def capture(self, start: int, end: int) -> list[mx.array]:
+        """The cache request's captures of the piece ``[start, end)`` just computed
+        (:meth:`~.cache.request.CacheRequest.chunk`); none once this rank's prefill
+        failed, and an error there fails it (:meth:`fail`) rather than the ranks."""
+        if self.failure:
+            return []
+        try:
+            _test_fault()
+            return self.cache_request.chunk(
+                self.caches, start, end, self.first_logprobs, checkpoint=end in self.checkpoints
+            )
+        except Exception as exc:  # noqa: BLE001 -- this rank's own work: the request fails
+            self.fail(PREFILL_FAILED, f"{type(exc).__name__}: {exc}")
+            return []
 
     @property
     def finished(self) -> bool:
@@ -237,10 +290,8 @@ class Prefill:
         else:
             self.runtime.model(tokens_in, cache=self.caches)
         computed += [c.state for c in self.caches]
-        computed += self.cache_request.chunk(
-            self.caches, pos, end, self.first_logprobs, checkpoint=end in self.checkpoints
-        )
-        mx.eval(computed)
+        computed += self.capture(pos, end)
+        mx.eval(computed)  # the forward and its collectives, failed here or not
         self.pos = end
         dt = time.perf_counter() - self.t0
         self.emit(PrefillProgress(self.done, self.total, self.done / dt if dt > 0 else 0.0))

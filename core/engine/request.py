@@ -83,6 +83,7 @@ class Request:
     prefill: Prefill | None = None
     decoding: Decoding | None = None
     chunk_ends: tuple[int, ...] = ()  # the prefill's planned forwards (trace)
+    cold: bool = False  # start again from no cache: a rank's restore landed short (§19)
 
     @property
     def cancelled(self) -> bool:
