@@ -22,7 +22,7 @@ KV_LAYER_COPIES = 2  # one layer's K/V copied while a cache grows (concatenate +
 STATE_SCRATCH_COPIES = 8  # (h, s, s) matrices of one SSD / delta-rule step: decay, CB, product...
 STATE_MIXER_COPIES = 16  # (chunk, hidden)-sized activations of a recurrent mixer (conv, gates)
 STATE_STEP = 256  # tokens: mlx-lm ssm_attn processes a chunk in steps of this
-SCRATCH_MARGIN = 1.10  # on everything above active_bytes: fitted on CPU, see tests/unit/test_memory.py
+SCRATCH_MARGIN = 1.10  # on all above active_bytes: fitted on CPU, tests/unit/test_memory.py
 MLP_COPIES = 3  # (chunk, intermediate) activations: gate, up and their SwiGLU product
 # (chunk, context) float32 score matrices of one layer alive at once: the scores, the masked
 # scores and the softmax's ``s - max`` / ``power`` / normalised copies of the engine's own
