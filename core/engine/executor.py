@@ -331,6 +331,7 @@ class Executor:
         if not failed and not r.cold:
             p.cache_request.log("a rank restored less than agreed: the request starts again")
             r.prefill, r.status, r.cold = None, "queued", True
+            self.memory_gate.release(r.uid)  # held again when it starts again
             self.queued.appendleft(r)
             return
         ranks = ", ".join(map(str, failed)) or "every"
