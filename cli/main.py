@@ -274,6 +274,14 @@ def build_parser() -> argparse.ArgumentParser:
         "cached tokens, the floor, SSD writes, peak memory per request (agent_bench)",
     )
     p.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        metavar="N",
+        help="--serve --clients, --agent: run each server on N ranks of this host under "
+        "mlx.launch (--backend; tierchat sharded, mlx_lm.server with its sharded_load)",
+    )
+    p.add_argument(
         "--sessions",
         type=int,
         default=1,
@@ -405,6 +413,8 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
         from tierchat.cli.serve import run_serve
 
         return run_serve(settings, args)
+    if command == "bench" and args.ranks != 1 and not (args.agent or (args.serve and args.clients)):
+        raise CLIError("--ranks runs the servers of --serve --clients and --agent", EXIT_USAGE)
     if command == "bench" and args.agent:
         from tierchat.cli.bench.agent_bench import run_agent_bench
 

@@ -74,6 +74,7 @@ from tierchat.cli.bench.agent_sessions import (
     session_path,
     with_suffix,
 )
+from tierchat.cli.bench.ranked import Ranks, describe_tier_use
 from tierchat.cli.bench.serve import kernel_env
 from tierchat.cli.common import EXIT_OK, EXIT_USAGE, CLIError
 from tierchat.core.sampling_params import SamplingParams
@@ -377,7 +378,7 @@ class Replayer:
 
     def _start(self):
         handle = self.launcher.start(extra_env=self.env)
-        pid, port = handle[0].pid, handle[1]
+        pid, port = handle.main_pid, handle.port
         return handle, port, MemorySampler(pid, port, health=self.name == TIERCHAT)
 
     def _stop(self, handle, sampler: MemorySampler) -> None:
@@ -502,9 +503,12 @@ def agent_bench(
     floor_points: int = 4,
     fresh_kernel_cache: bool = False,
     log: Callable[[str], None] = print,
+    ranks: Ranks | None = None,
 ) -> list[ServerRun]:
     """Replay ``sessions`` through tierchat serve, then (``baseline``) mlx_lm.server;
-    returns one :class:`ServerRun` per server. ``floor_points`` 0: no floors."""
+    returns one :class:`ServerRun` per server. ``floor_points`` 0: no floors. ``ranks``:
+    both servers on that many ranks of this host (:mod:`~tierchat.cli.bench.ranked`;
+    memory figures are rank 0's)."""
     from mlx_lm.utils import load_tokenizer
     from tierchat.cli.bench.serve import MlxLm, ServeProcess
     from tierchat.cli.bench.shape_export import mlx_model_dir
@@ -523,9 +527,11 @@ def agent_bench(
     with tempfile.TemporaryDirectory(prefix="tierchat-agent-bench-") as tmp:
         root = Path(tmp)
         fresh = {"cache_dir": root / "kv", "data_dir": root / "data", "no_cache": False}
-        launchers = [(TIERCHAT, ServeProcess(dataclasses.replace(settings, **fresh), root))]
+        ours = ServeProcess(dataclasses.replace(settings, **fresh), root, ranks)
+        launchers = [(TIERCHAT, ours)]
         if baseline:
-            launchers.append((MLX_LM, MlxLm(model_dir, max_tokens, root / "mlx_lm_server.log")))
+            theirs = MlxLm(model_dir, max_tokens, root / "mlx_lm_server.log", ranks)
+            launchers.append((MLX_LM, theirs))
         for name, launcher in launchers:
             kernels = root / f"kernels-{name}" if fresh_kernel_cache else None
             log(
@@ -544,6 +550,8 @@ def agent_bench(
                 if log_file is not None and Path(log_file).exists():
                     tail = Path(log_file).read_text(errors="replace")[-2000:]
                 raise CLIError(f"{name}: {e.message}\n{tail}") from None
+            if name == TIERCHAT and (line := describe_tier_use(fresh["cache_dir"])):
+                log(f"{TIERCHAT}: {line}")
     return runs
 
 
@@ -564,6 +572,8 @@ def run_agent_bench(settings: Any, args: Any) -> int:
 
     from tierchat.core.device import describe_device
 
+    ranks = Ranks.from_args(args)
+
     runs = agent_bench(
         settings,
         args.agent,
@@ -574,8 +584,9 @@ def run_agent_bench(settings: Any, args: Any) -> int:
         floor_points=args.floor_points,
         fresh_kernel_cache=args.fresh_kernel_cache,
         log=log,
+        ranks=ranks,
     )
-    device = describe_device()
+    device = describe_device() + (f" · {ranks.describe()}" if ranks.launched else "")
     ours = runs[0]
     theirs = runs[1] if len(runs) > 1 else None
     print(

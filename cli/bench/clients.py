@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from tierchat.cli.bench.main import WARMUP_SALT, make_prompt
+from tierchat.cli.bench.ranked import Ranks, describe_tier_use
 from tierchat.cli.bench.serve import FILLER, TOPICS, MlxLm, ServeProcess, chat, kernel_env
 from tierchat.cli.bench.workload_report import p90, ratio_text
 from tierchat.cli.common import EXIT_OK, EXIT_USAGE, CLIError, table
@@ -268,6 +269,7 @@ def clients_bench(
     log: Callable[[str], None] = print,
     warm: bool = True,
     fresh_kernel_cache: bool = False,
+    ranks: Ranks | None = None,
 ) -> ClientsBench:
     """Every round of :func:`run_round` on tierchat serve (a fresh temporary cache dir),
     then (with ``baseline``) on mlx_lm.server, same model directory. With ``warm`` each
@@ -277,7 +279,9 @@ def clients_bench(
     runs first pays the builds (~35 s per new batch shape of 4-bit weights on an H100)
     and the second finds them built. With ``fresh_kernel_cache`` each server gets an empty
     kernel cache of its own (:func:`~tierchat.cli.bench.serve.kernel_env`): with ``warm``
-    off, its first round is the one users meet after an install or upgrade."""
+    off, its first round is the one users meet after an install or upgrade. ``ranks``:
+    both servers on that many ranks of this host (:mod:`~tierchat.cli.bench.ranked`);
+    ``settings.no_cache`` runs tierchat with its cache off (the same ranks' baseline)."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
     from tierchat.cli.bench.shape_export import mlx_model_dir
     from tierchat.core.device import describe_device
@@ -289,7 +293,7 @@ def clients_bench(
         warm_round = None
     warmup = tok.decode(make_prompt(tok, WARMUP_TOKENS, salt=WARMUP_SALT)).strip()
     with tempfile.TemporaryDirectory(prefix="tierchat-clients-bench-") as tmp:
-        fresh = {"cache_dir": Path(tmp) / "kv", "data_dir": Path(tmp) / "data", "no_cache": False}
+        fresh = {"cache_dir": Path(tmp) / "kv", "data_dir": Path(tmp) / "data"}
 
         def run(name: str, server: Any) -> list[Round]:
             env = kernel_env(Path(tmp) / f"kernels-{name}" if fresh_kernel_cache else None)
@@ -310,10 +314,14 @@ def clients_bench(
             except CLIError as e:  # with the end of the server's own log
                 raise CLIError(f"{e.message}\n{_tail(server.log_path)}") from None
 
-        got = run(TIERCHAT, ServeProcess(dataclasses.replace(settings, **fresh), Path(tmp)))
+        ours = ServeProcess(dataclasses.replace(settings, **fresh), Path(tmp), ranks)
+        got = run(TIERCHAT, ours)
+        if (line := describe_tier_use(fresh["cache_dir"])) is not None:
+            log(f"{TIERCHAT}: {line}")
         if baseline:
             model_dir = mlx_model_dir(settings.model, settings.models_dir)
-            got += run(MLX_LM, MlxLm(model_dir, max_tokens, Path(tmp) / "mlx_lm_server.log"))
+            log_path = Path(tmp) / "mlx_lm_server.log"
+            got += run(MLX_LM, MlxLm(model_dir, max_tokens, log_path, ranks))
     return ClientsBench(got, describe_device())
 
 
@@ -377,6 +385,7 @@ def run_clients_bench(settings: Any, args: Any) -> int:
     if len(counts) >= WARMUP_SALT:  # + the warm-up round's system prompt
         raise CLIError(f"--clients: at most {WARMUP_SALT - 1} rounds", EXIT_USAGE)
     max_tokens = settings.sampling.max_tokens if hasattr(args, "max_tokens") else 64
+    ranks = Ranks.from_args(args)
 
     def log(text: str) -> None:
         print(f"bench: {text}", file=sys.stderr, flush=True)
@@ -391,10 +400,13 @@ def run_clients_bench(settings: Any, args: Any) -> int:
         log=log,
         warm=not getattr(args, "no_warm_round", False),
         fresh_kernel_cache=getattr(args, "fresh_kernel_cache", False),
+        ranks=ranks,
     )
     summary = summarize(got.rounds)
+    on = f" · {ranks.describe()}" if ranks.launched else ""
+    on += " · tierchat with --no-cache" if settings.no_cache else ""
     print(
-        f"model {settings.model} · {got.device} · system prompt {args.system_tokens} tokens, "
+        f"model {settings.model} · {got.device}{on} · system prompt {args.system_tokens} tokens, "
         f"{TURNS} user turns per client from {args.turn_tokens} tokens, {max_tokens} tokens "
         "per reply, greedy, streaming"
     )

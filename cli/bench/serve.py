@@ -34,8 +34,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from tierchat.cli.bench.ranked import Ranks, rank_pid, stop_ranks
 from tierchat.cli.common import EXIT_OK, CLIError, start_engine, table
 
 SYSTEM = "You are a concise assistant. Answer in two or three sentences."
@@ -216,6 +217,24 @@ class Ours:
         return handle[1].port
 
 
+class Spawned(NamedTuple):
+    """A server process :func:`spawn_server` started (``proc`` is mlx.launch when
+    ``ranks`` has several)."""
+
+    proc: subprocess.Popen
+    port: int
+    out: Any  # its log file, open for appending
+    ranks: Ranks
+
+    @property
+    def main_pid(self) -> int:
+        """The server's own process: rank 0's under mlx.launch (the launcher's while rank
+        0 cannot be found)."""
+        if self.ranks.launched:
+            return rank_pid(self.proc.pid) or self.proc.pid
+        return self.proc.pid
+
+
 def spawn_server(
     name: str,
     cmd: list[str],
@@ -224,19 +243,29 @@ def spawn_server(
     ready: Callable[[dict], bool],
     env: dict[str, str] | None = None,
     timeout_s: float = 600,
+    ranks: Ranks | None = None,
 ):
     """Start the server ``cmd`` (on 127.0.0.1:``port``, output appended to ``log_path``)
-    with the system OpenBLAS preloaded on Linux, as for us; return ``(process, port, log
-    file)`` once ``GET /health`` or ``/v1/models`` answers 200 with a body ``ready``
-    accepts. Raises :class:`CLIError` if it exits or is not ready in ``timeout_s``."""
+    with the system OpenBLAS preloaded on Linux, as for us, on ``ranks`` (None: one
+    process; else under mlx.launch, :mod:`.ranked`); return its :class:`Spawned` once
+    ``GET /health`` or ``/v1/models`` answers 200 with a body ``ready`` accepts. Raises :class:`CLIError` if it exits or is not ready in ``timeout_s``."""
     from tierchat.core import OPENBLAS_PATHS
+
+    ranks = ranks or Ranks()
 
     env = dict(os.environ if env is None else env)
     blas = [p for p in OPENBLAS_PATHS if os.path.exists(p)]
     if blas and sys.platform == "linux":
         env["LD_PRELOAD"] = ":".join(filter(None, [blas[0], env.get("LD_PRELOAD")]))
     out = open(log_path, "ab")  # noqa: SIM115 -- closed in stop_server()
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        ranks.wrap(cmd),
+        stdin=subprocess.DEVNULL,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=ranks.launched,  # stop_server signals the ranks' group
+    )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -248,18 +277,22 @@ def spawn_server(
                 conn.request("GET", path)
                 got = conn.getresponse()
                 if got.status == 200 and ready(json.loads(got.read() or b"{}")):
-                    return proc, port, out
+                    return Spawned(proc, port, out, ranks)
             except (OSError, ValueError):
                 pass
         time.sleep(0.5)
-    stop_server((proc, port, out))
+    stop_server(Spawned(proc, port, out, ranks))
     raise CLIError(f"{name} did not start in {timeout_s:.0f}s; see {log_path}")
 
 
 def stop_server(handle, timeout_s: float = 60) -> None:
     """SIGTERM (tierchat serve flushes its SSD tier on it), then SIGKILL after
-    ``timeout_s``."""
-    proc, _, out = handle
+    ``timeout_s``; a server on several ranks as :func:`~.ranked.stop_ranks` stops it."""
+    proc, _, out, ranks = handle
+    if ranks.launched:
+        stop_ranks(proc, timeout_s)
+        out.close()
+        return
     proc.terminate()
     try:
         proc.wait(timeout_s)
@@ -281,10 +314,13 @@ def kernel_env(root: Path | None) -> dict[str, str]:
 class MlxLm:
     """``python -m mlx_lm server`` on a free loopback port, for one model directory."""
 
-    def __init__(self, model_dir: Path, max_tokens: int, log_path: Path) -> None:
+    def __init__(
+        self, model_dir: Path, max_tokens: int, log_path: Path, ranks: Ranks | None = None
+    ) -> None:
         self.model_dir = model_dir
         self.max_tokens = max_tokens
         self.log_path = log_path
+        self.ranks = ranks or Ranks()  # several: its own sharded_load under mlx.launch
 
     def start(self, timeout_s: float = 600, extra_env: dict[str, str] | None = None):
         """Start it; ``extra_env`` is added to its environment (a kernel cache dir)."""
@@ -296,7 +332,9 @@ class MlxLm:
         cmd += ["--max-tokens", str(self.max_tokens), "--log-level", "WARNING"]
         # as it ships: not the MLX variables an engine of this process set for itself
         env = peer_env() | (extra_env or {})
-        return spawn_server("mlx_lm.server", cmd, port, self.log_path, bool, env, timeout_s)
+        return spawn_server(
+            "mlx_lm.server", cmd, port, self.log_path, bool, env, timeout_s, self.ranks
+        )
 
     stop = staticmethod(stop_server)
 
@@ -311,10 +349,11 @@ class ServeProcess:
     not passed on), as users run it and as ``mlx_lm.server`` runs beside it: the bench's
     client threads then share no interpreter (no GIL) with either server."""
 
-    def __init__(self, settings: Any, workdir: Path) -> None:
+    def __init__(self, settings: Any, workdir: Path, ranks: Ranks | None = None) -> None:
         from tierchat.config.settings import to_toml
 
         self.settings = settings
+        self.ranks = ranks or Ranks()  # several: a cache dir per rank under cache_dir
         self.config = workdir / "serve.toml"
         self.config.write_text(to_toml(settings))
         self.log_path = workdir / "tierchat_serve.log"
@@ -328,7 +367,9 @@ class ServeProcess:
         env["TIERCHAT_CONFIG"] = str(self.config)
         env |= extra_env or {}
         loaded = lambda body: body.get("status") == "ok"  # noqa: E731 -- the model loaded
-        return spawn_server("tierchat serve", cmd, port, self.log_path, loaded, env, timeout_s)
+        return spawn_server(
+            "tierchat serve", cmd, port, self.log_path, loaded, env, timeout_s, self.ranks
+        )
 
     stop = staticmethod(stop_server)
 
