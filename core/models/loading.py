@@ -342,7 +342,7 @@ def load_model(
     models_dir = Path(models_dir) if models_dir is not None else default_models_dir()
     model_dir = resolve_model_dir(spec, models_dir, progress)
     if spec.startswith("shape:"):
-        return _sharded(_load_shape(spec, model_dir, progress), group)
+        return _load_shape(spec, model_dir, progress, group)
     sharded = group is not None and group.size() > 1
     try:
         model, tokenizer, config = mlx_lm.load(str(model_dir), return_config=True, lazy=sharded)
@@ -406,17 +406,6 @@ def layout_fingerprint(fingerprint: str, mode: str, rank: int, size: int) -> str
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def _sharded(loaded: LoadedModel, group: Any) -> LoadedModel:
-    """A ``shape:`` model (built whole in memory) cut to this rank's shard."""
-    if group is None or group.size() <= 1:
-        return loaded
-    mode = shard_model(loaded.name, loaded.model, group)
-    mx.eval(loaded.model.parameters())
-    loaded.fingerprint = layout_fingerprint(loaded.fingerprint, mode, group.rank(), group.size())
-    loaded.extra["shard"] = {"mode": mode, "rank": group.rank(), "size": group.size()}
-    return loaded
-
-
 def _shape_spec(spec: str) -> tuple[str, int]:
     try:
         return shapes.parse_spec(spec)
@@ -424,9 +413,13 @@ def _shape_spec(spec: str) -> tuple[str, int]:
         raise ModelError(str(e)) from e
 
 
-def _load_shape(spec: str, tok_dir: Path, progress: Progress | None) -> LoadedModel:
+def _load_shape(
+    spec: str, tok_dir: Path, progress: Progress | None, group: Any = None
+) -> LoadedModel:
     """``shape:<name>[:<seed>]``: the model built in memory in the compute dtype, the
-    tokenizer from ``tok_dir`` (:func:`.shapes.tokenizer_dir`)."""
+    tokenizer from ``tok_dir`` (:func:`.shapes.tokenizer_dir`). With a ``group`` of
+    several ranks, each rank builds only its shard (:func:`.shapes.build_model`'s
+    ``shard``: a 70B shape across GPUs that could not hold it whole)."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     name, seed = _shape_spec(spec)
@@ -435,10 +428,19 @@ def _load_shape(spec: str, tok_dir: Path, progress: Progress | None) -> LoadedMo
     dtype = compute_dtype(config)
     if progress:
         progress(0, 1, f"random {dtype_name(dtype)} weights for {name} (seed {seed})")
-    model = shapes.build_model(config, dtype, seed)
+    modes: list[str] = []
+    cut = None
+    if group is not None and group.size() > 1:
+        cut = lambda model: modes.append(shard_model(spec, model, group))  # noqa: E731
+    model = shapes.build_model(config, dtype, seed, shard=cut)
     tokenizer = load_tokenizer(tok_dir, eos_token_ids=eos_ids)
     if progress:
         progress(1, 1, "done")
+    fingerprint = shapes.fingerprint(name, seed, config, tok_dir, dtype_name(dtype))
+    extra: dict[str, Any] = {"random_weights": True, "shape": name, "seed": seed}
+    if modes:
+        fingerprint = layout_fingerprint(fingerprint, modes[0], group.rank(), group.size())
+        extra["shard"] = {"mode": modes[0], "rank": group.rank(), "size": group.size()}
     return LoadedModel(
         name=spec,
         model=model,
@@ -447,8 +449,8 @@ def _load_shape(spec: str, tok_dir: Path, progress: Progress | None) -> LoadedMo
         config=config,
         dtype=dtype_name(dtype),
         eos_token_ids=set(tokenizer.eos_token_ids),
-        fingerprint=shapes.fingerprint(name, seed, config, tok_dir, dtype_name(dtype)),
-        extra={"random_weights": True, "shape": name, "seed": seed},
+        fingerprint=fingerprint,
+        extra=extra,
     )
 
 

@@ -38,6 +38,12 @@ folder put into its models dir.
                         heads / 4 KV heads of 128, 128 experts of 768 with 8 per token, vocab
                         151936, untied (30.5B parameters, 3.3B active; ~17 GB). KVCache.
 ``qwen2.5-0.5b-4bit``   ``qwen2.5-0.5b``, 4-bit.
+``llama3-70b``          Llama-3.3-70B-Instruct ``config.json`` (mlx-lm ``llama``): 80 layers,
+                        hidden 8192, 64 heads / 8 KV heads of 128, MLP 28672, rope theta
+                        5e5 with llama3 scaling to 131,072 positions, untied. Vocab 151936
+                        (real: 128256): 71.0B parameters instead of 70.6B, ~142 GB in bf16,
+                        more than one 80 or 141 GB GPU: for several ranks, each of which
+                        builds only its shard (:func:`build_model`'s ``shard``). KVCache.
 ======================  =============================================================
 
 4-bit shapes carry mlx-community's ``"quantization": {"group_size": 64, "bits": 4, "mode":
@@ -180,6 +186,30 @@ _QWEN3_30B_A3B: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
+_LLAMA3_70B: dict[str, Any] = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": VOCAB_SIZE,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+}
+
 QUANTIZATION_4BIT: dict[str, Any] = {"group_size": 64, "bits": 4, "mode": "affine"}
 
 
@@ -204,6 +234,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     },
     "qwen3-30b-a3b-4bit": _4bit(_QWEN3_30B_A3B),
     "qwen2.5-0.5b-4bit": _4bit(_QWEN25_05B),
+    "llama3-70b": _LLAMA3_70B,
 }
 
 DESCRIPTIONS: dict[str, str] = {
@@ -217,6 +248,8 @@ DESCRIPTIONS: dict[str, str] = {
     "qwen3-8b-128k": "Qwen3-8B shapes with YaRN to 131072 positions, bf16; cache: KVCache",
     "qwen3-30b-a3b-4bit": "Qwen3-30B-A3B MoE shapes (128 experts, 8 active), 4-bit; cache: KVCache",
     "qwen2.5-0.5b-4bit": "Qwen2.5-0.5B shapes, 4-bit (group 64); cache: KVCache",
+    "llama3-70b": "Llama-3.3-70B shapes (80 layers, hidden 8192), bf16 (~142 GB): across "
+    "several GPUs; cache: KVCache",
 }
 
 
@@ -300,7 +333,11 @@ def _set_child(model: nn.Module, path: str, child: nn.Module) -> None:
 
 
 def init_random_weights(
-    model: nn.Module, dtype: mx.Dtype, seed: int, quantization: dict[str, Any] | None = None
+    model: nn.Module,
+    dtype: mx.Dtype,
+    seed: int,
+    quantization: dict[str, Any] | None = None,
+    evaluate: bool = True,
 ) -> None:
     """Replace ``model``'s parameters with seeded random ones in ``dtype``, in place, and
     with ``quantization`` (``{"group_size", "bits", "mode"}``) quantize them as they are
@@ -316,6 +353,8 @@ def init_random_weights(
     matrix, and the peak is one parameter's temporaries. Quantized, the unit is a leaf
     layer: its parameters are drawn (the same keys, so the same weights as unquantized),
     the layer is quantized and evaluated and replaces the original before the next one.
+    ``evaluate`` False leaves every new parameter unevaluated (:func:`build_model` cuts a
+    rank's shard first).
     """
     from mlx.utils import tree_flatten, tree_unflatten
 
@@ -337,24 +376,38 @@ def init_random_weights(
             module.update(tree_unflatten(drawn))
             args = predicate(path, module)
             layer = module.to_quantized(**args) if args is not None else module
-            mx.eval(layer.parameters())
+            if evaluate:
+                mx.eval(layer.parameters())
             if layer is not module:
                 _set_child(model, path, layer)
     new = []
     for i, (name, p) in enumerate(params):
         if name not in done:
             w = _draw(name, p, keys[i], dtype, keep)
-            mx.eval(w)
+            if evaluate:
+                mx.eval(w)
             new.append((name, w))
     if new:
         model.update(tree_unflatten(new))
 
 
-def build_model(config: dict[str, Any], dtype: mx.Dtype, seed: int = DEFAULT_SEED) -> nn.Module:
+def build_model(
+    config: dict[str, Any],
+    dtype: mx.Dtype,
+    seed: int = DEFAULT_SEED,
+    shard: Callable[[nn.Module], Any] | None = None,
+) -> nn.Module:
     """The mlx-lm model of ``config`` with random weights in ``dtype``
     (:func:`init_random_weights`), quantized when ``config`` has ``"quantization"``; tied
     embeddings are tied as the loader ties them. Reseeds MLX's global generator with
-    ``seed`` (as :mod:`.tiny` does)."""
+    ``seed`` (as :mod:`.tiny` does).
+
+    ``shard`` (a rank's cut, e.g. ``model.shard(group)``): applied to the unevaluated
+    weights, which are then evaluated one parameter at a time, so a rank holds its shard
+    only (plus one whole parameter while it is drawn): a model larger than one device
+    builds across several. The weights are the unsharded model's, cut.
+    """
+    from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
     model_cls, args_cls = _get_classes(config)
@@ -365,7 +418,11 @@ def build_model(config: dict[str, Any], dtype: mx.Dtype, seed: int = DEFAULT_SEE
         if "lm_head" in model:
             model.tie_word_embeddings = True
             model.pop("lm_head")
-    init_random_weights(model, dtype, seed, config.get("quantization"))
+    init_random_weights(model, dtype, seed, config.get("quantization"), evaluate=shard is None)
+    if shard is not None:
+        shard(model)
+        for _, p in tree_flatten(model.parameters()):
+            mx.eval(p)
     model.eval()
     return model
 

@@ -69,6 +69,13 @@ SMALL = {  # per shape: what shrinks it to a few MB of weights (vocab stays: the
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
     },
+    "llama3-70b": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
     "gemma3-270m": {
         "hidden_size": 64,
         "intermediate_size": 128,
@@ -182,6 +189,45 @@ def test_4bit_shapes_quantize_every_layer_as_mlx_lm_convert_does():
     moe = quantized_layers(shapes.build_model(small_config("qwen3-30b-a3b-4bit"), mx.float32))
     assert moe["model.layers.0.mlp.gate"] == ("QuantizedLinear", 8, 64)  # the router
     assert moe["model.layers.0.mlp.switch_mlp.up_proj"] == ("QuantizedSwitchLinear", 4, 64)
+
+
+def test_llama3_70b_has_its_parameter_count_and_shapes():
+    # Llama-3.3-70B: 70,553,706,496 parameters with its 128,256-token vocab; ours has the
+    # Qwen2.5 tokenizer's 151,936 rows in the embedding and lm_head (2 x 23,680 x 8192 more)
+    config = shapes.shape_config("llama3-70b")
+    assert shapes.parameter_count(config) == 70_553_706_496 + 2 * (151_936 - 128_256) * 8192
+    model = lazy_model(config)
+    attn = model.model.layers[0].self_attn
+    assert (attn.n_heads, attn.n_kv_heads, len(model.layers)) == (64, 8, 80)
+    assert model.model.layers[0].mlp.gate_proj.weight.shape == (28672, 8192)
+    assert hasattr(model, "shard")  # tensor parallel across ranks
+
+
+def _cut_rows(model) -> None:
+    """A stand-in for ``model.shard(group)`` on rank 0 of 2: every projection keeps the
+    first half of its output rows."""
+    for layer in model.model.layers:
+        for name in ("q_proj", "k_proj", "v_proj"):
+            proj = getattr(layer.self_attn, name)
+            proj.weight = proj.weight[: proj.weight.shape[0] // 2]
+
+
+def test_a_rank_builds_its_shard_of_the_same_weights_without_the_whole_model():
+    config = small_config("llama3-70b")
+    whole = shapes.build_model(config, mx.float32, seed=5)
+    seen = []
+
+    def cut(model):
+        # called once, on the drawn but not yet computed weights
+        seen.append(model.model.layers[0].self_attn.q_proj.weight)
+        _cut_rows(model)
+
+    part = shapes.build_model(config, mx.float32, seed=5, shard=cut)
+    assert len(seen) == 1
+    for a, b in zip(whole.model.layers, part.model.layers, strict=True):
+        w = a.self_attn.k_proj.weight
+        assert mx.array_equal(b.self_attn.k_proj.weight, w[: w.shape[0] // 2]).item()
+        assert mx.array_equal(b.mlp.up_proj.weight, a.mlp.up_proj.weight).item()
 
 
 def test_hybrid_is_18_gated_delta_net_and_6_attention_layers():
