@@ -15,6 +15,7 @@ Ctrl-C), waits for the launcher to end, and only then signals the whole process 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -151,6 +152,24 @@ def _group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+EXIT_TROUBLE = re.compile(r"NCCL error|exited with code|was killed|Traceback|Segmentation|Abort")
+"""Lines of a launched server's output that say a rank did not end cleanly (mlx.launch's
+"Node with rank R exited with code C", NCCL's own error lines)."""
+
+
+def exit_trouble(log_path: Path, offset: int) -> list[str]:
+    """The :data:`EXIT_TROUBLE` lines written to ``log_path`` after byte ``offset`` (one
+    start and stop of a server), without terminal colour codes."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    lines = (re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in text.splitlines())
+    return [line for line in lines if EXIT_TROUBLE.search(line)]
 
 
 def rank_tier_use(cache_dir: Path) -> list[tuple[str, int, int]]:

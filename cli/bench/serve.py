@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from tierchat.cli.bench.ranked import Ranks, rank_pid, stop_ranks
+from tierchat.cli.bench.ranked import Ranks, exit_trouble, rank_pid, stop_ranks
 from tierchat.cli.common import EXIT_OK, CLIError, start_engine, table
 
 SYSTEM = "You are a concise assistant. Answer in two or three sentences."
@@ -225,6 +225,7 @@ class Spawned(NamedTuple):
     port: int
     out: Any  # its log file, open for appending
     ranks: Ranks
+    log_offset: int = 0  # the log's size when it started
 
     @property
     def main_pid(self) -> int:
@@ -258,6 +259,7 @@ def spawn_server(
     if blas and sys.platform == "linux":
         env["LD_PRELOAD"] = ":".join(filter(None, [blas[0], env.get("LD_PRELOAD")]))
     out = open(log_path, "ab")  # noqa: SIM115 -- closed in stop_server()
+    offset = out.tell()
     proc = subprocess.Popen(
         ranks.wrap(cmd),
         stdin=subprocess.DEVNULL,
@@ -277,20 +279,24 @@ def spawn_server(
                 conn.request("GET", path)
                 got = conn.getresponse()
                 if got.status == 200 and ready(json.loads(got.read() or b"{}")):
-                    return Spawned(proc, port, out, ranks)
+                    return Spawned(proc, port, out, ranks, offset)
             except (OSError, ValueError):
                 pass
         time.sleep(0.5)
-    stop_server(Spawned(proc, port, out, ranks))
+    stop_server(Spawned(proc, port, out, ranks, offset))
     raise CLIError(f"{name} did not start in {timeout_s:.0f}s; see {log_path}")
 
 
 def stop_server(handle, timeout_s: float = 60) -> None:
     """SIGTERM (tierchat serve flushes its SSD tier on it), then SIGKILL after
-    ``timeout_s``; a server on several ranks as :func:`~.ranked.stop_ranks` stops it."""
-    proc, _, out, ranks = handle
+    ``timeout_s``; a server on several ranks as :func:`~.ranked.stop_ranks` stops it, and
+    what its ranks said of a failure since it started (:func:`~.ranked.exit_trouble`) is
+    printed."""
+    proc, _, out, ranks, _ = handle
     if ranks.launched:
         stop_ranks(proc, timeout_s)
+        for line in exit_trouble(Path(out.name), handle.log_offset):
+            print(f"bench: a rank said: {line}", file=sys.stderr, flush=True)
         out.close()
         return
     proc.terminate()

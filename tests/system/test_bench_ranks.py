@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from tierchat.cli.bench.clients import MLX_LM, TIERCHAT, clients_bench
-from tierchat.cli.bench.ranked import Ranks, rank_pid, rank_tier_use, stop_ranks
+from tierchat.cli.bench.ranked import Ranks, exit_trouble, rank_pid, rank_tier_use, stop_ranks
 from tierchat.cli.common import CLIError
 from tierchat.cli.main import main
 from tierchat.config.settings import Settings
@@ -118,3 +118,17 @@ def test_ranks_outside_the_server_benches_is_a_usage_error(capsys):
     assert "--ranks runs the servers" in capsys.readouterr().err
     with pytest.raises(CLIError, match="expected 1 to 16"):
         Ranks(0)
+
+
+def test_exit_trouble_finds_what_ranks_said_of_a_failure_since_the_start(tmp_path):
+    log = tmp_path / "serve.log"
+    log.write_text("old run: NCCL error before\n")
+    start = log.stat().st_size
+    with open(log, "a") as f:
+        f.write("loaded\n\x1b[33m[WARN] Node with rank 1 exited with code 1 \x1b[0m\n")
+        f.write("NCCL error in: x.cu:12, unhandled cuda error\nbye\n")
+    assert exit_trouble(log, start) == [
+        "[WARN] Node with rank 1 exited with code 1",
+        "NCCL error in: x.cu:12, unhandled cuda error",
+    ]
+    assert exit_trouble(tmp_path / "missing.log", 0) == []
