@@ -294,9 +294,20 @@ def stop_server(handle, timeout_s: float = 60) -> None:
     printed."""
     proc, _, out, ranks, _ = handle
     if ranks.launched:
+        t0 = time.monotonic()
         stop_ranks(proc, timeout_s)
-        for line in exit_trouble(Path(out.name), handle.log_offset):
-            print(f"bench: a rank said: {line}", file=sys.stderr, flush=True)
+        said = exit_trouble(Path(out.name), handle.log_offset)
+        if said:  # with the end of its output: what the ranks were doing
+            print(
+                f"bench: the server on {ranks.describe()} stopped in "
+                f"{time.monotonic() - t0:.1f} s; a rank said:",
+                *said,
+                "its output's end:",
+                _tail(Path(out.name), handle.log_offset, 3000),
+                sep="\n  ",
+                file=sys.stderr,
+                flush=True,
+            )
         out.close()
         return
     proc.terminate()
@@ -306,6 +317,16 @@ def stop_server(handle, timeout_s: float = 60) -> None:
         proc.kill()
         proc.wait(30)
     out.close()
+
+
+def _tail(path: Path, offset: int, n: int) -> str:
+    """The last ``n`` characters written to ``path`` after byte ``offset``."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(offset, path.stat().st_size - n))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def kernel_env(root: Path | None) -> dict[str, str]:
