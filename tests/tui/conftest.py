@@ -20,6 +20,17 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+@pytest.fixture(autouse=True)
+def notifications_kept(monkeypatch) -> None:
+    """Tests read ``app._notifications`` after the events that raised them, but Textual
+    drops a notification from it once its timeout (5 s of wall time by default) has
+    passed, which a loaded machine can spend between the two: keep them for the test.
+    The toasts on screen still go after their timeout (their own timers)."""
+    from textual.notifications import Notification
+
+    monkeypatch.setattr(Notification, "has_expired", property(lambda self: False))
+
+
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
     return Settings(
