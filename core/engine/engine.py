@@ -56,7 +56,7 @@ from . import ranks as ranks_mod
 from .actions import ClearTier, Close, Load
 from .attention import plan_attention
 from .executor import Executor
-from .runtime import Runtime, build_runtime
+from .runtime import Runtime, build_runtime, check_kv_groups
 
 _STOP = object()
 _BUSY_HOLD = "requests held"  # the engine's key among the SSD writer's holders
@@ -561,11 +561,15 @@ class Engine:
         try:
             peers = self.join_peers()
             peers.send(Load(spec))
-            loaded = peers.agree_loaded(
-                lambda: load_model(
+
+            def load():
+                loaded = load_model(
                     spec, models_dir=Path(s.models_dir), progress=progress, group=peers.group
                 )
-            )
+                check_kv_groups(loaded.model, s)
+                return loaded
+
+            loaded = peers.agree_loaded(load)
         except Exception as exc:  # the current model and its cache stay as they were
             handle.emit(Failed(str(exc), kind="load"))
             return

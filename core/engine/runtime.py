@@ -184,6 +184,44 @@ def cache_factory(model: Any, settings: Settings) -> Callable[[], list[Any]]:
     return make
 
 
+def check_kv_groups(model: Any, settings: Settings) -> None:
+    """With ``kv_bits`` set, check at load that every plain KV cache's key and value head
+    size is a multiple of ``kv_group_size``: MLX quantizes the last axis in groups
+    (``mx.quantize``: 32, 64 or 128), so another size fails at the first prefill with
+    an error about shapes. Two tokens through plain caches give the sizes.
+
+    Raises:
+        ValueError: a head size is not a multiple of the group (the message names the
+            sizes that would work).
+    """
+    bits, group = settings.kv_bits, settings.kv_group_size
+    if not bits:
+        return
+    plain = (
+        model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
+    )
+    model(mx.array([[0, 0]]), cache=plain)
+    sizes: set[int] = set()
+
+    def visit(c: Any) -> None:
+        if type(c) is KVCache and c.keys is not None:
+            sizes.update((c.keys.shape[-1], c.values.shape[-1]))
+        elif isinstance(c, CacheList):
+            for x in c.caches:
+                visit(x)
+
+    for c in plain:
+        visit(c)
+    bad = sorted(n for n in sizes if n % group)
+    if bad:
+        fits = [g for g in (32, 64, 128) if all(n % g == 0 for n in sizes)]
+        hint = f"--kv-group-size {' or '.join(map(str, fits))}" if fits else "no kv_bits"
+        raise ValueError(
+            f"kv_bits {bits} quantizes keys and values in groups of {group} values, but "
+            f"this model's heads hold {', '.join(map(str, sorted(sizes)))}: use {hint}"
+        )
+
+
 def config_int(model: Any, keys: tuple[str, ...]) -> int | None:
     """The first positive int among ``keys`` in ``model``'s config (its ``args``), or in
     their ``text_config`` (multimodal wrappers such as Qwen3.5 keep the text model's

@@ -293,3 +293,32 @@ def test_kv_bits_rests_prefill_in_one_group_and_equal_each_alone(arch, tmp_path,
     finally:
         cold.close()
         hot.close()
+
+
+def test_a_group_size_the_heads_do_not_divide_fails_at_load_with_a_clear_message(
+    tmp_path, models_dir
+):
+    from tierchat.config.settings import Settings
+    from tierchat.core.engine.engine import Engine
+
+    # tiny:qwen2 has 16-value heads: no group of mlx's quantize divides them
+    engine = Engine(
+        Settings(
+            models_dir=models_dir,
+            cache_dir=tmp_path / "kv",
+            data_dir=tmp_path / "data",
+            kv_bits=BITS,
+            kv_group_size=64,
+        )
+    )
+    try:
+        for spec, fits in (("tiny:llama", "--kv-group-size 32"), ("tiny:qwen2", "no kv_bits")):
+            got = engine.load_model(spec).wait(120)
+            message = getattr(got, "message", "")
+            assert "in groups of 64 values" in message and fits in message, message
+        assert engine.loaded is None  # nothing half-loaded
+    finally:
+        engine.close()
+    # a group the heads divide loads (tiny:llama: 32-value heads)
+    ok = make_engine("tiny:llama", tmp_path / "ok", models_dir, kv_bits=BITS, kv_group_size=32)
+    ok.close()
