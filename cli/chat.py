@@ -319,33 +319,20 @@ class LineChat:
     def visible_text(self, turn: Any) -> Any:
         """``shown(delta)``: the text of a streamed ``delta`` to print, its tool calls held
         back (the round prints each as a ``[tool call: …]`` line); ``shown(None)`` at the
-        end gives the text still held (a bare ``{…}`` that was no call). The reply's
-        family parser (core/chat/tool_calls.py) with its think markers off, so reasoning
-        prints as it streams; a continue's parser has read the reply so far."""
-        if not getattr(turn, "tools", None):
+        end gives the text still held (a bare ``{…}`` that was no call).
+        :class:`~tierchat.core.chat.tool_calls.HeldCalls`: reasoning prints as it
+        streams; a continue's parser has read the reply so far."""
+        from tierchat.core.chat.tool_calls import HeldCalls
+
+        continued = getattr(turn, "continued", None)
+        held = HeldCalls.of(
+            self.session.engine.tokenizer,
+            getattr(turn, "tools", None),
+            (continued.token_ids or ()) if continued is not None else (),
+        )
+        if held is None:
             return lambda delta: delta or ""
-        import dataclasses
-
-        from tierchat.core.chat.token_text import decode_ids
-        from tierchat.core.chat.tool_calls import ReplyFormat, ReplyParser, TextDelta
-
-        tokenizer = self.session.engine.tokenizer
-        fmt = dataclasses.replace(ReplyFormat.of(tokenizer), think_start=None, think_end=None)
-        parser = ReplyParser(fmt, tools=turn.tools)
-        printed = 0  # text the parser still holds that the cut reply printed at its end
-        if turn.continued is not None:
-            old = decode_ids(tokenizer, turn.continued.token_ids or (), skip_special=True)
-            parser.feed(old)
-            printed = len(old) - len(parser.text)
-
-        def shown(delta: str | None) -> str:
-            nonlocal printed
-            parts = parser.feed(delta) if delta is not None else parser.finish()
-            text = "".join(p.text for p in parts if isinstance(p, TextDelta))
-            seen, printed = min(printed, len(text)), printed - min(printed, len(text))
-            return text[seen:]
-
-        return shown
+        return lambda delta: held.feed(delta) if delta is not None else held.finish()
 
 
 INT_SETTINGS = ("top_k", "max_tokens", "repetition_context_size")

@@ -79,6 +79,10 @@ class TurnHost(Protocol):
     def turns_changed(self, *, ended: bool, first_token: bool = False) -> None:
         """A turn started or ended (``ended``), or streamed its first token."""
 
+    def held_calls(self, handle: Any) -> Any:
+        """A :class:`~tierchat.core.chat.tool_calls.HeldCalls` for the turn ``handle``
+        (its tool calls held back while it streams), or None (no tools)."""
+
     def message_withdrawn(self, conversation_id: int, text: str) -> None:
         """The session dropped the user message ``text`` of ``conversation_id`` (its turn
         failed, or stopped before its first token)."""
@@ -92,7 +96,9 @@ class Turn:
     conversation_id: int
     handle: Any = None
     prefix: str = ""  # a continue streams after the text of the reply it extends
-    text: str = ""
+    text: str = ""  # as the model wrote it so far
+    shown: str = ""  # what the placeholder shows of it: its tool calls held back
+    held: Any = None  # the HeldCalls that makes ``shown`` (None: no tools, all shown)
     view: MessageView | None = None  # the placeholder while its conversation is shown
     ready: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -194,6 +200,7 @@ class TurnRunner:
                 self.host.turns_changed(ended=True)
                 return False
             turn.handle = handle
+            turn.held = self.host.held_calls(handle)
             continued = getattr(handle, "continued", None)
             turn.prefix = continued.content if continued is not None else ""
             if self.host.conversation_id == conversation_id:
@@ -223,7 +230,7 @@ class TurnRunner:
         placeholder = None
         if turn is not None and turn.handle is not None:  # mounted with the path, its text
             number = sum(1 for i in infos if i.role == "user") - 1  # so far in it: at once
-            text = turn.prefix + turn.text if turn.text else ""
+            text = turn.prefix + turn.shown if turn.text else ""
             placeholder = MessageInfo(None, "assistant", text, number, model=self.host.model_name)
         view = await transcript.sync(infos, placeholder)
         if turn is not None and view is not None:
@@ -263,13 +270,15 @@ class TurnRunner:
         if turn is None:
             return
         first = not turn.text
+        delta = event.text[len(turn.text) :]  # the text so far, so it only grows
         turn.text = event.text
+        turn.shown += turn.held.feed(delta) if turn.held is not None else delta
         view = self._shown_view(turn)
         if view is None:
             return
         if not turn.stopping:
             self.host.widgets()[1].hide()
-        await view.stream_to(turn.prefix + event.text)
+        await view.stream_to(turn.prefix + turn.shown)
         if first:  # the engine's last-turn record is this turn's from its first token on
             self.host.turns_changed(ended=False, first_token=True)
 

@@ -480,3 +480,49 @@ def parse_reply(fmt: ReplyFormat, text: str, **kw: Any) -> ParsedReply:
     parser.feed(text)
     parser.finish()
     return ParsedReply(parser.text, parser.reasoning, list(parser.calls), list(parser.failures))
+
+
+class HeldCalls:
+    """A streaming reply's text as a reader sees it while it streams: its tool calls held
+    back (a round shows each as a call of its own once the reply is stored), reasoning
+    shown as it comes (the format's think markers off). Used by ``tierchat chat`` and
+    the TUI's reply stream alike.
+
+    :meth:`feed` takes each streamed delta and returns the text to add; :meth:`finish`
+    returns what is still held at the end (a bare ``{…}`` that was no call). For a
+    continue, ``already`` is the cut reply's text: the parser reads it first, and what it
+    held then and releases now was shown already (at the cut reply's end), so it is not
+    given again.
+    """
+
+    def __init__(self, fmt: ReplyFormat, tools: list[dict] | None, already: str = "") -> None:
+        self._parser = ReplyParser(replace(fmt, think_start=None, think_end=None), tools=tools)
+        self._shown_ahead = 0  # characters of released text that were shown already
+        if already:
+            self._parser.feed(already)
+            self._shown_ahead = len(already) - len(self._parser.text)
+
+    @classmethod
+    def of(
+        cls, tokenizer: Any, tools: list[dict] | None, continued_ids: Any = ()
+    ) -> HeldCalls | None:
+        """For a reply generated with ``tools`` (None or []: nothing to hold, None
+        returned) by ``tokenizer``'s model, continuing the reply ``continued_ids``."""
+        if not tools:
+            return None
+        from .token_text import decode_ids
+
+        already = decode_ids(tokenizer, continued_ids, skip_special=True) if continued_ids else ""
+        return cls(ReplyFormat.of(tokenizer), list(tools), already)
+
+    def feed(self, delta: str) -> str:
+        return self._visible(self._parser.feed(delta))
+
+    def finish(self) -> str:
+        return self._visible(self._parser.finish())
+
+    def _visible(self, parts: list[ReplyPart]) -> str:
+        text = "".join(p.text for p in parts if isinstance(p, TextDelta))
+        seen = min(self._shown_ahead, len(text))
+        self._shown_ahead -= seen
+        return text[seen:]

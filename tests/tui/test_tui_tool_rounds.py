@@ -323,3 +323,29 @@ async def test_the_round_limit_answers_not_run_and_stops(tools_app):
         assert first == "echo: one" and "limit of 1 tool rounds" in second
         assert len(engine.requests) == 2  # no step after the limit
         assert any("limit of 1 tool rounds" in n.message for n in app._notifications)
+
+
+async def test_the_streaming_reply_holds_its_call_markup_back(tools_app, monkeypatch):
+    from tierchat.tui.widgets.transcript import MessageView
+
+    streamed: list[str] = []
+    stream_to = MessageView.stream_to
+
+    async def recording(self, text: str):
+        streamed.append(text)
+        return await stream_to(self, text)
+
+    monkeypatch.setattr(MessageView, "stream_to", recording)
+    reply = "Let me look that up.\n" + call_text("echo", '{"text": "hi"}')
+    app, engine = tools_app([reply, "It said hi."])
+    engine.batch_size = 2  # many deltas: the markup arrives over several of them
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "Say hi through echo.")
+        await approval(pilot)
+        await pilot.press("y")
+        await roles_become(pilot, ["user", "assistant", "tool", "assistant"])
+    assert any("Let me look that up." in t for t in streamed), streamed
+    # what the placeholder showed never had the call's markup or its JSON
+    assert not [t for t in streamed if "<tool" in t or '"name"' in t or "{" in t], streamed
+    assert any(t.endswith("It said hi.") for t in streamed)

@@ -559,6 +559,20 @@ class MessagePane(MessageTools, Vertical):
     async def _reply_failed(self, event: ReplyFailed) -> None:
         await self.turns.failed(event)
 
+    def held_calls(self, handle: Any) -> Any:
+        """:meth:`TurnHost.held_calls`: from the session's tokenizer and the turn's tools."""
+        from tierchat.core.chat.tool_calls import HeldCalls
+
+        tools = getattr(handle, "tools", None)
+        if not tools:
+            return None
+        continued = getattr(handle, "continued", None)
+        ids = (continued.token_ids or ()) if continued is not None else ()
+        try:
+            return HeldCalls.of(self.tierchat.session.engine.tokenizer, tools, ids)
+        except ValueError:  # the family's parser does not import: the raw text shows
+            return None
+
     def message_withdrawn(self, conversation_id: int, text: str) -> None:
         """The session dropped the user message ``text``: a title made from it goes."""
         store = self.tierchat.store
