@@ -217,6 +217,11 @@ class Ours:
         return handle[1].port
 
 
+RANKED_STOP_S = 180.0
+"""The least time a server on several ranks gets to stop by itself (each rank flushes its
+own SSD tier, then rank 0 tells the workers to end) before its group is signalled."""
+
+
 class Spawned(NamedTuple):
     """A server process :func:`spawn_server` started (``proc`` is mlx.launch when
     ``ranks`` has several)."""
@@ -295,7 +300,8 @@ def stop_server(handle, timeout_s: float = 60) -> None:
     proc, _, out, ranks, _ = handle
     if ranks.launched:
         t0 = time.monotonic()
-        stop_ranks(proc, timeout_s)
+        # every rank writes its own SSD queue at the stop, then rank 0 ends the workers
+        stop_ranks(proc, max(timeout_s, RANKED_STOP_S))
         said = exit_trouble(Path(out.name), handle.log_offset)
         if said:  # with the end of its output: what the ranks were doing
             print(
