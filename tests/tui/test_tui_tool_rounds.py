@@ -122,6 +122,15 @@ async def roles_become(pilot, roles: list[str]) -> None:
     await settle(pilot)
 
 
+async def one_approved_round(pilot, text: str) -> None:
+    """Send ``text``, approve the call once, wait for the step after its result."""
+    await ready(pilot)
+    await send(pilot, text)
+    await approval(pilot)
+    await pilot.press("y")
+    await roles_become(pilot, ["user", "assistant", "tool", "assistant"])
+
+
 async def test_approve_once_runs_the_call_and_the_next_step(tools_app):
     app, engine = tools_app([call_text("echo", '{"text": "hi"}'), "It said: echo: hi."])
     async with app.run_test(size=SIZE) as pilot:
@@ -276,11 +285,7 @@ async def test_a_crash_a_timeout_and_bad_json_are_error_results(tools_app, setti
 async def test_regenerate_the_step_after_a_result_keeps_the_round(tools_app):
     app, engine = tools_app([call_text("echo", '{"text": "hi"}'), "First answer.", "Second."])
     async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
-        await send(pilot, "Say hi through echo.")
-        await approval(pilot)
-        await pilot.press("y")
-        await roles_become(pilot, ["user", "assistant", "tool", "assistant"])
+        await one_approved_round(pilot, "Say hi through echo.")
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: path(app)[-1] == ("assistant", "Second."))
         await settle(pilot)
@@ -340,11 +345,7 @@ async def test_the_streaming_reply_holds_its_call_markup_back(tools_app, monkeyp
     app, engine = tools_app([reply, "It said hi."])
     engine.batch_size = 2  # many deltas: the markup arrives over several of them
     async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
-        await send(pilot, "Say hi through echo.")
-        await approval(pilot)
-        await pilot.press("y")
-        await roles_become(pilot, ["user", "assistant", "tool", "assistant"])
+        await one_approved_round(pilot, "Say hi through echo.")
     assert any("Let me look that up." in t for t in streamed), streamed
     # what the placeholder showed never had the call's markup or its JSON
     assert not [t for t in streamed if "<tool" in t or '"name"' in t or "{" in t], streamed
