@@ -324,12 +324,7 @@ class LineChat:
         streams; a continue's parser has read the reply so far."""
         from tierchat.core.chat.tool_calls import HeldCalls
 
-        continued = getattr(turn, "continued", None)
-        held = HeldCalls.of(
-            self.session.engine.tokenizer,
-            getattr(turn, "tools", None),
-            (continued.token_ids or ()) if continued is not None else (),
-        )
+        held = HeldCalls.for_turn(self.session.engine.tokenizer, turn)
         if held is None:
             return lambda delta: delta or ""
         return lambda delta: held.feed(delta) if delta is not None else held.finish()

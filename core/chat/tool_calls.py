@@ -503,16 +503,22 @@ class HeldCalls:
             self._shown_ahead = len(already) - len(self._parser.text)
 
     @classmethod
-    def of(
-        cls, tokenizer: Any, tools: list[dict] | None, continued_ids: Any = ()
-    ) -> HeldCalls | None:
-        """For a reply generated with ``tools`` (None or []: nothing to hold, None
-        returned) by ``tokenizer``'s model, continuing the reply ``continued_ids``."""
+    def for_turn(cls, tokenizer: Any, turn: Any) -> HeldCalls | None:
+        """For the reply of ``turn`` (a session's turn handle: its ``tools``, and the
+        ``continued`` reply a continue extends) by ``tokenizer``'s model; None when the
+        turn has no tools (nothing to hold back).
+
+        Raises:
+            ValueError: the family's parser module does not import.
+        """
+        tools = getattr(turn, "tools", None)
         if not tools:
             return None
         from .token_text import decode_ids
 
-        already = decode_ids(tokenizer, continued_ids, skip_special=True) if continued_ids else ""
+        continued = getattr(turn, "continued", None)
+        ids = (continued.token_ids or ()) if continued is not None else ()
+        already = decode_ids(tokenizer, ids, skip_special=True) if ids else ""
         return cls(ReplyFormat.of(tokenizer), list(tools), already)
 
     def feed(self, delta: str) -> str:

@@ -563,13 +563,10 @@ class MessagePane(MessageTools, Vertical):
         """:meth:`TurnHost.held_calls`: from the session's tokenizer and the turn's tools."""
         from tierchat.core.chat.tool_calls import HeldCalls
 
-        tools = getattr(handle, "tools", None)
-        if not tools:
+        if not getattr(handle, "tools", None):  # no tokenizer needed (test engines)
             return None
-        continued = getattr(handle, "continued", None)
-        ids = (continued.token_ids or ()) if continued is not None else ()
         try:
-            return HeldCalls.of(self.tierchat.session.engine.tokenizer, tools, ids)
+            return HeldCalls.for_turn(self.tierchat.session.engine.tokenizer, handle)
         except ValueError:  # the family's parser does not import: the raw text shows
             return None
 
