@@ -386,6 +386,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace, settings: Any) -> int:
+    from tierchat.cli import ranks
+
     command = args.command
     if command is None:
         return run_tui(settings)
@@ -415,6 +417,14 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
         return run_serve(settings, args)
     if command == "bench" and args.ranks != 1 and not (args.agent or (args.serve and args.clients)):
         raise CLIError("--ranks runs the servers of --serve --clients and --agent", EXIT_USAGE)
+    in_process = not (args.agent or args.serve or getattr(args, "baseline", "lru") == "server")
+    if command == "bench" and in_process and not args.no_baseline and ranks.launched():
+        raise CLIError(
+            "across ranks the in-process baseline cannot run (its model is this rank's "
+            "shard): add --no-baseline for tierchat's figures on rank 0, or use "
+            "--serve --clients / --agent with --ranks N",
+            EXIT_USAGE,
+        )
     if command == "bench" and args.agent:
         from tierchat.cli.bench.agent_bench import run_agent_bench
 

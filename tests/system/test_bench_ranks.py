@@ -10,13 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
+from rank_kit import free_base_port, start_ranks
 from tierchat.cli.bench.clients import MLX_LM, TIERCHAT, clients_bench
 from tierchat.cli.bench.ranked import Ranks, exit_trouble, rank_pid, rank_tier_use, stop_ranks
 from tierchat.cli.common import CLIError
 from tierchat.cli.main import main
 from tierchat.config.settings import Settings
-
-from tests.rank_kit import free_base_port
 
 pytestmark = pytest.mark.system
 
@@ -132,3 +131,17 @@ def test_exit_trouble_finds_what_ranks_said_of_a_failure_since_the_start(tmp_pat
         "NCCL error in: x.cu:12, unhandled cuda error",
     ]
     assert exit_trouble(tmp_path / "missing.log", 0) == []
+
+
+def test_the_workload_bench_runs_on_rank_0_across_ranks_without_the_in_process_baseline(
+    tmp_path, models_dir
+):
+    argv = ["bench", "--workload", "chat-ci", "--model", "tiny:llama"]
+    argv += ["--models-dir", str(models_dir), "--cache-dir", str(tmp_path / "kv")]
+    refused = start_ranks(argv, tmp_path).wait()
+    assert [code for code, _, _ in refused] == [2, 0], refused
+    assert "in-process baseline cannot run" in refused[0][2]
+    done = start_ranks([*argv, "--no-baseline"], tmp_path).wait()
+    assert [code for code, _, _ in done] == [0, 0], [err[-2000:] for _, _, err in done]
+    table = done[0][1]
+    assert "regenerate" in table and "all                   12" in table, table
