@@ -3,6 +3,7 @@ settings, reasoning blocks, export, errors in words, panels that agree, a long c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -10,7 +11,7 @@ from tierchat.core.chat.session import ConversationSettings
 from tierchat.core.live_status import clear_report
 from tierchat.core.sampling_params import SamplingParams
 from tierchat.tui.screens.conversation_settings import ConversationSettingsScreen
-from tierchat.tui.widgets.cache_panels import CacheSummary, cache_summary
+from tierchat.tui.widgets.cache_panels import CachePanels, CacheSummary, cache_summary
 from tierchat.tui.widgets.chat_input import ChatInput
 from tierchat.tui.widgets.transcript import Transcript
 from tui_kit import SIZE, WIDE, FlakyEngine, chat_screen, send, settle, wait_for
@@ -257,6 +258,20 @@ async def test_clear_report_names_every_tier_that_changed(make_app, engine):
         engine._ssd.clear()  # as if clearing tails also dropped checkpoint files on disk
         report = clear_report("tails", before, engine.stats())
         assert report.startswith("Cleared tails: ") and "SSD −" in report and "tails −" in report
+
+
+async def test_a_stats_poll_while_the_panels_are_taken_down_is_ignored(make_app, engine):
+    # the app's stats poll can tick while the app closes and the panels' children are
+    # already gone: the snapshot is not shown, nothing raises
+    app = make_app()
+    async with app.run_test(size=WIDE) as pilot:
+        await settle(pilot)
+        panels = chat_screen(app).query_one(CachePanels)
+        await panels.remove_children()
+        shown = panels.stats
+        assert shown is not None
+        panels.stats = dataclasses.replace(shown, block_size=shown.block_size + 1)
+        await pilot.pause()
 
 
 def test_summary_line_and_rates_for_tiny_prefills():

@@ -16,6 +16,7 @@ from textual.app import ComposeResult
 from textual.clock import Clock
 from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
+from textual.css.query import NoMatches
 from textual.reactive import reactive
 from textual.widgets import DataTable, ProgressBar, RichLog, Static
 from tierchat.core.api import CacheStats, LookupStats, MemoryStats, TailStats, TierStats, WearStats
@@ -571,7 +572,11 @@ class CachePanels(VerticalScroll):
             if not stats.enabled and stats.supported is not False:
                 state = "disabled"
             header = f"{stats.model} · cache {state} · block {stats.block_size} tokens"
-        self.query_one("#cache-model", Static).update(header)
+        try:
+            line = self.query_one("#cache-model", Static)
+        except NoMatches:  # children gone: the app is closing under a stats poll
+            return
+        line.update(header)
         for panel in self.query(Panel):
             if isinstance(panel, TierPanel):
                 panel.show(stats, loading)
