@@ -116,14 +116,16 @@ def stop_ranks(proc: subprocess.Popen, timeout_s: float, grace_s: float = 15) ->
     """Stop a launched server: ``SIGTERM`` to rank 0, up to ``timeout_s`` for the
     launcher to end with its ranks; then ``SIGTERM`` to the process group (the ranks of a
     server whose workers wait on rank 0 forever, as mlx_lm.server's do), ``grace_s``
-    more, then ``SIGKILL``. ``proc`` must have been started in a session of its own."""
+    more, then ``SIGKILL``. ``proc`` must have been started in a session of its own.
+    Rank 0 is found through Linux's ``/proc``; elsewhere (macOS) the group is signalled
+    at once, every rank together."""
     pid = rank_pid(proc.pid)
     if pid is not None:
         try:
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + (timeout_s if pid is not None else 0)
     while proc.poll() is None and time.monotonic() < deadline:
         if pid is not None and not Path(f"/proc/{pid}").exists():
             # rank 0 has ended: give the other ranks a short while, not the whole timeout

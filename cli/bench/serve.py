@@ -254,7 +254,11 @@ def spawn_server(
     """Start the server ``cmd`` (on 127.0.0.1:``port``, output appended to ``log_path``)
     with the system OpenBLAS preloaded on Linux, as for us, on ``ranks`` (None: one
     process; else under mlx.launch, :mod:`.ranked`); return its :class:`Spawned` once
-    ``GET /health`` or ``/v1/models`` answers 200 with a body ``ready`` accepts. Raises :class:`CLIError` if it exits or is not ready in ``timeout_s``."""
+    ``GET /health`` or ``/v1/models`` answers 200 with a body ``ready`` accepts.
+
+    Raises:
+        CLIError: it exits or is not ready in ``timeout_s``.
+    """
     from tierchat.core import OPENBLAS_PATHS
 
     ranks = ranks or Ranks()
