@@ -418,6 +418,12 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
     if command == "bench" and args.ranks != 1 and not (args.agent or (args.serve and args.clients)):
         raise CLIError("--ranks runs the servers of --serve --clients and --agent", EXIT_USAGE)
     in_process = not (args.agent or args.serve or getattr(args, "baseline", "lru") == "server")
+    if command == "bench" and not in_process and ranks.launched():
+        raise CLIError(
+            "the benches that start servers run them across ranks with --ranks N, not "
+            "under mlx.launch (their servers would join this bench's ranks)",
+            EXIT_USAGE,
+        )
     if command == "bench" and in_process and not args.no_baseline and ranks.launched():
         raise CLIError(
             "across ranks the in-process baseline cannot run (its model is this rank's "

@@ -277,23 +277,26 @@ def spawn_server(
         env=env,
         start_new_session=ranks.launched,  # stop_server signals the ranks' group
     )
+    spawned = Spawned(proc, port, out, ranks, offset)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            out.close()
-            raise CLIError(f"{name} exited ({proc.returncode}); see {log_path}")
-        for path in ("/health", "/v1/models"):
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                conn.request("GET", path)
-                got = conn.getresponse()
-                if got.status == 200 and ready(json.loads(got.read() or b"{}")):
-                    return Spawned(proc, port, out, ranks, offset)
-            except (OSError, ValueError):
-                pass
-        time.sleep(0.5)
-    stop_server(Spawned(proc, port, out, ranks, offset))
-    raise CLIError(f"{name} did not start in {timeout_s:.0f}s; see {log_path}")
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise CLIError(f"{name} exited ({proc.returncode}); see {log_path}")
+            for path in ("/health", "/v1/models"):
+                try:
+                    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                    conn.request("GET", path)
+                    got = conn.getresponse()
+                    if got.status == 200 and ready(json.loads(got.read() or b"{}")):
+                        return spawned
+                except (OSError, ValueError):
+                    pass
+            time.sleep(0.5)
+        raise CLIError(f"{name} did not start in {timeout_s:.0f}s; see {log_path}")
+    except BaseException:  # Ctrl-C too: ranks in a session of their own would stay
+        stop_server(spawned)
+        raise
 
 
 def stop_server(handle, timeout_s: float = 60) -> None:

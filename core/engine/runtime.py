@@ -215,7 +215,9 @@ def check_kv_groups(model: Any, settings: Settings) -> None:
     bad = sorted(n for n in sizes if n % group)
     if bad:
         fits = [g for g in (32, 64, 128) if all(n % g == 0 for n in sizes)]
-        hint = f"--kv-group-size {' or '.join(map(str, fits))}" if fits else "no kv_bits"
+        hint = "no kv_bits"
+        if fits:
+            hint = f"kv_group_size = {fits[0]} (config file; TIERCHAT_KV_GROUP_SIZE={fits[0]})"
         raise ValueError(
             f"kv_bits {bits} quantizes keys and values in groups of {group} values, but "
             f"this model's heads hold {', '.join(map(str, sorted(sizes)))}: use {hint}"

@@ -312,7 +312,7 @@ def test_a_group_size_the_heads_do_not_divide_fails_at_load_with_a_clear_message
         )
     )
     try:
-        for spec, fits in (("tiny:llama", "--kv-group-size 32"), ("tiny:qwen2", "no kv_bits")):
+        for spec, fits in (("tiny:llama", "kv_group_size = 32"), ("tiny:qwen2", "no kv_bits")):
             got = engine.load_model(spec).wait(120)
             message = getattr(got, "message", "")
             assert "in groups of 64 values" in message and fits in message, message

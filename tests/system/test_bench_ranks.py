@@ -27,7 +27,9 @@ from pathlib import Path
 out = Path(sys.argv[1])
 rank = os.environ["MLX_RANK"]
 def on_term(*_):
-    (out / f"term-{rank}").write_text("")
+    # rank 0 notes whether the others had their SIGTERM already (they must not have)
+    others = sorted(p.name for p in out.glob("term-*"))
+    (out / f"term-{rank}").write_text(" ".join(others))
     if rank == "0":
         sys.exit(0)
 signal.signal(signal.SIGTERM, on_term)
@@ -58,7 +60,8 @@ def test_a_launched_server_stops_rank_0_by_sigterm_then_the_rest_of_its_group(tm
     assert proc.returncode is not None
     # rank 0 got the first SIGTERM (it flushes and tells the workers to end); the rest of
     # the group got one later, and the one that ignored it was killed
-    assert (tmp_path / "term-0").exists()
+    assert (tmp_path / "term-0").read_text() == ""  # nobody else was signalled before it
+    assert (tmp_path / "term-1").exists()
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)
 

@@ -22,13 +22,19 @@ def anyio_backend() -> str:
 
 @pytest.fixture(autouse=True)
 def notifications_kept(monkeypatch) -> None:
-    """Tests read ``app._notifications`` after the events that raised them, but Textual
-    drops a notification from it once its timeout (5 s of wall time by default) has
-    passed, which a loaded machine can spend between the two: keep them for the test.
-    The toasts on screen still go after their timeout (their own timers)."""
-    from textual.notifications import Notification
+    """Tests read ``app._notifications`` after the events that raised them, but a
+    notification leaves it once its toast's timeout (3-8 s of wall time) has passed, which
+    a loaded machine can spend between the two: every notification of a test lasts an
+    hour."""
+    from textual.app import App
 
-    monkeypatch.setattr(Notification, "has_expired", property(lambda self: False))
+    notify = App.notify
+
+    def lasting(self, message, **kw):
+        kw["timeout"] = 3600
+        return notify(self, message, **kw)
+
+    monkeypatch.setattr(App, "notify", lasting)
 
 
 @pytest.fixture

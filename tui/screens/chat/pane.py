@@ -567,7 +567,7 @@ class MessagePane(MessageTools, Vertical):
             return None
         try:
             return HeldCalls.for_turn(self.tierchat.session.engine.tokenizer, handle)
-        except ValueError:  # the family's parser does not import: the raw text shows
+        except Exception:  # noqa: BLE001 - a parser that does not import, a decode: raw text
             return None
 
     def message_withdrawn(self, conversation_id: int, text: str) -> None:
