@@ -26,12 +26,29 @@ from typing import Any
 
 from tierchat.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CLIError
 
-RANK_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")  # core/engine/distributed.py reads them
+RANK_VARS = (
+    "MLX_RANK",
+    "OMPI_COMM_WORLD_RANK",
+    "PMI_RANK",
+)  # core/engine/distributed.py reads them
 
 
 def launched() -> bool:
     """True in a process that ``mlx.launch`` (or ``mpirun``) started as one of its ranks."""
     return any(os.environ.get(v) for v in RANK_VARS)
+
+
+def launcher_path() -> str:
+    """The ``mlx.launch`` script beside this Python, else the one on ``PATH``.
+
+    Raises:
+        CLIError: mlx.launch is not installed.
+    """
+    here = Path(sys.executable).parent / "mlx.launch"
+    found = str(here) if here.exists() else shutil.which("mlx.launch")
+    if found is None:
+        raise CLIError("mlx.launch is not installed (it comes with mlx)")
+    return found
 
 
 def launch_argv(
@@ -48,11 +65,7 @@ def launch_argv(
     """
     if not Path(hostfile).is_file():
         raise CLIError(f"{hostfile}: no such hostfile", EXIT_USAGE)
-    here = Path(sys.executable).parent / "mlx.launch"
-    launcher = str(here) if here.exists() else shutil.which("mlx.launch")
-    if launcher is None:
-        raise CLIError("mlx.launch is not installed (it comes with mlx)")
-    cmd = [launcher, "--hostfile", str(hostfile)]
+    cmd = [launcher_path(), "--hostfile", str(hostfile)]
     if backend:
         cmd += ["--backend", backend]
     if starting_port:

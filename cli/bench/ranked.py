@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,19 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tierchat.cli.common import EXIT_USAGE, CLIError
-
-
-def launcher_path() -> str:
-    """The ``mlx.launch`` script beside this Python, else the one on ``PATH``.
-
-    Raises:
-        CLIError: mlx.launch is not installed.
-    """
-    here = Path(sys.executable).parent / "mlx.launch"
-    found = str(here) if here.exists() else shutil.which("mlx.launch")
-    if found is None:
-        raise CLIError("mlx.launch is not installed (it comes with mlx)")
-    return found
+from tierchat.cli.ranks import launcher_path
 
 
 @dataclass(frozen=True)
