@@ -324,7 +324,7 @@ class LineChat:
         streams; a continue's parser has read the reply so far."""
         from tierchat.core.chat.tool_calls import HeldCalls
 
-        held = HeldCalls.for_turn(self.session.engine.tokenizer, turn)
+        held = HeldCalls.for_turn(self.session.engine, turn)
         if held is None:
             return lambda delta: delta or ""
         return lambda delta: held.feed(delta) if delta is not None else held.finish()

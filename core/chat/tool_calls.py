@@ -503,10 +503,11 @@ class HeldCalls:
             self._shown_ahead = len(already) - len(self._parser.text)
 
     @classmethod
-    def for_turn(cls, tokenizer: Any, turn: Any) -> HeldCalls | None:
+    def for_turn(cls, engine: Any, turn: Any) -> HeldCalls | None:
         """For the reply of ``turn`` (a session's turn handle: its ``tools``, and the
-        ``continued`` reply a continue extends) by ``tokenizer``'s model; None when the
-        turn has no tools (nothing to hold back).
+        ``continued`` reply a continue extends) by ``engine``'s model (its ``tokenizer``,
+        read only when there are tools); None when the turn has no tools (nothing to
+        hold back).
 
         Raises:
             ValueError: the family's parser module does not import.
@@ -516,6 +517,7 @@ class HeldCalls:
             return None
         from .token_text import decode_ids
 
+        tokenizer = engine.tokenizer
         continued = getattr(turn, "continued", None)
         ids = (continued.token_ids or ()) if continued is not None else ()
         already = decode_ids(tokenizer, ids, skip_special=True) if ids else ""

@@ -566,7 +566,7 @@ class MessagePane(MessageTools, Vertical):
         if not getattr(handle, "tools", None):  # no tokenizer needed (test engines)
             return None
         try:
-            return HeldCalls.for_turn(self.tierchat.session.engine.tokenizer, handle)
+            return HeldCalls.for_turn(self.tierchat.session.engine, handle)
         except Exception:  # noqa: BLE001 - a parser that does not import, a decode: raw text
             return None
 
