@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -490,17 +491,23 @@ class HeldCalls:
 
     :meth:`feed` takes each streamed delta and returns the text to add; :meth:`finish`
     returns what is still held at the end (a bare ``{…}`` that was no call). For a
-    continue, ``already`` is the cut reply's text: the parser reads it first, and what it
-    held then and releases now was shown already (at the cut reply's end), so it is not
-    given again.
+    continue, ``already`` is the cut reply's text: the parser reads it first. What the
+    cut reply's stream released only at its end (held text, a call cut in two shown as
+    its raw text) was shown already: released again as the same text, it is not given
+    twice; once the continuation's text departs from it (the cut call completed, say),
+    everything new is given.
     """
 
     def __init__(self, fmt: ReplyFormat, tools: list[dict] | None, already: str = "") -> None:
-        self._parser = ReplyParser(replace(fmt, think_start=None, think_end=None), tools=tools)
-        self._shown_ahead = 0  # characters of released text that were shown already
+        fmt = replace(fmt, think_start=None, think_end=None)
+        self._parser = ReplyParser(fmt, tools=tools)
+        self._ahead = ""  # text shown at the cut reply's end that this parser still holds
         if already:
             self._parser.feed(already)
-            self._shown_ahead = len(already) - len(self._parser.text)
+            cut = ReplyParser(fmt, tools=tools)  # the cut reply's stream, to its end
+            cut.feed(already)
+            cut.finish()
+            self._ahead = cut.text[len(self._parser.text) :]
 
     @classmethod
     def for_turn(cls, engine: Any, turn: Any) -> HeldCalls | None:
@@ -531,6 +538,9 @@ class HeldCalls:
 
     def _visible(self, parts: list[ReplyPart]) -> str:
         text = "".join(p.text for p in parts if isinstance(p, TextDelta))
-        seen = min(self._shown_ahead, len(text))
-        self._shown_ahead -= seen
-        return text[seen:]
+        if not self._ahead or not text:
+            return text
+        same = len(os.path.commonprefix([text, self._ahead]))
+        # all of it shown already: hold the rest; else (past it, or departed) give the new
+        self._ahead = self._ahead[same:] if same == len(text) else ""
+        return text[same:]

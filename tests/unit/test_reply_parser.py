@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 from tierchat.core.chat.tool_calls import (
+    HeldCalls,
     ReasoningDelta,
     ReplyFormat,
     ReplyParser,
@@ -553,3 +554,36 @@ def test_bare_calls_need_tools_and_parsing():
     # text shown first: the reply is not a bare call
     parsed = parse_reply(fmt, "Sure. " + reply, tools=BARE_TOOLS)
     assert parsed.text == "Sure. " + reply and not parsed.calls
+
+
+def _stream(held, pieces) -> str:
+    return "".join(held.feed(p) for p in pieces) + held.finish()
+
+
+def test_held_calls_show_text_and_hold_a_call_back():
+    fmt = ReplyFormat.named("json_tools")
+    pieces = ["Let me look. <tool", '_call>{"name": "get_time", ', '"arguments": {}}</tool_call>', " Done."]
+    assert _stream(HeldCalls(fmt, TOOLS), pieces) == "Let me look. Done."  # the space after a call goes with it
+
+
+@pytest.mark.parametrize(
+    "cut, rest, shown_at_cut, then",
+    [
+        # cut after a held "<" that was no marker: the "<" was shown at the cut's end
+        ("Hello <", "b> bold", "Hello <", "b> bold"),
+        # cut inside a call: its raw text was shown at the cut's end; the continuation
+        # completes the call (held back) and the text after it is given whole
+        (
+            'Hi <tool_call>{"name": "get_time"',
+            ', "arguments": {}}</tool_call> and then some text',
+            'Hi <tool_call>{"name": "get_time"',
+            "and then some text",
+        ),
+        # cut with nothing held
+        ("Plain", " text.", "Plain", " text."),
+    ],
+)
+def test_held_calls_of_a_continue_give_nothing_twice_and_lose_nothing(cut, rest, shown_at_cut, then):
+    fmt = ReplyFormat.named("json_tools")
+    assert _stream(HeldCalls(fmt, TOOLS), [cut]) == shown_at_cut  # the cut reply's stream
+    assert _stream(HeldCalls(fmt, TOOLS, already=cut), [rest]) == then
