@@ -562,8 +562,15 @@ def _stream(held, pieces) -> str:
 
 def test_held_calls_show_text_and_hold_a_call_back():
     fmt = ReplyFormat.named("json_tools")
-    pieces = ["Let me look. <tool", '_call>{"name": "get_time", ', '"arguments": {}}</tool_call>', " Done."]
-    assert _stream(HeldCalls(fmt, TOOLS), pieces) == "Let me look. Done."  # the space after a call goes with it
+    pieces = [
+        "Let me look. <tool",
+        '_call>{"name": "get_time", ',
+        '"arguments": {}}</tool_call>',
+        " Done.",
+    ]
+    assert (
+        _stream(HeldCalls(fmt, TOOLS), pieces) == "Let me look. Done."
+    )  # the space after a call goes with it
 
 
 @pytest.mark.parametrize(
@@ -583,7 +590,9 @@ def test_held_calls_show_text_and_hold_a_call_back():
         ("Plain", " text.", "Plain", " text."),
     ],
 )
-def test_held_calls_of_a_continue_give_nothing_twice_and_lose_nothing(cut, rest, shown_at_cut, then):
+def test_held_calls_of_a_continue_give_nothing_twice_and_lose_nothing(
+    cut, rest, shown_at_cut, then
+):
     fmt = ReplyFormat.named("json_tools")
     assert _stream(HeldCalls(fmt, TOOLS), [cut]) == shown_at_cut  # the cut reply's stream
     assert _stream(HeldCalls(fmt, TOOLS, already=cut), [rest]) == then
