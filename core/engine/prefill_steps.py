@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
@@ -34,7 +34,6 @@ from ..api import Event, GenerateRequest, PrefillProgress, TurnMetrics
 from ..cache.plans import Restored
 from ..cache.request import CacheRequest, ColdRequest, MeasureRequest
 from ..cache.schedule import chunk_ends, schedule_points
-from ..device import device_info
 from ..memory import readings
 from .forward import logprobs_of
 from .ranks import PREFILL_FAILED, PREFILL_OK, RESTORE_SHORT
@@ -43,13 +42,6 @@ from .sampling import RequestSampling, make_request_sampler
 if TYPE_CHECKING:
     from .ranks import Agreed, Turn
     from .runtime import Runtime
-
-# the CPU's prefill step when the settings leave it to the engine (docs/DESIGN.md §20):
-# chunks are cut at multiples of CPU_STEP_WEIGHT_BYTES / (the weights' bytes) tokens, a
-# power of two from 16 to the chunk: a function of the model, so cold and cached runs cut
-# alike. demo (2 GB in float32) gets 16: about a second of this 2-core machine's prefill
-CPU_STEP_WEIGHT_BYTES = 1 << 35
-MIN_PREFILL_STEP = 16
 
 
 _pieces = 0  # prefill pieces captured in this process (the test fault below counts them)
@@ -67,21 +59,6 @@ def _test_fault() -> None:
     rank, _, k = spec.partition(":")
     if rank == os.environ.get("MLX_RANK", "0") and str(_pieces) == k:
         raise RuntimeError(f"test fault: prefill piece {k} on rank {rank}")
-
-
-def auto_prefill_step(model: Any, prefill_chunk: int) -> int:
-    """The prefill step (tokens) on this device when the settings leave it to the engine:
-    none (0) on a GPU; on the CPU from the weights' size (:data:`CPU_STEP_WEIGHT_BYTES`),
-    none when that reaches ``prefill_chunk``."""
-    if device_info().kind != "cpu":
-        return 0
-    from mlx.utils import tree_flatten
-
-    nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters())) or 1
-    chunk = max(1, prefill_chunk)
-    step = max(MIN_PREFILL_STEP, CPU_STEP_WEIGHT_BYTES // nbytes)
-    step = 1 << (step.bit_length() - 1)  # a power of two
-    return 0 if step >= chunk else step
 
 
 def open_cache_request(

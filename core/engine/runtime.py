@@ -36,7 +36,27 @@ from ..memory import admission
 from ..memory import prefill as prefill_mod
 from .attention import AttentionPlan, mlx_softmax, pow_softmax
 from .forward import last_logits_fn, verify_last_logits
-from .prefill_steps import auto_prefill_step
+
+# the CPU's prefill step when the settings leave it to the engine (docs/DESIGN.md §20):
+# chunks are cut at multiples of CPU_STEP_WEIGHT_BYTES / (the weights' bytes) tokens, a
+# power of two from 16 to the chunk: a function of the model, so cold and cached runs cut
+# alike. demo (2 GB in float32) gets 16: about a second of this 2-core machine's prefill
+CPU_STEP_WEIGHT_BYTES = 1 << 35
+MIN_PREFILL_STEP = 16
+
+
+def auto_prefill_step(model: Any, prefill_chunk: int) -> int:
+    """The prefill step (tokens) on this device when the settings leave it to the engine:
+    none (0) on a GPU; on the CPU from the weights' size (:data:`CPU_STEP_WEIGHT_BYTES`),
+    none when that reaches ``prefill_chunk``."""
+    if device_info().kind != "cpu":
+        return 0
+    nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters())) or 1
+    chunk = max(1, prefill_chunk)
+    step = max(MIN_PREFILL_STEP, CPU_STEP_WEIGHT_BYTES // nbytes)
+    step = 1 << (step.bit_length() - 1)  # a power of two
+    return 0 if step >= chunk else step
+
 
 # the CPU's limit on a folded last chunk, per layer (docs/DESIGN.md §7): a 1-token forward of
 # demo (24 layers, float32) costs about what 20 tokens' share of a prefill does, and the

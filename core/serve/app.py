@@ -38,8 +38,8 @@ from . import anthropic_api, openai_api, responses_api
 from .guard import HostGuard, authorize
 from .limits import context_length
 from .prompts import APIError
-from .replies import SHUTDOWN_RETRY_AFTER_S, error_response, internal_error
-from .state import ServeState, ranks_failure
+from .replies import error_response, internal_error
+from .state import SHUTDOWN_RETRY_AFTER_S, ServeState, ranks_failure
 
 # ---------------------------------------------------------------- the app
 

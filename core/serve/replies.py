@@ -20,15 +20,13 @@ from starlette.responses import JSONResponse, Response
 from ..api import Failed, TurnMetrics
 from ..text import log_safe
 from .prompts import APIError
+from .state import SHUTDOWN_RETRY_AFTER_S
 
 if TYPE_CHECKING:
     from .generation import ClientGone
 
 
 # ---------------------------------------------------------------- errors
-
-# a stopping server is back, if it is restarted, after its model loads: not within 1 s
-SHUTDOWN_RETRY_AFTER_S = 10
 
 
 def error_response(e: APIError) -> JSONResponse:

@@ -23,8 +23,10 @@ from ..text import log_safe
 from .limits import ServeLimits
 from .log import TrackedEngine
 from .prompts import APIError, ReplyMemory
-from .replies import SHUTDOWN_RETRY_AFTER_S
 from .response_store import ResponseStore
+
+# a stopping server is back, if it is restarted, after its model loads: not within 1 s
+SHUTDOWN_RETRY_AFTER_S = 10
 
 API_KEY_ENV = "TIERCHAT_API_KEY"
 # lines removed from every system message before its prompt is built (request.py
