@@ -440,9 +440,23 @@ class Replayer:
         return self.run
 
 
+SHORTEST_CALIBRATION = 256  # tokens: the floor's shortest cold prompt
+
+
 def calibration_lengths(longest: int, points: int) -> list[int]:
-    """``points`` prompt lengths for the floor: ``longest`` halved down (at least 64)."""
-    out = sorted({max(64, longest >> j) for j in range(points)})
+    """``points`` prompt lengths for the floor, spaced evenly in ``log n`` from
+    :data:`SHORTEST_CALIBRATION` tokens (or ``longest``, if shorter) to ``longest``: the
+    short ones pin the fixed and per-token costs (the floor of a turn with few new tokens),
+    the long ones attention's quadratic term. Lengths closer than 64 tokens merge."""
+    lo = min(SHORTEST_CALIBRATION, longest)
+    if points <= 1 or lo == longest:
+        return [longest]
+    out: list[int] = []
+    for j in range(points):
+        n = round(lo * (longest / lo) ** (j / (points - 1)))
+        if not out or n - out[-1] >= 64:
+            out.append(n)
+    out[-1] = longest
     return out
 
 

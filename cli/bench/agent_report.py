@@ -8,7 +8,7 @@ It comes from the server's own cold prefills: before the replay each server answ
 requests of unrelated text at a few lengths up to the session's longest prompt, and
 :func:`fit_prefill_curve` fits ``T(n) = c0 + c1·n + c2·n²`` (seconds for a cold ``n``-token
 prompt: weights linear in ``n``, attention quadratic) by least squares with every
-coefficient ≥ 0. Then ``floor(context L, new k) = c0 + T(L) − T(L − k)`` (the marginal cost
+coefficient ≥ 0, each point's relative error counted alike. Then ``floor(context L, new k) = c0 + T(L) − T(L − k)`` (the marginal cost
 of the last ``k`` tokens of an ``L``-token prefill) and the cold estimate is ``T(L)``. A
 request with every token new has floor ``T(L)``; one with none new, ``c0``.
 """
@@ -52,12 +52,19 @@ class PrefillCurve:
         return self.c0 + self.c1 * new + self.c2 * (context * context - (context - new) ** 2)
 
 
+def _weight(t: float) -> float:
+    """A point's weight in the fit: ``1/t²``, so that each point's *relative* error counts
+    (a 30 s cold prefill would otherwise outweigh a 0.1 s one 10⁵ times, and the short
+    points are what pins ``c0`` and ``c1``, the floor of a turn with few new tokens)."""
+    return 1.0 / max(t, 1e-6) ** 2
+
+
 def _solve(points: Sequence[tuple[int, float]], terms: tuple[int, ...]) -> list[float] | None:
-    """Least squares of ``ttft ≈ Σ c_j n^j`` over ``j in terms`` (normal equations, tiny
-    systems); None when singular."""
+    """Weighted least squares (:func:`_weight`) of ``ttft ≈ Σ c_j n^j`` over ``j in
+    terms`` (normal equations, tiny systems); None when singular."""
     k = len(terms)
-    a = [[sum(float(n) ** (i + j) for n, _ in points) for j in terms] for i in terms]
-    b = [sum(float(n) ** i * t for n, t in points) for i in terms]
+    a = [[sum(_weight(t) * float(n) ** (i + j) for n, t in points) for j in terms] for i in terms]
+    b = [sum(_weight(t) * float(n) ** i * t for n, t in points) for i in terms]
     for col in range(k):  # Gaussian elimination with partial pivoting
         piv = max(range(col, k), key=lambda r: abs(a[r][col]))
         if abs(a[piv][col]) < 1e-300:
@@ -73,8 +80,8 @@ def _solve(points: Sequence[tuple[int, float]], terms: tuple[int, ...]) -> list[
 
 def fit_prefill_curve(points: Sequence[tuple[int, float]]) -> PrefillCurve:
     """The :class:`PrefillCurve` through ``points`` (``(prompt tokens, cold TTFT s)``):
-    least squares over every subset of the three terms, keeping the best fit whose
-    coefficients are all ≥ 0 (one point: a line through the origin).
+    least squares of the relative errors over every subset of the three terms, keeping the
+    best fit whose coefficients are all ≥ 0 (one point: a line through the origin).
 
     Raises:
         ValueError: no points, or a point with fewer than 1 token or a negative time.
@@ -91,7 +98,7 @@ def fit_prefill_curve(points: Sequence[tuple[int, float]]) -> PrefillCurve:
                 continue
             c = dict(zip(terms, coef, strict=True))
             curve = PrefillCurve(c.get(0, 0.0), c.get(1, 0.0), c.get(2, 0.0))
-            err = sum((curve.cold_s(n) - t) ** 2 for n, t in points)
+            err = sum(_weight(t) * (curve.cold_s(n) - t) ** 2 for n, t in points)
             if best is None or err < best[0] - 1e-15:
                 best = (err, curve)
     if best is None:  # every time 0

@@ -60,9 +60,25 @@ def test_new_tokens_counts_after_the_common_prefix_with_the_request_before():
     assert new_tokens(prompts) == [3, 3, 2, 0]
 
 
-def test_calibration_lengths_halve_down_from_the_longest():
-    assert calibration_lengths(70000, 4) == [8750, 17500, 35000, 70000]
-    assert calibration_lengths(100, 4) == [64, 100]
+def test_calibration_lengths_span_short_to_longest_evenly_in_log_n():
+    assert calibration_lengths(70000, 4) == [256, 1662, 10785, 70000]
+    assert calibration_lengths(97350, 3) == [256, 4992, 97350]
+    assert calibration_lengths(100, 4) == [100]  # shorter than the shortest: one point
+    assert calibration_lengths(300, 4) == [300]  # closer than 64 tokens: merged
+
+
+def test_floor_of_a_short_turn_deep_in_a_long_context_from_noisy_cold_points():
+    # an 8B-like GPU curve; the measured cold points off by a few per cent either way
+    truth = PrefillCurve(0.04, 8e-5, 2.5e-9)
+    noise = (1.04, 0.97, 1.03, 0.96)
+    points = [
+        (n, truth.cold_s(n) * f) for n, f in zip(calibration_lengths(97350, 4), noise, strict=True)
+    ]
+    got = fit_prefill_curve(points)
+    # a 184-token turn at 11.8K (the fixed and per-token costs dominate) and two ~8K-token
+    # turns deep in the context (attention dominates): each within 10% of the truth
+    for context, new in ((11849, 184), (66813, 9046), (97350, 6700)):
+        assert got.floor_s(context, new) == pytest.approx(truth.floor_s(context, new), rel=0.1)
 
 
 def row(server, index, ttft, phase="before", copy=0, floor=None, cold=None, cached=0):
