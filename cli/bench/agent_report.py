@@ -7,10 +7,11 @@ conversation) at their place in the context, plus the server's fixed cost of a r
 It comes from the server's own cold prefills: before the replay each server answers cold
 requests of unrelated text at a few lengths up to the session's longest prompt, and
 :func:`fit_prefill_curve` fits ``T(n) = c0 + c1·n + c2·n²`` (seconds for a cold ``n``-token
-prompt: weights linear in ``n``, attention quadratic) by least squares with every
-coefficient ≥ 0, each point's relative error counted alike. Then ``floor(context L, new k) = c0 + T(L) − T(L − k)`` (the marginal cost
-of the last ``k`` tokens of an ``L``-token prefill) and the cold estimate is ``T(L)``. A
-request with every token new has floor ``T(L)``; one with none new, ``c0``.
+prompt: weights linear in ``n``, attention quadratic) by least squares of the relative
+errors with every coefficient ≥ 0. Then ``floor(context L, new k) = c0 + T(L) − T(L − k)``
+(the marginal cost of the last ``k`` tokens of an ``L``-token prefill) and the cold
+estimate is ``T(L)``. A request with every token new has floor ``T(L)``; one with none
+new, ``c0``.
 """
 
 from __future__ import annotations
