@@ -4,8 +4,9 @@ floor, and the side-by-side table. Pure: no server, no model, no clock.
 The floor of a request is the time its server needs to prefill only the request's *new*
 tokens (those after its longest common prefix with the previous request of the same
 conversation) at their place in the context, plus the server's fixed cost of a request.
-It comes from the server's own cold prefills: before the replay each server answers cold
-requests of unrelated text at a few lengths up to the session's longest prompt, and
+It comes from the server's own cold prefills: after the replay each server answers cold
+requests of unrelated text at a few lengths from 256 tokens to the session's longest
+prompt, and
 :func:`fit_prefill_curve` fits ``T(n) = c0 + c1·n + c2·n²`` (seconds for a cold ``n``-token
 prompt: weights linear in ``n``, attention quadratic) by least squares of the relative
 errors with every coefficient ≥ 0. Then ``floor(context L, new k) = c0 + T(L) − T(L − k)``
