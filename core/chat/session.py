@@ -52,12 +52,12 @@ from ..api import (
     Stopping,
 )
 from ..sampling_params import SEED_LIMIT
-from ..tools.rounds import reply_meta
 from .context_limit import ContextLimitExceeded, context_length, generation_room
 from .conversation_settings import ConversationSettings
 from .prompts import Prompt, PromptBuilder, decode_ids
 from .store import ConversationStore, Node, PathEntry
 from .tool_calls import ReplyFormat
+from .tool_rounds_logic import reply_meta
 from .trash import Trash
 from .turn_handle import TurnHandle
 
@@ -167,7 +167,7 @@ class ChatSession:
         replaces a stored system root), and no generated ids from another model. An
         assistant step's calls and a tool result carry their OpenAI chat fields from
         ``meta`` (``tool_calls``, ``reasoning_content``; ``tool_call_id``, ``name``); a
-        step whose calls were bare (``meta["as_written"]``, core/tools/rounds.py) is its
+        step whose calls were bare (``meta["as_written"]``, core/chat/tool_rounds_logic.py) is its
         text as the model wrote it while its ids are the loaded model's (``as_written``
         False: its calls instead), so its generated ids splice (docs/DESIGN.md §4)."""
         settings = settings or self.settings(path[0].conversation_id if path else None)

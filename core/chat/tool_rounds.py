@@ -28,7 +28,10 @@ from typing import Any, Literal
 
 from ..api import EventCallback
 from ..tools.mcp_host import CallHandle, McpHost, ToolInfo, ToolResult
-from ..tools.rounds import (
+from .conversation_settings import ConversationSettings
+from .session import ChatSession, SessionError, TurnHandle
+from .store import Node
+from .tool_rounds_logic import (
     DEFAULT_MAX_ROUNDS,
     PlannedCall,
     Step,
@@ -37,9 +40,6 @@ from ..tools.rounds import (
     next_step,
     plan_calls,
 )
-from .conversation_settings import ConversationSettings
-from .session import ChatSession, SessionError, TurnHandle
-from .store import Node
 
 DEFAULT_CALL_TIMEOUT_S = 120.0
 

@@ -1,4 +1,4 @@
-"""Tool rounds, the pure part (core/tools/rounds.py): replies split by the family parser
+"""Tool rounds, the pure part (core/chat/tool_rounds_logic.py): replies split by the family parser
 serve uses, calls resolved against the conversation's tools (unknown tools and unreadable
 arguments become error results), function names, the round limit."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 from tierchat.core.chat.tool_calls import ReplyFormat
+from tierchat.core.chat.tool_rounds_logic import next_step, plan_calls, reply_meta, split_reply
 from tierchat.core.tools.mcp_host import ToolInfo, function_names
-from tierchat.core.tools.rounds import next_step, plan_calls, reply_meta, split_reply
 
 HERMES = ReplyFormat.named("json_tools", None)
 READ = ToolInfo("fs", "read_file", "read_file", "Read a file", {"type": "object"})

@@ -1,7 +1,7 @@
 """Tool rounds, the pure part (docs/DESIGN.md §12.1): a reply split into its text and
 calls, the calls resolved against the conversation's tools, and what comes next.
 
-A reply is parsed with the same :class:`~tierchat.core.chat.tool_calls.ReplyParser` serve
+A reply is parsed with the same :class:`~.tool_calls.ReplyParser` serve
 uses (mlx-lm's parser of the model's family, bare ``{"name", "arguments"}`` calls of small
 models included). Every call the model made gets a result, so the conversation always goes
 on:
@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..chat.tool_calls import ReplyFormat, ReplyParser, ToolCall
-from .mcp_host import ToolInfo
+from ..tools.mcp_host import ToolInfo
+from .tool_calls import ReplyFormat, ReplyParser, ToolCall
 
 DEFAULT_MAX_ROUNDS = 8
 _NAME_RE = re.compile(r'"name"\s*:\s*"([^"\\]{1,64})"')
