@@ -26,11 +26,8 @@ from typing import Any
 
 from tierchat.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CLIError
 
-RANK_VARS = (
-    "MLX_RANK",
-    "OMPI_COMM_WORLD_RANK",
-    "PMI_RANK",
-)  # core/engine/distributed.py reads them
+# the launchers' rank variables (core/engine/distributed.py reads them)
+RANK_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
 
 def launched() -> bool:

@@ -45,15 +45,14 @@ CPU_STEP_WEIGHT_BYTES = 1 << 35
 MIN_PREFILL_STEP = 16
 
 
-def auto_prefill_step(model: Any, prefill_chunk: int) -> int:
+def auto_prefill_step(weights_bytes: int, prefill_chunk: int) -> int:
     """The prefill step (tokens) on this device when the settings leave it to the engine:
-    none (0) on a GPU; on the CPU from the weights' size (:data:`CPU_STEP_WEIGHT_BYTES`),
-    none when that reaches ``prefill_chunk``."""
+    none (0) on a GPU; on the CPU from the weights' size in bytes
+    (:data:`CPU_STEP_WEIGHT_BYTES`), none when that reaches ``prefill_chunk``."""
     if device_info().kind != "cpu":
         return 0
-    nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters())) or 1
     chunk = max(1, prefill_chunk)
-    step = max(MIN_PREFILL_STEP, CPU_STEP_WEIGHT_BYTES // nbytes)
+    step = max(MIN_PREFILL_STEP, CPU_STEP_WEIGHT_BYTES // max(weights_bytes, 1))
     step = 1 << (step.bit_length() - 1)  # a power of two
     return 0 if step >= chunk else step
 
@@ -283,10 +282,10 @@ def build_runtime(
     s = settings
     model = loaded.model
     make_cache = cache_factory(model, s)
-    step = s.prefill_step or auto_prefill_step(model, s.prefill_chunk)
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    step = s.prefill_step or auto_prefill_step(weights, s.prefill_chunk)
     step = peers.all_min([step])[0]  # one on every rank (its shard's)
     kv_profile = prefill_mod.kv_profile(model, lambda m: make_cache())
-    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     caches = make_cache()
     cpu = device_info().kind == "cpu"
 
