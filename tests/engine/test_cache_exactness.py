@@ -144,14 +144,21 @@ def test_divergence_inside_a_block_reuses_the_common_prefix(tmp_path, models_dir
         cold.close()
 
 
+@pytest.mark.parametrize("by_path", [False, True], ids=["staged", "by-path"])
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_restart_regenerate_is_bitwise_hot_regenerate_and_cold(tmp_path, models_dir, arch):
+def test_restart_regenerate_is_bitwise_hot_regenerate_and_cold(
+    tmp_path, models_dir, arch, by_path, monkeypatch
+):
     """A regenerate served from the SSD tier after a restart gives the logprobs of the same
     regenerate served hot (the resident cache, with its kept first-token logprobs where
     every layer can be cut back to N), bit for bit; with no decode-computed K/V in
-    the prompt both equal the cold run bit for bit too."""
+    the prompt both equal the cold run bit for bit too. Both ways the SSD tier loads a
+    file: viewed in its staging arrays, and verified then ``mx.load``-ed (CUDA's)."""
     import numpy as np
     from engine_kit import generate, make_engine, random_prompt
+    from tierchat.core.cache.ssd.reader import SSDReader
+
+    monkeypatch.setattr(SSDReader, "by_path", by_path)
 
     model = f"tiny:{arch}"
     bounds = ((9, "system"), (40, "user"))

@@ -14,6 +14,7 @@ import pytest
 from ssd_kit import FP
 from tierchat.core.cache.blocks import KIND_BLOCK, Entry, chain_ids, root_id
 from tierchat.core.cache.ssd import io as ssd_io
+from tierchat.core.cache.ssd.reader import SSDReader
 from tierchat.core.cache.ssd.tier import SSDTier
 
 BOUND = 64 << 10
@@ -57,9 +58,12 @@ def big_entry(layers: int = 6, heads: int = 4, tokens: int = 1000, dim: int = 24
     return e
 
 
-@pytest.fixture
-def bound(monkeypatch):
+@pytest.fixture(params=[False, True], ids=["staged", "by-path"])
+def bound(monkeypatch, request):
+    """A low piece bound, with both ways a file is loaded (by path, a tensor over the
+    bound falls back to staging pieces)."""
     monkeypatch.setattr(ssd_io, "PIECE_BYTES", BOUND)
+    monkeypatch.setattr(SSDReader, "by_path", request.param)
     return BOUND
 
 

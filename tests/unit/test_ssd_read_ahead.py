@@ -11,9 +11,19 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from ssd_kit import FP, entry
 from tierchat.core.cache.ssd import io as ssd_io
+from tierchat.core.cache.ssd.reader import SSDReader
 from tierchat.core.cache.ssd.tier import SSDTier
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["staged", "by-path"])
+def load_mode(request, monkeypatch):
+    """Every test with both ways a file is loaded: read into staging arrays and viewed,
+    or verified by the reader thread and read again by ``mx.load`` (CUDA's way)."""
+    monkeypatch.setattr(SSDReader, "by_path", request.param)
+    return request.param
 
 
 class Tier(SSDTier):
@@ -97,3 +107,31 @@ def test_drop_and_close_cancel_the_reads_not_started(monkeypatch):
     release.set()
     ahead.close()
     assert running.result() == "a" and calls == ["a"]
+
+
+def test_a_file_replaced_after_its_verifying_read_is_not_loaded(tmp_path, load_mode):
+    """Loaded by path, a file is read twice: a file swapped (a corrupt byte, a new inode)
+    between the verifying read ahead and the load is refused and removed, never loaded;
+    staged, the load views the verified bytes and the swap does not matter."""
+    entries = written(tmp_path, 2)
+    fresh = Tier(tmp_path, FP, 1 << 30)
+    try:
+        swapped, good = entries
+        fresh.reader.read_ahead([swapped.id])
+        _, read = fresh.reader.ahead._reads[swapped.id]
+        read.result(60)  # verified
+        path = fresh._path(swapped.id)
+        raw = bytearray(path.read_bytes())
+        raw[-3] ^= 0x10
+        side = path.with_suffix(".swap")
+        side.write_bytes(bytes(raw))
+        side.rename(path)
+        got = fresh.load(swapped.id)
+        if load_mode:
+            assert got is None and fresh.corrupt == 1 and not path.exists()
+        else:
+            assert got is not None and same(got, swapped) and fresh.corrupt == 0
+        got = fresh.load(good.id)
+        assert got is not None and same(got, good)
+    finally:
+        fresh.close()

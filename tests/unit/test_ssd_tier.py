@@ -14,6 +14,7 @@ from tierchat.core.cache.blocks import KIND_BLOCK, KIND_TAIL, root_id
 from tierchat.core.cache.ssd import format as ssd_format
 from tierchat.core.cache.ssd import io as ssd_io
 from tierchat.core.cache.ssd.format import CorruptEntry
+from tierchat.core.cache.ssd.reader import SSDReader
 from tierchat.core.cache.ssd.tier import SSDTier
 
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
@@ -33,8 +34,11 @@ def assert_bitwise(got: dict, want: dict) -> None:
         assert np.array_equal(bits(a), bits(b)), name
 
 
-@pytest.fixture
-def tier(tmp_path):
+@pytest.fixture(params=[False, True], ids=["staged", "by-path"])
+def tier(tmp_path, request, monkeypatch):
+    """Make SSD tiers in ``tmp_path``; each test runs with both ways a file is loaded
+    (viewed in its staging arrays; verified, then ``mx.load``-ed as on CUDA)."""
+    monkeypatch.setattr(SSDReader, "by_path", request.param)
     made = []
 
     def make(**kw):

@@ -127,7 +127,7 @@ def read_file(
     with f:
         if into is not None and st.st_size != sum(len(v) for v in into):
             raise CorruptEntry("file size changed since indexed")
-        if keep and hasattr(os, "posix_fadvise"):  # the kernel reads ahead while we check
+        if hasattr(os, "posix_fadvise"):  # the kernel reads ahead while we check
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
         head = _read_head(f, st.st_size)
         layout = parse_header(head, st.st_size)
@@ -166,6 +166,57 @@ def staging(size: int) -> list[mx.array]:
     ]
     mx.eval(stages)
     return stages
+
+
+def loads_by_path() -> bool:
+    """Whether the SSD tier loads a verified file with ``mx.load(path)`` (CUDA) rather than
+    viewing the staging arrays it was read into (CPU, Metal).
+
+    On CUDA, memory an array gets without a GPU stream is managed memory: the copy of a
+    staged file into the restored cache's GPU buffers migrates it page by page on the
+    GPU's faults. ``mx.load`` reads a file into host memory and copies it to device memory
+    with one ``cudaMemcpyAsync`` a tensor (MLX ``backend/cuda/load.cpp``): on an H200,
+    4.1-4.2 GB/s of 37.7 MB files in the page cache against 2.1-2.4 GB/s staged
+    (docs/BENCHMARKS.md). On the CPU and Metal the staging arrays are the tensors' memory
+    (no copy), so they stay."""
+    cuda = getattr(mx, "cuda", None)
+    return mx.default_device().type == mx.gpu and cuda is not None and cuda.is_available()
+
+
+def load_verified(path: Path, layout: Layout, ino: int, nbytes: int) -> dict[str, mx.array]:
+    """The tensors of ``path``, verified by :func:`read_file` (``keep=False``) as
+    ``layout`` in inode ``ino`` of ``nbytes`` bytes, read again by ``mx.load`` (from the page cache the
+    verifying read filled) into new evaluated arrays. Engine thread only.
+
+    The bytes are checked once, by the verifying read; the load reads the same inode,
+    which the SSD tier never changes in place (a file is written beside and renamed), and
+    the file is compared after the load with what was verified (inode, size, not a link).
+    Every tensor must be under MLX's 2^31-byte array bound (the caller checks
+    :func:`fits_one_load`).
+
+    Raises:
+        CorruptEntry: the file is no longer the one verified, or its tensors are not
+            ``layout``'s.
+        OSError, RuntimeError: as ``os.stat`` or ``mx.load`` raise them.
+    """
+    arrays = mx.load(str(path), format="safetensors")
+    mx.eval(list(arrays.values()))
+    st = os.stat(path, follow_symlinks=False)
+    if st.st_ino != ino or not stat.S_ISREG(st.st_mode) or st.st_size != nbytes:
+        raise CorruptEntry("file changed since verified")
+    if set(arrays) != {name for name, *_ in layout.tensors}:
+        raise CorruptEntry("tensors changed since verified")
+    for name, dtype, shape, _, _ in layout.tensors:
+        a = arrays[name]
+        if a.dtype != DTYPES[dtype][0] or tuple(a.shape) != tuple(shape):
+            raise CorruptEntry(f"tensor {name} changed since verified")
+    return arrays
+
+
+def fits_one_load(layout: Layout) -> bool:
+    """Whether every tensor of ``layout`` is at most :data:`PIECE_BYTES` (one array
+    ``mx.load`` can make); else the file is read into staging pieces."""
+    return all(end - begin <= PIECE_BYTES for *_, begin, end in layout.tensors)
 
 
 def views_of(stages: list[mx.array]) -> list[memoryview]:
@@ -208,20 +259,26 @@ class ReadAhead:
     array made by the caller (the engine thread), keyed by entry id."""
 
     def __init__(self, workers: int = 4) -> None:
-        self._reads: dict[str, tuple[list[mx.array], Future]] = {}
+        self._reads: dict[str, tuple[list[mx.array] | None, Future]] = {}
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierchat-ssd-read")
 
     def __contains__(self, key: str) -> bool:
         return key in self._reads
 
-    def start(self, key: str, path: Path, nbytes: int) -> None:
-        """Stage ``nbytes`` and start reading ``path`` (the whole file) into them."""
+    def start(self, key: str, path: Path, nbytes: int, verify_only: bool = False) -> None:
+        """Stage ``nbytes`` and start reading ``path`` (the whole file) into them; with
+        ``verify_only``, start reading and checking it only (no staging: its load reads it
+        again, :func:`load_verified`)."""
+        if verify_only:
+            self._reads[key] = (None, self._pool.submit(read_file, path, keep=False))
+            return
         stages = staging(nbytes)
         self._reads[key] = (stages, self._pool.submit(read_file, path, into=views_of(stages)))
 
-    def take(self, key: str) -> tuple[list[mx.array], Future] | None:
-        """The staging arrays and the read's future (:func:`read_file`'s result, or its
-        error when the future is asked), or None when ``key`` was not read ahead."""
+    def take(self, key: str) -> tuple[list[mx.array] | None, Future] | None:
+        """The staging arrays (None for a read that only verifies) and the read's future
+        (:func:`read_file`'s result, or its error when the future is asked), or None when
+        ``key`` was not read ahead."""
         return self._reads.pop(key, None)
 
     def drop(self) -> None:

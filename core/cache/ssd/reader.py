@@ -8,7 +8,10 @@ makes the entry *corrupt*; a file found missing is forgotten; a resource error (
 ENFILE, ENOMEM, EACCES, EIO...: an ``OSError`` other than a missing file) is not
 corruption: the load is a miss, counted in ``errors`` and logged, and the file stays for a
 later retry. The reader threads of a restore write file bytes into the memory of staging
-arrays the engine made (:func:`~.io.staging`), plain file I/O and CRC-32 with no MLX.
+arrays the engine made (:func:`~.io.staging`), plain file I/O and CRC-32 with no MLX. On
+CUDA the reader threads only verify, and the load reads the verified file again with
+``mx.load``, which copies it to device memory without managed memory's page faults
+(:func:`~.io.loads_by_path`, :func:`~.io.load_verified`).
 
 :class:`SSDReader` is a collaborator of :class:`~.tier.SSDTier`, given its lock, index,
 writer and file paths, and what to call for a hit, a corrupt or missing file and an error.
@@ -26,7 +29,17 @@ from pathlib import Path
 from ..blocks import Entry, EntryMeta
 from .format import CorruptEntry, check_arrays, entry_meta
 from .index import EntryIndex
-from .io import ReadAhead, advise_willneed, arrays_in, read_file, staging, views_of
+from .io import (
+    ReadAhead,
+    advise_willneed,
+    arrays_in,
+    fits_one_load,
+    load_verified,
+    loads_by_path,
+    read_file,
+    staging,
+    views_of,
+)
 from .writer import SSDWriter
 
 
@@ -36,7 +49,11 @@ class SSDReader:
     ``fingerprint``: the model's, checked in each header. ``counted(from_memory)``: a
     load served (from a pending entry's arrays or from its file); ``condemn(id, reason,
     ino)``: a corrupt file read; ``forget(id)``: a file found missing;
-    ``count_error(text)``: any other failure."""
+    ``count_error(text)``: any other failure. ``by_path``: verify a file with a read of
+    its own, then load it with ``mx.load`` (:func:`~.io.loads_by_path`: on CUDA), instead
+    of viewing the staging arrays it was read into."""
+
+    by_path: bool = loads_by_path()
 
     def __init__(
         self,
@@ -85,16 +102,25 @@ class SSDReader:
             if item is not None:
                 arrays = dict(item.entry.arrays)
             else:
+                path = self.path_of(entry_id)
                 ahead = self.ahead.take(entry_id)
                 if ahead is None:
-                    stages = staging(meta.nbytes)
-                    layout, _, ino = read_file(self.path_of(entry_id), into=views_of(stages))
+                    stages = None if self.by_path else staging(meta.nbytes)
+                    into = None if stages is None else views_of(stages)
+                    layout, _, ino = read_file(path, keep=stages is not None, into=into)
                 else:
                     stages, read = ahead
                     layout, _, ino = read.result()
                 if EntryMeta.meta(entry_meta(layout.meta, self.fingerprint)) != meta.meta():
                     raise CorruptEntry("file changed since indexed")
-                arrays = arrays_in(layout, stages)
+                if stages is not None:
+                    arrays = arrays_in(layout, stages)
+                elif fits_one_load(layout):
+                    arrays = load_verified(path, layout, ino, meta.nbytes)
+                else:  # a tensor over MLX's bound: read again, into staging pieces
+                    stages = staging(meta.nbytes)
+                    layout, _, ino = read_file(path, into=views_of(stages))
+                    arrays = arrays_in(layout, stages)
             if expected is not None:
                 check_arrays(arrays, expected, len(meta.tokens))
         except CorruptEntry as exc:
@@ -128,7 +154,7 @@ class SSDReader:
                 meta = self.index.get(entry_id)
                 if entry_id in self.writer.pending or meta is None or entry_id in self.ahead:
                     continue
-            self.ahead.start(entry_id, self.path_of(entry_id), meta.nbytes)
+            self.ahead.start(entry_id, self.path_of(entry_id), meta.nbytes, self.by_path)
 
     def drop_reads(self) -> None:
         """Forget reads ahead that no load took (the restore changed its plan)."""
