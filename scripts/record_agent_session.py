@@ -100,11 +100,11 @@ SCRIPTS: dict[str, list[Step]] = {
 }
 # the long session (``record claude-code --script read-large``): this repository's largest
 # source files, copied into the scratch project under their own paths and read one by one,
-# so the prompt grows by ~8K tokens a step, past 64K tokens after the last
+# so the prompt grows by ~7K tokens a step, past 64K tokens after the ninth and to ~120K
 LARGE_FILES = (
     "core/cache/prefix.py",
     "core/engine/engine.py",
-    "tui/screens/chat.py",
+    "tui/screens/chat/pane.py",
     "core/cache/ssd/tier.py",
     "core/chat/store.py",
     "core/chat/session.py",
@@ -112,8 +112,26 @@ LARGE_FILES = (
     "core/engine/scheduler.py",
     "core/serve/anthropic_api.py",
     "cli/bench/main.py",
+    "cli/bench/agent_bench.py",
+    "core/engine/executor.py",
+    "tui/widgets/transcript.py",
+    "tui/widgets/cache_panels.py",
+    "core/chat/tool_calls.py",
 )
-SCRIPTS["read-large"] = [Step("shell", "ls -R"), *(Step("read", f) for f in LARGE_FILES)]
+# then the small steps an agent takes once it has read them (a count, a search, a listing:
+# a few hundred tokens each), so the session's last requests reuse ~99% of their prompt, as
+# an agent's requests after a restart of the server do
+FOLLOW_UPS = (
+    "wc -l " + " ".join(LARGE_FILES),
+    "grep -c 'def ' " + " ".join(LARGE_FILES),
+    "grep -n '^class ' core/cache/prefix.py core/cache/ssd/tier.py",
+    "ls core/cache core/cache/ssd",
+)
+SCRIPTS["read-large"] = [
+    Step("shell", "ls -R"),
+    *(Step("read", f) for f in LARGE_FILES),
+    *(Step("shell", c) for c in FOLLOW_UPS),
+]
 
 
 # ---------------------------------------------------------------- the request's view
@@ -598,7 +616,9 @@ TOUR_TASK = (
 
 LARGE_TASK = (
     "Read these source files of this project one by one, in this order, and after each one "
-    "summarize what it does in a few sentences: " + ", ".join(LARGE_FILES) + "."
+    "summarize what it does in a few sentences: " + ", ".join(LARGE_FILES) + ". Then count "
+    "their lines and functions, list the classes of the two cache modules and the files of "
+    "the cache package, and say which file is the largest."
 )
 TASKS = {"tour": TOUR_TASK, "read-large": LARGE_TASK, "notes": "Read notes.txt."}
 OUT_NAMES = {"tour": "agent-{name}", "read-large": "agent-{name}-long", "notes": "agent-{name}"}

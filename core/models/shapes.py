@@ -34,6 +34,7 @@ folder put into its models dir.
 ``qwen3-8b-128k``       the same with YaRN (factor 4 over 32,768 positions: 131,072), as
                         Qwen3-8B's model card enables long contexts; for agent sessions past
                         the 40,960 tokens of the plain config (``tierchat bench --agent``).
+``qwen3-8b-128k-4bit``  ``qwen3-8b-128k``, 4-bit.
 ``qwen3-30b-a3b-4bit``  Qwen3-30B-A3B (``qwen3_moe``), 4-bit: 48 layers, hidden 2048, 32
                         heads / 4 KV heads of 128, 128 experts of 768 with 8 per token, vocab
                         151936, untied (30.5B parameters, 3.3B active; ~17 GB). KVCache.
@@ -217,21 +218,24 @@ def _4bit(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, "quantization": dict(QUANTIZATION_4BIT)}
 
 
+_QWEN3_8B_128K = {
+    **_QWEN3_8B,
+    "max_position_embeddings": 131072,
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 32768,
+    },
+}
+
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": _QWEN25_05B,
     "qwen3.5-0.8b": _QWEN35_08B,
     "gemma3-270m": _GEMMA3_270M,
     "qwen3-8b": _QWEN3_8B,
     "qwen3-8b-4bit": _4bit(_QWEN3_8B),
-    "qwen3-8b-128k": {
-        **_QWEN3_8B,
-        "max_position_embeddings": 131072,
-        "rope_scaling": {
-            "rope_type": "yarn",
-            "factor": 4.0,
-            "original_max_position_embeddings": 32768,
-        },
-    },
+    "qwen3-8b-128k": _QWEN3_8B_128K,
+    "qwen3-8b-128k-4bit": _4bit(_QWEN3_8B_128K),
     "qwen3-30b-a3b-4bit": _4bit(_QWEN3_30B_A3B),
     "qwen2.5-0.5b-4bit": _4bit(_QWEN25_05B),
     "llama3-70b": _LLAMA3_70B,
@@ -246,6 +250,8 @@ DESCRIPTIONS: dict[str, str] = {
     "qwen3-8b": "Qwen3-8B shapes (36 layers, hidden 4096), bf16 on a GPU; cache: KVCache",
     "qwen3-8b-4bit": "Qwen3-8B shapes, 4-bit (group 64, as mlx-community); cache: KVCache",
     "qwen3-8b-128k": "Qwen3-8B shapes with YaRN to 131072 positions, bf16; cache: KVCache",
+    "qwen3-8b-128k-4bit": "Qwen3-8B shapes with YaRN to 131072 positions, 4-bit (group 64); "
+    "cache: KVCache",
     "qwen3-30b-a3b-4bit": "Qwen3-30B-A3B MoE shapes (128 experts, 8 active), 4-bit; cache: KVCache",
     "qwen2.5-0.5b-4bit": "Qwen2.5-0.5B shapes, 4-bit (group 64); cache: KVCache",
     "llama3-70b": "Llama-3.3-70B shapes (80 layers, hidden 8192), bf16 (~142 GB): across "
