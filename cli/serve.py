@@ -69,6 +69,8 @@ def _print_record(record: RequestRecord) -> None:
         print(line, file=sys.stderr, flush=True)
         return
     by = ", ".join(f"{k} {v}" for k, v in m.cached_by.items() if v) or "none"
+    if m.restore_choice:  # why the SSD tier was read or not, e.g. "recompute 12K tok, ..."
+        by += f"; {m.restore_choice}"
     line = (
         f"#{record.seq} {record.client} {record.endpoint} {record.status}: "
         f"prompt {m.prompt_tokens}, cached {m.cached_tokens} "

@@ -28,6 +28,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from tierchat.core.units import fmt_bytes
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -111,6 +113,13 @@ class Shutdown:
         written, dropped = flushed.written, flushed.dropped
         tail = f"; {dropped} SSD entries not saved" if dropped else ""
         self.say(f"stopped ({streams} open requests ended, {written} SSD entries written{tail})")
+        ssd = self.engine.stats().ssd
+        if ssd.max_bytes:  # what a restart finds
+            self.say(
+                f"SSD tier: {ssd.entries} entries, {fmt_bytes(ssd.nbytes)} of "
+                f"{fmt_bytes(ssd.max_bytes)} ({ssd.evictions} evicted under the cap, "
+                f"{ssd.write_drops} writes dropped, {ssd.errors} errors)"
+            )
         return {"streams": streams, "written": written, "dropped": dropped}
 
 

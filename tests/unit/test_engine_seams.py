@@ -8,7 +8,7 @@ import io
 from types import SimpleNamespace
 
 from tierchat.cli.serve_shutdown import Shutdown
-from tierchat.core.api import ModelInfo, WritesFlushed
+from tierchat.core.api import CacheStats, ModelInfo, TierStats, WritesFlushed
 from tierchat.core.chat.context_limit import context_length
 from tierchat.core.engine.runtime import config_int
 from tierchat.core.engine.runtime import context_length as model_context_length
@@ -56,6 +56,10 @@ class StopEngine:
         self.calls.append((timeout_s, close))
         return WritesFlushed(queued=3, written=2, dropped=1)
 
+    def stats(self) -> CacheStats:
+        ssd = TierStats(entries=40, nbytes=3 << 30, max_bytes=16 << 30, evictions=5, write_drops=1)
+        return CacheStats(ssd=ssd)
+
 
 def stop(failure: str = "") -> tuple[StopEngine, dict, str]:
     state = SimpleNamespace(draining=False, abort_all=lambda why: 1)
@@ -72,6 +76,11 @@ def test_a_signal_stops_the_engine_within_the_bound_through_its_shutdown():
     assert engine.calls == [(7.5, True)]
     assert report == {"streams": 1, "written": 2, "dropped": 1}
     assert "writing 3 queued SSD entries (at most 7.5 s)" in err
+    # what a restart will find, said as the server stops
+    assert (
+        "SSD tier: 40 entries, 3.0 GiB of 16.0 GiB (5 evicted under the cap, 1 writes dropped"
+        in err
+    )
     assert "2 SSD entries written; 1 SSD entries not saved" in err
 
 
