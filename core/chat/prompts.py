@@ -316,7 +316,8 @@ class PromptBuilder:
         with self._lock:
             unseen = [i for i, d in enumerate(digests) if d not in self._cache]
         if self.max_renders is not None:
-            unseen = unseen[len(unseen) - self.max_renders :] if self.max_renders else []
+            # the last max_renders of them (a start below 0 would count from the end)
+            unseen = unseen[max(0, len(unseen) - self.max_renders) :] if self.max_renders else []
             skipped = set(range(len(msgs))) - set(unseen)
         else:
             skipped = set()

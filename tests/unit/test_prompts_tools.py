@@ -157,6 +157,24 @@ def test_special_spellings_in_a_message_without_a_span_are_found(tok):
     assert specials_of(tok, p.token_ids) == specials_of(tok, clean.token_ids)
 
 
+@pytest.mark.parametrize("turns", [2, 3, 5])  # 6 messages (half the bound), 8, 12
+def test_a_new_builder_renders_every_message_up_to_its_bound(tok, turns):
+    """A conversation a builder has not seen (a server just restarted, an agent session of
+    ``2 + 2 * turns`` messages) gets a span for every message while there are at most
+    ``max_renders`` of them: its ids are those of the same turns built one by one, so the
+    cache written before the restart is found again. Before the fix, between
+    ``max_renders / 2`` and ``max_renders`` unseen messages left the first ones spanless."""
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "fix the bug"}]
+    one_by_one = PromptBuilder(tok, max_renders=12)
+    for k in range(turns):
+        one_by_one.build(msgs, tools=TOOLS)
+        msgs += agent_turn(k, f"cat f{k}.py", f"line {k}")
+    seen = one_by_one.build(msgs, tools=TOOLS)
+    fresh = PromptBuilder(tok, max_renders=12).build(msgs, tools=TOOLS)
+    assert fresh.token_ids == seen.token_ids and fresh.boundaries == seen.boundaries
+    assert len(fresh.boundaries) == len(msgs)
+
+
 def test_agent_turns_extend_the_previous_prompt_exactly(tok):
     """Turn k (up to a tool result) + the reply's generated ids is a prefix of turn k+1,
     with tools; the tool-call replies are spliced; building twice gives the same ids."""
