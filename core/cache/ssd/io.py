@@ -176,7 +176,7 @@ def loads_by_path() -> bool:
     staged file into the restored cache's GPU buffers migrates it page by page on the
     GPU's faults. ``mx.load`` reads a file into host memory and copies it to device memory
     with one ``cudaMemcpyAsync`` a tensor (MLX ``backend/cuda/load.cpp``): on an H200,
-    4.1-4.2 GB/s of 37.7 MB files in the page cache against 2.1-2.4 GB/s staged
+    3.3-4.2 GB/s of 37.7 MB files in the page cache against 1.9-2.4 GB/s staged
     (docs/BENCHMARKS.md). On the CPU and Metal the staging arrays are the tensors' memory
     (no copy), so they stay."""
     cuda = getattr(mx, "cuda", None)
@@ -185,8 +185,8 @@ def loads_by_path() -> bool:
 
 def load_verified(path: Path, layout: Layout, ino: int, nbytes: int) -> dict[str, mx.array]:
     """The tensors of ``path``, verified by :func:`read_file` (``keep=False``) as
-    ``layout`` in inode ``ino`` of ``nbytes`` bytes, read again by ``mx.load`` (from the page cache the
-    verifying read filled) into new evaluated arrays. Engine thread only.
+    ``layout`` in inode ``ino`` of ``nbytes`` bytes, read again by ``mx.load`` (from the
+    page cache the verifying read filled) into new evaluated arrays. Engine thread only.
 
     The bytes are checked once, by the verifying read; the load reads the same inode,
     which the SSD tier never changes in place (a file is written beside and renamed), and
@@ -256,7 +256,8 @@ def arrays_in(layout: Layout, stages: list[mx.array]) -> dict[str, mx.array]:
 class ReadAhead:
     """Files read and verified ahead of their load on ``workers`` threads (plain file I/O
     and CRC-32, which release the GIL; no MLX), each straight into a :func:`staging`
-    array made by the caller (the engine thread), keyed by entry id."""
+    array made by the caller (the engine thread), or only verified (CUDA: the load reads
+    the file again, :func:`load_verified`), keyed by entry id."""
 
     def __init__(self, workers: int = 4) -> None:
         self._reads: dict[str, tuple[list[mx.array] | None, Future]] = {}
