@@ -47,7 +47,7 @@ SETTING_FLAGS: dict[str, tuple[str, str]] = {
         "cut prefill chunks at multiples of this (0: auto: on the CPU by model size)",
     ),
     "hot_bytes": ("SIZE", "hot (RAM) tier budget: bytes or 512MB, 6GB, 16GiB"),
-    "ssd_bytes": ("SIZE", "SSD tier cap"),
+    "ssd_bytes": ("SIZE", "SSD tier cap (auto: a whole-context conversation, 16 GiB at least)"),
     "ssd_write_budget": ("SIZE", "SSD bytes written in any 24 hours at most (0: no budget)"),
     "max_tokens": ("N", "reply length limit in tokens"),
     "seed": ("N", "sampling seed (used when temperature > 0)"),

@@ -91,7 +91,9 @@ class Settings:
     # disk and prefill rates say is faster (core/cache/rates.py); off: always read it
     choose_recompute: bool = True
     hot_bytes: int = field(default_factory=default_hot_bytes)
-    ssd_bytes: int = 16 * GiB
+    # the SSD tier's cap; None: auto (room for one conversation at the model's whole
+    # context, at least 16 GiB, at most half the free disk: core/engine/runtime.py)
+    ssd_bytes: int | None = None
     # bytes the SSD tier may write in any 24 hours (0: no budget); entries that do not fit
     # are not written and are counted (docs/DESIGN.md §8.6)
     ssd_write_budget: int = 0
@@ -269,6 +271,12 @@ def _size(v: Any) -> int:
         raise ValueError("must be a size in bytes or with a unit (512MB, 6GB, 16GiB)") from None
 
 
+def _optional_size(v: Any) -> int | None:
+    if v is None or (isinstance(v, str) and v.strip().lower() in ("auto", "")):
+        return None
+    return _size(v)
+
+
 def _optional(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def parse_optional(v: Any) -> Any:
         if v is None or (isinstance(v, str) and v.strip().lower() in _NONE):
@@ -400,7 +408,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "bitwise": _to_bool,
     "choose_recompute": _to_bool,
     "hot_bytes": _size,
-    "ssd_bytes": _size,
+    "ssd_bytes": _optional_size,
     "ssd_write_budget": _size,
     "ssd_admission": _to_bool,
     "ssd_flush_idle_s": _nonneg_float,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +56,32 @@ def auto_prefill_step(weights_bytes: int, prefill_chunk: int) -> int:
     step = max(MIN_PREFILL_STEP, CPU_STEP_WEIGHT_BYTES // max(weights_bytes, 1))
     step = 1 << (step.bit_length() - 1)  # a power of two
     return 0 if step >= chunk else step
+
+
+SSD_FLOOR_BYTES = 16 << 30  # the SSD tier's automatic cap is never below this
+SSD_SESSION_MARGIN = 1.25  # a session's blocks plus the tails and checkpoints beside them
+
+
+def auto_ssd_bytes(session_bytes: int, free_bytes: int) -> int:
+    """The SSD tier's cap in bytes when ``ssd_bytes`` is auto: room for one conversation at
+    the model's whole context (``session_bytes``: its K/V, :meth:`~..memory.prefill.KVProfile.nbytes`,
+    times :data:`SSD_SESSION_MARGIN`), at least :data:`SSD_FLOOR_BYTES`, at most half the
+    disk's ``free_bytes`` at load (never below the floor: a full disk shrinks the tier's
+    cap by itself, docs/DESIGN.md §8.4). Qwen3-8B at 131,072 tokens of bf16 K/V: 24.2 GB,
+    where 16 GiB kept 94% of a 124K-token session (docs/BENCHMARKS.md)."""
+    want = max(SSD_FLOOR_BYTES, int(SSD_SESSION_MARGIN * session_bytes))
+    return max(SSD_FLOOR_BYTES, min(want, free_bytes // 2))
+
+
+def free_disk_bytes(path: Path) -> int:
+    """Free bytes of the file system that holds ``path`` (or its nearest existing parent:
+    the cache folder may not exist yet); 0 when it cannot be read."""
+    for p in (path, *path.parents):
+        try:
+            return shutil.disk_usage(p).free
+        except OSError:
+            continue
+    return 0
 
 
 # the CPU's limit on a folded last chunk, per layer (docs/DESIGN.md §7): a 1-token forward of
@@ -343,6 +370,8 @@ def build_runtime(
         if attention.softmax is pow_softmax:  # entries of one softmax only
             kv += "/pow-softmax"
         fingerprint = hashlib.sha256(kv.encode()).hexdigest()
+        context = context_length(model) or 0
+        ssd_auto = auto_ssd_bytes(kv_profile.nbytes(context), free_disk_bytes(Path(s.cache_dir)))
         cache = PrefixCache(
             fingerprint=fingerprint,
             leaves=leaves,
@@ -350,7 +379,7 @@ def build_runtime(
             block_size=s.block_size,
             hot_bytes=s.hot_bytes,
             ssd_dir=Path(s.cache_dir),
-            ssd_bytes=s.ssd_bytes,
+            ssd_bytes=s.ssd_bytes if s.ssd_bytes is not None else ssd_auto,
             max_tails=s.tail_entries,
             max_checkpoints=s.checkpoint_entries,
             writer_queue=s.writer_queue,

@@ -193,3 +193,18 @@ def test_lookups_count_one_per_turn_and_checkpoints_agree_with_turn_labels(engin
     assert s.tails.checkpoints >= 1 and s.tails.checkpoint_hits == 1
     assert s.lookups.hot == 1 and s.lookups.tail == 1
     assert (s.lookups.hits, s.lookups.lookups, s.lookups.hit_rate) == (2, 3, 2 / 3)
+
+
+def test_an_automatic_ssd_cap_is_sized_from_the_model(engine):
+    """``ssd_bytes`` auto (None): the tier's cap is :func:`auto_ssd_bytes` of the loaded
+    model's whole-context K/V and the disk; a number given is the cap as it is."""
+    from tierchat.core.engine.runtime import auto_ssd_bytes, context_length, free_disk_bytes
+
+    e = engine(ssd_bytes=None)
+    rt = e.runtime
+    want = auto_ssd_bytes(
+        rt.kv_profile.nbytes(context_length(rt.loaded.model) or 0),
+        free_disk_bytes(e.settings.cache_dir),
+    )
+    assert e.stats().ssd.max_bytes == want >= 16 << 30
+    assert engine(ssd_bytes=3 << 20).stats().ssd.max_bytes == 3 << 20

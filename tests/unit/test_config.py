@@ -24,7 +24,7 @@ def test_defaults(tmp_path):
     s = load_settings(env={}, config_path=write(tmp_path, ""))
     assert s.model == "demo"
     assert s.block_size == 256
-    assert s.ssd_bytes == 16 * GiB
+    assert s.ssd_bytes is None  # auto: sized at load from the model (core/engine/runtime.py)
     assert s.hot_bytes == physical_ram_bytes() // 4
     assert s.cache_dir.name == "kv" and s.models_dir.name == "models"
     assert s.db_path == s.data_dir / "conversations.sqlite"

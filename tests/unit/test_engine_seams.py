@@ -5,12 +5,13 @@ signal path drives no SSD tier itself). No model."""
 from __future__ import annotations
 
 import io
+import shutil
 from types import SimpleNamespace
 
 from tierchat.cli.serve_shutdown import Shutdown
 from tierchat.core.api import CacheStats, ModelInfo, TierStats, WritesFlushed
 from tierchat.core.chat.context_limit import context_length
-from tierchat.core.engine.runtime import config_int
+from tierchat.core.engine.runtime import auto_ssd_bytes, config_int, free_disk_bytes
 from tierchat.core.engine.runtime import context_length as model_context_length
 from tierchat.core.serve.limits import model_vocab
 
@@ -87,3 +88,19 @@ def test_a_signal_stops_the_engine_within_the_bound_through_its_shutdown():
 def test_failed_ranks_write_the_queue_but_leave_the_engine_thread():
     engine, report, _ = stop("rank 1 lost")
     assert engine.calls == [(7.5, False)] and report["written"] == 2
+
+
+def test_the_automatic_ssd_cap_holds_a_whole_context_conversation():
+    """16 GiB at least; one conversation at the model's whole context with its margin
+    (Qwen3-8B, 131,072 tokens of bf16 K/V: 147,456 bytes a token); at most half the free
+    disk, never below the floor."""
+    floor = 16 << 30
+    qwen3_8b = 147_456 * 131_072
+    assert auto_ssd_bytes(0, 1 << 40) == floor
+    assert auto_ssd_bytes(qwen3_8b, 1 << 40) == int(1.25 * qwen3_8b) > 24 * 10**9
+    assert auto_ssd_bytes(qwen3_8b, 40 << 30) == 20 << 30  # half the free disk
+    assert auto_ssd_bytes(qwen3_8b, 10 << 30) == floor  # a full disk shrinks it itself
+
+
+def test_free_disk_bytes_reads_the_nearest_existing_folder(tmp_path):
+    assert free_disk_bytes(tmp_path / "not" / "yet") == shutil.disk_usage(tmp_path).free
