@@ -84,10 +84,11 @@ def test_agent_bench_on_both_servers_with_copies_and_a_restart(tmp_path, models_
     ours = {(r["copy"], r["index"]): r for r in doc["servers"]["tierchat"]["requests"]}
     theirs = {(r["copy"], r["index"]): r for r in doc["servers"]["mlx-lm"]["requests"]}
     # after the restart tierchat restores from its SSD tier (how much is the cache's
-    # business, tested with it), mlx-lm starts empty
+    # business, tested with it), mlx-lm starts empty: the first copy it serves then finds
+    # nothing (the other may find that one's shared system prompt, as timing has it)
     for c in range(2):
         assert ours[c, 2]["cached_tokens"] > 0
-        assert theirs[c, 2]["cached_tokens"] < theirs[c, 1]["prompt_tokens"] // 2
+    assert min(theirs[c, 2]["cached_tokens"] for c in range(2)) < theirs[0, 1]["prompt_tokens"] // 2
     summary = doc["servers"]["tierchat"]["summary"]
     assert summary["ssd_bytes"] > 0 and summary["peak_mlx_bytes"] > 0
     assert doc["servers"]["mlx-lm"]["summary"]["ssd_bytes"] is None
