@@ -271,12 +271,6 @@ def _size(v: Any) -> int:
         raise ValueError("must be a size in bytes or with a unit (512MB, 6GB, 16GiB)") from None
 
 
-def _optional_size(v: Any) -> int | None:
-    if v is None or (isinstance(v, str) and v.strip().lower() in ("auto", "")):
-        return None
-    return _size(v)
-
-
 def _optional(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def parse_optional(v: Any) -> Any:
         if v is None or (isinstance(v, str) and v.strip().lower() in _NONE):
@@ -286,10 +280,18 @@ def _optional(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return parse_optional
 
 
-def _auto_bool(v: Any) -> bool | None:
-    if v is None or (isinstance(v, str) and v.strip().lower() in ("auto", "")):
-        return None
-    return _to_bool(v)
+def _auto(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``parse``, with None, "auto" and "" read as None (the engine decides)."""
+
+    def parse_auto(v: Any) -> Any:
+        if v is None or (isinstance(v, str) and v.strip().lower() in ("auto", "")):
+            return None
+        return parse(v)
+
+    return parse_auto
+
+
+_auto_bool = _auto(_to_bool)
 
 
 def _memory_limit(v: Any) -> int:
@@ -408,7 +410,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "bitwise": _to_bool,
     "choose_recompute": _to_bool,
     "hot_bytes": _size,
-    "ssd_bytes": _optional_size,
+    "ssd_bytes": _auto(_size),
     "ssd_write_budget": _size,
     "ssd_admission": _to_bool,
     "ssd_flush_idle_s": _nonneg_float,
