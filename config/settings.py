@@ -291,9 +291,6 @@ def _auto(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return parse_auto
 
 
-_auto_bool = _auto(_to_bool)
-
-
 def _memory_limit(v: Any) -> int:
     n = _size(v)
     if n <= 0:
@@ -414,7 +411,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "ssd_write_budget": _size,
     "ssd_admission": _to_bool,
     "ssd_flush_idle_s": _nonneg_float,
-    "ssd_write_while_busy": _auto_bool,
+    "ssd_write_while_busy": _auto(_to_bool),
     "cuda_graphs": _to_bool,
     "tail_entries": _nonneg_int,
     "checkpoint_entries": _nonneg_int,
