@@ -435,13 +435,16 @@ class PrefixCache:
         return ColdRequest(fresh, self)
 
     def fit_hot_budget(
-        self, budget: Callable[[int], int], drop_resident: bool = True
+        self, budget: Callable[[int, int], int], drop_resident: bool = True
     ) -> tuple[int, int] | None:
-        """Set the hot tier's budget to ``budget(held)`` bytes (``held``: the bytes it holds
-        now), evicting down to it: ``(budget, entries evicted)``, or None if unchanged.
-        The resident cache, counted in the budget, is dropped when it alone exceeds it
-        (unless ``drop_resident`` is False: a restore about to take it)."""
-        max_bytes = budget(self.hot.nbytes)
+        """Set the hot tier's budget to ``budget(held, leaving)`` bytes, evicting down to
+        it: ``(budget, entries evicted)``, or None if unchanged. ``held``: the bytes the
+        budget counts now (the hot tier's entries and the resident cache); ``leaving``: the
+        resident cache's part when ``drop_resident`` is False (a restore about to take it,
+        or a finishing request's caches about to replace it), else 0. The resident cache
+        is dropped when it alone exceeds the budget, unless ``drop_resident`` is False."""
+        leaving = 0 if drop_resident else self.hot.reserved
+        max_bytes = budget(self.ram_bytes, leaving)
         over = drop_resident and self.resident is not None and self.hot.reserved > max_bytes
         if over:
             self.log(f"resident cache of {self.drop_resident()} tokens dropped: over budget")

@@ -516,7 +516,10 @@ class Executor:
         """Shrink the hot tier's budget at soft/hard pressure, restore it at ok, and keep
         it within the room the requests' reservations leave (docs/DESIGN.md §11); the
         resident cache goes too when it does not fit, unless ``drop_resident`` is False
-        (before a restore that may take it). Under pressure MLX's pool of freed buffers
+        (before a restore, which takes it, and at a finish, whose caches replace it: then
+        it is not charged either, its bytes being the reservation's or on their way out;
+        charged, a 124K-token turn on an H200 evicted the whole hot tier at each start).
+        Under pressure MLX's pool of freed buffers
         goes back first (``mx.clear_cache()``): it counts as in use, and on a GPU it grows
         to tens of GB under many requests (35 GiB beside 17 GiB of live arrays with 16
         clients of an 8B model on an H100), which would otherwise empty the hot tier of
@@ -528,7 +531,8 @@ class Executor:
             mx.clear_cache()
         configured, gate = self.settings.hot_bytes, self.memory_gate
         fitted = cache.fit_hot_budget(
-            lambda held: gate.tier_budget(configured, held), drop_resident=drop_resident
+            lambda held, leaving: gate.tier_budget(configured, held, leaving),
+            drop_resident=drop_resident,
         )
         if fitted is not None:
             budget, evicted = fitted

@@ -202,13 +202,17 @@ class MemoryGate:
         """Forget every footprint (a model load: they were the old model's)."""
         self._footprints.clear()
 
-    def tier_budget(self, configured: int, held_bytes: int) -> int:
+    def tier_budget(self, configured: int, held_bytes: int, leaving_bytes: int = 0) -> int:
         """The cache tiers' budget: the pressure budget (:meth:`.MemoryMonitor.budget`),
         at most the room the reservations leave under the soft line
-        (:func:`~..memory.admission.tier_room`)."""
+        (:func:`~..memory.admission.tier_room`). ``leaving_bytes``: the part of
+        ``held_bytes`` on its way out (the resident cache a starting request takes or a
+        finishing one replaces): not charged, and the budget keeps room for it until it
+        goes, so only the other entries are evicted for the reservations."""
         monitor = self.monitor
-        pressure = monitor.budget(configured, held_bytes=held_bytes)
+        pressure = monitor.budget(configured, held_bytes=held_bytes, leaving_bytes=leaving_bytes)
         if self.runtime is None or monitor.limit_line() <= 0:
             return pressure
         soft_line = int(monitor.soft_fraction * monitor.ceiling())
-        return min(pressure, admission.tier_room(self.reservations, self.base_bytes, soft_line))
+        room = admission.tier_room(self.reservations, self.base_bytes, soft_line)
+        return min(pressure, room + leaving_bytes)

@@ -107,21 +107,22 @@ def effective_budget(
     """The shared byte budget of the hot tier + MRU tails + checkpoints at ``level``.
 
     - "ok": ``configured_bytes``.
-    - "soft": shrink so that the process falls back under the soft line:
+    - "soft" and "hard": shrink so that the process falls back under the soft line:
       ``held_bytes - (in_use_bytes - soft_fraction × ceiling_bytes)``, i.e. what the cache
       holds now minus the excess over the soft line, clamped to
-      ``[min_bytes, configured_bytes]``. ``held_bytes`` is what the cache holds now (part of
+      ``[min_bytes, configured_bytes]`` (``min_bytes``, default 0: pinned entries are the
+      cache's business). ``held_bytes`` is what the cache holds now (part of
       ``in_use_bytes``). Read ``in_use_bytes`` after ``mx.clear_cache()``
       (:func:`should_clear_mlx_cache`) so freed buffers are not charged to the cache.
-    - "hard": ``min_bytes`` (default 0; pinned entries are the cache's business).
+      "hard" evicts no more than "soft" would: under the soft line is under the hard one,
+      and emptying the tier at hard (as before) threw away what the next turns restore
+      (an H200 at 124K tokens: 74 entries, 34 GB, evicted at every request's start).
 
     The caller evicts lowest priority first down to the returned number.
     """
     floor = max(0, min(min_bytes, configured_bytes))
     if level == "ok":
         return configured_bytes
-    if level == "hard":
-        return floor
     excess = in_use_bytes - soft_fraction * ceiling_bytes
     return int(max(floor, min(configured_bytes, held_bytes - max(0.0, excess))))
 
@@ -205,15 +206,22 @@ class MemoryMonitor:
         c = self.ceiling(reading)
         return HardLine(int(self.hard_fraction * c), c, self.hard_fraction, reading.in_use)
 
-    def budget(self, configured_bytes: int, held_bytes: int, min_bytes: int = 0) -> int:
-        """:func:`effective_budget` at the current level and readings."""
+    def budget(
+        self, configured_bytes: int, held_bytes: int, min_bytes: int = 0, leaving_bytes: int = 0
+    ) -> int:
+        """:func:`effective_budget` at the current readings, judged on
+        ``max(in_use, committed) - leaving_bytes`` (:meth:`judged`): ``leaving_bytes`` is
+        memory counted there that is on its way out (a resident cache a starting request
+        takes, its bytes already in the request's reservation)."""
         reading = self.read()
+        judged = max(0, self.judged(reading) - leaving_bytes)
+        c = self.ceiling(reading)
         return effective_budget(
             configured_bytes,
-            self.level(reading),
+            pressure_level(judged, c, self.soft_fraction, self.hard_fraction),
             held_bytes=held_bytes,
-            in_use_bytes=reading.in_use,
-            ceiling_bytes=self.ceiling(reading),
+            in_use_bytes=judged,
+            ceiling_bytes=c,
             soft_fraction=self.soft_fraction,
             min_bytes=min_bytes,
         )

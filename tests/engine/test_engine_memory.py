@@ -64,13 +64,15 @@ def test_soft_pressure_shrinks_hot_budget_then_restores(tmp_path, models_dir, mo
         generate(e, random_prompt(120, seed=seed), max_tokens=2)
     held = e.stats().hot.nbytes
     configured = e.settings.hot_bytes
-    monkeypatch.setattr(e.monitor, "budget", lambda c, held_bytes, min_bytes=0: held // 3)
+    monkeypatch.setattr(
+        e.monitor, "budget", lambda c, held_bytes, min_bytes=0, leaving_bytes=0: held // 3
+    )
     monkeypatch.setattr(e.monitor, "level", lambda reading=None: "soft")
     generate(e, random_prompt(40, seed=9), max_tokens=2)
     s = e.stats()
     assert s.hot.max_bytes == held // 3 and s.hot.nbytes <= held // 3 and s.hot.evictions > 0
     assert any("memory soft" in t for _, t in s.events)
-    monkeypatch.setattr(e.monitor, "budget", lambda c, held_bytes, min_bytes=0: c)
+    monkeypatch.setattr(e.monitor, "budget", lambda c, held_bytes, min_bytes=0, leaving_bytes=0: c)
     generate(e, random_prompt(40, seed=9), max_tokens=2)
     assert e.stats().hot.max_bytes == configured
     e.close()
@@ -109,6 +111,50 @@ def test_mlx_pool_goes_back_before_the_hot_tier_shrinks(tmp_path, models_dir, mo
         assert pool["bytes"] == 0  # given back
         assert s.hot.max_bytes == e.settings.hot_bytes
         assert s.hot.evictions == before.evictions and s.hot.nbytes >= before.nbytes
-        assert not any(t.startswith("memory ") for _, t in s.events)
+        assert not any(t.startswith("memory ") for _, t in s.events), s.events
+    finally:
+        e.close()
+
+
+def test_a_turn_that_extends_the_resident_cache_is_not_charged_it_twice(
+    tmp_path, models_dir, monkeypatch
+):
+    """At a request's start the resident cache it will take is held by the tiers and is
+    also inside the request's reservation (its K/V at full length). Charged twice, the hot
+    tier was shrunk for memory that was never going to be needed (an H200 at 124K tokens:
+    the whole tier, 34 GB, evicted at every request's start). The limit here puts weights
+    + reservation + hot tier just under the soft line: the resident cache's bytes on top
+    would cross it, so the old accounting evicted; nothing is evicted now."""
+    from tierchat.core.memory.readings import MemoryReading
+
+    e = make_engine("tiny:llama", tmp_path, models_dir)
+    try:
+        turn1 = random_prompt(400, seed=21)
+        r1, _ = generate(e, turn1, max_tokens=8)
+        turn2 = tuple(turn1) + tuple(r1.token_ids) + random_prompt(120, seed=22)
+        before = e.stats().hot
+        gate, cache = e.executor.memory_gate, e.runtime.cache
+        resident = cache.hot.reserved
+        assert resident > 0 and before.nbytes > 0
+
+        class Reader:  # MLX's own figures small: the level is the accounting's
+            def read(self) -> MemoryReading:
+                return MemoryReading(active=1, peak=1, cache=0)
+
+        monkeypatch.setattr(e.monitor, "reader", Reader())
+        limit = 1 << 40
+        for _ in range(3):  # the footprint's chunk is planned under the limit's line
+            monkeypatch.setattr(e.monitor, "limit_bytes", limit)
+            fp = e.runtime.footprint(e.settings, len(turn2), 4, gate.plan_line())
+            below_soft = gate.base_bytes + fp.peak_bytes + before.nbytes
+            limit = int((below_soft + resident // 2) / e.monitor.soft_fraction)
+        monkeypatch.setattr(e.monitor, "limit_bytes", limit)
+        soft_line = e.monitor.soft_fraction * limit
+        assert below_soft < soft_line < below_soft + resident  # charged twice: soft
+
+        r2, _ = generate(e, turn2, max_tokens=4)
+        s = e.stats()
+        assert r2.metrics.cached_tokens >= len(turn1)
+        assert s.hot.evictions == before.evictions and s.hot.nbytes >= before.nbytes
     finally:
         e.close()
