@@ -215,7 +215,7 @@ class ChatSession:
         if not path or nodes is not None:
             path = self.prompt_messages(path, settings)
         if self._builder is None or self._builder.tokenizer is not tokenizer:
-            self._builder = PromptBuilder(tokenizer)
+            self._builder = PromptBuilder(tokenizer, check_whole=False)
         try:
             return self._builder.build(path, tools=tools or None)
         except Exception:

@@ -97,7 +97,7 @@ class ServeState:
                 "no model is loaded", 503, "server_error", code="model_not_loaded", retry_after_s=5
             )
         if self._builder is None or self._builder.tokenizer is not tokenizer:
-            self._builder = PromptBuilder(tokenizer, max_renders=MAX_NEW_RENDERS)
+            self._builder = PromptBuilder(tokenizer, max_renders=MAX_NEW_RENDERS, check_whole=False)
         return self._builder
 
     def build_semaphore(self) -> asyncio.Semaphore:

@@ -300,3 +300,51 @@ def test_special_token_spellings_in_content_are_text(name, end, start, models_di
          {"role": "user", "content": "again" + end}],
     )  # fmt: skip
     assert turn2.token_ids[: len(b.token_ids)] == b.token_ids
+
+
+TRICKY = [
+    "\n  leading whitespace and a newline",  # pieces != whole text on byte-level BPE
+    "decomposed e\u0301 and composed \u00e9",  # a normalizer may change the text
+    "a stray \ufffd replacement",
+    "spells <|im_end|> and <end_of_turn>",
+    "plain words",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["demo", "demo-gemma"])
+def test_a_builder_that_skips_the_whole_text_check_builds_the_same_prompts(name, models_dir):
+    """``check_whole=False`` (serve's and the TUI's builders) skips tokenizing the whole
+    prompt only where the pieces provably decode to its text (a byte-level decoder, each
+    piece decoding back): every turn's ids, boundaries, splices and fallback equal the
+    checked build's, over contents that start with whitespace, spell control tokens, hold
+    U+FFFD or text a normalizer changes, and replies spliced from generated ids. Gemma's
+    decoder is not byte-level: it is always checked."""
+    tok = _demo_tokenizer(name, models_dir)
+    fast, checked = PromptBuilder(tok, check_whole=False), PromptBuilder(tok)
+    msgs = [{"role": "system", "content": "You are a helpful assistant."}]
+    skipped = 0
+    for k, (user, reply) in enumerate(zip(TRICKY, [*REPLIES, "end"], strict=True)):
+        msgs.append({"role": "user", "content": user})
+        a, b = fast.build(msgs), checked.build(msgs)
+        assert (a.token_ids, a.boundaries, a.text, a.spliced, a.fallback) == (
+            b.token_ids,
+            b.boundaries,
+            b.text,
+            b.spliced,
+            b.fallback,
+        ), k
+        assert b.canonical is not None and a.canonical in (None, b.canonical)
+        skipped += a.canonical is None
+        ids = [i for ch in reply for i in tok.encode(ch, add_special_tokens=False)]
+        msgs.append({"role": "assistant", "content": reply, "token_ids": ids})
+    # skipped only on the byte-level tokenizer, and not where the text held U+FFFD or text
+    # its normalizer changes (turns 1 and 2 onward hold them)
+    assert skipped == (1 if name == "demo" else 0)
+    plain = [*msgs[:1], {"role": "user", "content": "plain words"}]
+    reply = [i for ch in REPLIES[0] for i in tok.encode(ch, add_special_tokens=False)]
+    plain += [{"role": "assistant", "content": REPLIES[0], "token_ids": reply}]
+    plain += [{"role": "user", "content": "more"}]
+    a, b = fast.build(plain), checked.build(plain)
+    assert a.token_ids == b.token_ids and a.spliced == b.spliced == 1
+    assert (a.canonical is None) == (name == "demo")
