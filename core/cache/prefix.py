@@ -63,7 +63,7 @@ from .plans import Held, Resident, Restored
 from .rates import Rates
 from .request import CacheRequest, ColdRequest
 from .restore import Restorer, snapshot_nbytes
-from .ssd.tier import SSDTier
+from .ssd.tier import SSDTier, tier_folder
 from .wear import WriteLedger
 
 
@@ -451,6 +451,11 @@ class PrefixCache:
         if max_bytes == self.hot.max_bytes:
             return (max_bytes, 0) if over else None
         return max_bytes, self.hot.set_budget(max_bytes)
+
+    @staticmethod
+    def ssd_folder(cache_dir: Path | str, fingerprint: str) -> Path:
+        """Where the SSD tier of the cache ``fingerprint`` names keeps its files."""
+        return tier_folder(cache_dir, fingerprint)
 
     @property
     def ram_bytes(self) -> int:

@@ -102,5 +102,28 @@ def test_the_automatic_ssd_cap_holds_a_whole_context_conversation():
     assert auto_ssd_bytes(qwen3_8b, 10 << 30) == floor  # a full disk shrinks it itself
 
 
-def test_free_disk_bytes_reads_the_nearest_existing_folder(tmp_path):
-    assert free_disk_bytes(tmp_path / "not" / "yet") == shutil.disk_usage(tmp_path).free
+def test_free_disk_bytes_reads_the_nearest_existing_folder(tmp_path, monkeypatch):
+    seen = []
+
+    def usage(path):
+        seen.append(path)
+        if not path.exists():
+            raise FileNotFoundError(path)
+        return SimpleNamespace(free=5 << 30)
+
+    monkeypatch.setattr(shutil, "disk_usage", usage)
+    assert free_disk_bytes(tmp_path / "not" / "yet") == 5 << 30
+    assert seen[-1] == tmp_path
+
+
+def test_free_disk_bytes_counts_the_tiers_own_files_as_room(tmp_path, monkeypatch):
+    """The SSD tier's own files are room it may keep: a restart after a long session must
+    not shrink the automatic cap by what the session left on disk."""
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=1000))
+    own = tmp_path / "tier"
+    (own / "ab").mkdir(parents=True)
+    (own / "ab" / "x.safetensors").write_bytes(b"1" * 300)
+    (own / "y.json").write_bytes(b"2" * 20)
+    (tmp_path / "other").write_bytes(b"3" * 50)  # another model's: not this tier's room
+    assert free_disk_bytes(tmp_path, own) == 1000 + 320
+    assert free_disk_bytes(tmp_path, tmp_path / "missing") == 1000

@@ -65,6 +65,11 @@ RETRY_AFTER_S = 30.0  # after a full disk, writes at the configured cap are trie
 RECONCILE_EVERY_S = 10.0  # the index is checked against the folder at most this often
 
 
+def tier_folder(cache_dir: Path | str, fingerprint: str) -> Path:
+    """The folder of the entries of the cache ``fingerprint`` names under ``cache_dir``."""
+    return Path(cache_dir) / fingerprint[:16]
+
+
 class SSDTier:
     """Persistent entries of one model under a byte cap, LRU by last access.
 
@@ -106,7 +111,7 @@ class SSDTier:
         self._retry_at = 0.0  # monotonic time to try the configured cap again
         self.cache_root = Path(cache_dir)
         self._locked = False
-        self.dir = Path(cache_dir) / fingerprint[:16]
+        self.dir = tier_folder(cache_dir, fingerprint)
         self.root = _root_id(fingerprint)
         self._on_event = on_event or (lambda text: None)
         self._lock = threading.Lock()
