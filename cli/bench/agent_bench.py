@@ -552,18 +552,23 @@ def agent_bench(
                 f"{name}: {len(convs)} conversations"
                 + (f", kernels in {kernels}" if kernels else "")
             )
+            replayer = Replayer(name, launcher, convs, max_tokens, restart_after, kernels, log)
             try:
-                runs.append(
-                    Replayer(name, launcher, convs, max_tokens, restart_after, kernels, log).replay(
-                        calibrate
-                    )
-                )
+                runs.append(replayer.replay(calibrate))
             except CLIError as e:
                 log_file = getattr(launcher, "log_path", None)
                 tail = ""
                 if log_file is not None and Path(log_file).exists():
                     tail = Path(log_file).read_text(errors="replace")[-2000:]
-                raise CLIError(f"{name}: {e.message}\n{tail}") from None
+                if name == TIERCHAT:
+                    raise CLIError(f"{name}: {e.message}\n{tail}") from None
+                # the peer failing (out of memory at a long prompt) is a result: its rows
+                # so far are reported, the ratios over the requests both answered
+                run = replayer.run
+                run.failure = e.message.splitlines()[0][:300]
+                run.requests.sort(key=lambda r: (r.session, r.index, r.copy))
+                runs.append(run)
+                log(f"{name}: failed after {len(run.requests)} requests: {e.message}\n{tail}")
             if name == TIERCHAT and (line := describe_tier_use(fresh["cache_dir"])):
                 log(f"{TIERCHAT}: {line}")
     return runs
@@ -611,12 +616,19 @@ def run_agent_bench(settings: Any, args: Any) -> int:
     print(request_table(ours, theirs))
     print()
     print(summary_table(runs))
+    for run in runs:
+        if run.failure:
+            print(f"{run.server} failed after {len(run.requests)} requests: {run.failure}")
     both = ratios(ours, theirs) if theirs else {}
     if both:
+        over = f" (the {both['requests']} requests both answered)" if theirs.failure else ""
+        tps = both["tokens_per_s"]
         print(
-            "tierchat / mlx-lm: TTFT median {:.2f}x, p90 {:.2f}x, worst {:.2f}x; "
-            "tokens/s {:.2f}x".format(
-                *(both[k] or 0 for k in ("ttft_median", "ttft_p90", "ttft_worst", "tokens_per_s"))
+            "tierchat / mlx-lm{}: TTFT median {:.2f}x, p90 {:.2f}x, worst {:.2f}x; "
+            "tokens/s {}".format(
+                over,
+                *(both[k] or 0 for k in ("ttft_median", "ttft_p90", "ttft_worst")),
+                "-" if tps is None else f"{tps:.2f}x",
             )
         )
     print(

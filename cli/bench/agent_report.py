@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 from tierchat.cli.bench.workload_report import p90, ratio_text
@@ -179,6 +179,7 @@ class ServerRun:
     peak_mlx_bytes: int | None = None
     ssd_bytes: int | None = None
     restarts: int = 0
+    failure: str = ""  # what ended the replay early ("" when it ran to the end)
 
     @property
     def tokens_per_s(self) -> float:
@@ -357,7 +358,14 @@ def summary_table(runs: Sequence[ServerRun]) -> str:
 
 
 def ratios(ours: ServerRun, theirs: ServerRun) -> dict:
-    """tierchat's figures over mlx-lm's: TTFT median and p90 and worst, tokens/s."""
+    """tierchat's figures over mlx-lm's: TTFT median and p90 and worst, tokens/s. When
+    mlx-lm's replay ended early (``failure``), over the requests both answered, and no
+    tokens/s (its wall time covers only part of the session)."""
+    if theirs.failure:
+        answered = {(r.session, r.index, r.copy) for r in theirs.requests}
+        ours = replace(
+            ours, requests=[r for r in ours.requests if (r.session, r.index, r.copy) in answered]
+        )
     a, b = summarize(ours), summarize(theirs)
     if "ttft_median_s" not in a or "ttft_median_s" not in b:
         return {}
@@ -366,7 +374,8 @@ def ratios(ours: ServerRun, theirs: ServerRun) -> dict:
         "ttft_median": div(a["ttft_median_s"], b["ttft_median_s"]),
         "ttft_p90": div(a["ttft_p90_s"], b["ttft_p90_s"]),
         "ttft_worst": div(a["ttft_worst_s"], b["ttft_worst_s"]),
-        "tokens_per_s": div(a["tokens_per_s"], b["tokens_per_s"]),
+        "tokens_per_s": None if theirs.failure else div(a["tokens_per_s"], b["tokens_per_s"]),
+        "requests": a["requests"],
     }
 
 
@@ -377,6 +386,7 @@ def to_json(run: ServerRun) -> dict:
         "curve": None if run.curve is None else asdict(run.curve),
         "calibration": [list(p) for p in run.calibration],
         "restarts": run.restarts,
+        "failure": run.failure,
         "requests": [
             asdict(r) | {"prefilled": r.prefilled, "over_floor": r.over_floor} for r in run.requests
         ],

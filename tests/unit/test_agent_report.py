@@ -13,6 +13,7 @@ from tierchat.cli.bench.agent_report import (
     ServerRun,
     fit_prefill_curve,
     new_tokens,
+    ratios,
     request_table,
     summarize,
 )
@@ -107,6 +108,23 @@ def test_summary_names_the_worst_request_and_the_restart():
     assert s["tokens_per_s"] == pytest.approx(16 / 2.0)
     table = request_table(run, None)
     assert "s#2*" in table and "s#3*" not in table  # the first request after the restart
+
+
+def test_a_peer_that_failed_midway_is_compared_on_the_requests_it_answered():
+    """mlx_lm.server out of GPU memory at a long prompt: its rows so far stay, and the
+    ratios are over the requests both servers answered (tierchat's later, longer requests
+    would otherwise weigh on its side alone); no tokens/s ratio."""
+    ours = ServerRun("tierchat", wall_s=10.0)
+    ours.requests = [row("tierchat", i, t) for i, t in enumerate((1.0, 0.2, 0.4, 9.0, 8.0))]
+    theirs = ServerRun("mlx-lm", wall_s=4.0, failure="out of memory")
+    theirs.requests = [row("mlx-lm", i, t) for i, t in enumerate((4.0, 0.4, 2.0))]
+    r = ratios(ours, theirs)
+    assert r["requests"] == 3 and r["tokens_per_s"] is None
+    assert r["ttft_median"] == pytest.approx(0.4 / 2.0)
+    assert r["ttft_worst"] == pytest.approx(1.0 / 4.0)
+    theirs.failure = ""  # a whole run: every request of both, and tokens/s
+    assert ratios(ours, theirs)["ttft_worst"] == pytest.approx(9.0 / 4.0)
+    assert ratios(ours, theirs)["tokens_per_s"] is not None
 
 
 def test_copies_differ_after_the_first_user_message_only():
