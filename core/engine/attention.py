@@ -100,11 +100,22 @@ class AttentionPlan:
     min_query: int = 2
     max_scores: int = 1 << 28
     softmax: Softmax = mlx_softmax
+    fused: bool = False  # MLX's fast SDPA holds no score matrix for 16-bit inputs (CUDA)
 
     def takes(self, batch: int, heads: int, length: int, keys: int) -> bool:
         """Whether an attention of these sizes runs as :func:`explicit_attention`."""
         scores = batch * heads * length * keys
         return self.min_query <= length <= self.max_query and scores <= self.max_scores
+
+    def materializes(self, heads: int, length: int, keys: int, dtype_bytes: int) -> bool:
+        """Whether a prefill chunk of ``length`` queries over ``keys`` keys holds its score
+        matrices in memory: when it runs as :func:`explicit_attention`, or through MLX's
+        fast SDPA where that is not one fused kernel (the CPU backend, float32 inputs;
+        Metal is counted as materializing too: an upper bound there). On CUDA 16-bit
+        inputs go to cuDNN's fused attention: counted as three float32 copies, a
+        2,048-token chunk at 78K tokens of Qwen3-8B reserved 61 GB that an H200 never
+        held (its MLX peak 46 GB, weights and caches included)."""
+        return self.takes(1, heads, length, keys) or not (self.fused and dtype_bytes < 4)
 
 
 OFF = AttentionPlan()
@@ -154,9 +165,12 @@ def plan_attention(
         softmax = pow_softmax if remembered_pow(choice_file) else mlx_softmax
         limit = ALL_QUERIES if max_query is None else max_query
         return AttentionPlan(max_query=limit, min_query=1, softmax=softmax)
+    fused = backend == "cuda"
     if max_query is None:
-        max_query = 512 if backend == "cuda" else 0
-    return AttentionPlan(max_query=max_query) if max_query > 1 else OFF
+        max_query = 512 if fused else 0
+    if max_query <= 1:
+        return AttentionPlan(fused=True) if fused else OFF
+    return AttentionPlan(max_query=max_query, fused=fused)
 
 
 def _plan() -> AttentionPlan | None:

@@ -200,6 +200,10 @@ class Runtime:
         if n <= 1 or self.kv_profile is None:
             return chunk, 0
         model, profile, weights = self.loaded.model, self.kv_profile, self.weights_bytes
+        attention = self.attention
+
+        def materializes(d: prefill_mod.ModelDims, c: int, t: int) -> bool:
+            return attention.materializes(d.n_heads, c, t, d.dtype_bytes)
 
         def estimate(c: int) -> int:
             return prefill_mod.estimate_for_model(
@@ -209,6 +213,7 @@ class Runtime:
                 new_tokens=n - 1,
                 context_tokens=n,
                 chunk_tokens=min(c, n - 1),
+                materializes=materializes,
             )
 
         return prefill_mod.plan_prefill(

@@ -145,6 +145,7 @@ def estimate_prefill_peak(
     kv_new_bytes: int | None = None,
     kv_context_bytes: int | None = None,
     extra_bytes: int = 0,
+    score_copies: int = SCORE_COPIES,
 ) -> int:
     """Estimated peak MLX active memory (bytes) while prefilling ``new_tokens`` tokens onto
     a cache that ends up holding ``context_tokens`` (cached prefix + new tokens).
@@ -156,6 +157,7 @@ def estimate_prefill_peak(
              + kv_new                       kv_bytes_per_token × (r(T) - r(T - new_tokens)),
                                             or ``kv_new_bytes`` (KVProfile.nbytes: windows)
              + 1.10 × ( scores              c × T × n_heads × (3 × 4 + 1): three float32 copies
+                                            (``score_copies``; 0: a fused kernel, no scores)
                                             of one layer's attention scores (scores, masked,
                                             the softmax's) + bool mask, which the engine's
                                             attention (core/engine/attention.py) and the CPU
@@ -190,7 +192,7 @@ def estimate_prefill_peak(
     if kv_context_bytes is None:
         kv_context_bytes = kv_bytes_per_token * _round_up(t, KV_STEP)
     inter = intermediate_size if intermediate_size is not None else 4 * hidden_size
-    scores = c * t * n_heads * (SCORE_COPIES * 4 + 1)
+    scores = c * t * n_heads * (score_copies * 4 + 1) if score_copies else 0
     activations = c * (HIDDEN_COPIES * hidden_size + MLP_COPIES * inter) * dtype_bytes
     kv_copy = KV_LAYER_COPIES * kv_context_bytes // max(1, n_layers)
     logits = (c if logits_tokens is None else logits_tokens) * vocab_size * dtype_bytes
@@ -270,9 +272,13 @@ def estimate_for_model(
     chunk_tokens: int,
     logits_tokens: int | None = None,
     extra_bytes: int = 0,
+    materializes: Callable[[ModelDims, int, int], bool] | None = None,
 ) -> int:
     """:func:`estimate_prefill_peak` with dims from :func:`model_dims` and the KV growth
-    from ``profile`` (window layers bounded by their window).
+    from ``profile`` (window layers bounded by their window). ``materializes(dims, chunk,
+    context)``: whether that chunk's attention holds its score matrices (None: always;
+    :meth:`~..engine.attention.AttentionPlan.materializes`); when not, no score copies
+    are counted.
 
     Models with recurrent state (``profile.fixed > 0``) add
     ``1.10 × (8 × s² × state_heads × 4 + 16 × c × hidden × dtype_bytes)`` bytes,
@@ -290,6 +296,8 @@ def estimate_for_model(
     kv_new = max(
         0, profile.nbytes(context_tokens, chunk_tokens) - profile.nbytes(start, chunk_tokens)
     )
+    c = min(chunk_tokens, new_tokens)
+    held = materializes is None or materializes(d, c, max(context_tokens, new_tokens))
     return estimate_prefill_peak(
         active_bytes=active_bytes,
         new_tokens=new_tokens,
@@ -306,6 +314,7 @@ def estimate_for_model(
         kv_new_bytes=kv_new,
         kv_context_bytes=profile.nbytes(context_tokens, chunk_tokens),
         extra_bytes=extra_bytes,
+        score_copies=SCORE_COPIES if held else 0,
     )
 
 

@@ -271,6 +271,18 @@ def test_attention_plans():
     assert plan_attention(64, "metal").max_query == 64
 
 
+def test_which_prefill_chunks_hold_their_scores():
+    """The memory estimate counts score matrices only where a chunk's attention holds
+    them: on CUDA a 16-bit chunk past the explicit path goes to cuDNN's fused kernel."""
+    cuda = plan_attention(None, "cuda")
+    assert not cuda.materializes(32, 2048, 78_000, 2)  # Qwen3-8B, bf16, at 78K tokens
+    assert cuda.materializes(32, 2048, 78_000, 4)  # float32: MLX's fallback materializes
+    assert cuda.materializes(32, 100, 2_000, 2)  # the explicit path: its scores are real
+    assert not plan_attention(0, "cuda").materializes(32, 100, 2_000, 2)
+    for backend in ("cpu", "metal"):
+        assert plan_attention(None, backend).materializes(32, 2048, 78_000, 2)
+
+
 @pytest.mark.parametrize("softmax", [mlx_softmax, pow_softmax])
 @pytest.mark.parametrize("mask", ["causal", None, "array", "bool"])
 def test_explicit_attention_equals_mlx_sdpa(mask, softmax):

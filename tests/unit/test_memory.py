@@ -201,6 +201,11 @@ def test_estimate_terms():
     longer = MP.estimate_prefill_peak(new_tokens=100, chunk_tokens=256, context_tokens=4000, **base)
     small = MP.estimate_prefill_peak(new_tokens=100, chunk_tokens=32, context_tokens=100, **base)
     assert longer > e > small
+    # a fused attention kernel (cuDNN on CUDA) holds no score matrix: none counted
+    fused = MP.estimate_prefill_peak(
+        new_tokens=100, chunk_tokens=256, context_tokens=100, score_copies=0, **base
+    )
+    assert abs((e - fused) - 1.1 * c * t * 8 * (3 * 4 + 1)) <= 1
 
 
 def test_plan_prefill_halves_chunk_then_refuses():
