@@ -505,9 +505,9 @@ def run_models(settings: Any) -> int:
 
 
 def run_config(settings: Any) -> int:
-    from tierchat.config.settings import explain
+    from tierchat.config.settings import explain, shown
 
-    rows = [(key, "none" if v is None else v, source) for key, v, source in explain(settings)]
+    rows = [(key, shown(key, v), source) for key, v, source in explain(settings)]
     print(table(rows, ("setting", "value", "source")))
     print(f"device: {_device_line()}")
     return EXIT_OK

@@ -433,7 +433,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "swipe_temperature": _temperature,
     "kv_bits": _optional(_kv_bits),
     "kv_group_size": _group_size,
-    "memory_limit": _optional(_memory_limit),
+    "memory_limit": _auto(_optional(_memory_limit)),
     "memory_soft_fraction": _fraction,
     "memory_hard_fraction": _fraction,
     "store_busy_s": _positive_float,
@@ -569,6 +569,19 @@ def load_settings(
             f"(from {settings.sources['memory_hard_fraction']})"
         )
     return settings
+
+
+# settings whose None means "decided at load" (`tierchat config` shows "auto"): the chunk
+# attention plan, the SSD tier's cap, writes while busy, the memory limit (docs/DESIGN.md)
+AUTO_KEYS = frozenset({"chunk_attention", "ssd_bytes", "ssd_write_while_busy", "memory_limit"})
+
+
+def shown(key: str, value: Any) -> Any:
+    """``value`` as ``tierchat config`` prints it: "auto" for an automatic setting left to
+    the engine, "none" for another unset one."""
+    if value is None:
+        return "auto" if key in AUTO_KEYS else "none"
+    return value
 
 
 def explain(settings: Settings) -> list[tuple[str, Any, str]]:

@@ -68,6 +68,17 @@ def test_precedence_file_env_cli(tmp_path):
     assert rows["ssd_bytes"][1] == "default"
 
 
+def test_config_shows_an_automatic_setting_as_auto(tmp_path):
+    """An automatic setting left to the engine reads "auto" (and "auto" parses back), an
+    unset optional one "none"."""
+    from tierchat.config.settings import shown
+
+    s = load(tmp_path, env={"TIERCHAT_MEMORY_LIMIT": "auto", "TIERCHAT_SSD_BYTES": "auto"})
+    assert s.memory_limit is None and s.ssd_bytes is None
+    assert shown("memory_limit", s.memory_limit) == shown("ssd_bytes", None) == "auto"
+    assert shown("kv_bits", None) == "none" and shown("block_size", 64) == 64
+
+
 def test_config_path_from_env(tmp_path):
     path = write(tmp_path, "tail_entries = 2\n")
     s = load_settings(env={"TIERCHAT_CONFIG": str(path)})
