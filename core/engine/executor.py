@@ -530,8 +530,6 @@ class Executor:
         if memory_mod.should_clear_mlx_cache(self.monitor.level()):
             mx.clear_cache()
         configured, gate = self.settings.hot_bytes, self.memory_gate
-        if pool := gate.pool_bytes():
-            mx.set_cache_limit(pool)
         fitted = cache.fit_hot_budget(
             lambda held, leaving: gate.tier_budget(configured, held, leaving),
             drop_resident=drop_resident,

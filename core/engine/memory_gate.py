@@ -22,7 +22,6 @@ Footprint = admission.Footprint
 # wait to be written (its ``max_pending_bytes``; the engine waits for the writer past it):
 # entries the hot tier lets go under the limit spill there (docs/DESIGN.md §11)
 WRITER_SHARE = 0.125
-POOL_FLOOR_SHARE = 16  # MLX's pool may always hold 1/16 of the ceiling (pool_bytes)
 
 
 class MemoryGate:
@@ -81,19 +80,6 @@ class MemoryGate:
         rt = self.runtime
         weights = rt.weights_bytes if rt is not None and rt.loaded is not None else 0
         return self.monitor.limit_line() - (self.base_bytes - weights)
-
-    def pool_bytes(self) -> int:
-        """What MLX's pool of freed buffers may hold (bytes, ``mx.set_cache_limit``): the
-        room under the ceiling that nothing committed takes, so that live arrays and the
-        pool together stay under it, at least ``1 / POOL_FLOOR_SHARE`` of the ceiling (an
-        empty pool frees and allocates every step's buffers; on CUDA a free synchronizes).
-        MLX's own default lets the pool grow to 80% of a GPU's memory beside the live
-        arrays: 75 GiB of pool beside 56 GiB live on an H200 at 124K tokens, past the limit.
-        0 when no ceiling is known (no bound)."""
-        ceiling = self.monitor.ceiling()
-        if ceiling <= 0:
-            return 0
-        return max(ceiling // POOL_FLOOR_SHARE, ceiling - self.committed_bytes())
 
     def committed_bytes(self) -> int:
         """The weights, the reservations and the cache tiers' bytes (any thread)."""
