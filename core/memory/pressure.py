@@ -107,22 +107,23 @@ def effective_budget(
     """The shared byte budget of the hot tier + MRU tails + checkpoints at ``level``.
 
     - "ok": ``configured_bytes``.
-    - "soft" and "hard": shrink so that the process falls back under the soft line:
+    - "soft": shrink so that the process falls back under the soft line:
       ``held_bytes - (in_use_bytes - soft_fraction × ceiling_bytes)``, i.e. what the cache
       holds now minus the excess over the soft line, clamped to
-      ``[min_bytes, configured_bytes]`` (``min_bytes``, default 0: pinned entries are the
-      cache's business). ``held_bytes`` is what the cache holds now (part of
+      ``[min_bytes, configured_bytes]``. ``held_bytes`` is what the cache holds now (part of
       ``in_use_bytes``). Read ``in_use_bytes`` after ``mx.clear_cache()``
       (:func:`should_clear_mlx_cache`) so freed buffers are not charged to the cache.
-      "hard" evicts no more than "soft" would: under the soft line is under the hard one,
-      and emptying the tier at hard (as before) threw away what the next turns restore
-      (an H200 at 124K tokens: 74 entries, 34 GB, evicted at every request's start).
+    - "hard": ``min_bytes`` (default 0; pinned entries are the cache's business). Shrinking
+      only to the soft line there let 16 concurrent prompts under a 35 MB limit peak at
+      1.11x it (the reservations undercount what concurrent requests really hold).
 
     The caller evicts lowest priority first down to the returned number.
     """
     floor = max(0, min(min_bytes, configured_bytes))
     if level == "ok":
         return configured_bytes
+    if level == "hard":
+        return floor
     excess = in_use_bytes - soft_fraction * ceiling_bytes
     return int(max(floor, min(configured_bytes, held_bytes - max(0.0, excess))))
 

@@ -139,10 +139,8 @@ def test_budget_ok_soft_hard():
     assert M.effective_budget(4 * GB, "soft", in_use_bytes=20 * GB, min_bytes=GB, **kw) == GB
     # never above the configured budget
     assert M.effective_budget(GB, "soft", in_use_bytes=int(8.1 * GB), **kw) == GB
-    # hard: no further than back under the soft line (before: every unpinned entry)
-    assert M.effective_budget(4 * GB, "hard", in_use_bytes=int(9.5 * GB), **kw) == int(1.5 * GB)
     assert (
-        M.effective_budget(4 * GB, "hard", in_use_bytes=20 * GB, min_bytes=GB // 8, **kw) == GB // 8
+        M.effective_budget(4 * GB, "hard", in_use_bytes=9 * GB, min_bytes=GB // 8, **kw) == GB // 8
     )
 
 
@@ -152,9 +150,10 @@ def test_budget_does_not_charge_what_is_leaving():
     the rest's."""
     monitor = M.MemoryMonitor(limit_bytes=10 * GB, reader=reader(GB, total=64 * GB))
     monitor.committed = lambda: int(9.5 * GB)  # 4 GB of it a resident cache
-    assert monitor.level() == "hard"
-    assert monitor.budget(6 * GB, held_bytes=6 * GB) == int(6 * GB - 1.5 * GB)
+    assert monitor.level() == "hard" and monitor.budget(6 * GB, held_bytes=6 * GB) == 0
     assert monitor.budget(6 * GB, held_bytes=6 * GB, leaving_bytes=4 * GB) == 6 * GB
+    monitor.committed = lambda: int(8.5 * GB)  # soft: the excess over the soft line goes
+    assert monitor.budget(6 * GB, held_bytes=6 * GB) == int(5.5 * GB)
 
 
 def test_monitor_budget_follows_level():
@@ -164,9 +163,7 @@ def test_monitor_budget_follows_level():
     soft = M.MemoryMonitor(limit_bytes=10 * GB, reader=reader(int(8.5 * GB), total=64 * GB))
     assert soft.budget(configured, held_bytes=2 * GB) == int(1.5 * GB)
     hard = M.MemoryMonitor(limit_bytes=10 * GB, reader=reader(int(9.5 * GB), total=64 * GB))
-    assert hard.budget(configured, held_bytes=2 * GB) == int(0.5 * GB)  # back under soft
-    harder = M.MemoryMonitor(limit_bytes=10 * GB, reader=reader(int(9.9 * GB), total=64 * GB))
-    assert harder.budget(configured, held_bytes=GB) == 0
+    assert hard.budget(configured, held_bytes=2 * GB) == 0
 
 
 def test_should_clear_mlx_cache():
