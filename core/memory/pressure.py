@@ -113,9 +113,7 @@ def effective_budget(
       ``[min_bytes, configured_bytes]``. ``held_bytes`` is what the cache holds now (part of
       ``in_use_bytes``). Read ``in_use_bytes`` after ``mx.clear_cache()``
       (:func:`should_clear_mlx_cache`) so freed buffers are not charged to the cache.
-    - "hard": ``min_bytes`` (default 0; pinned entries are the cache's business). Shrinking
-      only to the soft line there let 16 concurrent prompts under a 35 MB limit peak at
-      1.11x it (the reservations undercount what concurrent requests really hold).
+    - "hard": ``min_bytes`` (default 0; pinned entries are the cache's business).
 
     The caller evicts lowest priority first down to the returned number.
     """
