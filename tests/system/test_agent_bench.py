@@ -92,7 +92,10 @@ def test_agent_bench_on_both_servers_with_copies_and_a_restart(tmp_path, models_
     summary = doc["servers"]["tierchat"]["summary"]
     assert summary["ssd_bytes"] > 0 and summary["peak_mlx_bytes"] > 0
     assert doc["servers"]["mlx-lm"]["summary"]["ssd_bytes"] is None
-    assert set(doc["ratios"]) == {"ttft_median", "ttft_p90", "ttft_worst", "tokens_per_s"}
+    ratios = doc["ratios"]
+    assert set(ratios) == {"ttft_median", "ttft_p90", "ttft_worst", "tokens_per_s", "requests"}
+    assert ratios["tokens_per_s"] is not None and not doc["servers"]["mlx-lm"]["failure"]
+    assert ratios["requests"] == len(doc["servers"]["tierchat"]["requests"])  # every one
     text = capsys.readouterr().out
     assert "mini#2*" in text and "mlx-lm TTFT s" in text
 
