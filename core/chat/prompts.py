@@ -477,8 +477,12 @@ def _build(
     # back, and splices that decode to the text they cover (_splice), decode to ``full``
     # (no U+FFFD in it: a splice ending inside a character would decode to one)
     canonical: bool | None = None
-    exact = "\ufffd" not in full and all(builder._decodes_back(*x) for x in pieces)
-    if builder.check_whole or not exact:
+    exact = (
+        not builder.check_whole
+        and "\ufffd" not in full
+        and all(builder._decodes_back(*x) for x in pieces)
+    )
+    if not exact:
         whole = ranges.encode_whole(builder, full, content)
         fallback = ""
         if plain_ids != whole and decode_ids(tokenizer, plain_ids) != decode_ids(tokenizer, whole):

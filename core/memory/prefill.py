@@ -287,8 +287,9 @@ def estimate_for_model(
     mixer's own projections of one chunk (conv, gates). Fitted to the tiny hybrids on CPU.
     """
     d = model_dims(model)
+    c = min(chunk_tokens, new_tokens)
     if profile.fixed > 0 and new_tokens > 0:  # recurrent layers
-        c, s = min(chunk_tokens, new_tokens), min(chunk_tokens, new_tokens, STATE_STEP)
+        s = min(c, STATE_STEP)
         ssd = STATE_SCRATCH_COPIES * s * s * d.state_heads * 4
         mixer = STATE_MIXER_COPIES * c * d.hidden_size * d.dtype_bytes
         extra_bytes += int(SCRATCH_MARGIN * (ssd + mixer))
@@ -296,7 +297,6 @@ def estimate_for_model(
     kv_new = max(
         0, profile.nbytes(context_tokens, chunk_tokens) - profile.nbytes(start, chunk_tokens)
     )
-    c = min(chunk_tokens, new_tokens)
     held = materializes is None or materializes(d, c, max(context_tokens, new_tokens))
     return estimate_prefill_peak(
         active_bytes=active_bytes,
