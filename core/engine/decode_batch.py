@@ -4,7 +4,8 @@ Built on the decode half of mlx-lm's continuous batching (``mlx_lm.generate``'s
 ``GenerationBatch``, what its ``BatchGenerator`` moves a sequence into once its prompt is
 processed): tierchat prefills each request itself (restore, schedule chunks, captures), so
 a sequence joins here with its filled cache and the token to feed next. Its caches merge
-into the batch's (``KVCache.merge`` -> ``BatchKVCache``, ``RotatingKVCache`` ->
+into the batch's (``KVCache`` -> :class:`.batch_kv.OneCopyBatchKVCache`, mlx-lm's
+``BatchKVCache`` joining in one copy; ``RotatingKVCache`` ->
 ``BatchRotatingKVCache``, ``ArraysCache.merge``; ``QuantizedKVCache``, ``kv_bits``, ->
 :class:`.quantized_batch.BatchQuantizedKVCache`), which left-pads shorter sequences; a
 finished or removed sequence's cache comes back out as a plain per-request cache

@@ -26,7 +26,9 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import CacheList, QuantizedKVCache
+from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
+
+from .batch_kv import OneCopyBatchKVCache, place_rows, room
 
 Triple = tuple[mx.array, mx.array, mx.array]  # (packed, scales, biases), each (B, H, S, *)
 
@@ -143,20 +145,18 @@ class BatchQuantizedKVCache:
             self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
             return
 
-        def aligned(c: BatchQuantizedKVCache) -> tuple[Triple, Triple]:
-            if c.keys is None:
-                rows = c.offset.shape[0]
-                kv = tree_map(
-                    lambda x: mx.zeros((rows, x.shape[1], 0, x.shape[3]), x.dtype),
-                    (like.keys, like.values),
-                )
-            else:
-                kv = tree_map(lambda x: x[..., : c.end, :], (c.keys, c.values))
-            pad = [(0, 0), (0, 0), (idx - c.end, 0), (0, 0)]
-            return tree_map(lambda x: mx.pad(x, pad), kv)
+        # each row written once into one new array (core/engine/batch_kv.py)
+        size = room(idx, self.step)
 
-        a, b = aligned(self), aligned(other)
-        self.keys, self.values = tree_map(lambda x, y: mx.concatenate([x, y]), a, b)
+        def rows(part: int, j: int) -> mx.array:
+            parts = []
+            for c in (self, other):
+                kv = (c.keys, c.values)[part]
+                x = kv[j][..., : c.end, :] if kv is not None else None
+                parts.append((x, c.offset.shape[0]))
+            return place_rows(parts, idx, size, (like.keys, like.values)[part][j])
+
+        self.keys, self.values = (tuple(rows(part, j) for j in range(3)) for part in (0, 1))
         self.offset = mx.concatenate([self.offset, other.offset])
         self.left_padding = mx.concatenate(
             [self.left_padding + (idx - self.end), other.left_padding + (idx - other.end)]
@@ -191,16 +191,18 @@ class BatchQuantizedKVCache:
             return out
         like = next(c for c in caches if c.keys is not None)
 
-        def rows(x: mx.array) -> mx.array:
-            return mx.zeros((len(caches), x.shape[1], longest, x.shape[3]), x.dtype)
+        size = room(longest, cls.step)
 
-        out.keys, out.values = tree_map(rows, (like.keys, like.values))
-        for i, (p, c) in enumerate(zip(padding, caches, strict=True)):
-            if c.keys is None:
-                continue
-            for mine, theirs in ((out.keys, c.keys), (out.values, c.values)):
-                for j in range(3):
-                    mine[j][i : i + 1, :, p:] = theirs[j][..., : c.offset, :]
+        def rows(part: str, j: int) -> mx.array:
+            parts = []
+            for c in caches:
+                kv = getattr(c, part)
+                parts.append((kv[j][..., : c.offset, :] if kv is not None else None, 1))
+            return place_rows(parts, longest, size, getattr(like, part)[j])
+
+        out.keys, out.values = (
+            tuple(rows(part, j) for j in range(3)) for part in ("keys", "values")
+        )
         out.offset = out.offset + longest
         out.end = longest
         return out
@@ -222,14 +224,18 @@ def _same_format(caches: list[Any]) -> tuple[int, int]:
     return formats.pop()
 
 
-_BATCH_OF: dict[type, Any] = {QuantizedKVCache: BatchQuantizedKVCache.merge}
+_BATCH_OF: dict[type, Any] = {
+    QuantizedKVCache: BatchQuantizedKVCache.merge,
+    KVCache: OneCopyBatchKVCache.merge,
+}
 
 
 def merge_of(cls: type) -> Any:
-    """The function that merges one-row caches of class ``cls`` into a batch cache: the
-    class's own ``merge`` (mlx-lm's), else this module's for ``QuantizedKVCache``; None
-    when it has neither."""
-    return getattr(cls, "merge", None) or _BATCH_OF.get(cls)
+    """The function that merges one-row caches of class ``cls`` into a batch cache: this
+    package's for ``KVCache`` (:mod:`.batch_kv`: joins in one copy) and
+    ``QuantizedKVCache``, else the class's own ``merge`` (mlx-lm's); None when it has
+    neither."""
+    return _BATCH_OF.get(cls) or getattr(cls, "merge", None)
 
 
 def merge_layer(caches: list[Any]) -> Any:

@@ -8,8 +8,8 @@ A request holds at most its :class:`Footprint`: its K/V at full length (prompt +
 (:func:`~.prefill.estimate_for_model` above the K/V, at its planned chunk). One prefill
 forward runs at a time, so the scratch of the requests in prefill counts once, the
 largest. A request joining the decode batch has the batch's caches copied once
-(mlx-lm's ``BatchKVCache.extend`` / ``merge`` concatenate, left-padded to the longest
-row), so at a join the K/V of the requests held is there twice; a group of two or more
+(``core/engine/batch_kv.py``: each row written once into one new array, left-padded to
+the longest row), so at a join the K/V of the requests held is there twice; a group of two or more
 requests in prefill (``core/engine/prefill_batch.py``) merges their caches the same way,
 beside its forward's scratch. One of these happens at a time. :class:`Reservations`
 sums the requests held::
