@@ -50,6 +50,7 @@ from . import actions
 from .actions import Action, Cancel, Decode, Group, Piece, Refuse, Start
 from .attention import OFF, chunk_attention
 from .decode_batch import DecodeBatch
+from .dequantized import dequantized_matmuls
 from .forward import logprobs_of
 from .forward_cost import ForwardCost
 from .memory_gate import MemoryGate
@@ -215,6 +216,11 @@ class Executor:
         with mx.stream(generation_stream), chunk_attention(attention):
             yield
 
+    def _prefill_matmuls(self) -> contextlib.AbstractContextManager[None]:
+        """Prefill forwards' matmuls of quantized weights as the runtime plans them
+        (core/engine/dequantized.py); decode steps keep the quantized kernels."""
+        return dequantized_matmuls(self.runtime.dequantize_rows if self.runtime else 0)
+
     def run(self, action: Action) -> None:
         """Run one action on the requests held.
 
@@ -242,13 +248,15 @@ class Executor:
             r = self.prefilling[0]
             if r.uid != action.uid:
                 raise RuntimeError(f"out of step: piece of {action.uid}, head is {r.uid}")
-            self._prefill_piece(r, action.end)
+            with self._prefill_matmuls():
+                self._prefill_piece(r, action.end)
         elif isinstance(action, Group):
             group = [r for r in self.prefilling if r.uid in action.uids]
             if len(group) != len(action.uids):
                 uids = [r.uid for r in group]
                 raise RuntimeError(f"out of step: a group of {action.uids}, prefilling {uids}")
-            self._prefill_group(group, action.width)
+            with self._prefill_matmuls():
+                self._prefill_group(group, action.width)
         elif isinstance(action, Decode):
             self._decode()
         else:

@@ -36,6 +36,7 @@ from ..cache.rates import Rates
 from ..device import describe_device, device_info
 from ..memory import admission
 from ..memory import prefill as prefill_mod
+from . import dequantized
 from .attention import AttentionPlan, mlx_softmax, pow_softmax
 from .forward import last_logits_fn, verify_last_logits
 
@@ -141,6 +142,10 @@ class Runtime:
     layer_kinds: tuple[str, ...] = ()
     kv_profile: Any = None
     weights_bytes: int = 0
+    # prefill matmuls of quantized weights of at least this many rows dequantize first
+    # (core/engine/dequantized.py; 0: never); the largest weight so dequantized (bytes)
+    dequantize_rows: int = 0
+    dequantized_bytes: int = 0
 
     @property
     def model(self) -> Any:
@@ -206,7 +211,7 @@ class Runtime:
             return attention.materializes(d.n_heads, c, t, d.dtype_bytes)
 
         def estimate(c: int) -> int:
-            return prefill_mod.estimate_for_model(
+            peak = prefill_mod.estimate_for_model(
                 model,
                 profile,
                 active_bytes=weights,
@@ -215,6 +220,9 @@ class Runtime:
                 chunk_tokens=min(c, n - 1),
                 materializes=materializes,
             )
+            # a dequantized weight beside the chunk's activations (core/engine/dequantized.py)
+            dequantizes = self.dequantize_rows and min(c, n - 1) >= self.dequantize_rows
+            return peak + (self.dequantized_bytes if dequantizes else 0)
 
         return prefill_mod.plan_prefill(
             estimate, hard_line, chunk, min_chunk=min(16, chunk), new_tokens=n - 1
@@ -339,6 +347,9 @@ def build_runtime(
         line = describe_device(getattr(loaded, "dtype", None))
         info = ModelInfo(context_length(model), vocab, device, line)
         kw.setdefault("weights_bytes", weights)
+        rows = dequantized.wanted(model)
+        kw.setdefault("dequantize_rows", rows)
+        kw.setdefault("dequantized_bytes", dequantized.bytes_of_largest(model) if rows else 0)
         return Runtime(spec, loaded, make_cache, plan, attention, cache, info, **kw)
 
     try:
@@ -416,7 +427,7 @@ def build_runtime(
         warning = cache.ssd_warning()
         cache.on_ssd_idle(on_ssd_idle)
         if cache.needs_prefill_rate and device_info().backend == "cuda":
-            calibrate_prefill(model, make_cache, cache)
+            calibrate_prefill(model, make_cache, cache, dequantized.wanted(model))
     rt = runtime(
         plan,
         cache,
@@ -428,15 +439,20 @@ def build_runtime(
 
 
 def calibrate_prefill(
-    model: Any, make_cache: Callable[[], list[Any]], cache: PrefixCache, tokens: int = 1536
+    model: Any,
+    make_cache: Callable[[], list[Any]],
+    cache: PrefixCache,
+    dequantize_rows: int = 0,
+    tokens: int = 1536,
 ) -> None:
     """Measure the prefill rate once, at load, for the restore-or-recompute choice
     (:mod:`.cache.rates`): after a warm-up prefill of ``tokens`` tokens (the first use of
     each kernel compiles it), a prefill of a length no request has had yet, so it pays the
     per-shape graph builds a recompute pays. On CUDA only, where computing can beat
     reading the disk and the two prefills cost well under a second (8B shapes on an
-    H100); elsewhere the rates come from requests."""
-    with mx.stream(generation_stream):
+    H100); elsewhere the rates come from requests. ``dequantize_rows``: as the
+    requests' forwards run (:mod:`.dequantized`)."""
+    with mx.stream(generation_stream), dequantized.dequantized_matmuls(dequantize_rows):
         for n in (tokens, tokens + 67):
             ids = mx.arange(n)[None] % 2  # ids 0 and 1 exist in every vocabulary
             t0 = time.perf_counter()
