@@ -10,9 +10,10 @@ kernel takes 2.03 ms for 2,048 rows of a 4096 -> 12288 projection, where
 quarter of the bytes and stays the faster one: the engine turns this on for prefill
 forwards only.
 
-Within :func:`dequantized_matmuls`, on this thread, a ``QuantizedLinear`` called on at least
-``min_rows`` rows dequantizes its weight (to the scales' dtype) and multiplies by it; every
-other call, and every call outside the block, is mlx-lm's own. The dequantized weight of
+Within :func:`dequantized_matmuls`, on this thread, a ``QuantizedLinear`` (or a tied
+output projection, ``QuantizedEmbedding.as_linear``) called on at least ``min_rows`` rows
+dequantizes its weight (to the scales' dtype) and multiplies by it; every other call, and
+every call outside the block, is MLX's own. The dequantized weight of
 one projection is transient (``bytes_of_largest``: what the prefill estimate adds). A
 cached and a cold run take the same forwards for the same chunks, so the cache's exactness
 (docs/DESIGN.md §7) does not depend on the choice.
@@ -38,24 +39,39 @@ MIN_ROWS = 1
 
 _local = threading.local()
 _quantized_call = nn.QuantizedLinear.__call__
+_quantized_as_linear = nn.QuantizedEmbedding.as_linear
+
+
+def _dequantizes(x: mx.array) -> bool:
+    rows = getattr(_local, "min_rows", 0)
+    return bool(rows) and x.size >= rows * x.shape[-1]
+
+
+def _times_weight(layer: nn.Module, x: mx.array) -> mx.array:
+    """``x @ W.T`` of ``layer``'s quantized weight ``W``, dequantized first."""
+    w = mx.dequantize(
+        layer["weight"],
+        scales=layer["scales"],
+        biases=layer.get("biases"),
+        group_size=layer.group_size,
+        bits=layer.bits,
+        mode=layer.mode,
+    )
+    return x @ w.T
 
 
 def _call(self: nn.QuantizedLinear, x: mx.array) -> mx.array:
-    rows = getattr(_local, "min_rows", 0)
-    if not rows or x.size < rows * x.shape[-1]:
+    if not _dequantizes(x):
         return _quantized_call(self, x)
-    w = mx.dequantize(
-        self["weight"],
-        scales=self["scales"],
-        biases=self.get("biases"),
-        group_size=self.group_size,
-        bits=self.bits,
-        mode=self.mode,
-    )
-    y = x @ w.T
+    y = _times_weight(self, x)
     if "bias" in self:
         y = y + self["bias"]
     return y
+
+
+def _as_linear(self: nn.QuantizedEmbedding, x: mx.array) -> mx.array:
+    """A tied output projection (``QuantizedEmbedding.as_linear``), the same way."""
+    return _times_weight(self, x) if _dequantizes(x) else _quantized_as_linear(self, x)
 
 
 @contextlib.contextmanager
@@ -65,8 +81,9 @@ def dequantized_matmuls(min_rows: int) -> Iterator[None]:
     if not min_rows:
         yield
         return
-    if nn.QuantizedLinear.__call__ is not _call:
-        nn.QuantizedLinear.__call__ = _call  # installed once; mlx-lm's own outside a block
+    if nn.QuantizedLinear.__call__ is not _call:  # installed once; MLX's own outside a block
+        nn.QuantizedLinear.__call__ = _call
+        nn.QuantizedEmbedding.as_linear = _as_linear
     before = getattr(_local, "min_rows", 0)
     _local.min_rows = min_rows
     try:
@@ -86,11 +103,12 @@ def wanted(model: Any) -> int:
 
 
 def bytes_of_largest(model: Any) -> int:
-    """Bytes of the largest ``QuantizedLinear`` weight of ``model`` once dequantized (its
-    scales' dtype); 0 without one."""
+    """Bytes of the largest ``QuantizedLinear`` or ``QuantizedEmbedding`` weight of
+    ``model`` once dequantized (its scales' dtype; an embedding counts as the tied output
+    projection it may be); 0 without one."""
     most = 0
     for _, m in model.named_modules():
-        if isinstance(m, nn.QuantizedLinear):
+        if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding):
             out_dim = m["weight"].shape[0]
             in_dim = m["scales"].shape[-1] * m.group_size
             most = max(most, out_dim * in_dim * m["scales"].dtype.size)

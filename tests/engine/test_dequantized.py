@@ -59,6 +59,20 @@ def test_only_inside_the_block_and_at_enough_rows(spy):
     assert float(mx.abs(inside - plain).max()) < 1e-4  # the kernel's numbers, to rounding
 
 
+def test_a_tied_output_projection_too(spy):
+    emb = nn.QuantizedEmbedding(96, 64, group_size=32, bits=4)
+    x = mx.random.normal((40, 64), key=mx.random.key(4))
+    plain = emb.as_linear(x)
+    with dequantized_matmuls(32):
+        inside = emb.as_linear(x)
+        emb.as_linear(x[:3])
+    assert len(spy) == 1  # the 40-row call only
+    assert bool(mx.array_equal(emb.as_linear(x), plain)) and len(spy) == 1  # outside: MLX's
+    want = x @ mx.dequantize(emb["weight"], emb["scales"], emb["biases"], group_size=32, bits=4).T
+    assert bool(mx.array_equal(inside, want))
+    assert float(mx.abs(inside - plain).max()) < 1e-4
+
+
 def test_the_block_is_per_thread_and_restores_on_exit(spy):
     layer = _layer()
     x = mx.random.normal((40, 64), key=mx.random.key(3))
@@ -90,12 +104,14 @@ def test_the_block_is_per_thread_and_restores_on_exit(spy):
 def test_the_largest_weight_and_the_device_choice():
     model = nn.Sequential(_layer(), nn.Linear(96, 8))
     assert bytes_of_largest(model) == 96 * 64 * 4  # float32 scales: float32 weights
+    tied = nn.Sequential(nn.QuantizedEmbedding(500, 64, group_size=32, bits=4), _layer())
+    assert bytes_of_largest(tied) == 500 * 64 * 4
     assert bytes_of_largest(nn.Sequential(nn.Linear(4, 4))) == 0
     if mx.default_device().type == mx.cpu:
         assert dequantized.wanted(model) == 0  # measured on CUDA only
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_5"])  # gemma3: a tied output
 def test_cached_runs_equal_cold_runs_with_dequantized_prefill(
     arch, tmp_path, models_dir, monkeypatch, spy
 ):
