@@ -30,11 +30,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 # rows from which a prefill forward dequantizes: all of them. With fewer than ~150 rows
-# the quantized kernel would be faster (the dequantize costs ~0.1 ms a projection), but
-# on CUDA its first use at a new row count in the hundreds built kernels for 45 s (a
-# 220-token turn of the 4-bit session on an H200), which a prefill that never uses it
-# does not pay; the engine dequantizes in prefill forwards only (decode steps keep the
-# quantized kernels, core/engine/executor.py)
+# the quantized kernel would be faster (the dequantize costs ~0.1 ms a projection), but on
+# a fresh CUDA machine its first use with more than one row builds kernels for ~45 s (a
+# 220-token turn of the 4-bit session on an H200; docs/DESIGN.md §7), which a prefill that
+# never uses it does not pay; the engine dequantizes in prefill forwards only (decode
+# steps keep the quantized kernels, core/engine/executor.py)
 MIN_ROWS = 1
 
 _local = threading.local()
@@ -76,8 +76,9 @@ def _as_linear(self: nn.QuantizedEmbedding, x: mx.array) -> mx.array:
 
 @contextlib.contextmanager
 def dequantized_matmuls(min_rows: int) -> Iterator[None]:
-    """Within the block, on this thread, ``QuantizedLinear`` calls on at least ``min_rows``
-    rows (tokens x batch) run as a dequantize and a matmul; ``min_rows`` 0 changes nothing."""
+    """Within the block, on this thread, ``QuantizedLinear`` calls and tied output
+    projections (``QuantizedEmbedding.as_linear``) on at least ``min_rows`` rows (tokens x
+    batch) run as a dequantize and a matmul; ``min_rows`` 0 changes nothing."""
     if not min_rows:
         yield
         return
