@@ -29,6 +29,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..device import device_info
+
 # rows from which a prefill forward dequantizes: all of them. With fewer than ~150 rows
 # the quantized kernel would be faster (the dequantize costs ~0.1 ms a projection), but on
 # a fresh CUDA machine its first use with more than one row builds kernels for ~45 s (a
@@ -95,10 +97,8 @@ def dequantized_matmuls(min_rows: int) -> Iterator[None]:
 
 def wanted(model: Any) -> int:
     """The ``min_rows`` for ``model`` on the default device: :data:`MIN_ROWS` where it has
-    a ``QuantizedLinear`` and the device is a CUDA GPU (where it was measured), else 0."""
-    cuda = getattr(mx, "cuda", None)
-    on_cuda = mx.default_device().type == mx.gpu and cuda is not None and cuda.is_available()
-    if not on_cuda:
+    a quantized projection and the device is a CUDA GPU (where it was measured), else 0."""
+    if device_info().backend != "cuda":
         return 0
     return MIN_ROWS if bytes_of_largest(model) else 0
 

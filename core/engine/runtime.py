@@ -341,15 +341,17 @@ def build_runtime(
     kv_profile = prefill_mod.kv_profile(model, lambda m: make_cache())
     caches = make_cache()
     cpu = device_info().kind == "cpu"
+    # prefill matmuls of quantized weights (core/engine/dequantized.py), decided once
+    dequantize_rows = dequantized.wanted(model)
+    dequantized_bytes = dequantized.bytes_of_largest(model) if dequantize_rows else 0
 
     def runtime(plan: PrefillPlan, cache: PrefixCache | None, vocab: int, **kw: Any) -> Runtime:
         device = "cpu" if cpu else "gpu"
         line = describe_device(getattr(loaded, "dtype", None))
         info = ModelInfo(context_length(model), vocab, device, line)
         kw.setdefault("weights_bytes", weights)
-        rows = dequantized.wanted(model)
-        kw.setdefault("dequantize_rows", rows)
-        kw.setdefault("dequantized_bytes", dequantized.bytes_of_largest(model) if rows else 0)
+        kw.setdefault("dequantize_rows", dequantize_rows)
+        kw.setdefault("dequantized_bytes", dequantized_bytes)
         return Runtime(spec, loaded, make_cache, plan, attention, cache, info, **kw)
 
     try:
@@ -427,7 +429,7 @@ def build_runtime(
         warning = cache.ssd_warning()
         cache.on_ssd_idle(on_ssd_idle)
         if cache.needs_prefill_rate and device_info().backend == "cuda":
-            calibrate_prefill(model, make_cache, cache, dequantized.wanted(model))
+            calibrate_prefill(model, make_cache, cache, dequantize_rows)
     rt = runtime(
         plan,
         cache,
