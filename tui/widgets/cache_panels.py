@@ -2,7 +2,7 @@
 an event log, all fed from one :class:`~tierchat.core.api.CacheStats` snapshot.
 
 :class:`CachePanels` holds one reactive, ``stats``; its watcher fans the snapshot out to the
-panels (``ProgressBar.update``, a hit-rate sparkline, ``DataTable.update_cell``, ``Log``).
+panels (``ProgressBar.update``, a hit-rate sparkline, ``Log``).
 Polling is the screen's job (one ``set_interval``, paused while the panels are hidden).
 """
 
@@ -18,7 +18,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
 from textual.css.query import NoMatches
 from textual.reactive import reactive
-from textual.widgets import DataTable, ProgressBar, RichLog, Static
+from textual.widgets import ProgressBar, RichLog, Static
 from tierchat.core.api import CacheStats, LookupStats, MemoryStats, TailStats, TierStats, WearStats
 from tierchat.core.units import fmt_bytes, fmt_count, fmt_seconds
 from tierchat.tui.format import fmt_cached_by, fmt_cached_kind, fmt_rate
@@ -340,28 +340,40 @@ LAST_TURN_ROWS = (
 
 
 class LastTurnPanel(Panel):
+    """The last turn's figures, one aligned row each (label, value), then the cached
+    tokens' split by tier and by kind.
+
+    The rows are one ``Static`` rendered in full by :meth:`show` (a ``DataTable`` sized
+    its value column on a later idle, so a screen read right after a poll could show a
+    value cut to the column's earlier width)."""
+
     TITLE = "Last turn"
-    DEFAULT_CSS = """
-    LastTurnPanel DataTable { height: auto; background: transparent; }
-    """
+    LABEL_WIDTH = max(len(label) for _key, label in LAST_TURN_ROWS) + 2
+    """Cells of the label column (the longest label and two spaces)."""
 
     def compose(self) -> ComposeResult:
-        table: DataTable = DataTable(
-            show_header=False, cursor_type="none", zebra_stripes=False, id="last-turn"
-        )
-        table.can_focus = False
-        yield table
-        # the cached tokens' split: lines of their own, broken between parts (a table cell
-        # is one line: "block 261,888 · tail 64 · checkpoint 128" passed the panel)
+        yield Static("", classes="line", id="last-turn", markup=False)
+        # the cached tokens' split: lines of their own, broken between parts (one row is
+        # one line: "block 261,888 · tail 64 · checkpoint 128" passed the panel)
         yield Static("", classes="line", id="last-turn-by", markup=False)
         yield Static("", classes="line", id="last-turn-kind", markup=False)
 
     def on_mount(self) -> None:
-        table = self.query_one(DataTable)
-        table.add_column("what", key="what")
-        table.add_column("value", key="value")
+        self.put_rows(dict.fromkeys((key for key, _label in LAST_TURN_ROWS), "—"))
+
+    def put_rows(self, values: dict[str, str]) -> None:
+        """One row per :data:`LAST_TURN_ROWS` entry, the value after the label column; a
+        row wider than the Static puts its value on the next line, indented."""
+        static = self.query_one("#last-turn", Static)
+        width = static.content_region.width or LINE_WIDTH
+        lines: list[str] = []
         for key, label in LAST_TURN_ROWS:
-            table.add_row(label, "—", key=key)
+            row = f"{label:<{self.LABEL_WIDTH}}{values[key]}"
+            if cell_len(row) <= width:
+                lines.append(row)
+            else:
+                lines.extend((label, f"  {values[key]}"))
+        static.update("\n".join(lines))
 
     def show(self, stats: CacheStats) -> None:
         lt = stats.last_turn
@@ -376,9 +388,7 @@ class LastTurnPanel(Panel):
         }
         if not lt.prompt_tokens:
             values = dict.fromkeys(values, "—")
-        table = self.query_one(DataTable)
-        for key, value in values.items():
-            table.update_cell(key, "value", value, update_width=True)
+        self.put_rows(values)
         by = fmt_cached_by(lt.cached_by).split(" · ") if lt.cached_tokens else []
         kind = fmt_cached_kind(lt.cached_kind).split(" · ") if lt.cached_tokens else []
         self.put("#last-turn-by", [f"by tier {by[0]}", *by[1:]] if by else [])
