@@ -146,6 +146,10 @@ class FakeTokenizer:
         return self.encode(text) if tokenize else text
 
 
+LONG_STORY_HOLD_S = 60.0
+"""How long the first reply to a "long story" prompt holds after its first token batch
+(with ``token_delay_s`` set), waiting for a stop."""
+
 _LAST_USER_RE = re.compile(r"<\|user\|>(.*?)<\|end\|>", re.DOTALL)
 
 
@@ -223,6 +227,8 @@ class FakeEngine:
         self.replies = list(replies or ())
         self._lock = threading.Lock()
         self._submits = 0
+        self._stories_told: set[tuple[int, ...]] = set()
+        """Prompts whose long story was asked for once (see ``_generate``)."""
         self._hot: dict[tuple[int, ...], None] = {}  # block prefixes, LRU order
         self._ssd: set[tuple[int, ...]] = set()
         self._tails: list[tuple[int, ...]] = []  # whole sequences, MRU last
@@ -537,8 +543,15 @@ class FakeEngine:
         t1 = self.clock() if self.clock else 0.0
 
         text = self._reply_text(prompt)
-        # a request for a long story streams slowly, so that a key stops it on a loaded machine
+        # a request for a long story streams slowly, so that a key stops it on a loaded
+        # machine; the first one for a prompt holds after its first batch until it is
+        # stopped (at most LONG_STORY_HOLD_S), however late the key comes; a regenerate of it
+        # streams at the slow pace and ends
         slow = "long story" in self._tokenizer.decode(prompt[-64:])
+        with self._lock:
+            hold = slow and self.token_delay_s > 0 and prompt not in self._stories_told
+            if slow:
+                self._stories_told.add(prompt)
         tok = self._tokenizer
         ids = (
             tok.char_ids(text)
@@ -571,7 +584,10 @@ class FakeEngine:
                 first = False
                 while not self.gate.wait(0.01) and not handle.cancelled:
                     pass
-            if self.token_delay_s:
+            if hold:
+                hold = False
+                handle._cancel.wait(LONG_STORY_HOLD_S)
+            elif self.token_delay_s:
                 handle._cancel.wait(self.token_delay_s * (20 if slow else 1))
         t2 = self.clock() if self.clock else 0.0
 

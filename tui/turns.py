@@ -101,10 +101,11 @@ class Turn:
     held: Any = None  # the HeldCalls that makes ``shown`` (None: no tools, all shown)
     view: MessageView | None = None  # the placeholder while its conversation is shown
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    stop_asked: bool = False  # a stop came before the handle: it is cancelled on arrival
 
     @property
     def stopping(self) -> bool:
-        return bool(getattr(self.handle, "cancelled", False))
+        return self.stop_asked or bool(getattr(self.handle, "cancelled", False))
 
 
 class TurnRunner:
@@ -175,6 +176,11 @@ class TurnRunner:
 
     def _cancel(self, turn: Turn, *, show: bool) -> None:
         if turn.handle is None:
+            # the session call is still on its way (a key pressed right after Enter): the
+            # handle is cancelled the moment it is back (:meth:`start`), never dropped
+            turn.stop_asked = True
+            if show:
+                self.host.widgets()[1].show_stopping()
             return
         turn.handle.cancel()
         if show and not getattr(turn.handle, "done", False):
@@ -200,6 +206,8 @@ class TurnRunner:
                 self.host.turns_changed(ended=True)
                 return False
             turn.handle = handle
+            if turn.stop_asked:
+                handle.cancel()
             turn.held = self.host.held_calls(handle)
             continued = getattr(handle, "continued", None)
             turn.prefix = continued.content if continued is not None else ""

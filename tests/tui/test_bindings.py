@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from tierchat.tui.app import BINDING_OWNERS, binding_ids
@@ -144,6 +145,44 @@ async def test_escape_stops_generation(make_app, engine):
         assert not screen.streaming
         assert screen.check_action("stop", ()) is None
         assert any("stopped" in n.message for n in app._notifications)
+
+
+async def test_a_stop_before_the_handle_is_back_stops_the_turn(make_app, engine, monkeypatch):
+    """Esc pressed while the session call is still on its way (the handle not back yet:
+    a loaded machine, right after Enter) was dropped and the reply ran to its end; the
+    handle is now cancelled the moment it arrives."""
+    entered, release = threading.Event(), threading.Event()
+    handles = []
+    submit = engine.submit
+
+    def late_submit(request, on_event=None):
+        entered.set()
+        assert release.wait(30)
+        handles.append(submit(request, on_event))
+        return handles[-1]
+
+    monkeypatch.setattr(engine, "submit", late_submit)
+    engine.gate.clear()  # a reply holds after its first batch: it ends only by a stop
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        screen = chat_screen(app)
+        screen.query_one(ChatInput).insert("a question")
+        # the pane's Enter handler awaits the session call, and pilot.press() with it
+        pressed = asyncio.create_task(pilot.press("enter"))
+        for _ in range(3000):
+            if entered.is_set():
+                break
+            await asyncio.sleep(0.01)
+        assert entered.is_set() and not handles
+        screen.action_stop()  # what Esc runs (a key would wait for the pane's handler)
+        bar = screen.query_one(ActivityBar)
+        assert bar.has_class("-active") and bar.label == "stopping…"
+        release.set()
+        await pressed
+        await settle(pilot)
+        assert not screen.streaming
+        assert handles[0].cancelled and handles[0].done
 
 
 async def test_regenerate_then_swipe_left_and_right(make_app, store):
