@@ -247,6 +247,21 @@ class Exchange:
     def has_tools(self) -> bool:
         return bool(self.body.get("tools"))
 
+    @property
+    def ended(self) -> bool:
+        """The reply reached its end: a whole JSON body, or a stream with its last event
+        (``message_stop``, ``response.completed``/``incomplete``/``failed``, ``data:
+        [DONE]``). False when the client left first: Claude Code gives up on a stream
+        after 300 s without a chunk (30 pings extend it at most 300 s more) and asks again
+        without streaming."""
+        if b"data: [DONE]" in self.reply:
+            return True
+        last = {"message_stop", "response.completed", "response.incomplete", "response.failed"}
+        objs = _payloads(self.reply)
+        if self.reply.lstrip().startswith(b"{"):
+            return bool(objs)
+        return any(o.get("type") in last for o in objs)
+
 
 @dataclass(frozen=True)
 class Usage:
@@ -342,8 +357,11 @@ def cache_shortfalls(exchanges: list[Exchange]) -> list[str]:
     report ``cached_tokens >= prompt_tokens[i-1] - output_tokens[i-1]`` (the previous
     prompt, less the previous reply's length as slack for how a chat template re-renders
     the turn it ends with), less :data:`ASSISTANT_HEADER_TOKENS` after an empty reply
-    (1 token: the end token). A missing usage is a shortfall too. Empty: all held."""
-    main = [e for e in exchanges if e.has_tools]
+    (1 token: the end token). A missing usage is a shortfall too. A reply the client left
+    before its end (:attr:`Exchange.ended` false) is passed over: it has no final usage,
+    and how much of its prompt the server kept is the server's to say; the request after
+    it is held to the last reply that ended. Empty: all held."""
+    main = [e for e in exchanges if e.has_tools and e.ended]
     problems: list[str] = []
     previous: Usage | None = None
     for i, e in enumerate(main):

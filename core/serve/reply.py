@@ -62,8 +62,11 @@ async def read_reply(
     (the engine failed, or the server is stopping). ``http``: for a whole (non-streamed)
     reply, the client whose disconnect cancels it; ``keepalive``: yield
     :class:`KeepAlive` once ``state.keepalive_s`` passed without anything yielded (streams):
-    after a wait without an event, and on an event that yields nothing (a prefill's
-    progress: a long prefill sends progress now and then, and the client nothing else)."""
+    after a wait without an event, and on an event that yields nothing: a prefill's
+    progress (a long prefill sends progress now and then, and the client nothing else) or
+    a batch of tokens held back (a tool call being written: on a slow machine a call of a
+    few hundred tokens takes minutes, and Codex ends a stream after 300 s without an
+    event, Claude Code after 300 s without a chunk)."""
     parser = ReplyParser(
         prep.fmt,
         tools=list(prep.tools) or None,
@@ -82,9 +85,14 @@ async def read_reply(
         if isinstance(event, KeepAlive):
             continue
         if isinstance(event, TokenBatch):
-            last = time.monotonic()
-            for part in _first_calls(_parts(parser, event.text), prep.max_calls):
+            parts = _first_calls(_parts(parser, event.text), prep.max_calls)
+            for part in parts:
                 yield part
+            if parts or keep_s is None:
+                last = time.monotonic()
+            elif time.monotonic() - last >= keep_s:  # the batch was held back
+                last = time.monotonic()
+                yield KeepAlive()
         elif isinstance(event, Failed):
             yield failure(event)
         elif isinstance(event, APIError):

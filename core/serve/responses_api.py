@@ -20,8 +20,11 @@ text is a 400.
 The reply's parts become output items (``reasoning`` with a summary, ``message`` with
 ``output_text``, ``function_call``) and, streamed, the events OpenAI's SDK parses
 (``response.created`` … ``response.completed`` or ``response.incomplete``, each with its
-``sequence_number``); a failure mid-stream is ``response.failed``. ``: keep-alive``
-comments keep a stream open while a request waits or prefills.
+``sequence_number``); a failure mid-stream is ``response.failed``. A ``keepalive`` event
+(``{"type": "keepalive", "sequence_number": n}``, as OpenAI's own service sends on long
+streams: openai/openai-node#1964) keeps a stream open while a request waits, prefills or
+writes a tool call: an SSE comment would not do, since Codex's idle timer (300 s) counts
+events and its SSE reader drops comments.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..chat.tool_calls import ReasoningDelta, TextDelta, ToolCallDelta
 from .generation import Generation, KeepAlive
 from .guard import authorize
-from .openai_api import ARGUMENT_PIECE, KEEPALIVE
+from .openai_api import ARGUMENT_PIECE
 from .prompts import APIError
 from .replies import error_response, usage
 from .reply import ReplyEnd, read_reply
@@ -313,7 +316,7 @@ async def _stream(
     yield emit("response.in_progress", response=reply.obj("in_progress"))
     async for event in read_reply(state, gen, prep, keepalive=True):
         if isinstance(event, KeepAlive):
-            yield KEEPALIVE
+            yield emit("keepalive")
         elif isinstance(event, ReasoningDelta | TextDelta):
             kind = "reasoning" if isinstance(event, ReasoningDelta) else "message"
             for line in open_item(kind):

@@ -16,8 +16,12 @@ the first line reaches the CLI's output only if the tool ran and its result went
 Against serve (``test_cli_against_serve``, slow), on the demo model (Qwen2.5-Coder-0.5B):
 every request is answered 200 in the CLI's own wire format, the model's first call is
 parsed into the CLI's tool call, the CLI runs it and sends its result back (the file's
-first line is in the next request), and each main request after the first restores the
-previous prompt minus its reply from the cache. OpenCode also finishes the task (its
+first line is in a later request), and each main request after the first restores the
+previous prompt minus its reply from the cache. A stream the CLI gave up on is passed
+over (:attr:`agent_kit.Exchange.ended`): on a loaded 2-core machine Claude Code's first
+prefill can outlast its stream watchdog (300 s without a chunk, pings extend it 300 s at
+most), and it asks again without streaming; the retry finds the prefix the cancelled
+prefill kept. OpenCode also finishes the task (its
 answer holds the line). Claude Code and Codex CLI do not with this 0.5B model (it
 repeats Claude Code's ``Read`` instead of answering, bounded by ``--max-turns``; with Codex
 it repeats calls up to the output limit): for them the session must end by itself, not
@@ -110,7 +114,8 @@ def describe(result: subprocess.CompletedProcess, exchanges, extra: str = "") ->
     for e in exchanges:
         u = agent_kit.usage_of(e)
         lines.append(
-            f"{e.path} HTTP {e.status} tools={e.has_tools} usage={u} reply={e.reply[:300]!r}"
+            f"{e.path} HTTP {e.status} tools={e.has_tools} ended={e.ended} usage={u} "
+            f"reply={e.reply[:300]!r}"
         )
     return "\n".join(lines) + ("\n" + extra[-4000:] if extra else "")
 
@@ -181,9 +186,10 @@ def test_cli_against_serve(name, bins, project, tmp_path, models_dir):
     assert result.returncode != -9, info  # the session ended by itself
     assert all(e.status == 200 for e in exchanges), info
     main = [e for e in exchanges if e.has_tools]
-    assert len(main) >= 2, info
-    # the first call was parsed, run by the CLI, and its result sent back
-    assert FIRST_LINE in json.dumps(main[1].body), info
+    assert len([e for e in main if e.ended]) >= 2, info
+    # the first call was parsed, run by the CLI, and its result sent back (in the request
+    # after the call's, or after a retry of it: a CLI that gave up on a slow stream)
+    assert any(FIRST_LINE in json.dumps(e.body) for e in main[1:]), info
     assert agent_kit.cache_shortfalls(exchanges) == [], info
     if name == "opencode":  # the 0.5B model finishes this CLI's task
         assert result.returncode == 0, info

@@ -213,6 +213,33 @@ def test_pings_while_the_engine_is_silent_and_the_frames_are_anthropic_sse(serve
     assert data[-2]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
 
 
+def test_pings_while_a_tool_call_is_written(serve):
+    """A call written slowly (a token every 20 ms, held back until it parses) gets pings
+    while nothing else can be sent, then its ``tool_use`` block."""
+    s = serve([CALL], keepalive_s=0.1)
+    s.raw.token_delay_s, s.raw.batch_size = 0.02, 1
+    body = {
+        "model": "m",
+        "max_tokens": 200,
+        "stream": True,
+        "tools": [READ_FILE],
+        "messages": [user("Read notes.txt")],
+    }
+    with httpx.stream("POST", s.url + "/v1/messages", json=body, timeout=30) as r:
+        data = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ")]
+    kinds = [d["type"] for d in data]
+    first_block = kinds.index("content_block_start")
+    assert kinds[:2] == ["message_start", "ping"]
+    # one ping after message_start, then ~1.5 s of held tokens
+    assert kinds[1:first_block].count("ping") >= 4, kinds
+    assert set(kinds[1:first_block]) == {"ping"}, kinds
+    block = data[first_block]["content_block"]
+    assert block["type"] == "tool_use" and block["name"] == "read_file"
+    args = "".join(d["delta"]["partial_json"] for d in data if d["type"] == "content_block_delta")
+    assert json.loads(args) == {"path": "notes.txt"}
+    assert kinds[-1] == "message_stop"
+
+
 def test_count_tokens_is_the_prompt_a_message_would_send(serve):
     s = serve(["ok"])
     c = s.client()

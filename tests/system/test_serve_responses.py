@@ -205,6 +205,32 @@ def test_function_call_round_trip_whole_and_streamed(scripted):
     assert events[-1].type == "response.completed"
 
 
+def test_keepalive_events_while_a_call_is_written_and_the_sdk_reads_through_them(
+    tmp_path, tiny_tokenizer
+):
+    """A call written slowly (a token every 20 ms, held back until it parses) gets
+    ``keepalive`` events, data-bearing ones (an SSE comment does not reset Codex's idle
+    timer), numbered in sequence; the SDK's stream helper reads through them to the call."""
+    fake = FakeEngine(
+        tokenizer=tiny_tokenizer, replies=[CALL_TEXT], token_delay_s=0.02, batch_size=1
+    )
+    served = Served(fake, tmp_path, sampling=SamplingParams(max_tokens=200), keepalive_s=0.1)
+    try:
+        question = [{"role": "user", "content": "What is in notes.txt?"}]
+        events, final = stream_events(served, input=question, tools=[EXEC])
+    finally:
+        served.close()
+    check_sequence(events)
+    kinds = [e.type for e in events]
+    first_call = kinds.index("response.output_item.added")
+    # the call's tokens take ~1.5 s here: keep-alives come while it is held back
+    assert kinds[2:first_call].count("keepalive") >= 3, kinds
+    assert set(kinds[2:first_call]) == {"keepalive"}, kinds
+    (call,) = final.output
+    assert call.type == "function_call" and json.loads(call.arguments) == {"cmd": "cat notes.txt"}
+    assert kinds[-1] == "response.completed"
+
+
 def test_same_conversation_as_responses_and_chat_gives_the_same_prompt(scripted):
     items = [
         {"role": "developer", "content": "Use tools."},

@@ -236,6 +236,37 @@ def test_streams_send_keep_alives_while_waiting():
         engine.close()
 
 
+def test_keep_alives_while_a_tool_call_is_written(models_dir):
+    """A call written slowly (a token every 20 ms, held back until it parses) gets
+    keep-alive comments while nothing else can be sent; the SDK reads through them to the
+    call."""
+    from tierchat.core.models.tiny import load_tiny_tokenizer, materialize_tiny
+
+    tok = load_tiny_tokenizer(materialize_tiny("qwen2", models_dir))
+    fake = FakeEngine(tokenizer=tok, replies=[CALL, CALL], token_delay_s=0.02, batch_size=1)
+    engine = TrackedEngine(fake, RequestLog())
+    state = ServeState(engine, sampling=SamplingParams(max_tokens=200), keepalive_s=0.1)
+    server = ServerThread(create_app(state)).start()
+    try:
+        body = {"messages": ASK, "tools": [READ], "stream": True}
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            lines = [line for line in r.iter_lines() if line]
+        stream = client(server.url).chat.completions.create(
+            model="m", messages=ASK, tools=[READ], stream=True
+        )
+        calls = [tc for c in stream for tc in c.choices[0].delta.tool_calls or []]
+    finally:
+        server.stop()
+        engine.close()
+    first_call = next(i for i, line in enumerate(lines) if "tool_calls" in line)
+    assert lines[1:first_call].count(": keep-alive") >= 4, lines  # after the role chunk
+    assert set(lines[1:first_call]) == {": keep-alive"}, lines
+    assert lines[-1] == "data: [DONE]"
+    assert calls[0].function.name == "read_file"
+    args = "".join(tc.function.arguments or "" for tc in calls)
+    assert json.loads(args) == {"path": "notes.txt"}
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call(served):
     scripted, _, url = served
     two = CALL + "\n" + CALL.replace("read_file", "list_dir").replace("notes.txt", ".")
